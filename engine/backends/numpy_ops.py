@@ -1,0 +1,114 @@
+"""The engine's operations in NumPy, over the paged KV-cache layout of ``engine.forward_batch``.
+
+Each function here has a CUDA kernel twin in ``cuda_src/`` with the same arguments; the kernel tests
+compare the two. The math is the reference's (``reference.model``); only the cache is paged.
+Arrays compute in their own dtype (float32 or float64); 16-bit inputs are upcast to float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.model import apply_rope, rope_cos_sin, silu
+
+
+def _f(x: np.ndarray) -> np.ndarray:
+    """Compute dtype: float64 stays, everything else computes in float32."""
+    return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
+
+
+def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    # token_ids: (T,) int32, table: (V, D) -> (T, D)
+    return table[token_ids]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D) in x's dtype
+    xf = _f(x)
+    out = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps) * _f(weight)
+    return out.astype(x.dtype, copy=False)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """residual += x; return (rms_norm(residual), residual). x, residual: (T, D)."""
+    residual = (_f(residual) + _f(x)).astype(residual.dtype, copy=False)
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, theta: float):
+    # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,) -> rotated (q, k), rotate-half layout
+    cos, sin = rope_cos_sin(positions, q.shape[-1], theta, _f(q).dtype)
+    q_out = apply_rope(_f(q), cos, sin).astype(q.dtype, copy=False)
+    k_out = apply_rope(_f(k), cos, sin).astype(k.dtype, copy=False)
+    return q_out, k_out
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F)
+    f = gate_up.shape[-1] // 2
+    g = _f(gate_up)
+    return (silu(g[:, :f]) * g[:, f:]).astype(gate_up.dtype, copy=False)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache[slots // block_size, slots % block_size] = k[keep]
+    v_cache[slots // block_size, slots % block_size] = v[keep]
+
+
+def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:
+    """One sequence's first ``length`` rows, read through its page table -> (length, Hkv, hd)."""
+    block_size = cache.shape[1]
+    n_blocks = -(-length // block_size)
+    rows = cache[block_table[:n_blocks]]  # (n_blocks, bs, Hkv, hd)
+    return rows.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q, k, v, q_start, scale):
+    # q: (Tq, H, hd) at positions q_start.., k, v: (S, Hkv, hd) -> (Tq, H, hd), float math
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(_f(k), group, axis=1)
+    v = np.repeat(_f(v), group, axis=1)
+    scores = np.einsum("thd,shd->hts", _f(q), k) * scale  # (H, Tq, S)
+    q_pos = q_start + np.arange(q.shape[0])[:, None]
+    scores = np.where(np.arange(k.shape[0])[None, :] <= q_pos, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("hts,shd->thd", probs, v)
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
+    Query b sits at position context_lens[b]-1 and sees every cached token. -> (B, H, hd)"""
+    out = np.empty(q.shape, dtype=q.dtype)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale)[0]
+    return out
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+    """Causal attention for variable-length query runs over paged K/V (already written).
+    q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
+    context_lens[b] tokens, so earlier tokens may come from the cache (chunked prefill,
+    prefix caching). -> (T, H, hd)"""
+    out = np.empty(q.shape, dtype=q.dtype)
+    for b in range(len(context_lens)):
+        lo, hi, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(context_lens[b])
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        out[lo:hi] = _attend(q[lo:hi], k, v, n - (hi - lo), scale)
+    return out
+
+
+def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:
+    """dst[:, :, d] = src[:, :, s] for each (s, d): whole blocks, every layer, K and V.
+    src, dst: (L, 2, N, bs, Hkv, hd) pools (the same pool for copy-on-write)."""
+    for s, d in pairs:
+        dst[:, :, d] = src[:, :, s]

@@ -1,0 +1,55 @@
+"""The contract between the engine and its backends: one step's flattened batch.
+
+KV-cache layout (every backend, every kernel):
+    kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache[l, 0] is layer l's K cache, kv_cache[l, 1] its V cache, each
+    (num_blocks, block_size, num_kv_heads, head_dim), contiguous.
+    A token's slot is ``block_id * block_size + offset``; its K row lives at
+    k_cache[slot // block_size, slot % block_size]  -> (num_kv_heads, head_dim).
+
+Batch layout: B sequences, T tokens in all, no padding. The first ``num_decodes`` sequences are
+decodes (exactly one query token each); the rest are prefills (one or more query tokens, which may
+start part-way through the sequence when some of its tokens are already cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: np.ndarray  # (T,) int32: the new tokens of every sequence, sequence after sequence
+    positions: np.ndarray  # (T,) int32: each token's position in its sequence
+    slot_mapping: np.ndarray  # (T,) int32: cache slot each token's K/V is written to; <0 = skip
+    block_tables: np.ndarray  # (B, max_blocks) int32: each sequence's page table, padded with -1
+    context_lens: np.ndarray  # (B,) int32: tokens in the cache once this step's are written
+    query_start_loc: np.ndarray  # (B+1,) int32: sequence b's tokens are [qsl[b], qsl[b+1])
+    num_decodes: int  # sequences 0..num_decodes-1 are single-token decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """(B,) the row of each sequence's last token: the only row whose logits are sampled."""
+        return self.query_start_loc[1:] - 1
+
+    def validate(self, num_blocks: int, block_size: int) -> None:
+        """Internal consistency; an assert, since the engine builds these, not the user."""
+        T, B = self.num_tokens, self.num_seqs
+        assert self.positions.shape == (T,) and self.slot_mapping.shape == (T,)
+        assert self.query_start_loc.shape == (B + 1,) and self.query_start_loc[-1] == T
+        q_lens = np.diff(self.query_start_loc)
+        assert np.all(q_lens >= 1) and np.all(q_lens[: self.num_decodes] == 1)
+        assert np.all(self.context_lens >= q_lens)
+        assert self.block_tables.shape[0] == B
+        assert np.all(self.block_tables < num_blocks)
+        assert np.all(self.slot_mapping < num_blocks * block_size)

@@ -1,0 +1,103 @@
+"""The model's configuration: the handful of numbers that fix a LLaMA-architecture network.
+
+Read once from a Hugging Face ``config.json`` (or from GGUF metadata, see ``reference.gguf_file``)
+into one frozen dataclass that every other module takes as given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Hugging Face config.json keys that must be present (no sensible default exists).
+REQUIRED_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int  # dim of the residual stream
+    intermediate_size: int  # hidden dim of the SwiGLU MLP
+    num_hidden_layers: int
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # K/V heads (grouped-query attention when fewer than query heads)
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"  # the checkpoint's dtype as config.json names it
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads that share one K/V head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        """K and V, every layer, for one token: 2 * layers * kv_heads * head_dim * bytes."""
+        nbytes = DTYPE_BYTES[dtype or self.torch_dtype]
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * nbytes
+
+    def kv_bytes_per_block(self, block_size: int = 16, dtype: str | None = None) -> int:
+        return block_size * self.kv_bytes_per_token(dtype)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        missing = [k for k in REQUIRED_HF_FIELDS if k not in d]
+        if missing:
+            raise ValueError(f"config.json: missing required field {missing[0]!r}")
+        if d.get("rope_scaling"):
+            raise ValueError(f"config.json: rope_scaling {d['rope_scaling']!r} is not supported yet")
+        n_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", 10000.0),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))

@@ -1,0 +1,60 @@
+"""Model weights as NumPy arrays, under the project's own names.
+
+``ModelWeights`` is the one shape every loader produces (safetensors, GGUF) and every forward consumes
+(the reference, the engine's backends). Matrices keep Hugging Face's (out_features, in_features)
+orientation, so a linear layer is ``x @ w.T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray  # (dim,)
+    wq: np.ndarray  # (n_heads * head_dim, dim)
+    wk: np.ndarray  # (n_kv_heads * head_dim, dim)
+    wv: np.ndarray  # (n_kv_heads * head_dim, dim)
+    wo: np.ndarray  # (dim, n_heads * head_dim)
+    mlp_norm: np.ndarray  # (dim,)
+    w_gate: np.ndarray  # (ffn_dim, dim)
+    w_up: np.ndarray  # (ffn_dim, dim)
+    w_down: np.ndarray  # (dim, ffn_dim)
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray  # (vocab, dim)
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # (dim,)
+    lm_head: np.ndarray  # (vocab, dim); the same array as embed when embeddings are tied
+
+    def arrays(self):
+        """Every array once, with its internal name (for byte counts and dtype casts)."""
+        yield "embed", self.embed
+        for i, layer in enumerate(self.layers):
+            for f in fields(layer):
+                yield f"layers.{i}.{f.name}", getattr(layer, f.name)
+        yield "final_norm", self.final_norm
+        if self.lm_head is not self.embed:
+            yield "lm_head", self.lm_head
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.arrays())
+
+    def astype(self, dtype) -> ModelWeights:
+        """A copy with every array cast to ``dtype`` (ties preserved)."""
+        embed = self.embed.astype(dtype)
+        tied = self.lm_head is self.embed
+        return ModelWeights(
+            embed=embed,
+            layers=[
+                LayerWeights(**{f.name: getattr(lw, f.name).astype(dtype) for f in fields(lw)})
+                for lw in self.layers
+            ],
+            final_norm=self.final_norm.astype(dtype),
+            lm_head=embed if tied else self.lm_head.astype(dtype),
+        )

@@ -1,0 +1,9 @@
+import pytest
+
+from tests.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random LLaMA in Hugging Face layout (see tests/tiny_model.py)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
