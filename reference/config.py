@@ -76,7 +76,9 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json: missing required field {missing[0]!r}")
         if d.get("rope_scaling"):
-            raise ValueError(f"config.json: rope_scaling {d['rope_scaling']!r} is not supported yet")
+            raise ValueError(
+                f"config.json: rope_scaling {d['rope_scaling']!r} is not supported yet"
+            )
         n_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

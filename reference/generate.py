@@ -65,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Greedy completion with the NumPy reference transformer.",
     )
     p.add_argument("--model", required=True, help="HF directory, .gguf file, Hub id, or smollm2")
-    p.add_argument("--prompt", required=True, help="prompt text (tokenized with the model's BOS rule)")
+    p.add_argument(
+        "--prompt", required=True, help="prompt text (BOS added as the model says)"
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--mode",
@@ -102,7 +104,9 @@ def main(argv=None) -> int:
     res = generate(weights, m.config, prompt_ids, args.max_tokens, args.mode, eos)
     text = m.tokenizer.decode(res.token_ids)
     if args.json:
-        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": res.token_ids, "text": text}))
+        print(
+            json.dumps({"prompt_token_ids": prompt_ids, "token_ids": res.token_ids, "text": text})
+        )
         return 0
     print(args.prompt + text)
     steps = res.step_times

@@ -1,8 +1,8 @@
 """Model weights as NumPy arrays, under the project's own names.
 
-``ModelWeights`` is the one shape every loader produces (safetensors, GGUF) and every forward consumes
-(the reference, the engine's backends). Matrices keep Hugging Face's (out_features, in_features)
-orientation, so a linear layer is ``x @ w.T``.
+``ModelWeights`` is the one shape every loader produces (safetensors, GGUF) and every forward
+consumes (the reference, the engine's backends). Matrices keep Hugging Face's
+(out_features, in_features) orientation, so a linear layer is ``x @ w.T``.
 """
 
 from __future__ import annotations

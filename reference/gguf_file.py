@@ -1,0 +1,146 @@
+"""GGUF files (llama.cpp's format) -> config, metadata and float32 tensors.
+
+Three things differ from a Hugging Face checkpoint:
+  * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
+  * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here, and
+    GGUF lists a tensor's dims fastest-first, the reverse of a NumPy shape;
+  * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
+    (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
+    rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from .config import ModelConfig
+from .hf_weights import weights_from_tensors
+from .weights import ModelWeights
+
+# ModelWeights field -> GGUF tensor name.
+GGUF_GLOBAL_NAMES = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+
+# LayerWeights field -> GGUF tensor name ({i} is the layer index).
+GGUF_LAYER_NAMES = {
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
+}
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass
+class GGUFFile:
+    config: ModelConfig
+    metadata: dict[str, Any]  # every key/value pair (arrays as lists), tokenizer.* included
+    tensors: dict[str, np.ndarray]  # GGUF name -> float32 array in NumPy (HF) orientation
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Key -> Python value (str, int, float, bool, or a list of them)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _require(md: dict[str, Any], key: str):
+    if key not in md:
+        raise ValueError(f"gguf: missing required metadata key {key!r}")
+    return md[key]
+
+
+def config_from_metadata(md: dict[str, Any], tied: bool) -> ModelConfig:
+    """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``."""
+    arch = _require(md, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"gguf: general.architecture {arch!r} is not supported (only llama)")
+    n_heads = int(_require(md, f"{arch}.attention.head_count"))
+    dim = int(_require(md, f"{arch}.embedding_length"))
+    head_dim = int(md.get(f"{arch}.attention.key_length", dim // n_heads))
+    rope_dims = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(
+            f"gguf: partial rotary ({arch}.rope.dimension_count={rope_dims}) unsupported"
+        )
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported yet")
+    vocab = md.get(f"{arch}.vocab_size") or len(_require(md, "tokenizer.ggml.tokens"))
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=dim,
+        intermediate_size=int(_require(md, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_require(md, f"{arch}.block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(md.get(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(md.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=tied,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        torch_dtype="float32",  # dequantized
+    )
+
+
+def dequantize_tensor(t: gguf.ReaderTensor) -> np.ndarray:
+    """One tensor as a writable float32 array; GGUF dims (fastest first) reversed to NumPy's."""
+    shape = tuple(int(n) for n in reversed(t.shape))  # e.g. [dim, vocab] -> (vocab, dim)
+    flat = gguf.quants.dequantize(t.data, t.tensor_type)
+    if flat.size != int(np.prod(shape)):
+        raise ValueError(f"gguf: tensor {t.name!r} holds {flat.size} values, dims say {shape}")
+    return np.require(flat.reshape(shape), np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order, per head: interleaved pairs -> rotate-half halves.
+
+    w: (n_heads * hd, dim). In the file, head h's rows are ordered (j, half) with half in {0, 1}
+    varying fastest; Hugging Face orders them (half, j).
+    """
+    rows, dim = w.shape
+    hd = rows // n_heads
+    w = w.reshape(n_heads, hd // 2, 2, dim)  # (H, hd/2, 2, dim): as stored
+    return w.swapaxes(1, 2).reshape(rows, dim)  # (H, 2, hd/2, dim) -> (H * hd, dim)
+
+
+def _restore_qk(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    for i in range(cfg.num_hidden_layers):
+        for name, n_heads in (
+            (f"blk.{i}.attn_q.weight", cfg.num_attention_heads),
+            (f"blk.{i}.attn_k.weight", cfg.num_key_value_heads),
+        ):
+            w = tensors.get(name)  # (n_heads * hd, dim); a missing or misshapen one is reported
+            if w is not None and w.ndim == 2 and w.shape[0] == n_heads * cfg.head_dim:
+                tensors[name] = unpermute_qk(w, n_heads)
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Config, metadata and every tensor (dequantized, Q/K rows in HF order) of a .gguf file."""
+    reader = gguf.GGUFReader(str(path))
+    md = read_metadata(reader)
+    tensors = {t.name: dequantize_tensor(t) for t in reader.tensors}
+    cfg = config_from_metadata(md, tied=GGUF_GLOBAL_NAMES["lm_head"] not in tensors)
+    _restore_qk(tensors, cfg)
+    return GGUFFile(config=cfg, metadata=md, tensors=tensors)
+
+
+def gguf_weights(gf: GGUFFile) -> ModelWeights:
+    """ModelWeights from a read GGUF file, through the GGUF name table (shapes checked)."""
+    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES)

@@ -1,0 +1,137 @@
+"""Hugging Face safetensors checkpoints -> ``ModelWeights``, through one explicit name table.
+
+A checkpoint is one ``model.safetensors`` or several shards listed in
+``model.safetensors.index.json``. Arrays keep the checkpoint's dtype (bfloat16 arrives as
+``ml_dtypes.bfloat16``); every tensor is checked against the shape the config implies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
+import numpy as np
+from safetensors.numpy import load_file
+
+from .config import ModelConfig
+from .weights import LayerWeights, ModelWeights
+
+# ModelWeights field -> Hugging Face tensor name.
+HF_GLOBAL_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+# LayerWeights field -> Hugging Face tensor name ({i} is the layer index).
+HF_LAYER_NAMES = {
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+# Buffers some checkpoints carry that the forward recomputes instead.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every ModelWeights / LayerWeights field implied by the config."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    return {
+        "embed": (v, d),
+        "final_norm": (d,),
+        "lm_head": (v, d),
+        "attn_norm": (d,),
+        "wq": (cfg.q_dim, d),
+        "wk": (cfg.kv_dim, d),
+        "wv": (cfg.kv_dim, d),
+        "wo": (d, cfg.q_dim),
+        "mlp_norm": (d,),
+        "w_gate": (f, d),
+        "w_up": (f, d),
+        "w_down": (d, f),
+    }
+
+
+def _take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, used: set) -> np.ndarray:
+    """The tensor ``name``, checked against ``shape``; records it as used."""
+    if name not in tensors:
+        raise ValueError(f"checkpoint: missing tensor {name!r} (expected shape {shape})")
+    arr = tensors[name]
+    if tuple(arr.shape) != shape:
+        raise ValueError(
+            f"checkpoint: tensor {name!r} has shape {tuple(arr.shape)}, config implies {shape}"
+        )
+    used.add(name)
+    return arr
+
+
+def weights_from_tensors(
+    tensors: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    global_names: Mapping[str, str] = HF_GLOBAL_NAMES,
+    layer_names: Mapping[str, str] = HF_LAYER_NAMES,
+) -> ModelWeights:
+    """Assemble ModelWeights from named tensors through a name table (HF's by default).
+
+    Every tensor is shape-checked; with tied embeddings ``lm_head`` is the embedding array itself.
+    A tensor the table does not know is an error: the forward would silently ignore it.
+    """
+    shapes, used = expected_shapes(cfg), set()
+    embed = _take(tensors, global_names["embed"], shapes["embed"], used)
+    layers = [
+        LayerWeights(
+            **{
+                field: _take(tensors, name.format(i=i), shapes[field], used)
+                for field, name in layer_names.items()
+            }
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+    final_norm = _take(tensors, global_names["final_norm"], shapes["final_norm"], used)
+    if cfg.tie_word_embeddings:
+        used.add(global_names["lm_head"])  # a tied checkpoint may still store a copy: unused
+        lm_head = embed
+    else:
+        lm_head = _take(tensors, global_names["lm_head"], shapes["lm_head"], used)
+    extra = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"checkpoint: unexpected tensor {extra[0]!r} ({len(extra)} in all)")
+    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: the shards named by the index, else ``model.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index}: missing field 'weight_map'")
+        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint (all shards), by Hugging Face name, in its stored dtype."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in safetensors_files(Path(model_dir)):
+        if not path.exists():
+            raise ValueError(f"checkpoint: shard {path.name!r} listed in the index is missing")
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
+    """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept)."""
+    return weights_from_tensors(read_safetensors(model_dir), cfg)

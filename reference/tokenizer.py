@@ -1,0 +1,288 @@
+"""Text <-> token ids, chat templates, and streaming (incremental) detokenization.
+
+``Tokenizer`` wraps a ``tokenizers.Tokenizer`` built either from a Hugging Face ``tokenizer.json``
+or, for GGUF files, from the vocabulary and merges in the metadata. BOS is added only when the
+model's own files say so. ``IncrementalDetokenizer`` turns generated ids into text piece by piece.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus what the model's files say about BOS, EOS and chat."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self._template: jinja2.Template | None = None
+
+    # --- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """From ``tokenizer.json`` and, when present, ``tokenizer_config.json`` (BOS/EOS tokens,
+        ``add_bos_token``, chat template) and ``generation_config.json`` / ``config.json`` (EOS)."""
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise ValueError(f"{path}: no tokenizer.json")
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        bos_id = _token_id(backend, tok_cfg.get("bos_token"))
+        if bos_id is None:
+            bos_id = _read_json(path / "config.json").get("bos_token_id")
+        eos = [_token_id(backend, tok_cfg.get("eos_token"))]
+        for name in ("generation_config.json", "config.json"):
+            eos += _as_list(_read_json(path / name).get("eos_token_id"))
+        add_bos = tok_cfg.get("add_bos_token")
+        if add_bos is None:
+            add_bos = _post_processor_adds_bos(backend, bos_id)
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=_unique(eos),
+            add_bos=bool(add_bos),
+            chat_template=_hf_chat_template(path, tok_cfg),
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """From GGUF ``tokenizer.*`` metadata; only byte-level BPE (``gpt2``) for now."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind == "llama":
+            raise ValueError(
+                "gguf: tokenizer.ggml.model 'llama' (SentencePiece) is not supported yet; "
+                "use the model's Hugging Face directory instead"
+            )
+        if kind != "gpt2":
+            raise ValueError(f"gguf: tokenizer.ggml.model {kind!r} is not supported")
+        eos = [
+            metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        ]
+        return cls(
+            _byte_level_bpe_from_gguf(metadata),
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_unique(eos),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    # --- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS first when the model adds one and add_special_tokens.
+
+        Special tokens written in the text ("<|im_start|>") map to their own ids either way.
+        A rendered chat template holds its own specials: encode it with add_special_tokens=False.
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template."""
+        if self.chat_template is None:
+            raise ValueError("tokenizer: the model has no chat_template")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated ids, one token at a time.
+
+    The pieces returned by ``add`` (then ``finish``) concatenate to exactly
+    ``tokenizer.decode(output_ids)``. Each step decodes only a short window: the ids since the last
+    emitted piece plus the ids of that piece (so a decoder that strips a leading space strips it
+    in both decodes and the difference stays right). While the window's text ends in U+FFFD, a
+    multi-byte character is still incomplete and nothing is emitted. Nor while the last id is a
+    byte-fallback token (``<0xNN>``): tokenizers' ByteFallback decoder turns a whole run of them
+    into U+FFFDs when any byte of the run is invalid, so a run's text is final once it ends.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens=True):
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)  # kept for callers; the stream is the output's text
+        self.skip_special_tokens = skip_special_tokens
+        self.output_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self._prefix = 0  # output_ids[_prefix:_read] produced the last emitted piece
+        self._read = 0  # output_ids[_read:] have not been emitted yet
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated id; return the newly completed text ("" while holding back)."""
+        self.output_ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete or invalid UTF-8 tail), at end of stream."""
+        return self._emit(final=True)
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last id the decoder sees (skipped specials aside) is a byte token."""
+        skipped = self.tokenizer.special_token_ids if self.skip_special_tokens else frozenset()
+        last = next((i for i in reversed(self.output_ids) if i not in skipped), None)
+        token = None if last is None else self.tokenizer.id_to_token(last)
+        return token is not None and BYTE_TOKEN.fullmatch(token) is not None
+
+    def _emit(self, final: bool) -> str:
+        before = self._decode(self.output_ids[self._prefix : self._read])
+        window = self._decode(self.output_ids[self._prefix :])
+        pending = window.endswith(REPLACEMENT_CHAR) or self._in_byte_run()
+        if len(window) <= len(before) or (pending and not final):
+            return ""
+        piece = window[len(before) :]
+        self._prefix, self._read = self._read, len(self.output_ids)
+        self.text += piece
+        return piece
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _as_list(value) -> list:
+    return [] if value is None else (list(value) if isinstance(value, list) else [value])
+
+
+def _unique(ids) -> list[int]:
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _token_id(backend: HFTokenizer, token) -> int | None:
+    """Id of a tokenizer_config token entry (a string, or a dict with "content")."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
+
+
+def _post_processor_adds_bos(backend: HFTokenizer, bos_id: int | None) -> bool:
+    """Whether tokenizer.json's post-processor puts BOS in front (e.g. a TemplateProcessing)."""
+    if bos_id is None:
+        return False
+    with_special = backend.encode("a", add_special_tokens=True).ids
+    plain = backend.encode("a", add_special_tokens=False).ids
+    return len(with_special) > len(plain) and with_special[0] == bos_id
+
+
+def _hf_chat_template(path: Path, tok_cfg: dict) -> str | None:
+    """tokenizer_config's chat_template (a string, or named templates: take "default"), else
+    a chat_template.jinja file."""
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    return template
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _jinja_env() -> jinja2.Environment:
+    """A sandboxed environment configured the way transformers renders chat templates."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+# GGUF tokenizer.ggml.pre -> the Hugging Face pre-tokenizer it stands for.
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt-2", "gpt2"):
+        return byte_level
+    if pre == "smollm":  # digits split one by one before the byte-level split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    raise ValueError(f"gguf: tokenizer.ggml.pre {pre!r} is not supported yet (smollm, gpt-2)")
+
+
+def _byte_level_bpe_from_gguf(md: dict[str, Any]) -> HFTokenizer:
+    """The tokenizers.Tokenizer equivalent to a GGUF ``gpt2`` vocabulary."""
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("gguf: missing required metadata key 'tokenizer.ggml.tokens'")
+    merges = [tuple(m.split(" ")) for m in md.get("tokenizer.ggml.merges", [])]
+    bad = next((m for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise ValueError(f"gguf: tokenizer.ggml.merges entry {' '.join(bad)!r} is not 'a b'")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(md.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    _add_gguf_specials(backend, tokens, md.get("tokenizer.ggml.token_type", []))
+    return backend
+
+
+def _add_gguf_specials(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens (type 3) become special tokens, user-defined ones (4) added tokens, so
+    "<|im_start|>" in text is one id and never split by the BPE."""
+    control = [t for t, k in zip(tokens, types, strict=False) if k == GGUF_CONTROL]
+    user = [t for t, k in zip(tokens, types, strict=False) if k == GGUF_USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
