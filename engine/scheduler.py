@@ -1,0 +1,297 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each ``schedule()`` builds one step: first one decode token for every running sequence (decode
+priority; a sequence that needs a block and finds none preempts the most recently arrived running
+sequence), then swapped-out sequences come back, then waiting prompts are admitted first come,
+first served while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` records what
+the step computed and appends each sampled token. Finished sequences give their blocks back at
+once, so waiting prompts join the very next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("engine.scheduler")
+
+
+def _arrival_key(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)
+
+
+@dataclass
+class SchedulerOutput:
+    # (seq, num_new_tokens): the first num_decodes are decodes (1 token each), then prefills
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_decodes: int = 0
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), second
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing to copy: the step can be skipped."""
+        return not (
+            self.scheduled
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+        )
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class _StepBuilder:
+    """One step under construction: the token budget left and what is scheduled so far."""
+
+    budget: int
+    decodes: list[tuple[Sequence, int]] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int, is_decode: bool) -> None:
+        (self.decodes if is_decode else self.prefills).append((seq, n))
+        self.budget -= n
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        if not config.is_resolved:
+            raise ValueError("Scheduler: config must be resolved first (EngineConfig.resolve)")
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()  # FCFS; recompute-preempted seqs at the front
+        self.running: list[Sequence] = []  # oldest arrival first
+        self.swapped: list[Sequence] = []  # oldest arrival first
+        self.num_preemptions = 0
+        self._rejected: list[tuple[Sequence, str]] = []
+
+    # -- queues ---------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def live_seqs(self) -> list[Sequence]:
+        return list(self.running) + list(self.swapped) + list(self.waiting)
+
+    def take_rejected(self) -> list[tuple[Sequence, str]]:
+        """Sequences finished because they can never run, with a one-line reason; clears them."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq FINISHED and put its blocks back on the free queue now."""
+        if seq.is_finished:
+            return
+        queue = {
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.SWAPPED: self.swapped,
+        }[seq.status]
+        if seq in queue:
+            queue.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of request_id, wherever it is; False if none was live."""
+        seqs = [s for s in self.live_seqs() if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return bool(seqs)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step, out)
+        if not out.preempted:  # no room was found for running seqs: admit nobody new
+            self._schedule_swapped(step, out)
+            if not self.swapped:
+                self._schedule_waiting(step)
+        out.scheduled = step.decodes + step.prefills
+        out.num_decodes = len(step.decodes)
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """After the forward: count the computed tokens; append each sampled token that is due.
+
+        A sequence takes its sampled token only once all its tokens are computed (a chunk of a
+        prefill samples nothing). Returns the sequences that got a new token.
+        """
+        grown = []
+        for seq, n in output.scheduled:
+            if seq.status != SequenceStatus.RUNNING:  # finished or aborted since schedule()
+                continue
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
+            if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
+                seq.append_token(sampled[seq.seq_id])
+                grown.append(seq)
+        return grown
+
+    def _schedule_running(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+        """One decode token (or the next prefill chunk) per running seq, oldest first.
+
+        NOTE: admission is strictly FCFS, so a seq still mid-prefill (chunked) is always the
+        newest running one: every decode is scheduled before it takes the rest of the budget.
+        """
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            is_decode = seq.num_uncomputed_tokens == 1
+            if self._reject_if_hopeless(seq):
+                continue
+            n = self._chunk(seq, step.budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]  # the most recently arrived running seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.block_manager.allocate(seq, n)
+            step.add(seq, n, is_decode)
+            i += 1
+
+    def _schedule_swapped(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+        """Swap preempted seqs back in, oldest first, before any new prefill."""
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if self._reject_if_hopeless(seq):
+                continue
+            n = self._chunk(seq, step.budget)
+            if n == 0 or not self.block_manager.can_swap_in(seq, n):
+                return
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq))
+            self.block_manager.allocate(seq, n)
+            self._start_running(seq)
+            step.add(seq, n, is_decode=seq.num_uncomputed_tokens == 1)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Admit waiting prompts first come, first served, while they fit."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._reject_if_hopeless(seq):
+                continue
+            n = self._chunk(seq, step.budget)
+            if n == 0 or not self.block_manager.can_allocate(seq, n):
+                return
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, n)
+            self._start_running(seq)
+            step.add(seq, n, is_decode=False)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to run now: all uncomputed ones, or (chunked prefill) what the budget
+        allows; 0 when it has to wait for a later step."""
+        n = seq.num_uncomputed_tokens
+        if n <= budget:
+            return n
+        return max(budget, 0) if self.config.enable_chunked_prefill else 0
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_arrival_key)
+
+    def _hopeless_reason(self, seq: Sequence) -> str | None:
+        """Why seq can never run in this engine, or None."""
+        max_len = self.config.max_model_len
+        if seq.num_tokens > max_len:
+            return f"{seq.num_tokens} tokens exceed max_model_len={max_len}"
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and seq.num_uncomputed_tokens > budget:
+            return f"{seq.num_uncomputed_tokens} tokens exceed max_num_batched_tokens={budget}"
+        need = self.block_manager.blocks_for_tokens(seq.num_tokens)
+        if need > self.block_manager.num_blocks:
+            return (
+                f"{seq.num_tokens} tokens need {need} KV blocks but the pool has only "
+                f"{self.block_manager.num_blocks} (block_size={self.block_manager.block_size})"
+            )
+        return None
+
+    def _reject_if_hopeless(self, seq: Sequence) -> bool:
+        reason = self._hopeless_reason(seq)
+        if reason is None:
+            return False
+        # A prompt that is too long is an error; a sequence that grew too long simply ends.
+        grew_too_long = seq.num_output_tokens and seq.num_tokens > self.config.max_model_len
+        finish_reason = "length" if grew_too_long else "abort"
+        message = f"request {seq.request_id!r} rejected: {reason}"
+        logger.warning(message)
+        self.finish(seq, finish_reason)
+        self._rejected.append((seq, message))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take seq off the running queue to free its blocks: swap it out or drop its cache."""
+        bm = self.block_manager
+        self.running.remove(seq)
+        num_blocks = len(seq.block_table)
+        mode = self.config.preemption_mode
+        if mode == "swap" and bm.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(bm.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_arrival_key)
+        else:
+            if mode == "swap":
+                mode = "recompute (no free CPU blocks for swap)"
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+        logger.warning(
+            "request %r (seq %d) preempted by %s: not enough KV cache blocks; %d blocks released, "
+            "%d free, %d running, %d swapped; total preemptions %d",
+            seq.request_id,
+            seq.seq_id,
+            mode,
+            num_blocks,
+            bm.num_free_blocks,
+            len(self.running),
+            len(self.swapped),
+            self.num_preemptions,
+        )
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Block invariants over every live seq, plus queue/status agreement (AssertionError)."""
+        self.block_manager.check_invariants(self.live_seqs())
+        for queue, status in (
+            (self.running, SequenceStatus.RUNNING),
+            (self.waiting, SequenceStatus.WAITING),
+            (self.swapped, SequenceStatus.SWAPPED),
+        ):
+            for seq in queue:
+                if seq.status != status:
+                    raise AssertionError(f"{seq} is in the {status.name} queue")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
+        if self.running != sorted(self.running, key=_arrival_key):
+            raise AssertionError("running queue is not in arrival order")

@@ -1,0 +1,85 @@
+"""One sequence: its token ids, status, page table and how many of its tokens are cached."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # in the waiting queue: nothing (or nothing any more) in the cache
+    RUNNING = enum.auto()  # owns GPU blocks, scheduled every step
+    SWAPPED = enum.auto()  # preempted by swap: its blocks live in the CPU pool
+    FINISHED = enum.auto()  # stopped, aborted or rejected; owns no blocks
+
+
+class Sequence:
+    """A prompt and its growing output, with the bookkeeping the scheduler and block manager need.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the tokens still to run
+    through the model are ``token_ids[num_computed_tokens:]`` (the whole prompt at arrival, one
+    token while decoding, prompt + output again after a recompute preemption).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []  # GPU block ids, in token order
+        self.cpu_block_table: list[int] = []  # CPU block ids while SWAPPED
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table})"
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens not yet in the cache: what the next prefill (or decode) has to run."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))

@@ -1,0 +1,171 @@
+"""Random workloads (hypothesis) driving the scheduler with a fake paged "model".
+
+The fake model keeps a real paged cache of token ids: (num_blocks, block_size) for the GPU pool and
+(num_cpu_blocks, block_size) for the CPU pool. Every step it runs the swaps, writes each scheduled
+token into its slot through the seq's block table, reads the whole context back through the table,
+and checks it equals the seq's true token ids: any block shared, reused too early, swapped to the
+wrong place or lost shows up as a wrong context. The sampled token is a hash of the context, so it
+is the same whatever else is in the batch, and after a recompute preemption.
+"""
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+
+MAX_MODEL_LEN = 48
+
+
+def next_token(context: list[int]) -> int:
+    """A deterministic "model": the next token depends only on the context."""
+    return (sum((i + 1) * t for i, t in enumerate(context)) * 2654435761 + len(context)) % 1000
+
+
+class FakePagedModel:
+    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int):
+        self.bs = block_size
+        self.gpu = np.full((num_blocks, block_size), -1, dtype=np.int64)  # (N, bs) token ids
+        self.cpu = np.full((max(num_cpu_blocks, 1), block_size), -1, dtype=np.int64)  # (M, bs)
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = self.gpu[gpu]
+            self.gpu[gpu] = -1  # a freed block's old contents must never be read again
+        for cpu, gpu in out.blocks_to_swap_in:
+            self.gpu[gpu] = self.cpu[cpu]
+            self.cpu[cpu] = -1
+        return {seq.seq_id: self._run(seq, n) for seq, n in out.scheduled}
+
+    def _run(self, seq: Sequence, n: int) -> int:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        table = np.asarray(seq.block_table)  # (blocks,)
+        pos = np.arange(end)  # (end,)
+        tokens = np.asarray(seq.token_ids[:end])  # (end,)
+        self.gpu[table[pos[start:] // self.bs], pos[start:] % self.bs] = tokens[start:]
+        context = self.gpu[table[pos // self.bs], pos % self.bs]  # (end,) read through the table
+        assert np.array_equal(context, tokens), f"{seq}: cache holds {context} not {tokens}"
+        return next_token(context.tolist())
+
+
+@dataclass
+class Req:
+    arrival_step: int
+    prompt_len: int
+    max_tokens: int
+    abort_step: int | None
+
+
+requests = st.lists(
+    st.builds(
+        Req,
+        arrival_step=st.integers(0, 12),
+        prompt_len=st.integers(1, 52),
+        max_tokens=st.integers(1, 24),
+        abort_step=st.none() | st.integers(0, 40),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@st.composite
+def engines(draw):
+    chunked = draw(st.booleans())
+    max_num_seqs = draw(st.integers(1, 6))
+    budget = draw(st.integers(max_num_seqs, 64)) if chunked else MAX_MODEL_LEN
+    config = EngineConfig(
+        block_size=draw(st.sampled_from([1, 2, 4, 8])),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_MODEL_LEN,
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        enable_chunked_prefill=chunked,
+    )
+    tokens_in_pool = draw(st.integers(8, 3 * MAX_MODEL_LEN))  # below one max-length seq, often
+    num_blocks = max(2, tokens_in_pool // config.block_size)
+    num_cpu_blocks = draw(st.integers(0, 12))
+    return config, num_blocks, num_cpu_blocks
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
+    """What one step may schedule: decodes first, within the limits, with room in the tables."""
+    cfg, bm = sched.config, sched.block_manager
+    assert all(n == 1 for _, n in out.scheduled[: out.num_decodes])
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    assert len({seq.seq_id for seq, _ in out.scheduled}) == len(out.scheduled)
+    for seq, n in out.scheduled:
+        assert seq.status == SequenceStatus.RUNNING and n >= 1
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n
+        assert cfg.enable_chunked_prefill or seq.num_computed_tokens + n == seq.num_tokens
+
+
+def run_workload(config, num_blocks, num_cpu_blocks, reqs, seed):
+    bm = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
+    sched = Scheduler(config, bm)
+    model = FakePagedModel(num_blocks, num_cpu_blocks, config.block_size)
+    rng = random.Random(seed)
+    seqs = [
+        Sequence(
+            f"r{i}",
+            [rng.randrange(1000) for _ in range(r.prompt_len)],
+            SamplingParams(max_tokens=r.max_tokens),
+            arrival_time=float(i),
+        )
+        for i, r in enumerate(reqs)
+    ]
+    rejected = {}
+    bound = 12 + 4 * sum(r.prompt_len + r.max_tokens for r in reqs) * (1 + len(reqs))
+    for step in range(bound):
+        for seq, r in zip(seqs, reqs, strict=True):
+            if r.arrival_step == step:
+                sched.add(seq)
+            if r.abort_step == step and r.arrival_step <= step:
+                sched.abort(seq.request_id)
+        if step > max(r.arrival_step for r in reqs) and not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check_output(sched, out)
+        sched.check_invariants()
+        for seq in sched.update(out, model.execute(out)):
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= MAX_MODEL_LEN:
+                sched.finish(seq, "length")
+        rejected.update({seq.seq_id: reason for seq, reason in sched.take_rejected()})
+        sched.check_invariants()
+    else:
+        raise AssertionError(f"workload did not finish in {bound} steps")
+    return sched, seqs, rejected
+
+
+def check_outcome(sched, seqs, reqs, rejected):
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+    for seq, r in zip(seqs, reqs, strict=True):
+        assert seq.is_finished and seq.block_table == [] and seq.cpu_block_table == []
+        context = list(seq.prompt_token_ids)
+        for token in seq.output_token_ids:  # the same tokens however the seq was batched
+            assert token == next_token(context)
+            context.append(token)
+        if seq.seq_id in rejected:
+            too_long = seq.num_tokens > MAX_MODEL_LEN
+            assert too_long or bm.blocks_for_tokens(seq.num_tokens) > bm.num_blocks
+        elif seq.finish_reason == "length":
+            assert seq.num_output_tokens == r.max_tokens or seq.num_tokens >= MAX_MODEL_LEN
+        else:
+            assert seq.finish_reason == "abort" and r.abort_step is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(engine=engines(), reqs=requests, seed=st.integers(0, 2**16))
+def test_random_workloads_keep_invariants_and_finish(engine, reqs, seed):
+    config, num_blocks, num_cpu_blocks = engine
+    sched, seqs, rejected = run_workload(config, num_blocks, num_cpu_blocks, reqs, seed)
+    check_outcome(sched, seqs, reqs, rejected)
