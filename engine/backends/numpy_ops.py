@@ -93,7 +93,9 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+def paged_attention_prefill(
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+):
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
     context_lens[b] tokens, so earlier tokens may come from the cache (chunked prefill,

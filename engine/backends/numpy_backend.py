@@ -1,0 +1,184 @@
+"""The model forward over the paged KV cache, on the host with NumPy.
+
+Weights are re-arranged once for speed: every matrix pre-transposed to (in, out) and contiguous,
+Q/K/V fused into one matrix and gate/up into another, so a layer is four matrix products. Everything
+that is not a matrix product goes through ``self.ops`` (``fast_ops`` by default; ``numpy_ops`` or
+``cuda_cpu_ops`` have the same functions), so another ops module swaps the math underneath.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.config import ModelConfig
+from reference.weights import ModelWeights
+
+from ..forward_batch import ForwardBatch
+from . import fast_ops
+
+log = logging.getLogger("engine.backend")
+
+F32 = np.dtype(np.float32)
+
+
+def kv_dtype_name(dtype: str) -> str:
+    """The KV cache's dtype on the NumPy backend: float32 unless a 16-bit dtype is asked for."""
+    return "float32" if dtype == "auto" else dtype
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@dataclass
+class PackedLayer:
+    attn_norm: np.ndarray  # (D,)
+    w_qkv: np.ndarray  # (D, H*hd + 2*Hkv*hd): q | k | v columns
+    w_o: np.ndarray  # (H*hd, D)
+    mlp_norm: np.ndarray  # (D,)
+    w_gate_up: np.ndarray  # (D, 2F): gate | up columns
+    w_down: np.ndarray  # (F, D)
+
+
+def _t(*mats: np.ndarray) -> np.ndarray:
+    """Stack (out, in) matrices along out and transpose: a contiguous float32 (in, sum(out))."""
+    return np.ascontiguousarray(np.concatenate(mats, axis=0).T, dtype=F32)
+
+
+def pack_weights(w: ModelWeights, round_to: np.dtype) -> tuple[list[PackedLayer], dict]:
+    """Fused, transposed float32 weights (values first rounded through ``round_to``)."""
+    if round_to != F32:
+        w = w.astype(round_to)
+    layers = [
+        PackedLayer(
+            attn_norm=lw.attn_norm.astype(F32),
+            w_qkv=_t(lw.wq, lw.wk, lw.wv),
+            w_o=_t(lw.wo),
+            mlp_norm=lw.mlp_norm.astype(F32),
+            w_gate_up=_t(lw.w_gate, lw.w_up),
+            w_down=_t(lw.w_down),
+        )
+        for lw in w.layers
+    ]
+    rest = dict(
+        embed=np.ascontiguousarray(w.embed, dtype=F32),  # (V, D)
+        final_norm=w.final_norm.astype(F32),  # (D,)
+        lm_head=_t(w.lm_head),  # (D, V)
+    )
+    return layers, rest
+
+
+class NumpyBackend:
+    """Paged-attention forward in NumPy. ``kv_cache``: (L, 2, N, bs, Hkv, hd)."""
+
+    name = "numpy"
+
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config, ops=None):
+        self.cfg = model_config
+        self.ops = ops if ops is not None else fast_ops
+        self.block_size = engine_config.block_size
+        self.kv_dtype = kv_dtype_name(engine_config.dtype)
+        self.np_kv_dtype = numpy_dtype(self.kv_dtype)
+        self.layers, rest = pack_weights(weights, self.np_kv_dtype)
+        self.embed, self.final_norm, self.lm_head = (
+            rest["embed"],
+            rest["final_norm"],
+            rest["lm_head"],
+        )
+        self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
+        self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
+        self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
+
+    # ---- memory accounting ----
+    @property
+    def weights_bytes(self) -> int:
+        arrays = [self.embed, self.final_norm, self.lm_head]
+        arrays += [a for lw in self.layers for a in vars(lw).values()]
+        return sum(a.nbytes for a in arrays)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
+
+    def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
+        """Activation peak of a forward over ``num_tokens`` tokens in ``num_seqs`` sequences, the
+        longest ``max_seq_len`` tokens (an analytic count; tests check it against tracemalloc)."""
+        c = self.cfg
+        t, s = num_tokens, min(max_seq_len, num_tokens)
+        qkv = c.q_dim + 2 * c.kv_dim
+        per_token = 3 * c.hidden_size + 2 * qkv + 2 * c.q_dim + 4 * c.intermediate_size
+        seq_kv = 4 * s * c.kv_dim  # one sequence's gathered K and V (+ transposed copies)
+        rows = min(s, fast_ops.QUERY_CHUNK)
+        scores = 3 * c.num_attention_heads * rows * s  # scores, mask, probs
+        logits = 2 * min(num_seqs, t) * c.vocab_size
+        return 4 * (t * per_token + seq_kv + scores + logits)
+
+    # ---- cache ----
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        c = self.cfg
+        shape = (c.num_hidden_layers, 2, 0, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = np.zeros(shape[:2] + (num_blocks,) + shape[3:], self.np_kv_dtype)
+        self.cpu_cache = np.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], self.np_kv_dtype)
+
+    def swap_out(self, pairs) -> None:
+        """GPU-pool block -> CPU-pool block, for each (gpu, cpu)."""
+        for g, c in pairs:
+            self.cpu_cache[:, :, c] = self.kv_cache[:, :, g]
+
+    def swap_in(self, pairs) -> None:
+        """CPU-pool block -> GPU-pool block, for each (cpu, gpu)."""
+        for c, g in pairs:
+            self.kv_cache[:, :, g] = self.cpu_cache[:, :, c]
+
+    def copy_blocks(self, pairs) -> None:
+        if pairs:
+            self.ops.copy_blocks(self.kv_cache, self.kv_cache, pairs)
+
+    # ---- forward ----
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """One step over the flattened batch -> (B, V) float32 logits, one row per sequence."""
+        ops, c = self.ops, self.cfg
+        x = ops.embedding(batch.token_ids, self.embed)  # (T, D)
+        residual = None
+        for layer, lw in enumerate(self.layers):
+            if residual is None:
+                residual, h = x, ops.rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # (T, D)
+            else:
+                h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
+            x = self._attention(h, lw, layer, batch)  # (T, D)
+            h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
+            x = ops.silu_and_mul(h @ lw.w_gate_up) @ lw.w_down  # (T, 2F) -> (T, F) -> (T, D)
+        rows = batch.logits_indices  # (B,): only each sequence's last token is sampled
+        h, _ = ops.fused_add_rms_norm(x[rows], residual[rows], self.final_norm, c.rms_norm_eps)
+        return h @ self.lm_head  # (B, V)
+
+    def _attention(self, h: np.ndarray, lw: PackedLayer, layer: int, b: ForwardBatch):
+        # h: (T, D) normalized -> (T, D)
+        c, ops, n = self.cfg, self.ops, h.shape[0]
+        qkv = h @ lw.w_qkv  # (T, H*hd + 2*Hkv*hd)
+        q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
+        k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
+        v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
+        q, k = ops.rotary(q, k, b.positions, c.rope_theta)
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
+        out = np.empty_like(q)  # (T, H, hd)
+        nd = b.num_decodes
+        if nd:  # decodes: rows 0..nd-1, one per sequence
+            out[:nd] = ops.paged_attention_decode(
+                q[:nd], k_cache, v_cache, b.block_tables[:nd], b.context_lens[:nd], self.scale
+            )
+        if nd < b.num_seqs:  # prefills: the remaining rows
+            qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
+            out[b.query_start_loc[nd] :] = ops.paged_attention_prefill(
+                q[b.query_start_loc[nd] :], k_cache, v_cache, b.block_tables[nd:], qsl,
+                b.context_lens[nd:], self.scale,
+            )  # fmt: skip
+        return out.reshape(n, c.q_dim) @ lw.w_o

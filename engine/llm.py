@@ -1,0 +1,83 @@
+"""``LLM``: the offline batch API. Add every prompt, step the engine until all finish."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=..., **engine_args)``; engine_args are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(model, **engine_args)
+        self._batch = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); outputs come back in input order.
+
+        Every prompt is validated before any runs: a bad one is a ValueError naming its index,
+        and the engine stays usable."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(done) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in ids]
+
+    def _add_all(self, prompts, params) -> list[str]:
+        self._batch += 1
+        ids = [f"{self._batch}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                try:
+                    self.engine.add_request(rid, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+                added.append(rid)
+        except ValueError:
+            for rid in added:  # nothing of this call keeps running
+                self.engine.abort(rid)
+            raise
+        return ids
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, Seq) or isinstance(prompts, bytes):
+        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,88 @@
+"""What the engine hands back per request, shaped like vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() seconds
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    itl: list[float] = field(default_factory=list)  # seconds between successive tokens
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival -> first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def as_dict(self) -> dict:
+        return dict(
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+            ttft=self.ttft,
+            itl=list(self.itl),
+        )
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+    text_delta: str = ""  # text that is new since the previous output of this request
+    step_logits: list[np.ndarray] | None = None  # (V,) per token; only with record_logits
+    error: str | None = None  # why the engine aborted it (e.g. the prompt can never fit)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    # convenience: the first (usually only) completion
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    def as_dict(self) -> dict:
+        """The JSON the CLI prints for one request."""
+        d = dict(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            text=self.text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            metrics=self.metrics.as_dict(),
+        )
+        if len(self.outputs) > 1:
+            d["outputs"] = [
+                dict(text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason)
+                for o in self.outputs
+            ]
+        return d

@@ -1,0 +1,134 @@
+"""Next-token sampling on the host, vectorised over the batch.
+
+Order of operations for one row of logits (V,):
+  1. penalties: repetition (tokens in prompt or output: divide a positive logit, multiply a
+     negative one), frequency (minus ``f * count`` in the output), presence (minus ``p`` once);
+  2. min_tokens: EOS and stop_token_ids are banned until the sequence has ``min_tokens`` outputs;
+  3. greedy rows (temperature 0): argmax, done;
+  4. otherwise probs = softmax(logits / temperature), then min_p (drop p < min_p * max p), top_k
+     (keep the k most likely), top_p (keep the smallest most-likely set whose mass reaches top_p,
+     measured after the earlier filters and renormalised), renormalise;
+  5. draw by inverse CDF with ONE uniform from the sequence's own ``numpy.random.Generator``, so a
+     seeded sequence draws the same numbers whatever else shares the batch.
+Logprobs (top-N per token, plus the chosen token) are the model's raw log-softmax, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    # x: (..., V) -> (..., V) float32
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def apply_penalties(row: np.ndarray, p: SamplingParams, prompt_ids, output_ids) -> None:
+    """Penalties in place on one row (V,) of logits."""
+    v = row.shape[0]
+    counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=v)[:v]  # (V,)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[np.asarray(prompt_ids, dtype=np.int64)] = True  # (V,) bool
+        rp = np.float32(p.repetition_penalty)
+        row[seen] = np.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
+    if p.frequency_penalty:
+        row -= np.float32(p.frequency_penalty) * counts
+    if p.presence_penalty:
+        row -= np.float32(p.presence_penalty) * (counts > 0)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def filter_probs(probs: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """min_p, top_k, top_p in place on probs (R, V), then renormalised rows."""
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)  # (R,)
+    if min_p.any():
+        probs[probs < (min_p * probs.max(axis=1))[:, None]] = 0.0
+    for r, p in enumerate(params):
+        if p.top_k > 0 and p.top_k < probs.shape[1]:
+            kth = np.partition(probs[r], -p.top_k)[-p.top_k]
+            probs[r, probs[r] < kth] = 0.0
+    top_p_rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if top_p_rows:
+        sub = probs[top_p_rows]  # (R', V)
+        sub /= sub.sum(axis=1, keepdims=True)
+        order = np.argsort(-sub, axis=1, kind="stable")  # (R', V) most likely first
+        sorted_p = np.take_along_axis(sub, order, axis=1)  # (R', V)
+        mass_before = np.cumsum(sorted_p, axis=1) - sorted_p  # (R', V)
+        top_p = np.array([params[r].top_p for r in top_p_rows], dtype=np.float32)[:, None]
+        drop = np.empty_like(mass_before, dtype=bool)  # (R', V) back in vocab order
+        np.put_along_axis(drop, order, mass_before >= top_p, axis=1)  # the first token stays
+        sub[drop] = 0.0
+        probs[top_p_rows] = sub
+    probs /= probs.sum(axis=1, keepdims=True)
+    return probs
+
+
+def sampling_probs(logits: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """(R, V) processed logits of non-greedy rows -> (R, V) the distribution each row draws from."""
+    temps = np.array([p.temperature for p in params], dtype=np.float32)[:, None]  # (R, 1)
+    x = logits / temps
+    x -= x.max(axis=1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=1, keepdims=True)
+    return filter_probs(probs, params)
+
+
+def draw(probs: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
+    """Inverse CDF: one uniform per row from that row's generator. probs (R, V) -> (R,) ids."""
+    cdf = np.cumsum(probs, axis=1)  # (R, V)
+    u = np.array([g.random() for g in generators])[:, None] * cdf[:, -1:]  # (R, 1)
+    ids = (cdf <= u).sum(axis=1)  # first index whose cdf exceeds u
+    return np.minimum(ids, probs.shape[1] - 1)
+
+
+class Sampler:
+    """Picks one token per row; ``sample`` returns (token ids, logprobs dicts or None)."""
+
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def process(self, logits: np.ndarray, seqs) -> np.ndarray:
+        """Steps 1-2: penalties and min_tokens bans on a copy of logits (B, V)."""
+        x = np.array(logits, dtype=np.float32)  # (B, V) copy
+        for b, seq in enumerate(seqs):
+            p = seq.params
+            if _has_penalty(p):
+                apply_penalties(x[b], p, seq.prompt_token_ids, seq.output_token_ids)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = [t for t in self.eos_token_ids + p.stop_token_ids if t < x.shape[1]]
+                x[b, banned] = -np.inf
+        return x
+
+    def sample(self, logits: np.ndarray, seqs, generators):
+        """logits (B, V) for seqs[b] (with ``params``, prompt and output ids) -> ((B,) ids, list
+        of {token_id: logprob} or None per row)."""
+        x = self.process(logits, seqs)
+        ids = np.argmax(x, axis=1)  # (B,) greedy for every row; random rows overwrite below
+        rand = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if rand:
+            probs = sampling_probs(x[rand], [seqs[b].params for b in rand])  # (R, V)
+            ids[rand] = draw(probs, [generators[b] for b in rand])
+        return ids.tolist(), self._logprobs(logits, seqs, ids)
+
+    @staticmethod
+    def _logprobs(logits: np.ndarray, seqs, ids: np.ndarray):
+        out = []
+        for b, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            lp = log_softmax(logits[b].astype(np.float32))  # (V,)
+            top = np.argpartition(-lp, min(n, lp.shape[0] - 1))[:n]
+            top = top[np.argsort(-lp[top], kind="stable")]
+            entry = {int(t): float(lp[t]) for t in top}
+            entry[int(ids[b])] = float(lp[ids[b]])
+            out.append(entry)
+        return out

@@ -1,0 +1,110 @@
+"""Bad input: a one-line ValueError from the API (others keep running), exit 2 from the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.generate import main as generate_main
+from reference.loader import load_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir))
+    return LLMEngine(loaded=loaded, model="t", num_gpu_blocks=32, max_model_len=64, swap_space=0)
+
+
+BAD_REQUESTS = [
+    ("", GREEDY, "prompt is empty"),
+    ([], GREEDY, "prompt is empty"),
+    ("hello " * 80, GREEDY, "more than max_model_len=64"),
+    ([5, 999999], GREEDY, "token id 999999"),
+    ("hi", "not params", "params must be a SamplingParams"),
+]
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD_REQUESTS)
+def test_bad_request_fails_alone(engine, prompt, params, message):
+    engine.add_request("good-1", "hi my name is", GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=message) as e:
+        engine.add_request("bad", prompt, params)
+    assert "\n" not in str(e.value)
+    engine.add_request("good-2", "hello there", GREEDY)
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+        engine.check_invariants()
+    assert done == {"good-1", "good-2"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kw,field", BAD_PARAMS)
+def test_bad_sampling_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field) as e:
+        SamplingParams(**kw)
+    assert "\n" not in str(e.value) and repr(next(iter(kw.values()))) in str(e.value)
+
+
+def test_llm_generate_rejects_a_bad_prompt_and_stays_usable(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=32, max_model_len=64, swap_space=0)
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["hello there", "", "hi"], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(["hello there", [5, 6, 7]], GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [12, 12] and outs[1].prompt is None
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_unknown_model_and_engine_values():
+    with pytest.raises(ValueError, match="/no/such/model"):
+        LLM("/no/such/model")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM("/no/such/model", preemption_mode="sometimes")
+    with pytest.raises(ValueError, match="unknown engine argument 'blocksize'"):
+        LLM("/no/such/model", blocksize=16)
+
+
+CLI_CASES = [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "hello " * 80, "--max-model-len", "64"], "max_model_len=64"),
+    (["--preemption-mode", "sometimes"], "invalid choice"),
+    (["--block-size", "x"], "invalid int value"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CLI_CASES)
+def test_cli_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv, message):
+    argv = ["--model", str(tiny_model_dir), "--num-gpu-blocks", "32", "--swap-space", "0"] + argv
+    try:
+        rc = generate_main(argv + ["--no-tqdm"])
+    except SystemExit as e:  # argparse errors exit directly
+        rc = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert rc == 2 and len(err) == 1 and message in err[0]
+
+
+def test_cli_unknown_model_exits_2_in_a_real_process():
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.generate", "--model", "/no/such/model"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "/no/such/model" in r.stderr

@@ -1,0 +1,200 @@
+"""The engine end to end against the reference, the golden data, and its own block invariants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from reference.generate import generate as reference_generate
+from reference.loader import load_model
+
+SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model("smollm2")
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **kw}
+    return LLMEngine(loaded=loaded, model="test", **kw)
+
+
+def run_all(engine: LLMEngine, prompts, params, check=True) -> list:
+    """Add every prompt, step until done (checking invariants each step); outputs in order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if check:
+            engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def reference_tokens(loaded, prompt: str, n: int) -> list[int]:
+    ids = loaded.tokenizer.encode(prompt)
+    return reference_generate(loaded.weights, loaded.config, ids, n).token_ids
+
+
+# ---- greedy equals the reference ----
+
+
+def test_tiny_greedy_equals_reference_batched_and_alone(tiny):
+    engine = make_engine(tiny, record_logits=True)
+    batched = run_all(engine, SEED_PROMPTS, GREEDY)
+    for prompt, out in zip(SEED_PROMPTS, batched, strict=True):
+        ids = tiny.tokenizer.encode(prompt)
+        ref = reference_generate(tiny.weights, tiny.config, ids, GREEDY.max_tokens)
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == ref.token_ids
+        got = np.stack(out.outputs[0].step_logits)  # (steps, V)
+        np.testing.assert_allclose(got, np.stack(ref.logits), atol=1e-4, rtol=1e-4)
+        assert out.text == tiny.tokenizer.decode(out.token_ids)
+        (alone,) = run_all(engine, [prompt], GREEDY)
+        assert alone.token_ids == out.token_ids
+        assert out.finish_reason == "length"
+
+
+def test_smollm2_greedy_equals_reference_golden_and_alone(smol):
+    engine = make_engine(smol, num_gpu_blocks=32, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    batched = run_all(engine, SEED_PROMPTS, params, check=False)
+    golden = (
+        {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]} if GOLDEN.exists() else {}
+    )
+    for prompt, out in zip(SEED_PROMPTS, batched, strict=True):
+        assert out.token_ids == reference_tokens(smol, prompt, 16) + out.token_ids[16:]
+        if prompt in golden:
+            assert out.prompt_token_ids == golden[prompt]["prompt_token_ids"]
+            assert out.token_ids == golden[prompt]["token_ids"]
+    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (alone,) = run_all(engine, [SEED_PROMPTS[1]], short, check=False)
+    assert alone.token_ids == batched[1].token_ids[:12]
+
+
+# ---- preemption and the pool ----
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_small_pool_preempts_and_gives_same_tokens(tiny, mode):
+    prompts = SEED_PROMPTS + ["the quick brown fox", "once upon a time in a land"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    big = run_all(make_engine(tiny), prompts, params)
+    small = make_engine(tiny, num_gpu_blocks=8, max_model_len=64, preemption_mode=mode)
+    outs = run_all(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in big]
+
+
+def test_pool_size_from_memory_budget(tiny):
+    engine = make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=64 << 20)
+    be, cfg = engine.backend, engine.config
+    peak = be.profile_peak_bytes(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs)
+    expect = ((64 << 20) - be.weights_bytes - peak) // be.bytes_per_block
+    assert engine.block_manager.num_blocks == expect
+    c = tiny.config
+    assert (
+        be.bytes_per_block == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * 16
+    )
+    assert be.kv_cache.shape == (c.num_hidden_layers, 2, expect, 16, c.num_key_value_heads, 16)
+
+
+def test_startup_fails_when_one_sequence_cannot_fit(tiny):
+    with pytest.raises(ValueError, match="max_model_len=256 tokens needs 16 blocks"):
+        make_engine(tiny, num_gpu_blocks=15)
+    with pytest.raises(ValueError, match="KV cache too small"):
+        make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=1 << 20)
+
+
+# ---- stops, n, streaming, abort ----
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (full,) = run_all(engine, [SEED_PROMPTS[0]], params)
+    ids = full.token_ids
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    (o,) = run_all(
+        engine, [SEED_PROMPTS[0]], SamplingParams(**{**_greedy(), "stop_token_ids": [stop_id]})
+    )
+    assert o.token_ids == ids[: first + 1] and o.finish_reason == "stop"
+    (o,) = run_all(
+        engine,
+        [SEED_PROMPTS[0]],
+        SamplingParams(**{**_greedy(), "stop_token_ids": [stop_id], "min_tokens": first + 2}),
+    )
+    # the stop id is banned until first + 2 tokens exist: the same path up to it, then another
+    assert o.token_ids[:first] == ids[:first] and stop_id not in o.token_ids[: first + 1]
+    assert len(o.token_ids) > first + 1
+    text = full.text
+    at = next(i for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    stop = text[at : at + 2]
+    (o,) = run_all(engine, [SEED_PROMPTS[0]], SamplingParams(**{**_greedy(), "stop": [stop]}))
+    assert o.finish_reason == "stop" and o.text == text[: text.index(stop)]
+
+
+def _greedy() -> dict:
+    return dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_eos_ends_unless_ignored(tiny):
+    engine = make_engine(tiny)
+    (full,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
+    eos = full.token_ids[3]
+    engine.eos_token_ids = engine.sampler.eos_token_ids = [eos]  # pretend the model's EOS is it
+    (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24))
+    assert o.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+    assert o.finish_reason == "stop"
+    (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
+    assert o.token_ids == full.token_ids and o.finish_reason == "length"
+
+
+def test_n_samples_streaming_and_abort(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
+    (o,) = run_all(engine, [SEED_PROMPTS[0]], params)
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in o.outputs}) == 3  # three different samples
+    pieces = list(engine.stream(SEED_PROMPTS[1], SamplingParams(**_greedy())))
+    (ref,) = run_all(engine, [SEED_PROMPTS[1]], SamplingParams(**_greedy()))
+    assert "".join(pieces) == ref.text and len(pieces) > 1
+    engine.add_request("a", SEED_PROMPTS[0], SamplingParams(**_greedy()))
+    engine.add_request("b", SEED_PROMPTS[1], SamplingParams(**_greedy()))
+    engine.step()
+    engine.step()
+    assert engine.abort("a") and not engine.abort("nope")
+    engine.check_invariants()
+    finished = [o for _ in range(30) for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["b"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_metrics_and_max_model_len(tiny):
+    engine = make_engine(tiny, max_model_len=32, num_gpu_blocks=4)
+    (o,) = run_all(
+        engine, [SEED_PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    )
+    assert len(o.prompt_token_ids) + len(o.token_ids) == 32 and o.finish_reason == "length"
+    m = o.metrics
+    assert m.arrival_time < m.first_token_time <= m.finish_time
+    assert m.ttft == m.first_token_time - m.arrival_time
+    assert len(m.itl) == len(o.token_ids) - 1 and min(m.itl) > 0
