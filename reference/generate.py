@@ -65,9 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Greedy completion with the NumPy reference transformer.",
     )
     p.add_argument("--model", required=True, help="HF directory, .gguf file, Hub id, or smollm2")
-    p.add_argument(
-        "--prompt", required=True, help="prompt text (BOS added as the model says)"
-    )
+    p.add_argument("--prompt", required=True, help="prompt text (BOS added as the model says)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--mode",
