@@ -1,0 +1,148 @@
+// common.cuh: device helpers shared by every kernel in cuda_src/.
+// Built by NVRTC/nvcc for the GPU and by g++ with cpu/cuda_emu.h for the CPU. No <math.h>:
+// NVRTC has none, so no INFINITY either; kNegLarge stands in for minus infinity.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef DYNAMIC_SHARED
+// Dynamic shared memory sized by the launch's shared_mem bytes, viewed as T[].
+#define DYNAMIC_SHARED(T, name)                                  \
+  extern __shared__ __align__(16) unsigned char name##_bytes[]; \
+  T* name = reinterpret_cast<T*>(name##_bytes)
+#endif
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr float kNegLarge = -3.0e38f;  // below every finite logit; exp(kNegLarge - x) == 0
+
+// ---- storage <-> float: 16-bit types are storage only, arithmetic is float32 ----------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// ---- reductions (blockDim.x a multiple of 32, 1-D blocks) ------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m /= 2) v += __shfl_xor_sync(kFullMask, v, m);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, m));
+  return v;
+}
+
+// Sum over the block, returned to every thread. Every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[kWarpSize];  // one per warp
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < int(blockDim.x / kWarpSize) ? partial[lane] : 0.0f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;  // next call's writes come after its first barrier, when all have read this
+}
+
+// Max over the block, returned to every thread. Every thread of the block must call it.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float partial[kWarpSize];
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = warp_max(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < int(blockDim.x / kWarpSize) ? partial[lane] : kNegLarge;
+    s = warp_max(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// The larger (value, index) pair; equal values go to the lower index (numpy's argmax).
+__device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+}
+
+// Argmax over the block of per-thread (value, index) candidates, returned to every thread.
+__device__ __forceinline__ int block_argmax(float v, int i) {
+  __shared__ float best_value[kWarpSize];
+  __shared__ int best_index[kWarpSize];
+  __shared__ int winner;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m /= 2) {
+    argmax_merge(v, i, __shfl_xor_sync(kFullMask, v, m), __shfl_xor_sync(kFullMask, i, m));
+  }
+  if (lane == 0) best_value[warp] = v, best_index[warp] = i;
+  __syncthreads();
+  if (warp == 0) {
+    const bool has = lane < int(blockDim.x / kWarpSize);
+    v = has ? best_value[lane] : kNegLarge;
+    i = has ? best_index[lane] : 0x7FFFFFFF;
+#pragma unroll
+    for (int m = kWarpSize / 2; m > 0; m /= 2) {
+      argmax_merge(v, i, __shfl_xor_sync(kFullMask, v, m), __shfl_xor_sync(kFullMask, i, m));
+    }
+    if (lane == 0) winner = i;
+  }
+  __syncthreads();
+  return winner;
+}
+
+// ---- counter-based random numbers: Philox4x32-10, keyed by (seed), counter (i, step) ---------
+// Mirrored bit for bit by engine/backends/cuda_cpu_ops.py (philox_uniform).
+__device__ __forceinline__ unsigned philox_bits(unsigned long long seed, unsigned step,
+                                                unsigned i) {
+  unsigned c0 = i, c1 = step, c2 = 0u, c3 = 0u;
+  unsigned k0 = unsigned(seed), k1 = unsigned(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Uniform in (0, 1), never 0 or 1: 23 random bits plus one half.
+__device__ __forceinline__ float philox_uniform(unsigned long long seed, unsigned step,
+                                                unsigned i) {
+  return (float(philox_bits(seed, step, i) >> 9) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+// Order-preserving map of a float's bits to unsigned: a < b  <=>  float_key(a) < float_key(b).
+__device__ __forceinline__ unsigned float_key(float x) {
+  const unsigned u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}

@@ -1,0 +1,59 @@
+// paged_attention_reduce.cu: combine the partitions written by paged_attention_decode.cu.
+// With partition p's max m_p, exponent sum l_p and normalised output o_p, and M = max m_p:
+//   out = sum_p o_p * l_p * exp(m_p - M) / sum_p l_p * exp(m_p - M).
+// Sequence b has ceil(context_lens[b] / partition_size) partitions (at least one).
+#include "common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void reduce_partitions(
+    T* __restrict__ out,                   // (B, H, hd)
+    const float* __restrict__ part_out,    // (B, H, P, hd)
+    const float* __restrict__ part_max,    // (B, H, P)
+    const float* __restrict__ part_sum,    // (B, H, P)
+    const int* __restrict__ context_lens,  // (B,)
+    int head_dim, int max_parts, int partition_size) {
+  const int num_heads = gridDim.x;
+  const size_t row = size_t(blockIdx.y) * num_heads + blockIdx.x;
+  const int context = context_lens[blockIdx.y];
+  const int parts = max(1, min(max_parts, (context + partition_size - 1) / partition_size));
+  const float* m = part_max + row * max_parts;
+  const float* l = part_sum + row * max_parts;
+  float m_all = kNegLarge, total = 0.0f;
+  for (int p = 0; p < parts; ++p) m_all = fmaxf(m_all, m[p]);
+  for (int p = 0; p < parts; ++p) total += l[p] * expf(m[p] - m_all);
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      o += part_out[(row * max_parts + p) * head_dim + d] * l[p] * expf(m[p] - m_all);
+    }
+    out[row * head_dim + d] = from_float<T>(o * inv_total);
+  }
+}
+
+// Grid: (H, B)  Block: (any, e.g. 128)
+extern "C" __global__ void paged_attention_reduce_f32(
+    float* __restrict__ out, const float* __restrict__ part_out,
+    const float* __restrict__ part_max, const float* __restrict__ part_sum,
+    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
+  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
+                    partition_size);
+}
+
+// Grid: (H, B)  Block: (any, e.g. 128)
+extern "C" __global__ void paged_attention_reduce_f16(
+    __half* __restrict__ out, const float* __restrict__ part_out,
+    const float* __restrict__ part_max, const float* __restrict__ part_sum,
+    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
+  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
+                    partition_size);
+}
+
+// Grid: (H, B)  Block: (any, e.g. 128)
+extern "C" __global__ void paged_attention_reduce_bf16(
+    __nv_bfloat16* __restrict__ out, const float* __restrict__ part_out,
+    const float* __restrict__ part_max, const float* __restrict__ part_sum,
+    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
+  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
+                    partition_size);
+}

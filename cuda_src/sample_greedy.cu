@@ -1,0 +1,33 @@
+// sample_greedy.cu: out_ids[b] = argmax(logits[b]), the lowest index on ties.
+#include "common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void greedy_row(int* __restrict__ out_ids,     // (B,)
+                                           const T* __restrict__ logits,  // (B, V)
+                                           int vocab) {
+  const T* row = logits + size_t(blockIdx.x) * vocab;
+  float best = kNegLarge;
+  int index = 0x7FFFFFFF;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) argmax_merge(best, index, to_float(row[i]), i);
+  const int winner = block_argmax(best, index);
+  if (threadIdx.x == 0) out_ids[blockIdx.x] = winner;
+}
+
+// Grid: (B,)  Block: (multiple of 32, <= 1024)
+extern "C" __global__ void sample_greedy_f32(int* __restrict__ out_ids,
+                                             const float* __restrict__ logits, int vocab) {
+  greedy_row(out_ids, logits, vocab);
+}
+
+// Grid: (B,)  Block: (multiple of 32, <= 1024)
+extern "C" __global__ void sample_greedy_f16(int* __restrict__ out_ids,
+                                             const __half* __restrict__ logits, int vocab) {
+  greedy_row(out_ids, logits, vocab);
+}
+
+// Grid: (B,)  Block: (multiple of 32, <= 1024)
+extern "C" __global__ void sample_greedy_bf16(int* __restrict__ out_ids,
+                                              const __nv_bfloat16* __restrict__ logits,
+                                              int vocab) {
+  greedy_row(out_ids, logits, vocab);
+}

@@ -1,0 +1,96 @@
+"""Every kernel file compiles with NVRTC (the production compiler) for sm_80 and sm_90 without
+register spills or local memory, and with nvcc as a second opinion. No GPU needed."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from engine import kernels as K
+
+ARCHS = ["sm_80", "sm_90"]
+# ptxas -v: "Function properties for NAME" then "N bytes stack frame, N bytes spill stores, ..."
+_PROPS = re.compile(
+    r"Function properties for (\w+)\s*\n[^\n]*?(\d+) bytes stack frame, "
+    r"(\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_LMEM = re.compile(r"(\d+) bytes lmem")
+
+
+def ptxas_report(log: str) -> dict[str, tuple[int, int, int]]:
+    """kernel name -> (stack frame, spill stores, spill loads) bytes from a ptxas -v log."""
+    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in _PROPS.finditer(log)}
+
+
+def assert_no_local_memory(name: str, log: str, entries: list[str]) -> None:
+    report = ptxas_report(log)
+    assert set(entries) <= set(report), f"{name}: ptxas reported {sorted(report)}"
+    bad = {k: v for k, v in report.items() if any(v)}
+    assert not bad, f"{name}: stack frame / spills (bytes) {bad}\n{log}"
+    lmem = [int(n) for n in _LMEM.findall(log)]
+    assert not any(lmem), f"{name}: local memory {lmem}\n{log}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", K.kernel_names())
+def test_nvrtc_compiles_without_spills(name, arch):
+    result = K.compile_nvrtc(name, arch)
+    assert result.cubin[:4] == b"\x7fELF"  # a cubin, not PTX
+    entries = K.entry_points(K.read_source(name))
+    assert entries, f'{name}.cu defines no extern "C" __global__ kernel'
+    assert_no_local_memory(name, result.log, entries)
+
+
+def test_every_kernel_has_grid_comment_and_three_dtypes():
+    for name in K.kernel_names():
+        source = K.read_source(name)
+        entries = K.entry_points(source)
+        for entry in entries:
+            lines = source[: source.index(f"void {entry}(")].splitlines()
+            assert lines[-2].startswith("// Grid:"), f"{name}.cu: no // Grid: line over {entry}"
+        stems = {re.sub(r"_(f32|f16|bf16)$", "", e) for e in entries}
+        for stem in stems:
+            assert {f"{stem}_{s}" for s in ("f32", "f16", "bf16")} <= set(entries), stem
+
+
+def test_ptxas_parser_sees_spills():
+    """The check above must be able to fail: a report with a stack frame is caught."""
+    log = (
+        "ptxas info    : Function properties for k\n"
+        "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+    )
+    assert ptxas_report(log) == {"k": (16, 8, 8)}
+    with pytest.raises(AssertionError, match="stack frame / spills"):
+        assert_no_local_memory("k", log, ["k"])
+
+
+def test_compile_errors_point_at_the_cu_line(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.cu"
+    broken.write_text('#include "common.cuh"\n\nextern "C" __global__ void k() { undefined_x; }\n')
+    monkeypatch.setattr(K, "SRC_DIR", tmp_path)
+    monkeypatch.setattr(
+        K,
+        "nvrtc_options",
+        lambda arch: (
+            [f"-arch={arch}", f"-I{K.REPO / 'cuda_src'}"]
+            + [f"-I{d}" for d in K.cuda_include_dirs()]
+        ),
+    )
+    with pytest.raises(K.KernelBuildError, match=rf"{re.escape(str(broken))}\(3\): error"):
+        K.compile_nvrtc("broken", "sm_90")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_nvcc_second_opinion(tmp_path):
+    """nvcc -arch=sm_90 -c on every file at once: no errors, warnings, spills or stack."""
+    files = [str(K.SRC_DIR / f"{n}.cu") for n in K.kernel_names()]
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{K.SRC_DIR}", "-Xptxas", "-v", "-c", *files]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+    entries = [e for n in K.kernel_names() for e in K.entry_points(K.read_source(n))]
+    assert_no_local_memory("nvcc", result.stderr, entries)
