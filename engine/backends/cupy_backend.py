@@ -1,0 +1,423 @@
+"""The GPU backend: weights and the KV pool in device memory, every op a ``cuda_src`` kernel.
+
+One class, written over a device (``engine.backends.devices``) and its array module ``xp``:
+
+    CupyDevice  CuPy on a GPU: kernels through ``cupy.RawModule``, cuBLAS products, CUDA graphs
+                for decode, swap space in pinned host memory
+    CpuDevice   NumPy, the kernels' CPU builds and a NumPy gemm: the same code runs in every CI
+                run (tests/test_cupy_backend_cpu.py), graphs replaced by plain calls
+
+A step uploads its metadata in one copy, runs the layers into a workspace allocated once per
+step (reused by every layer), and downloads float32 logits (B, V). Pure-decode steps of up to
+``max_num_seqs`` sequences replay a graph captured for the next batch size up; the padding rows
+write no KV (slot -1) and read one cached token (context length 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.config import ModelConfig
+from reference.weights import ModelWeights
+
+from ..forward_batch import ForwardBatch
+from .devices import CupyDevice, raw_view
+from .numpy_backend import numpy_dtype
+
+log = logging.getLogger("engine.backend")
+
+DTYPES = ("float32", "float16", "bfloat16")
+MiB = 1 << 20
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:
+    """``auto`` keeps the checkpoint's dtype (float32 when it is none of ours)."""
+    if dtype == "auto":
+        return model_config.torch_dtype if model_config.torch_dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, then every 32 up to ``max_num_seqs`` (always included)."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs]
+    sizes += list(range(64, max_num_seqs, 32))
+    return sizes + [max_num_seqs]
+
+
+@dataclass
+class DeviceLayer:
+    attn_norm: object  # (D,)
+    w_qkv: object  # (H*hd + 2*Hkv*hd, D): q | k | v rows, (out, in) as in the checkpoint
+    w_o: object  # (D, H*hd)
+    mlp_norm: object  # (D,)
+    w_gate_up: object  # (2F, D): gate | up rows
+    w_down: object  # (D, F)
+
+
+@dataclass
+class StepInputs:
+    """One step's int32 metadata on the device (views into one uploaded buffer)."""
+
+    token_ids: object  # (T,)
+    positions: object  # (T,)
+    slot_mapping: object  # (T,)
+    context_lens: object  # (B,)
+    block_tables: object  # (B, M)
+    prefill_qsl: object | None  # (B - nd + 1,) query starts of the prefills, from 0
+    rows: object | None  # (B,) each sequence's last token; None when T == B
+
+
+@dataclass
+class Workspace:
+    residual: object  # (T, D)
+    x: object  # (T, D) each block's output
+    h: object  # (T, D) normalized
+    q: object  # (T, H, hd)
+    k: object  # (T, Hkv, hd)
+    v: object  # (T, Hkv, hd)
+    attn: object  # (T, H, hd)
+    gate_up: object  # (T, 2F)
+    act: object  # (T, F)
+    last_x: object  # (B, D) rows whose logits are needed
+    last_res: object  # (B, D)
+    last_h: object  # (B, D)
+    logits: object  # (B, V) float32
+
+
+def pack_inputs(b: ForwardBatch) -> np.ndarray:
+    """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
+    nd, qsl = b.num_decodes, b.query_start_loc
+    parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
+    parts += [b.logits_indices, b.block_tables.ravel()]
+    return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
+
+
+def split_inputs(flat, T: int, B: int, nd: int, M: int) -> StepInputs:
+    """The views of ``pack_inputs``'s layout over a device buffer."""
+    sizes = [T, T, T, B, B - nd + 1, B, B * M]
+    ends = np.cumsum(sizes)
+    v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
+    rows = v[5] if T != B else None
+    return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
+
+
+class CupyBackend:
+    """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device;
+    ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned host memory."""
+
+    name = "cuda"
+
+    def __init__(self, model_config, weights: ModelWeights, engine_config, device=None):
+        self.device = device if device is not None else CupyDevice()
+        self.xp, self.k, self.gemm = self.device.xp, self.device.kernels, self.device.gemm
+        self.cfg = c = model_config
+        self.block_size = engine_config.block_size
+        self.kv_dtype = resolve_dtype(engine_config.dtype, model_config)
+        self.dtype = numpy_dtype(self.kv_dtype)
+        self.max_model_len = engine_config.max_model_len or c.max_position_embeddings
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.use_graphs = not engine_config.enforce_eager
+        self.scale = 1.0 / float(np.sqrt(c.head_dim))
+        self.kv_cache = self.cpu_cache = None
+        self.graphs: dict[int, object] = {}
+        self._startup(weights)
+
+    # ---- startup ----
+    def _startup(self, weights: ModelWeights) -> None:
+        t0 = time.perf_counter()
+        self.device.compile_kernels()
+        t1 = time.perf_counter()
+        log.info("kernels for %s compiled in %.2f s", self.device.name, t1 - t0)
+        self._upload_weights(weights)
+        from .cuda_cpu_ops import rope_table  # float64 angles, as the kernels' tests use
+
+        rows = max(self.max_model_len, 1)
+        self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope_theta))
+        self.device.synchronize()
+        log.info(
+            "weights on %s: %s as %s in %.2f s",
+            self.device.name, f"{self.weights_bytes / MiB:,.1f} MiB", self.kv_dtype,
+            time.perf_counter() - t1,
+        )  # fmt: skip
+
+    def _put(self, *arrays: np.ndarray):
+        """Upload (stacking several along rows) in the backend's dtype."""
+        a = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        return self.device.upload(np.ascontiguousarray(a, dtype=self.dtype))
+
+    def _upload_weights(self, w: ModelWeights) -> None:
+        self.layers = [
+            DeviceLayer(
+                attn_norm=self._put(lw.attn_norm),
+                w_qkv=self._put(lw.wq, lw.wk, lw.wv),
+                w_o=self._put(lw.wo),
+                mlp_norm=self._put(lw.mlp_norm),
+                w_gate_up=self._put(lw.w_gate, lw.w_up),
+                w_down=self._put(lw.w_down),
+            )
+            for lw in w.layers
+        ]
+        self.embed = self._put(w.embed)  # (V, D)
+        self.final_norm = self._put(w.final_norm)  # (D,)
+        self.lm_head = self.embed if w.lm_head is w.embed else self._put(w.lm_head)  # (V, D)
+
+    # ---- memory accounting ----
+    @property
+    def weights_bytes(self) -> int:
+        arrays = [self.embed, self.final_norm]
+        arrays += [a for lw in self.layers for a in vars(lw).values()]
+        arrays += [] if self.lm_head is self.embed else [self.lm_head]
+        return sum(int(a.nbytes) for a in arrays)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
+
+    def total_memory_bytes(self) -> int:
+        """The device's memory (the budget is this times gpu_memory_utilization)."""
+        return self.device.total_memory_bytes()
+
+    def _partitions(self, max_context_len: int) -> int:
+        from engine.kernels import PARTITION_SIZE
+
+        return max(1, -(-max_context_len // PARTITION_SIZE))
+
+    def step_bytes(self, T: int, B: int, partitions: int, layers_with_partials: int = 1) -> int:
+        """Device bytes one step allocates: inputs, workspace, logits, attention partials (the
+        decode kernel's per-layer scratch, held by ``layers_with_partials`` layers at once)."""
+        c, e = self.cfg, self.dtype.itemsize
+        M = -(-self.max_model_len // self.block_size)
+        inputs = 4 * (4 * T + 3 * B + 1 + B * M)
+        per_token = 3 * c.hidden_size + 2 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
+        last = B * 3 * c.hidden_size * e + B * c.vocab_size * 4
+        partials = B * c.num_attention_heads * partitions * (c.head_dim + 2) * 4
+        partials = partials if partitions > 1 else 0
+        pool_rounding = 512 * (16 + 2 * layers_with_partials)  # CuPy rounds each block
+        return inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
+
+    def graph_pool_estimate(self) -> int:
+        """The graphs share one pool sized by the largest capture (every layer's partials live)."""
+        if not self.use_graphs or not self.device.is_gpu:
+            return 0
+        B, P = self.max_num_seqs, self._partitions(self.max_model_len)
+        return self.step_bytes(B, B, P, self.cfg.num_hidden_layers)
+
+    def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
+        """Activation peak of a step of ``num_tokens`` tokens (computed; on a GPU also measured by
+        a profile forward, the larger kept) plus the CUDA graphs' pool."""
+        P = self._partitions(max_seq_len)
+        computed = self.step_bytes(num_tokens, min(num_seqs, num_tokens), P)
+        measured = self.device.measure_peak(lambda: self._profile_forward(num_tokens, max_seq_len))
+        graphs = self.graph_pool_estimate()
+        log.info(
+            "profile forward of %d tokens: activation peak %.1f MiB computed, %s measured; "
+            "CUDA graph pool %.1f MiB (estimate)", num_tokens, computed / MiB,
+            "not" if measured is None else f"{measured / MiB:.1f} MiB", graphs / MiB,
+        )  # fmt: skip
+        return max(computed, measured or 0) + graphs
+
+    def _profile_forward(self, num_tokens: int, max_seq_len: int) -> None:
+        """A forward of prefills filling ``num_tokens``, on a scratch cache (no KV written)."""
+        bs = self.block_size
+        lens = [max_seq_len] * (num_tokens // max_seq_len)
+        lens += [num_tokens % max_seq_len] if num_tokens % max_seq_len else []
+        n_blocks = -(-max(lens) // bs)
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # (B+1,)
+        batch = ForwardBatch(
+            token_ids=np.zeros(num_tokens, np.int32),
+            positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
+            slot_mapping=np.full(num_tokens, -1, np.int32),
+            block_tables=np.tile(np.arange(n_blocks, dtype=np.int32), (len(lens), 1)),
+            context_lens=np.asarray(lens, np.int32),
+            query_start_loc=qsl,
+            num_decodes=0,
+        )
+        scratch = self.device.zeros(self._cache_shape(n_blocks), self.dtype)
+        saved, self.kv_cache = self.kv_cache, scratch
+        try:
+            self._run_eager(batch)
+        finally:
+            self.kv_cache = saved
+
+    # ---- cache ----
+    def _cache_shape(self, num_blocks: int) -> tuple:
+        c = self.cfg
+        return (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
+                c.head_dim)  # fmt: skip
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """The block pool on the device (zeroed), swap blocks in pinned host memory; then the
+        decode graphs, which need the pool."""
+        self.kv_cache = self.device.zeros(self._cache_shape(num_blocks), self.dtype)
+        self.cpu_cache = self.device.pinned_empty(self._cache_shape(num_cpu_blocks), self.dtype)
+        if self.use_graphs:
+            self._capture_graphs()
+
+    def swap_out(self, pairs) -> None:
+        """Device-pool block -> CPU-pool block, for each (gpu, cpu)."""
+        if not pairs:
+            return
+        g, c = np.asarray(pairs, np.int32).reshape(-1, 2).T
+        rows = self.xp.take(raw_view(self.kv_cache), self.device.upload(g), axis=2)
+        raw_view(self.cpu_cache)[:, :, c] = self.device.download(rows)
+
+    def swap_in(self, pairs) -> None:
+        """CPU-pool block -> device-pool block, for each (cpu, gpu)."""
+        if not pairs:
+            return
+        c, g = np.asarray(pairs, np.int32).reshape(-1, 2).T
+        rows = self.device.upload(raw_view(self.cpu_cache)[:, :, c])  # (L, 2, n, bs, Hkv, hd)
+        raw_view(self.kv_cache)[:, :, self.device.upload(g)] = rows
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write: whole blocks within the device pool, for each (src, dst)."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)  # (P, 2)
+        if not len(pairs):
+            return
+        if np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+            raise ValueError("copy_blocks: a block is both a source and a destination")
+        self.k.copy_blocks(self.kv_cache, self.kv_cache, self.device.upload(pairs))
+
+    # ---- forward ----
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """One step over the flattened batch -> (B, V) float32 logits on the host."""
+        B = batch.num_seqs
+        if self.graphs and batch.num_decodes == B and B <= max(self.graphs):
+            return self._replay(batch)
+        logits = self._run_eager(batch)  # (B, V)
+        return self.device.download(logits)
+
+    def _run_eager(self, batch: ForwardBatch):
+        T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
+        flat = self.device.upload(pack_inputs(batch))
+        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1])
+        max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
+        return self._step(inputs, T, B, nd, max_ctx)
+
+    def _workspace(self, T: int, B: int) -> Workspace:
+        c, xp, dt = self.cfg, self.xp, self.dtype
+        H, Hkv, hd, D, F = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            c.hidden_size, c.intermediate_size)  # fmt: skip
+        return Workspace(
+            residual=xp.empty((T, D), dt), x=xp.empty((T, D), dt), h=xp.empty((T, D), dt),
+            q=xp.empty((T, H, hd), dt), k=xp.empty((T, Hkv, hd), dt),
+            v=xp.empty((T, Hkv, hd), dt), attn=xp.empty((T, H, hd), dt),
+            gate_up=xp.empty((T, 2 * F), dt), act=xp.empty((T, F), dt),
+            last_x=xp.empty((B, D), dt), last_res=xp.empty((B, D), dt),
+            last_h=xp.empty((B, D), dt), logits=xp.empty((B, c.vocab_size), np.float32),
+        )  # fmt: skip
+
+    def _step(self, inp: StepInputs, T: int, B: int, nd: int, max_ctx: int):
+        """The layers over a step's inputs -> (B, V) float32 logits on the device. No host
+        synchronisation, so a graph can capture it."""
+        k, eps, ws = self.k, self.cfg.rms_norm_eps, self._workspace(T, B)
+        k.embedding(ws.residual, inp.token_ids, self.embed)  # (T, D)
+        k.rms_norm(ws.h, ws.residual, self.layers[0].attn_norm, eps)
+        for i, lw in enumerate(self.layers):
+            if i:  # residual += previous MLP output; h = norm(residual)
+                k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.attn_norm, eps)
+            self._attention(ws, lw, i, inp, nd, max_ctx)  # -> ws.x (T, D)
+            k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.mlp_norm, eps)
+            self.gemm(ws.h, lw.w_gate_up, ws.gate_up)  # (T, 2F)
+            k.silu_and_mul(ws.act, ws.gate_up)  # (T, F)
+            self.gemm(ws.act, lw.w_down, ws.x)  # (T, D)
+        x, res = ws.x, ws.residual
+        if inp.rows is not None:  # only each sequence's last token is sampled
+            self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
+            self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
+            x, res = ws.last_x, ws.last_res  # (B, D)
+        k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps)  # (B, D)
+        self.gemm(ws.last_h, self.lm_head, ws.logits)  # (B, V) float32
+        return ws.logits
+
+    def _attention(self, ws: Workspace, lw: DeviceLayer, layer: int, inp, nd: int, max_ctx):
+        # ws.h (T, D) normalized -> ws.x (T, D)
+        c, k, T = self.cfg, self.k, ws.h.shape[0]
+        qd, kvd = c.q_dim, c.kv_dim
+        self.gemm(ws.h, lw.w_qkv[:qd], ws.q.reshape(T, qd))  # (T, H*hd)
+        self.gemm(ws.h, lw.w_qkv[qd : qd + kvd], ws.k.reshape(T, kvd))  # (T, Hkv*hd)
+        self.gemm(ws.h, lw.w_qkv[qd + kvd :], ws.v.reshape(T, kvd))
+        k.rotary(ws.q, ws.k, inp.positions, self.cos_sin)
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
+        k.reshape_and_cache(ws.k, ws.v, k_cache, v_cache, inp.slot_mapping)
+        B = inp.context_lens.shape[0]
+        if nd:  # decodes: rows 0..nd-1, one per sequence
+            k.paged_attention_decode(
+                ws.attn[:nd], ws.q[:nd], k_cache, v_cache, inp.block_tables[:nd],
+                inp.context_lens[:nd], self.scale, max_ctx,
+            )  # fmt: skip
+        if nd < B:  # prefills: the rows after the decodes
+            k.paged_attention_prefill(
+                ws.attn[nd:], ws.q[nd:], k_cache, v_cache, inp.block_tables[nd:],
+                inp.prefill_qsl, inp.context_lens[nd:], self.scale,
+            )  # fmt: skip
+        self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
+
+    # ---- CUDA graphs for decode ----
+    def _graph_buffers(self, xp_zeros, Bmax: int, M: int):
+        """(token_ids, positions, slots, context_lens, block_tables) views of one flat buffer."""
+        flat = xp_zeros((4 * Bmax + Bmax * M,), np.int32)
+        f = [flat[i * Bmax : (i + 1) * Bmax] for i in range(4)]
+        return flat, (*f, flat[4 * Bmax :].reshape(Bmax, M))
+
+    def _capture_graphs(self) -> None:
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        M = -(-self.max_model_len // self.block_size)
+        self._host_flat, self._host = self._graph_buffers(self._pinned_zeros, sizes[-1], M)
+        self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
+        fill_padding(self._host, 0, sizes[-1])
+        self.device.copy_to(self._dev_flat, self._host_flat)
+        t0 = time.perf_counter()
+        for G in reversed(sizes):  # largest first: it sizes the shared pool
+            tok, pos, slots, lens, tables = (a[:G] for a in dev)
+            inp = StepInputs(tok, pos, slots, lens, tables, None, None)
+            self.graphs[G] = self.device.capture(
+                lambda inp=inp, G=G: self._step(inp, G, G, G, self.max_model_len)
+            )
+        self.device.synchronize()
+        log.info(
+            "CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, graph pool %.1f MiB",
+            len(sizes), ", ".join(map(str, sizes)), time.perf_counter() - t0,
+            self.device.graph_pool_bytes() / MiB,
+        )  # fmt: skip
+
+    def _pinned_zeros(self, shape, dtype) -> np.ndarray:
+        a = self.device.pinned_empty(shape, dtype)
+        a[...] = 0
+        return a
+
+    def _replay(self, batch: ForwardBatch) -> np.ndarray:
+        """A pure-decode step through the graph of the next batch size up (padded rows)."""
+        B = batch.num_seqs
+        G = min(g for g in self.graphs if g >= B)
+        tok, pos, slots, lens, tables = self._host
+        tok[:B], pos[:B], slots[:B] = batch.token_ids, batch.positions, batch.slot_mapping
+        lens[:B] = batch.context_lens
+        m = batch.block_tables.shape[1]
+        tables[:B, :m], tables[:B, m:] = batch.block_tables, -1
+        fill_padding(self._host, B, G)
+        self.device.copy_to(self._dev_flat, self._host_flat)
+        logits = self.graphs[G]()  # (G, V) on the device
+        return self.device.download(logits[:B])
+
+
+def fill_padding(fields, lo: int, hi: int) -> None:
+    """Rows lo..hi-1 of the graph inputs: token 0 at position 0, no KV write (slot -1), one
+    context token read from block 0, so a padding row is harmless and its logits ignored."""
+    tok, pos, slots, lens, tables = fields
+    tok[lo:hi], pos[lo:hi], slots[lo:hi], lens[lo:hi], tables[lo:hi] = 0, 0, -1, 1, 0
+
+
+def cuda_backend(model_config, weights, engine_config) -> CupyBackend:
+    """The ``cuda`` backend on the first GPU (ValueError when CuPy finds none)."""
+    from .devices import gpu_count
+
+    if gpu_count() == 0:
+        raise ValueError("backend 'cuda' needs a GPU that CuPy can see; none was found")
+    return CupyBackend(model_config, weights, engine_config)

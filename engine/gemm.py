@@ -1,0 +1,128 @@
+"""Matrix products for the device backend: ``out = x @ w.T`` with weights kept as (out, in).
+
+    numpy_gemm   the host twin: float32 math, result rounded to ``out``'s dtype
+    cupy_gemm    float32 / float16 through ``cupy.matmul`` (cuBLAS); bfloat16 through cuBLAS
+                 ``gemmEx`` with CUDA_R_16BF operands and float32 accumulation. A bfloat16 array
+                 may be an ``ml_dtypes.bfloat16`` array or 16-bit storage (``uint16``); ``out``
+                 may be float32 (the logits) while the operands are 16-bit.
+
+cuBLAS is column-major. A row-major (M, N) ``out`` is the column-major (N, M) ``out.T``, and
+``out.T = w @ x.T``: with ``w`` (N, K) row-major read as the column-major (K, N) matrix, that is
+``gemm(op(A)=T, op(B)=N, m=N, n=M, k=K, A=w, lda=K, B=x, ldb=K, C=out, ldc=N)``. ``GemmPlan``
+holds those numbers; the tests replay a plan in NumPy to prove them on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+# CUDA / cuBLAS enum values (cudaDataType_t, cublasComputeType_t, cublasOperation_t, algo).
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_GEMM_DEFAULT = -1
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CUDA_TYPES = {
+    np.dtype(np.float32): CUDA_R_32F,
+    np.dtype(np.float16): CUDA_R_16F,
+    BF16: CUDA_R_16BF,
+    np.dtype(np.uint16): CUDA_R_16BF,  # bfloat16 held as 16-bit storage
+}
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The arguments of one column-major cuBLAS call computing row-major ``out = x @ w.T``."""
+
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+    a_type: int  # w's data type
+    b_type: int  # x's data type
+    c_type: int  # out's data type
+
+
+def check_gemm(x, w, out) -> tuple[int, int, int]:
+    """(M, N, K) for x (M, K), w (N, K), out (M, N), all C-contiguous; ValueError otherwise."""
+    if x.ndim != 2 or w.ndim != 2 or out.ndim != 2:
+        raise ValueError(f"gemm: x, w, out must be 2-D, got {x.shape}, {w.shape}, {out.shape}")
+    (M, K), N = x.shape, w.shape[0]
+    if w.shape[1] != K or out.shape != (M, N):
+        raise ValueError(
+            f"gemm: want x (M, K), w (N, K), out (M, N); got {x.shape}, {w.shape}, {out.shape}"
+        )
+    if np.dtype(x.dtype) != np.dtype(w.dtype):
+        raise ValueError(f"gemm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    for name, a in (("x", x), ("w", w), ("out", out)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"gemm: {name} must be C-contiguous, got strides {a.strides}")
+    return M, N, K
+
+
+def gemm_plan(x, w, out) -> GemmPlan:
+    """The cuBLAS arguments for ``out = x @ w.T`` (see the module docstring)."""
+    M, N, K = check_gemm(x, w, out)
+    for name, a in (("x", x), ("out", out)):
+        if np.dtype(a.dtype) not in CUDA_TYPES:
+            raise ValueError(f"gemm: {name} dtype {a.dtype} has no cuBLAS type")
+    t_in, t_out = CUDA_TYPES[np.dtype(x.dtype)], CUDA_TYPES[np.dtype(out.dtype)]
+    return GemmPlan(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, K, K, N, t_in, t_in, t_out)
+
+
+def numpy_gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ w.T on the host; 16-bit operands are multiplied in float32."""
+    check_gemm(x, w, out)
+    if x.dtype == np.float32 and out.dtype == np.float32:
+        np.matmul(x, w.T, out=out)
+    else:
+        out[...] = (x.astype(np.float32) @ w.astype(np.float32).T).astype(out.dtype)
+
+
+_scalars: dict[str, np.ndarray] = {}
+
+
+def _host_scalar(name: str, value: float) -> int:
+    """Address of a float32 kept alive for the process (cuBLAS reads alpha/beta from the host)."""
+    if name not in _scalars:
+        _scalars[name] = np.array(value, dtype=np.float32)
+    return _scalars[name].ctypes.data
+
+
+def cupy_gemm(x, w, out) -> None:
+    """out = x @ w.T on the GPU (cuBLAS); capturable in a CUDA graph (no host sync)."""
+    import cupy
+
+    check_gemm(x, w, out)
+    dtype = np.dtype(x.dtype)
+    if dtype in (np.dtype(np.float32), np.dtype(np.float16)):
+        if np.dtype(out.dtype) == dtype:
+            cupy.matmul(x, w.T, out=out)
+        else:
+            out[...] = cupy.matmul(x, w.T).astype(out.dtype)
+        return
+    gemm_ex(gemm_plan(x, w, out), w.data.ptr, x.data.ptr, out.data.ptr)
+
+
+def gemm_ex(p: GemmPlan, a_ptr: int, b_ptr: int, c_ptr: int) -> None:
+    """One ``cublasGemmEx`` on CuPy's handle, on the current stream, float32 accumulation."""
+    import cupy
+    from cupy.cuda import cublas
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.gemmEx(
+        handle, p.transa, p.transb, p.m, p.n, p.k,
+        _host_scalar("one", 1.0), a_ptr, p.a_type, p.lda, b_ptr, p.b_type, p.ldb,
+        _host_scalar("zero", 0.0), c_ptr, p.c_type, p.ldc,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip

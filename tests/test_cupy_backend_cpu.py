@@ -1,0 +1,348 @@
+"""The GPU backend's code on the CPU: ``CupyBackend`` over ``CpuDevice`` (NumPy arrays, the
+kernels' CPU builds, a NumPy gemm, graphs as plain calls) against the reference; the cuBLAS
+argument plan replayed in NumPy; the RawModule compile options through NVRTC."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import engine.llm_engine as llm_engine
+from engine import LLMEngine, SamplingParams
+from engine.backends import cupy_backend as CB
+from engine.backends.devices import CUPY_ADDED_OPTIONS, CpuDevice, rawmodule_options
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from engine.gemm import (
+    CUBLAS_OP_N,
+    CUBLAS_OP_T,
+    CUDA_R_16BF,
+    CUDA_R_32F,
+    check_gemm,
+    gemm_plan,
+    numpy_gemm,
+)
+from engine.kernels import KernelBuildError, kernel_names, read_source
+from reference.generate import generate as reference_generate
+from reference.loader import load_model
+from reference.model import forward as reference_forward
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+def make_backend(loaded, model_config=None, **kw) -> CB.CupyBackend:
+    mc = model_config or loaded.config
+    kw = {"max_model_len": 256, "max_num_seqs": 4, **kw}
+    cfg = EngineConfig(**kw).resolve(mc)
+    return CB.CupyBackend(mc, loaded.weights, cfg, device=CpuDevice())
+
+
+def cpu_cupy_engine(loaded, monkeypatch, **kw) -> LLMEngine:
+    """The engine with its backend replaced by CupyBackend on the CPU device."""
+
+    def get_backend(name, mc, weights, cfg):
+        return CB.CupyBackend(mc, weights, cfg, device=CpuDevice())
+
+    monkeypatch.setattr(llm_engine, "get_backend", get_backend)
+    kw = {"num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
+    return LLMEngine(loaded=loaded, model="test", **kw)
+
+
+class Counter:
+    """Wraps a graph replay and counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.fn()
+
+
+def run(engine: LLMEngine, prompts, params) -> list:
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        engine.check_invariants()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+# ---- greedy equals the reference, through the engine ----
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
+    engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
+    be = engine.backend
+    assert sorted(be.graphs) == ([] if eager else [1, 2, 4])
+    be.graphs = {g: Counter(fn) for g, fn in be.graphs.items()}
+    lengths = [6, 10, 14]  # the decode batch shrinks 3 -> 2 -> 1: padded to 4, then exact
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = run(engine, PROMPTS, params)
+    for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
+        ids = tiny.tokenizer.encode(prompt)
+        assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, n).token_ids
+    if not eager:
+        assert {g: c.calls for g, c in be.graphs.items()} == {4: 5, 2: 4, 1: 4}
+
+
+def test_engine_swap_preemption_greedy_equals_reference(tiny, monkeypatch):
+    engine = cpu_cupy_engine(
+        tiny, monkeypatch, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
+        swap_space=0.001, max_num_seqs=4,
+    )  # fmt: skip
+    swapped = []
+    swap_out = engine.backend.swap_out
+    engine.backend.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
+    outs = run(engine, PROMPTS, params)
+    assert swapped  # blocks went to the CPU pool and came back
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = tiny.tokenizer.encode(prompt)
+        assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, 24).token_ids
+
+
+# ---- the padded graph path ----
+
+
+def decode_batch(rng, B: int, num_blocks: int, block_size: int) -> ForwardBatch:
+    """B decodes with fresh random contexts and distinct blocks."""
+    lens = rng.integers(2, 40, size=B).astype(np.int32)  # (B,) context lengths
+    need = -(-lens // block_size)
+    blocks = rng.permutation(num_blocks)[: need.sum()].astype(np.int32)
+    tables = np.full((B, need.max()), -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(need)])
+    for b in range(B):
+        tables[b, : need[b]] = blocks[starts[b] : starts[b + 1]]
+    pos = lens - 1
+    slots = tables[np.arange(B), pos // block_size] * block_size + pos % block_size
+    return ForwardBatch(
+        token_ids=rng.integers(3, 300, size=B).astype(np.int32),
+        positions=pos,
+        slot_mapping=slots.astype(np.int32),
+        block_tables=tables,
+        context_lens=lens,
+        query_start_loc=np.arange(B + 1, dtype=np.int32),
+        num_decodes=B,
+    )
+
+
+def test_padded_graph_replay_matches_eager_and_writes_only_real_slots(tiny):
+    rng = np.random.default_rng(7)
+    longer = dataclasses.replace(tiny.config, max_position_embeddings=1024)
+    be = make_backend(tiny, longer, max_num_seqs=8, max_model_len=600)  # graphs: 2 partitions
+    be.allocate_kv_cache(40)
+    be.kv_cache[...] = rng.standard_normal(be.kv_cache.shape).astype(np.float32)
+    batch = decode_batch(rng, 5, 40, be.block_size)  # replays the graph of 8: 3 padding rows
+    before = be.kv_cache.copy()
+    logits = be.forward(batch)
+    after_graph = be.kv_cache.copy()
+    be.kv_cache[...] = before
+    be.graphs = {}  # eager now
+    eager = be.forward(batch)
+    np.testing.assert_allclose(logits, eager, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(after_graph, be.kv_cache, rtol=1e-5, atol=1e-6)  # same writes
+    changed = np.any(after_graph != before, axis=(0, 1, 4, 5))  # (N, bs)
+    slots = batch.slot_mapping
+    expect = np.zeros_like(changed)
+    expect[slots // be.block_size, slots % be.block_size] = True
+    np.testing.assert_array_equal(changed, expect)  # padding rows wrote nothing
+
+
+def test_graph_batch_sizes():
+    assert CB.graph_batch_sizes(1) == [1]
+    assert CB.graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert CB.graph_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert CB.graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    assert CB.graph_batch_sizes(256)[-3:] == [192, 224, 256]
+
+
+# ---- dtypes ----
+
+
+def test_bfloat16_prefill_logits_close_to_reference(tiny):
+    be = make_backend(tiny, dtype="bfloat16", enforce_eager=True)
+    assert be.dtype == np.dtype(ml_dtypes.bfloat16) and be.embed.dtype == be.dtype
+    be.allocate_kv_cache(16)
+    ids = np.asarray(tiny.tokenizer.encode(PROMPTS[1]), np.int32)
+    n = len(ids)
+    batch = ForwardBatch(
+        ids, np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 16,
+        np.array([[1, 2, 3]], np.int32), np.array([n], np.int32),
+        np.array([0, n], np.int32), 0,
+    )  # fmt: skip
+    got = be.forward(batch)[0]  # (V,)
+    w32 = tiny.weights.astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = reference_forward(w32, tiny.config, ids)  # (V,)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0  # bf16 activations: not the float32 numbers
+
+
+def test_dtype_auto_keeps_the_checkpoint_dtype(tiny):
+    mc = tiny.config
+    assert CB.resolve_dtype("auto", mc) == mc.torch_dtype == "float32"
+    assert CB.resolve_dtype("float16", mc) == "float16"
+    with pytest.raises(ValueError, match="dtype"):
+        CB.resolve_dtype("int8", mc)
+
+
+# ---- cache operations ----
+
+
+def test_swap_out_in_and_copy_blocks_move_exact_blocks(tiny):
+    rng = np.random.default_rng(3)
+    be = make_backend(tiny, enforce_eager=True)
+    be.allocate_kv_cache(10, 6)
+    be.kv_cache[...] = rng.standard_normal(be.kv_cache.shape).astype(np.float32)
+    original = be.kv_cache.copy()
+    be.swap_out([(7, 0), (2, 5)])
+    np.testing.assert_array_equal(be.cpu_cache[:, :, [0, 5]], original[:, :, [7, 2]])
+    be.kv_cache[:, :, [7, 2]] = 0
+    be.swap_in([(5, 4), (0, 9)])
+    np.testing.assert_array_equal(be.kv_cache[:, :, [4, 9]], original[:, :, [2, 7]])
+    be.copy_blocks([(1, 3)])
+    np.testing.assert_array_equal(be.kv_cache[:, :, 3], original[:, :, 1])
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        be.copy_blocks([(1, 3), (3, 6)])
+
+
+# ---- memory accounting ----
+
+
+def test_step_bytes_counts_the_workspace_and_inputs(tiny):
+    be = make_backend(tiny)
+    T, B = 37, 5
+    ws = be._workspace(T, B)
+    arrays = sum(a.nbytes for a in vars(ws).values())
+    M = -(-be.max_model_len // be.block_size)
+    inputs = 4 * (4 * T + 3 * B + 1 + B * M)
+    assert be.step_bytes(T, B, 1) == arrays + inputs + 512 * 18
+    c = tiny.config
+    partials = B * c.num_attention_heads * 3 * (c.head_dim + 2) * 4
+    assert be.step_bytes(T, B, 3, 2) - be.step_bytes(T, B, 1, 2) == 2 * partials
+
+
+def test_pack_and_split_inputs_round_trip():
+    rng = np.random.default_rng(1)
+    b = decode_batch(rng, 3, 20, 16)
+    prefill = ForwardBatch(
+        token_ids=np.concatenate([b.token_ids, [5, 6, 7, 8]]).astype(np.int32),
+        positions=np.concatenate([b.positions, [0, 1, 0, 1]]).astype(np.int32),
+        slot_mapping=np.concatenate([b.slot_mapping, [-1] * 4]).astype(np.int32),
+        block_tables=np.vstack([b.block_tables, b.block_tables[:2]]),
+        context_lens=np.concatenate([b.context_lens, [2, 2]]).astype(np.int32),
+        query_start_loc=np.array([0, 1, 2, 3, 5, 7], np.int32),
+        num_decodes=3,
+    )
+    v = CB.split_inputs(CB.pack_inputs(prefill), 7, 5, 3, prefill.block_tables.shape[1])
+    np.testing.assert_array_equal(v.token_ids, prefill.token_ids)
+    np.testing.assert_array_equal(v.positions, prefill.positions)
+    np.testing.assert_array_equal(v.slot_mapping, prefill.slot_mapping)
+    np.testing.assert_array_equal(v.context_lens, prefill.context_lens)
+    np.testing.assert_array_equal(v.block_tables, prefill.block_tables)
+    np.testing.assert_array_equal(v.prefill_qsl, [0, 2, 4])
+    np.testing.assert_array_equal(v.rows, [0, 1, 2, 4, 6])
+
+
+# ---- cuBLAS arguments, proven on the CPU ----
+
+
+def colmajor_gemm(plan, a: np.ndarray, b: np.ndarray, c_size: int) -> np.ndarray:
+    """What cuBLAS computes for ``plan`` over flat buffers a, b: C (m, n) column-major, flat."""
+
+    def operand(buf, trans, rows, cols, ld):  # op(X) is (rows, cols)
+        stored = (cols, rows) if trans == CUBLAS_OP_T else (rows, cols)
+        x = buf[: ld * stored[1]].reshape(stored[1], ld)[:, : stored[0]].T  # column-major read
+        return x.T if trans == CUBLAS_OP_T else x
+
+    op_a = operand(a, plan.transa, plan.m, plan.k, plan.lda)  # (m, k)
+    op_b = operand(b, plan.transb, plan.k, plan.n, plan.ldb)  # (k, n)
+    c = np.zeros(c_size, np.float64)
+    c[: plan.ldc * plan.n].reshape(plan.n, plan.ldc)[:, : plan.m] = (op_a @ op_b).T
+    return c
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_gemm_plan_replayed_in_numpy_is_x_times_w_transposed(dtype):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 24)).astype(dtype)  # (M, K)
+    w = rng.standard_normal((11, 24)).astype(dtype)  # (N, K)
+    out = np.empty((5, 11), np.float32)  # (M, N)
+    plan = gemm_plan(x, w, out)
+    assert (plan.transa, plan.transb) == (CUBLAS_OP_T, CUBLAS_OP_N)
+    want_type = CUDA_R_32F if dtype == np.float32 else CUDA_R_16BF
+    assert (plan.a_type, plan.b_type, plan.c_type) == (want_type, want_type, CUDA_R_32F)
+    flat = colmajor_gemm(plan, w.astype(np.float64).ravel(), x.astype(np.float64).ravel(), 55)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(flat.reshape(5, 11), want, rtol=1e-12)
+    numpy_gemm(x, w, out)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_rejects_bad_shapes():
+    x, w = np.ones((4, 8), np.float32), np.ones((6, 8), np.float32)
+    with pytest.raises(ValueError, match="gemm"):
+        check_gemm(x, w, np.empty((4, 5), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        check_gemm(x, np.ones((8, 6), np.float32).T, np.empty((4, 6), np.float32))
+    with pytest.raises(ValueError, match="share a dtype"):
+        check_gemm(x, w.astype(np.float16), np.empty((4, 6), np.float32))
+
+
+# ---- the GPU path's pieces that a CPU can check ----
+
+
+def nvrtc_compile(name: str) -> None:
+    """cuda_src/<name>.cu with exactly the options the RawModule path uses, for sm_90."""
+    from cupy.cuda import nvrtc
+
+    options = [*rawmodule_options(), *CUPY_ADDED_OPTIONS, "-arch=sm_90"]
+    prog = nvrtc.createProgram(read_source(name), f"{name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)
+    except nvrtc.NVRTCError as exc:
+        raise KernelBuildError(f"{name}.cu:\n{nvrtc.getProgramLog(prog)}") from exc
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_rawmodule_options_compile_every_kernel_with_nvrtc():
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(nvrtc_compile, kernel_names()))
+
+
+def test_import_needs_no_gpu_and_cuda_backend_says_so():
+    code = (
+        "import engine.backends.cupy_backend as m, engine.backends.devices as d; "
+        "print(d.gpu_count())"
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0"
+
+
+def test_cuda_backend_without_gpu_is_a_clear_error(tiny, monkeypatch):
+    monkeypatch.setattr("engine.backends.devices.gpu_count", lambda: 0)
+    cfg = EngineConfig(max_model_len=64).resolve(tiny.config)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        CB.cuda_backend(tiny.config, tiny.weights, cfg)

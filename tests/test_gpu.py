@@ -1,0 +1,270 @@
+"""The kernels, the gemm and the engine through CuPy on a real GPU (marker ``gpu``).
+
+Skipped where CuPy sees no device; scripts/gpu_check.sh runs them on the GPU machine. Each kernel
+is checked against its NumPy twin (engine.backends.numpy_ops) on fresh random inputs, outputs
+poisoned with NaN first; the engine's greedy tokens against the reference.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import engine.llm_engine as llm_engine
+from engine import LLMEngine, SamplingParams
+from engine import gemm as G
+from engine.backends import cuda_cpu_ops as C
+from engine.backends import numpy_ops as N
+from engine.backends.cupy_backend import CupyBackend
+from engine.backends.devices import gpu_count
+from engine.kernels import PARTITION_SIZE
+from reference.generate import generate as reference_generate
+from reference.loader import load_model
+from reference.model import forward as reference_forward
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_count() == 0, reason="no CUDA device visible to CuPy"),
+]
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+IDS = ["f32", "f16", "bf16"]
+TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from engine.backends.devices import CupyDevice
+
+    return CupyDevice()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def randn(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale + 0.1).astype(dtype)
+
+
+def close(got, want, dtype):
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any(), "an output was never written"
+    tol = TOL[np.dtype(dtype).name]
+    np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def poisoned(dev, shape, dtype):
+    return dev.upload(np.full(shape, np.nan, dtype))
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_row_kernels(dev, dtype, rng):
+    T, D, F, V = 17, 256, 320, 1000
+    x, res, w = randn(rng, (T, D), dtype), randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
+    k, up = dev.kernels, dev.upload
+    out = poisoned(dev, (T, D), dtype)
+    k.rms_norm(out, up(x), up(w), 1e-5)
+    close(dev.download(out), N.rms_norm(x, w, 1e-5), dtype)
+    res_d, out = up(res), poisoned(dev, (T, D), dtype)
+    k.fused_add_rms_norm(out, res_d, up(x), up(w), 1e-5)
+    want_out, want_res = N.fused_add_rms_norm(x, res, w, 1e-5)
+    close(dev.download(out), want_out, dtype)
+    close(dev.download(res_d), want_res, dtype)
+    table, ids = randn(rng, (V, D), dtype), rng.integers(0, V, T).astype(np.int32)
+    out = poisoned(dev, (T, D), dtype)
+    k.embedding(out, up(ids), up(table))
+    close(dev.download(out), N.embedding(ids, table), dtype)
+    gu, out = randn(rng, (T, 2 * F), dtype), poisoned(dev, (T, F), dtype)
+    k.silu_and_mul(out, up(gu))
+    close(dev.download(out), N.silu_and_mul(gu), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rotary(dev, dtype, head_dim, rng):
+    T, H, Hkv = 130, 8, 2
+    q, kk = randn(rng, (T, H, head_dim), dtype), randn(rng, (T, Hkv, head_dim), dtype)
+    pos = rng.integers(0, 2000, T).astype(np.int32)
+    q_d, k_d = dev.upload(q), dev.upload(kk)
+    dev.kernels.rotary(q_d, k_d, dev.upload(pos), dev.upload(C.rope_table(2048, head_dim, 1e4)))
+    want_q, want_k = N.rotary(q, kk, pos, 1e4)
+    close(dev.download(q_d), want_q, dtype)
+    close(dev.download(k_d), want_k, dtype)
+
+
+def paged_case(rng, dtype, lengths, H, Hkv, hd, bs=16, num_blocks=80):
+    caches = [randn(rng, (num_blocks, bs, Hkv, hd), dtype) for _ in range(2)]
+    need = [-(-n // bs) for n in lengths]
+    ids = rng.permutation(num_blocks)[: sum(need)]
+    tables = np.full((len(lengths), max(need) + 1), -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(need)])
+    for b, n in enumerate(need):
+        tables[b, :n] = ids[starts[b] : starts[b] + n]
+    return caches, tables, np.asarray(lengths, np.int32)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (12, 4), (32, 4)], ids=["gqa1", "gqa3", "gqa8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_paged_attention(dev, dtype, heads, rng):
+    (H, Hkv), hd = heads, 64
+    lengths = [1, 15, 16, 17, 130, 600]  # 600: the partitioned decode path
+    (kc, vc), tables, lens = paged_case(rng, dtype, lengths, H, Hkv, hd, num_blocks=120)
+    up, scale = dev.upload, hd**-0.5
+    q = randn(rng, (len(lengths), H, hd), dtype)
+    for partition in (64, PARTITION_SIZE):
+        out = poisoned(dev, q.shape, dtype)
+        dev.kernels.paged_attention_decode(
+            out, up(q), up(kc), up(vc), up(tables), up(lens), scale, 600, partition
+        )
+        close(dev.download(out), N.paged_attention_decode(q, kc, vc, tables, lens, scale), dtype)
+    q_lens = np.minimum(lens, [1, 15, 3, 17, 40, 100])  # part of each context already cached
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    qp = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    out = poisoned(dev, qp.shape, dtype)
+    dev.kernels.paged_attention_prefill(
+        out, up(qp), up(kc), up(vc), up(tables), up(qsl), up(lens), scale
+    )
+    want = N.paged_attention_prefill(qp, kc, vc, tables, qsl, lens, scale)
+    close(dev.download(out), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_cache_writes_and_block_copies(dev, dtype, rng):
+    (kc, vc), _, _ = paged_case(rng, dtype, [16], 4, 2, 64, num_blocks=20)
+    T = 130
+    k, v = randn(rng, (T, 2, 64), dtype), randn(rng, (T, 2, 64), dtype)
+    slots = rng.permutation(20 * 16)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.2] = -1
+    kc_d, vc_d = dev.upload(kc), dev.upload(vc)
+    dev.kernels.reshape_and_cache(dev.upload(k), dev.upload(v), kc_d, vc_d, dev.upload(slots))
+    N.reshape_and_cache(k, v, kc, vc, slots)
+    np.testing.assert_array_equal(dev.download(kc_d), kc)
+    np.testing.assert_array_equal(dev.download(vc_d), vc)
+    pool = randn(rng, (3, 2, 12, 16, 2, 32), dtype)
+    blocks = rng.permutation(12)
+    pairs = np.stack([blocks[:4], blocks[4:8]], axis=1).astype(np.int32)
+    pool_d = dev.upload(pool)
+    dev.kernels.copy_blocks(pool_d, pool_d, dev.upload(pairs))
+    N.copy_blocks(pool, pool, pairs)
+    np.testing.assert_array_equal(dev.download(pool_d), pool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_sampling(dev, dtype, rng):
+    B, V = 12, 32000
+    logits = randn(rng, (B, V), dtype, scale=2.0)
+    out = dev.upload(np.full(B, -1, np.int32))
+    dev.kernels.sample_greedy(out, dev.upload(logits))
+    np.testing.assert_array_equal(dev.download(out), np.argmax(logits.astype(np.float32), 1))
+    params = dict(
+        temperature=rng.choice([0.0, 0.5, 1.0], B).astype(np.float32),
+        top_k=rng.choice([0, 1, 50], B).astype(np.int32),
+        top_p=rng.choice([1.0, 0.9], B).astype(np.float32),
+        min_p=rng.choice([0.0, 0.05], B).astype(np.float32),
+        seeds=rng.integers(0, 2**63, B, dtype=np.uint64),
+        steps=rng.integers(0, 1000, B).astype(np.int32),
+    )
+    out = dev.upload(np.full(B, -1, np.int32))
+    dev.kernels.sample(out, dev.upload(logits), *(dev.upload(p) for p in params.values()))
+    want = C.sample_numpy(logits.astype(np.float32), **params)
+    np.testing.assert_array_equal(dev.download(out), want)
+
+
+# ---- gemm -------------------------------------------------------------------------------------
+
+
+def test_cublas_constants_match_cupy():
+    from cupy.cuda import cublas
+    from cupy_backends.cuda.api import runtime
+
+    assert (G.CUDA_R_32F, G.CUDA_R_16F, G.CUDA_R_16BF) == (
+        runtime.CUDA_R_32F, runtime.CUDA_R_16F, runtime.CUDA_R_16BF,
+    )  # fmt: skip
+    assert (G.CUBLAS_OP_N, G.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
+    assert G.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
+    assert G.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
+
+
+@pytest.mark.parametrize("out_f32", [False, True], ids=["same", "f32-out"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gemm(dev, dtype, out_f32, rng):
+    x, w = randn(rng, (37, 320), dtype, 0.2), randn(rng, (200, 320), dtype, 0.2)
+    out_dtype = np.float32 if out_f32 else dtype
+    out = poisoned(dev, (37, 200), out_dtype)
+    G.cupy_gemm(dev.upload(x), dev.upload(w), out)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    close(dev.download(out), want, out_dtype)
+
+
+def test_bf16_gemm_on_uint16_storage(dev, rng):
+    x = randn(rng, (8, 64), ml_dtypes.bfloat16)
+    w = randn(rng, (16, 64), ml_dtypes.bfloat16)
+    out = dev.xp.empty((8, 16), np.float32)
+    G.cupy_gemm(dev.xp.asarray(x.view(np.uint16)), dev.xp.asarray(w.view(np.uint16)), out)
+    close(out.get(), x.astype(np.float32) @ w.astype(np.float32).T, ml_dtypes.bfloat16)
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+def gpu_engine(loaded, monkeypatch, **kw) -> LLMEngine:
+    monkeypatch.setattr(llm_engine, "get_backend", lambda n, mc, w, cfg: CupyBackend(mc, w, cfg))
+    kw = {"num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
+    return LLMEngine(loaded=loaded, model="test", **kw)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
+    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
+    assert bool(engine.backend.graphs) != eager
+    lengths = [6, 10, 14]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths, strict=True)):
+        ids = tiny.tokenizer.encode(prompt)
+        ref = reference_generate(tiny.weights, tiny.config, ids, n).token_ids
+        assert done[str(i)].token_ids == ref
+
+
+def test_engine_swap_preemption(tiny, monkeypatch):
+    engine = gpu_engine(
+        tiny, monkeypatch, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
+        swap_space=0.001, max_num_seqs=4,
+    )  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(PROMPTS):
+        ids = tiny.tokenizer.encode(prompt)
+        ref = reference_generate(tiny.weights, tiny.config, ids, 24).token_ids
+        assert done[str(i)].token_ids == ref
+
+
+def test_bf16_backend_logits_close_to_reference(tiny, monkeypatch):
+    engine = gpu_engine(tiny, monkeypatch, dtype="bfloat16", record_logits=True)
+    ids = tiny.tokenizer.encode(PROMPTS[1])
+    engine.add_request("0", ids, SamplingParams(temperature=0.0, max_tokens=1))
+    (out,) = [o for o in engine.step() if o.finished]
+    got = out.outputs[0].step_logits[0]
+    w32 = tiny.weights.astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = reference_forward(w32, tiny.config, ids)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
