@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from contextlib import contextmanager
-from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -58,29 +56,11 @@ def bf16_matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 / _timed(lambda: cupy_gemm(x, w, out), repeats) / 1e12
 
 
-@contextmanager
-def cuda_factory():
-    """Make ``LLMEngine`` build ``CupyBackend`` for backend 'cuda' (until the factory does)."""
-    from . import llm_engine
-    from .backends.cupy_backend import CupyBackend
-
-    original = llm_engine.get_backend
-
-    def get_backend(name, mc, weights, cfg):
-        if name in ("cuda", "auto"):
-            return CupyBackend(mc, weights, cfg)
-        return original(name, mc, weights, cfg)
-
-    with mock.patch.object(llm_engine, "get_backend", get_backend):
-        yield
-
-
 def make_engine(loaded, **kw):
     from .llm_engine import LLMEngine
 
     kw = {"backend": "cuda", "swap_space": 1, "num_gpu_blocks": 8192, **kw}
-    with cuda_factory():
-        return LLMEngine(loaded=loaded, model="bench", **kw)
+    return LLMEngine(loaded=loaded, model="bench", **kw)
 
 
 def run_requests(engine, prompts, max_tokens: int) -> tuple[list, float]:

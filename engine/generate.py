@@ -67,10 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-token-ids", type=int, nargs="+", help="token ids that end a sequence")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--seed", type=int, default=0, help="engine seed for sampling (default 0)")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], help="when blocks run out")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="dtype")
-    p.add_argument("--backend", choices=["auto", "numpy", "cuda", "cuda-cpu"], help="backend")
-    p.add_argument("--enable-chunked-prefill", action="store_true", help="split long prefills")
+    p.add_argument(
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        help="what to do with a running sequence when blocks run out: recompute (free its "
+        "blocks, re-prefill later; default) or swap (copy its blocks to host memory)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights and KV-cache dtype; auto keeps the checkpoint's "
+        "(float32 on the NumPy backends)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "numpy", "cuda", "cuda-cpu"],
+        help="auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda-cpu: "
+        "the CUDA kernels under the CPU emulation; cuda: the kernels on a GPU through CuPy",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action="store_true",
+        help="split long prefills into chunks that fit the token budget, mixed with decodes",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="cuda backend: no CUDA graphs for decode"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     p.add_argument("--trace", action="store_true", help="log the life of every request")
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
@@ -101,7 +123,12 @@ def engine_args(args) -> dict:
     kw = {_dest(f): getattr(args, _dest(f)) for f, _, _ in ENGINE_FLAGS}
     kw.update(preemption_mode=args.preemption_mode, dtype=args.dtype, backend=args.backend)
     kw = {k: v for k, v in kw.items() if v is not None}
-    return dict(kw, seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill)
+    return dict(
+        kw,
+        seed=args.seed,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enforce_eager=args.enforce_eager,
+    )
 
 
 def read_prompts(args, tokenizer) -> list[str]:

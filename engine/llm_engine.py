@@ -173,7 +173,15 @@ class LLMEngine:
         peak = be.profile_peak_bytes(
             cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs
         )
-        budget = cfg.memory_budget_bytes or int(cfg.gpu_memory_utilization * available_ram_bytes())
+        on_device = be.name == "cuda"
+        total = be.total_memory_bytes() if on_device else available_ram_bytes()
+        budget = cfg.memory_budget_bytes or int(cfg.gpu_memory_utilization * total)
+        memory = "GPU memory" if on_device else "available RAM"
+        source = (
+            "explicit"
+            if cfg.memory_budget_bytes
+            else f"{cfg.gpu_memory_utilization:.2f} x {memory}"
+        )
         fit = max((budget - weights - peak) // per_block, 0)
         num_blocks = cfg.num_gpu_blocks or fit
         num_cpu_blocks = cfg.swap_space_bytes // per_block
@@ -181,8 +189,7 @@ class LLMEngine:
         log.info(
             "memory budget %s (%s) - weights %s - activation peak %s (profile: %d tokens) = %s "
             "for the KV cache; %s per block of %d tokens -> %d blocks%s",
-            _mib(budget), "explicit" if cfg.memory_budget_bytes else
-            f"{cfg.gpu_memory_utilization:.2f} x available RAM", _mib(weights), _mib(peak),
+            _mib(budget), source, _mib(weights), _mib(peak),
             cfg.max_num_batched_tokens, _mib(budget - weights - peak), _mib(per_block),
             cfg.block_size, fit, f" (overridden: num_gpu_blocks={num_blocks})"
             if cfg.num_gpu_blocks else "",

@@ -2,8 +2,8 @@
 
 numpy     NumPy on the host (ops: ``fast_ops``, the vectorised twin of ``numpy_ops``)
 cuda-cpu  the CUDA kernels' C++ emulation on the host (ops: ``cuda_cpu_ops``)
-cuda      the CUDA kernels on a GPU (not available yet)
-auto      numpy for now
+cuda      the CUDA kernels on a GPU through CuPy (``CupyBackend``)
+auto      cuda when CuPy sees a GPU, else numpy
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ def resolve_backend_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     if name == "auto":
-        log.info("backend auto -> numpy (the CUDA backend is not available yet)")
-        return "numpy"
+        from .devices import gpu_count
+
+        n = gpu_count()
+        picked = "cuda" if n else "numpy"
+        why = f"CuPy sees {n} GPU(s)" if n else "CuPy sees no GPU"
+        log.info("backend auto -> %s (%s)", picked, why)
+        return picked
     return name
 
 
@@ -37,4 +42,6 @@ def get_backend(name: str, model_config, weights, engine_config):
         backend = NumpyBackend(model_config, weights, engine_config, ops=cuda_cpu_ops)
         backend.name = "cuda-cpu"
         return backend
-    raise ValueError("backend 'cuda' is not available yet; use --backend numpy or cuda-cpu")
+    from .cupy_backend import cuda_backend  # lazy: imports CuPy
+
+    return cuda_backend(model_config, weights, engine_config)
