@@ -21,18 +21,29 @@ import numpy as np
 GiB = 1 << 30
 
 
-def _timed(fn, repeats: int) -> float:
-    """Seconds per call of ``fn`` on the current stream, by CUDA events, after one warm-up."""
+def _timed(fn, repeats: int, stream=None) -> float:
+    """Seconds per call of ``fn``, by CUDA events on ``stream`` (the one ``fn`` launches on;
+    None: the current stream), after one warm-up."""
     import cupy
 
+    stream = stream or cupy.cuda.get_current_stream()
     fn()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
+    start.record(stream)
     for _ in range(repeats):
         fn()
-    end.record()
+    end.record(stream)
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) / 1e3 / repeats
+
+
+def _wall(fn, repeats: int) -> float:
+    """Seconds per call of ``fn`` (which synchronises itself), after one warm-up."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 * GiB, repeats: int = 10) -> float:
@@ -50,8 +61,13 @@ def bf16_matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
 
     from .gemm import cupy_gemm
 
-    x = cupy.random.standard_normal((n, n), np.float32).astype(ml_dtypes.bfloat16)
-    w = cupy.random.standard_normal((n, n), np.float32).astype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(0)
+
+    def bf16(shape):  # drawn on the host, moved as raw bits: no CuPy bfloat16 cast kernel
+        a = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        return cupy.asarray(a.view(np.uint16)).view(ml_dtypes.bfloat16)
+
+    x, w = bf16((n, n)), bf16((n, n))
     out = cupy.empty((n, n), ml_dtypes.bfloat16)
     return 2 * n**3 / _timed(lambda: cupy_gemm(x, w, out), repeats) / 1e12
 
@@ -103,9 +119,9 @@ def decode_step_ms(engine, batch: int) -> dict:
         query_start_loc=np.arange(batch + 1, dtype=np.int32), num_decodes=batch,
     )  # fmt: skip
     be = engine.backend
-    with_logits = _timed(lambda: be.forward(fb), 20)
+    with_logits = _wall(lambda: be.forward(fb), 20)  # inputs up, graph, logits down
     graph = be.graphs.get(batch)
-    replay = _timed(graph, 20) if graph else float("nan")
+    replay = _timed(graph, 20, be.device.stream) if graph else float("nan")
     return {"batch": batch, "replay_ms": 1e3 * replay, "forward_ms": 1e3 * with_logits}
 
 
@@ -133,7 +149,8 @@ def hf_generate(model_dir: str, n=256, prompt_len=128, tokens=128) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()  # bf16 whatever the version
     rng = np.random.default_rng(1)
     ids = torch.tensor(rng.integers(3, model.config.vocab_size, (n, prompt_len)), device="cuda")
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)

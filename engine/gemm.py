@@ -1,10 +1,12 @@
 """Matrix products for the device backend: ``out = x @ w.T`` with weights kept as (out, in).
 
     numpy_gemm   the host twin: float32 math, result rounded to ``out``'s dtype
-    cupy_gemm    float32 / float16 through ``cupy.matmul`` (cuBLAS); bfloat16 through cuBLAS
-                 ``gemmEx`` with CUDA_R_16BF operands and float32 accumulation. A bfloat16 array
-                 may be an ``ml_dtypes.bfloat16`` array or 16-bit storage (``uint16``); ``out``
-                 may be float32 (the logits) while the operands are 16-bit.
+    cupy_gemm    every dtype through one cuBLAS ``gemmEx`` call with float32 accumulation
+                 (CUBLAS_COMPUTE_32F: plain float32 math for float32, no TF32); operands
+                 CUDA_R_32F, CUDA_R_16F or CUDA_R_16BF. A bfloat16 array may be an
+                 ``ml_dtypes.bfloat16`` array or 16-bit storage (``uint16``); ``out`` may be
+                 float32 (the logits) while the operands are 16-bit. No temporaries, no host
+                 synchronisation: a CUDA graph can capture it.
 
 cuBLAS is column-major. A row-major (M, N) ``out`` is the column-major (N, M) ``out.T``, and
 ``out.T = w @ x.T``: with ``w`` (N, K) row-major read as the column-major (K, N) matrix, that is
@@ -75,6 +77,8 @@ def gemm_plan(x, w, out) -> GemmPlan:
         if np.dtype(a.dtype) not in CUDA_TYPES:
             raise ValueError(f"gemm: {name} dtype {a.dtype} has no cuBLAS type")
     t_in, t_out = CUDA_TYPES[np.dtype(x.dtype)], CUDA_TYPES[np.dtype(out.dtype)]
+    if t_out not in (t_in, CUDA_R_32F):  # what gemmEx accepts with CUBLAS_COMPUTE_32F
+        raise ValueError(f"gemm: out must be {x.dtype} or float32 for {x.dtype} operands")
     return GemmPlan(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, K, K, N, t_in, t_in, t_out)
 
 
@@ -98,18 +102,10 @@ def _host_scalar(name: str, value: float) -> int:
 
 
 def cupy_gemm(x, w, out) -> None:
-    """out = x @ w.T on the GPU (cuBLAS); capturable in a CUDA graph (no host sync)."""
-    import cupy
-
-    check_gemm(x, w, out)
-    dtype = np.dtype(x.dtype)
-    if dtype in (np.dtype(np.float32), np.dtype(np.float16)):
-        if np.dtype(out.dtype) == dtype:
-            cupy.matmul(x, w.T, out=out)
-        else:
-            out[...] = cupy.matmul(x, w.T).astype(out.dtype)
-        return
-    gemm_ex(gemm_plan(x, w, out), w.data.ptr, x.data.ptr, out.data.ptr)
+    """out = x @ w.T on the GPU: one cuBLAS gemmEx on the current stream (graph-capturable)."""
+    plan = gemm_plan(x, w, out)
+    if plan.m and plan.n:  # an empty out: nothing to do (and ldc=0 would be an invalid value)
+        gemm_ex(plan, w.data.ptr, x.data.ptr, out.data.ptr)
 
 
 def gemm_ex(p: GemmPlan, a_ptr: int, b_ptr: int, c_ptr: int) -> None:

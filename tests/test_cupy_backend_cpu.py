@@ -17,7 +17,12 @@ import pytest
 import engine.llm_engine as llm_engine
 from engine import LLMEngine, SamplingParams
 from engine.backends import cupy_backend as CB
-from engine.backends.devices import CUPY_ADDED_OPTIONS, CpuDevice, rawmodule_options
+from engine.backends.devices import (
+    CUPY_ADDED_OPTIONS,
+    BlockReplay,
+    CpuDevice,
+    rawmodule_options,
+)
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.gemm import (
@@ -304,16 +309,54 @@ def test_gemm_rejects_bad_shapes():
         check_gemm(x, np.ones((8, 6), np.float32).T, np.empty((4, 6), np.float32))
     with pytest.raises(ValueError, match="share a dtype"):
         check_gemm(x, w.astype(np.float16), np.empty((4, 6), np.float32))
+    x16, w16 = x.astype(np.float16), w.astype(np.float16)
+    with pytest.raises(ValueError, match="out must be float16 or float32"):
+        gemm_plan(x16, w16, np.empty((4, 6), ml_dtypes.bfloat16))  # no such gemmEx
+    assert gemm_plan(x16, w16, np.empty((4, 6), np.float32)).c_type == CUDA_R_32F
+
+
+# ---- graph capture's allocations ----
+
+
+def test_block_replay_hands_the_capture_the_warm_up_blocks_in_order():
+    made = []
+
+    def malloc(size):  # a fresh, distinct block per call
+        made.append(object())
+        return made[-1]
+
+    blocks = BlockReplay(malloc)
+    sizes = [512, 4096, 512, 1024]  # what one warm-up run asked for
+    warm = [blocks.record(n) for n in sizes]
+    assert len(set(map(id, warm))) == 4
+    captured = [blocks.replay(n) for n in sizes]
+    assert captured == warm and len(made) == 4  # the same blocks, nothing allocated
+    assert blocks.unmatched == 0
+    extra = blocks.replay(512)  # more than the warm-up asked for: a new block, counted
+    assert extra is made[-1] and len(made) == 5 and blocks.unmatched == 1
+    blocks.record(2048)
+    assert blocks.replay(1024) is not warm[-1] and blocks.unmatched == 2  # size mismatch
+    blocks.release()
+    assert not blocks.blocks
 
 
 # ---- the GPU path's pieces that a CPU can check ----
+
+
+def cupy_assembled_options() -> tuple[str, ...]:
+    """Our options as CuPy's RawModule hands them to NVRTC: CuPy puts its bundled CCCL include
+    folders first and appends its own headers and CUDA's (the same call CuPy makes)."""
+    from cupy._core import core
+
+    assemble = getattr(core, "assemble_cupy_compiler_options", None)
+    return assemble(rawmodule_options()) if assemble else rawmodule_options()
 
 
 def nvrtc_compile(name: str) -> None:
     """cuda_src/<name>.cu with exactly the options the RawModule path uses, for sm_90."""
     from cupy.cuda import nvrtc
 
-    options = [*rawmodule_options(), *CUPY_ADDED_OPTIONS, "-arch=sm_90"]
+    options = [*cupy_assembled_options(), *CUPY_ADDED_OPTIONS, "-arch=sm_90"]
     prog = nvrtc.createProgram(read_source(name), f"{name}.cu", [], [])
     try:
         nvrtc.compileProgram(prog, options)

@@ -15,6 +15,7 @@ write no KV (slot -1) and read one cached token (context length 1).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ class Workspace:
     logits: object  # (B, V) float32
 
 
+def on_device(method):
+    """Run a backend method inside ``device.active()``: on a GPU, every launch, copy and cuBLAS
+    call goes to the device's stream, whatever stream the calling thread has current."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.device.active():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def pack_inputs(b: ForwardBatch) -> np.ndarray:
     """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
     nd, qsl = b.num_decodes, b.query_start_loc
@@ -129,6 +142,7 @@ class CupyBackend:
         self._startup(weights)
 
     # ---- startup ----
+    @on_device
     def _startup(self, weights: ModelWeights) -> None:
         t0 = time.perf_counter()
         self.device.compile_kernels()
@@ -208,6 +222,7 @@ class CupyBackend:
         B, P = self.max_num_seqs, self._partitions(self.max_model_len)
         return self.step_bytes(B, B, P, self.cfg.num_hidden_layers)
 
+    @on_device
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         """Activation peak of a step of ``num_tokens`` tokens (computed; on a GPU also measured by
         a profile forward, the larger kept) plus the CUDA graphs' pool."""
@@ -251,6 +266,7 @@ class CupyBackend:
         return (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
                 c.head_dim)  # fmt: skip
 
+    @on_device
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The block pool on the device (zeroed), swap blocks in pinned host memory; then the
         decode graphs, which need the pool."""
@@ -259,6 +275,7 @@ class CupyBackend:
         if self.use_graphs:
             self._capture_graphs()
 
+    @on_device
     def swap_out(self, pairs) -> None:
         """Device-pool block -> CPU-pool block, for each (gpu, cpu)."""
         if not pairs:
@@ -267,6 +284,7 @@ class CupyBackend:
         rows = self.xp.take(raw_view(self.kv_cache), self.device.upload(g), axis=2)
         raw_view(self.cpu_cache)[:, :, c] = self.device.download(rows)
 
+    @on_device
     def swap_in(self, pairs) -> None:
         """CPU-pool block -> device-pool block, for each (cpu, gpu)."""
         if not pairs:
@@ -275,6 +293,7 @@ class CupyBackend:
         rows = self.device.upload(raw_view(self.cpu_cache)[:, :, c])  # (L, 2, n, bs, Hkv, hd)
         raw_view(self.kv_cache)[:, :, self.device.upload(g)] = rows
 
+    @on_device
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write: whole blocks within the device pool, for each (src, dst)."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)  # (P, 2)
@@ -285,6 +304,7 @@ class CupyBackend:
         self.k.copy_blocks(self.kv_cache, self.kv_cache, self.device.upload(pairs))
 
     # ---- forward ----
+    @on_device
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One step over the flattened batch -> (B, V) float32 logits on the host."""
         B = batch.num_seqs

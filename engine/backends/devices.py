@@ -6,6 +6,7 @@ A device hands ``CupyBackend`` everything that differs between the two:
     kernels        ``engine.kernels.Kernels`` over ``cpu_module`` or ``cupy.RawModule``
     gemm           ``out = x @ w.T`` (``engine.gemm``)
     upload, download, zeros, pinned_empty, copy_to, synchronize
+    active()       a context in which the device's work runs (its CUDA stream made current)
     capture(fn)    a "graph" of ``fn``: a CUDA graph on the GPU, ``fn`` itself on the host
     measure_peak   peak device memory of a call (GPU only)
 
@@ -15,7 +16,10 @@ when it is built, so importing this module never needs one.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections import deque
 
 import numpy as np
 
@@ -30,6 +34,8 @@ from engine.kernels import (
     kernel_names,
     read_source,
 )
+
+log = logging.getLogger("engine.backend")
 
 # What CuPy's NVRTC path appends to a RawModule's options (cupy/cuda/compiler.py), besides the
 # -arch=sm_XX of the device; the compile check in the tests adds the same.
@@ -76,6 +82,9 @@ class CpuDevice:
     def compile_kernels(self) -> None:
         build_all_cpu()
 
+    def active(self):
+        return contextlib.nullcontext()
+
     def upload(self, a: np.ndarray) -> np.ndarray:
         return np.array(a, order="C")  # a private copy, as a device upload is
 
@@ -120,9 +129,12 @@ class CupyDevice:
         self.device = cupy.cuda.Device(device_id)
         self.device.use()
         self.arch = f"sm_{self.device.compute_capability}"
-        props = cupy.cuda.runtime.getDeviceProperties(device_id)
-        self.name = f"{props['name'].decode()} ({self.arch})"
-        self.stream = cupy.cuda.Stream(non_blocking=True)  # graphs cannot capture stream 0
+        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]  # bytes
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self.name = f"{name} ({self.arch})"
+        # Every launch, copy and cuBLAS call of the backend goes to this stream (graphs cannot
+        # capture the legacy stream 0, and a non-blocking stream does not wait for it).
+        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
         self.kernels = Kernels(self._load)
         self.gemm = cupy_gemm
@@ -142,26 +154,37 @@ class CupyDevice:
             for entry in entry_points(read_source(name)):
                 module.get_function(entry)
 
+    def active(self):
+        """``with device.active():`` makes this device's stream the current one."""
+        return self.stream
+
     def upload(self, a: np.ndarray):
+        """A device copy of ``a``, moved as raw bits (no CuPy dtype conversion kernel)."""
         a = np.ascontiguousarray(a)
-        dev = self.xp.asarray(raw_view(a))
+        with self.stream:
+            dev = self.xp.asarray(raw_view(a))
         try:
             return dev.view(a.dtype)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"this CuPy has no {a.dtype} dtype (bfloat16 needs CuPy >= 14 with ml_dtypes); "
                 "use dtype float16"
             ) from exc
 
     def download(self, a) -> np.ndarray:
+        """A host copy; waits for the device's stream (the work that wrote ``a``)."""
         return raw_view(a).get(stream=self.stream).view(a.dtype)
 
     def zeros(self, shape, dtype):
-        return self.xp.zeros(shape, raw_view(np.empty(0, dtype)).dtype).view(dtype)
+        with self.stream:
+            return self.xp.zeros(shape, raw_view(np.empty(0, dtype)).dtype).view(dtype)
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
+        """Page-locked host memory (asynchronous copies); plain memory when empty."""
         import cupyx
 
+        if int(np.prod(shape)) == 0:
+            return np.empty(shape, dtype)
         return cupyx.empty_pinned(shape, dtype)
 
     def copy_to(self, dst, src: np.ndarray) -> None:
@@ -175,30 +198,29 @@ class CupyDevice:
         return int(self.xp.cuda.runtime.memGetInfo()[1])
 
     def capture(self, fn):
-        """A CUDA graph of ``fn``'s launches; calling the result replays it.
+        """A CUDA graph of ``fn``'s launches on the device's stream; calling it replays it.
 
-        ``fn``'s temporaries come from a pool kept for graphs: a warm-up run sizes it, the
-        capture then takes the same blocks back (no cudaMalloc while capturing). Graphs replay
-        one at a time, so later captures reuse those blocks; only each graph's output stays its
-        own."""
-        held = []
-
-        def alloc(size):
-            mem = self._graph_pool.malloc(size)
-            held.append(mem)
-            return mem
-
-        with self.xp.cuda.using_allocator(alloc):
-            fn()  # warm-up: module loads, cuBLAS heuristics, pool growth
+        ``fn``'s temporaries come from a pool kept for graphs. A warm-up run (module loads,
+        cuBLAS set-up) records its allocations, all kept alive; the capture, which asks for the
+        same sizes in the same order, is handed those very blocks back, so nothing is allocated
+        while capturing and no block is reused within one graph. Afterwards the blocks return to
+        the graph pool: graphs replay one at a time on one stream, so later captures share them;
+        only each graph's output array stays its own."""
+        blocks = BlockReplay(self._graph_pool.malloc)
+        with self.stream:
+            with self.xp.cuda.using_allocator(blocks.record):
+                fn()
             self.stream.synchronize()
-            held.clear()
             self.stream.begin_capture()
             try:
-                out = fn()
+                with self.xp.cuda.using_allocator(blocks.replay):
+                    out = fn()
             finally:
                 graph = self.stream.end_capture()
-        held.clear()
-        graph.upload(self.stream)
+            blocks.release()
+            graph.upload(self.stream)
+        if blocks.unmatched:
+            log.warning("graph capture allocated %d blocks the warm-up did not", blocks.unmatched)
         return _Replay(graph, out, self.stream)
 
     def graph_pool_bytes(self) -> int:
@@ -222,10 +244,37 @@ class CupyDevice:
                 self.now -= kw["mem_size"]
 
         hook = Peak()
-        with hook:
+        with self.stream, hook:
             fn()
             self.stream.synchronize()
         return hook.peak
+
+
+class BlockReplay:
+    """A warm-up's allocations, handed back in the same order to the capture that follows.
+
+    ``record`` allocates and keeps each block alive; ``replay`` returns the recorded block when
+    the next size asked for is the recorded one (else allocates anew and counts it).
+    """
+
+    def __init__(self, malloc):
+        self.malloc = malloc
+        self.blocks: deque = deque()  # (size, block) in allocation order
+        self.unmatched = 0
+
+    def record(self, size: int):
+        block = self.malloc(size)
+        self.blocks.append((size, block))
+        return block
+
+    def replay(self, size: int):
+        if self.blocks and self.blocks[0][0] == size:
+            return self.blocks.popleft()[1]
+        self.unmatched += 1
+        return self.malloc(size)
+
+    def release(self) -> None:
+        self.blocks.clear()
 
 
 class _Replay:
