@@ -1,9 +1,11 @@
 """``python -m engine.diff``: the engine against the reference, step by step.
 
 Runs the prompts greedily three ways: the engine (all prompts batched together, paged cache), the
-reference with its KV cache, and the reference recomputing the whole sequence each step. Prints per
-step the three tokens and the largest logit differences, then the first divergence. Exit status 1
-when tokens differ or logits differ beyond the dtype's tolerance.
+reference with its KV cache, and the reference recomputing the whole sequence each step; and, where
+golden data from Hugging Face transformers covers a prompt (``--golden``, by default
+tests/golden/smollm2.json for ``--model smollm2``), a fourth: transformers' tokens, and its
+first-step logits. Prints per step the tokens and the largest logit differences, then the first
+divergence. Exit status 1 when tokens differ or logits differ beyond the dtype's tolerance.
 
     python -m engine.diff --model smollm2 --max-tokens 16
 """
@@ -11,7 +13,10 @@ when tokens differ or logits differ beyond the dtype's tolerance.
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -21,6 +26,9 @@ from reference.loader import load_model
 from .generate import SEED_PROMPTS, _Parser
 from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
+
+DEFAULT_GOLDEN = {"smollm2": Path(__file__).resolve().parents[1] / "tests/golden/smollm2.json"}
+GOLDEN_LOGIT_ATOL = 1e-3  # transformers vs us, float32, first step (the golden tests' bound)
 
 # largest |a - b| allowed, relative to max|b| of the step's logits
 TOLERANCE = {"float32": 1e-4, "auto": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
@@ -38,7 +46,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="engine dtype; the reference always runs float32")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, help="engine block size (default 16)")
+    p.add_argument("--golden", help="golden JSON from tests/golden/make_golden.py (default: "
+                   "tests/golden/smollm2.json for --model smollm2; 'none' to skip)")  # fmt: skip
     return p
+
+
+def load_golden(args) -> dict:
+    """prompt text -> (token ids, first-step logits (V,)) from transformers' golden run."""
+    path = args.golden or DEFAULT_GOLDEN.get(args.model)
+    if path is None or path == "none" or not Path(path).exists():
+        return {}
+    cases = json.loads(Path(path).read_text())["cases"]
+    return {
+        c["prompt"]: (
+            c["token_ids"],
+            np.frombuffer(base64.b64decode(c["last_logits_f32_b64"]), dtype="<f4"),
+        )
+        for c in cases
+        if c.get("add_special_tokens", True)  # plain prompts, encoded as engine.diff does
+    }
 
 
 def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -60,26 +86,38 @@ def run_engine(loaded, prompts: list[str], args) -> list:
     return [done[str(i)].outputs[0] for i in range(len(prompts))]
 
 
-def compare(prompt: str, eng, cached, recomp, tol: float) -> bool:
-    """Print the step table for one prompt; True when everything agrees."""
+def compare(prompt: str, eng, cached, recomp, tol: float, golden=None) -> bool:
+    """Print the step table for one prompt; True when everything agrees.
+    golden: (token ids, first-step logits) from transformers, or None."""
     print(f"\nprompt {prompt!r}")
-    print(f"{'step':>4}  {'engine':>7} {'cached':>7} {'recomp':>7}  {'|eng-cached|':>12}  "
-          f"{'|cached-recomp|':>15}")  # fmt: skip
+    print(f"{'step':>4}  {'engine':>7} {'cached':>7} {'recomp':>7} {'golden':>7}  "
+          f"{'|eng-cached|':>12}  {'|cached-recomp|':>15}  {'|eng-golden|':>12}")  # fmt: skip
     first_bad = None
     for s, (te, tc, tr) in enumerate(
         zip(eng.token_ids, cached.token_ids, recomp.token_ids, strict=True)
     ):
         d_ec = rel_diff(eng.step_logits[s], cached.logits[s])
         d_cr = rel_diff(cached.logits[s], recomp.logits[s])
-        bad = len({te, tc, tr}) > 1 or d_ec > tol or d_cr > tol
+        tokens = {te, tc, tr}
+        tg, d_eg = "-", ""
+        if golden is not None and s < len(golden[0]):
+            tg = golden[0][s]
+            tokens.add(tg)
+        if golden is not None and s == 0:
+            d_eg = float(np.max(np.abs(eng.step_logits[0] - golden[1])))
+        bad = (
+            len(tokens) > 1 or d_ec > tol or d_cr > tol or (d_eg != "" and d_eg > GOLDEN_LOGIT_ATOL)
+        )
         flag = "  <-- differs" if bad else ""
-        print(f"{s:>4}  {te:>7} {tc:>7} {tr:>7}  {d_ec:>12.2e}  {d_cr:>15.2e}{flag}")
+        eg = f"{d_eg:>12.2e}" if d_eg != "" else f"{'':>12}"
+        print(f"{s:>4}  {te:>7} {tc:>7} {tr:>7} {tg:>7}  {d_ec:>12.2e}  {d_cr:>15.2e}  {eg}{flag}")
         if bad and first_bad is None:
             first_bad = s
-        if len({te, tc, tr}) > 1:
+        if len(tokens) > 1:
             break  # past a token divergence the sequences no longer compare
     if first_bad is None:
-        print(f"all {len(eng.token_ids)} steps agree (tolerance {tol:.0e} relative)")
+        print(f"all {len(eng.token_ids)} steps agree (tolerance {tol:.0e} relative"
+              f"{', golden logits 1e-03 absolute' if golden is not None else ''})")  # fmt: skip
         return True
     print(f"first divergence at step {first_bad}")
     return False
@@ -95,12 +133,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     weights = loaded.weights.astype(np.float32)
+    golden = load_golden(args)
     ok = True
     for prompt, eng in zip(prompts, engine_out, strict=True):
         ids = loaded.tokenizer.encode(prompt)
         cached = reference_generate(weights, loaded.config, ids, args.max_tokens, "cached")
         recomp = reference_generate(weights, loaded.config, ids, args.max_tokens, "recompute")
-        ok &= compare(prompt, eng, cached, recomp, TOLERANCE[args.dtype])
+        ok &= compare(prompt, eng, cached, recomp, TOLERANCE[args.dtype], golden.get(prompt))
     print("\nOK: engine == reference" if ok else "\nFAIL: the engine and the reference differ")
     return 0 if ok else 1
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import numpy as np
 
 from engine.diff import main as diff_main
 from engine.generate import build_parser
@@ -65,3 +69,27 @@ def test_help_lists_every_flag_with_help():
         assert flag in text, flag
     for action in parser._actions:
         assert action.help, action.option_strings
+
+
+def test_diff_checks_golden_tokens_and_logits(tiny_model_dir, tmp_path, capsys):
+    """With golden data for the prompt, diff passes on the true data and fails on a forgery."""
+    golden = json.loads((Path(__file__).parent / "golden" / "tiny.json").read_text())
+    case = next(c for c in golden["cases"] if c.get("add_special_tokens", True))
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps({"cases": [case]}))
+    args = ["--model", str(tiny_model_dir), "--prompt", case["prompt"], "--max-tokens", "6"]
+    assert diff_main(args + ["--golden", str(path)]) == 0
+    assert "golden logits" in capsys.readouterr().out
+
+    forged = dict(case, token_ids=list(case["token_ids"]))
+    forged["token_ids"][3] = (forged["token_ids"][3] + 1) % 300  # one wrong token at step 3
+    path.write_text(json.dumps({"cases": [forged]}))
+    assert diff_main(args + ["--golden", str(path)]) == 1
+    assert "first divergence at step 3" in capsys.readouterr().out
+
+    logits = np.frombuffer(base64.b64decode(case["last_logits_f32_b64"]), "<f4").copy()
+    logits[7] += 0.01  # beyond the 1e-3 absolute bound, tokens unchanged
+    bad = dict(case, last_logits_f32_b64=base64.b64encode(logits.tobytes()).decode())
+    path.write_text(json.dumps({"cases": [bad]}))
+    assert diff_main(args + ["--golden", str(path)]) == 1
+    assert "first divergence at step 0" in capsys.readouterr().out
