@@ -62,6 +62,9 @@ def test_elementwise_ops_match_numpy_ops():
     for a, b in zip(fast_ops.fused_add_rms_norm(x, r, w, 1e-5),
                     numpy_ops.fused_add_rms_norm(x, r, w, 1e-5), strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    gate_up = rng.standard_normal((5, 32), dtype=np.float32) * 4  # silu's both tails
+    np.testing.assert_allclose(fast_ops.silu_and_mul(gate_up), numpy_ops.silu_and_mul(gate_up),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
     pos = rng.integers(0, 100, 5).astype(np.int32)
     q, k = (
         rng.standard_normal((5, H, HD), np.float32),

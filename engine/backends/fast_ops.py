@@ -4,7 +4,9 @@ Same functions, same arguments, same results (within float rounding) as ``numpy_
 the plain twin of the CUDA kernels. The differences are only how NumPy is driven:
 - attention groups the query heads that share a K/V head (no ``np.repeat`` copies of K and V) and
   uses batched ``matmul`` instead of ``einsum``;
-- long prefills process queries in chunks, so the score matrix stays bounded;
+- long prefills process queries in chunks, so the score matrix stays bounded, and the causal mask
+  is one cached triangle added to the trailing (Tq, Tq) square of the scores only;
+- silu_and_mul works in one output buffer instead of five temporaries (same rounding);
 - rotary reuses its cos/sin tables across the layers of one forward (same ``positions`` array).
 """
 
@@ -18,7 +20,6 @@ from .numpy_ops import (  # noqa: F401  (re-exported: the backend calls them thr
     _f,
     copy_blocks,
     embedding,
-    silu_and_mul,
 )
 
 QUERY_CHUNK = 512  # prefill query rows per score matrix: (H, 512, S) float32 at most
@@ -28,13 +29,27 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # x: (T, D), weight: (D,) -> (T, D) in x's dtype
     xf = _f(x)
     ms = np.add.reduce(xf * xf, axis=-1, keepdims=True) * np.float32(1.0 / x.shape[-1])  # (T, 1)
-    return (xf * (1.0 / np.sqrt(ms + np.float32(eps))) * _f(weight)).astype(x.dtype, copy=False)
+    out = xf * (1.0 / np.sqrt(ms + np.float32(eps)))  # (T, D)
+    out *= _f(weight)
+    return out.astype(x.dtype, copy=False)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
     """residual += x; return (rms_norm(residual), residual). x, residual: (T, D)."""
     residual = (_f(residual) + _f(x)).astype(residual.dtype, copy=False)
     return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F); silu(g) = g / (1 + exp(-g)), in one buffer
+    f = gate_up.shape[-1] // 2
+    g = _f(gate_up)
+    out = np.negative(g[:, :f])  # (T, F)
+    np.exp(out, out=out)
+    out += 1.0  # a Python float keeps out's dtype (NEP 50), as in reference.model.silu
+    np.divide(g[:, :f], out, out=out)
+    out *= g[:, f:]
+    return out.astype(gate_up.dtype, copy=False)
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -78,31 +93,50 @@ def _softmax_(s: np.ndarray) -> np.ndarray:
     return s
 
 
-def _attend(q, k, v, q_start, scale):
-    """q: (Tq, H, hd) at positions q_start..; k, v: (S, Hkv, hd) -> (Tq, H, hd), causal."""
+_bias_memo: list = [np.zeros((0, 0), np.float32)]
+
+
+def _causal_bias(n: int) -> np.ndarray:
+    """(n, n) float32: 0 on and below the diagonal, -inf above (a query sees no later key)."""
+    if _bias_memo[0].shape[0] < n:
+        _bias_memo[0] = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1)
+    return _bias_memo[0][:n, :n]
+
+
+def _attend_causal(q, k, v, q_start, scale):
+    """q: (Tq, H, hd) at positions q_start..; k, v: (q_start+Tq, Hkv, hd) -> (Tq, H, hd)."""
     tq, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
     # (Hkv, group*Tq, hd): the query rows of every head that reads K/V head j, stacked
     qg = _f(q).reshape(tq, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * tq, hd)
-    s = np.matmul(qg, k.transpose(1, 2, 0)) * np.float32(scale)  # (Hkv, group*Tq, S)
-    if tq > 1:  # causal: query at q_start+t sees keys 0..q_start+t
-        q_pos = q_start + np.tile(np.arange(tq), group)  # (group*Tq,)
-        s[:, np.arange(k.shape[0])[None, :] > q_pos[:, None]] = -np.inf
+    s = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group*Tq, S)
+    s *= np.float32(scale)
+    if tq > 1:  # keys before q_start are all visible: only the trailing (Tq, Tq) square is masked
+        s.reshape(n_kv, group, tq, -1)[..., q_start:] += _causal_bias(tq)
     out = np.matmul(_softmax_(s), v.transpose(1, 0, 2))  # (Hkv, group*Tq, hd)
     return out.reshape(n_kv, group, tq, hd).transpose(2, 0, 1, 3).reshape(tq, n_heads, hd)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
-    Query b sits at position context_lens[b]-1 and sees every cached token. -> (B, H, hd)"""
-    out = np.empty(q.shape, dtype=q.dtype)
-    bs = k_cache.shape[1]
+    Query b sits at position context_lens[b]-1 and sees every cached token. -> (B, H, hd)
+
+    NOTE: a per-sequence loop with as few NumPy calls as possible. The gathers of K and V are
+    most of its time (memory bound); gathering many sequences at once, or one padded batch
+    with batched matmuls over (B, Hkv, group, S), was measured slower on SmolLM2 shapes (the
+    gathered rows no longer stay in cache for the two products that read them)."""
+    n_seqs, n_heads, hd = q.shape
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    qg = _f(q).reshape(n_seqs, n_kv, n_heads // n_kv, hd)  # (B, Hkv, group, hd)
+    out = np.empty(qg.shape, dtype=qg.dtype)  # (B, Hkv, group, hd)
     for b, n in enumerate(context_lens.tolist()):
-        blocks = block_tables[b, : -(-n // bs)]
+        blocks = block_tables[b, : -(-n // bs)]  # (nb,)
         k, v = _gather(k_cache, blocks, n), _gather(v_cache, blocks, n)  # (n, Hkv, hd)
-        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale)[0]
-    return out
+        s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, n)
+        s *= np.float32(scale)
+        np.matmul(_softmax_(s), v.transpose(1, 0, 2), out=out[b])  # (Hkv, group, hd)
+    return out.reshape(q.shape).astype(q.dtype, copy=False)
 
 
 def paged_attention_prefill(
@@ -123,5 +157,5 @@ def paged_attention_prefill(
             e = min(c + QUERY_CHUNK, hi)
             # keys past the chunk's last query are masked anyway: slice them off
             kv_len = start + (e - lo)
-            out[c:e] = _attend(q[c:e], k[:kv_len], v[:kv_len], start + (c - lo), scale)
+            out[c:e] = _attend_causal(q[c:e], k[:kv_len], v[:kv_len], start + (c - lo), scale)
     return out
