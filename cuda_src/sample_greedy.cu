@@ -1,4 +1,6 @@
-// sample_greedy.cu: out_ids[b] = argmax(logits[b]), the lowest index on ties.
+// sample_greedy.cu: out_ids[b] = argmax(logits[b]), the lowest index on ties (numpy's argmax).
+// Values below kNegLarge (-inf) and NaN count as kNegLarge, so a row of -inf still gives a valid
+// index (0, as numpy) rather than the empty candidate's 0x7FFFFFFF.
 #include "common.cuh"
 
 template <typename T>
@@ -8,7 +10,10 @@ __device__ __forceinline__ void greedy_row(int* __restrict__ out_ids,     // (B,
   const T* row = logits + size_t(blockIdx.x) * vocab;
   float best = kNegLarge;
   int index = 0x7FFFFFFF;
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) argmax_merge(best, index, to_float(row[i]), i);
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float x = to_float(row[i]);
+    argmax_merge(best, index, x > kNegLarge ? x : kNegLarge, i);  // ascending i: first max kept
+  }
   const int winner = block_argmax(best, index);
   if (threadIdx.x == 0) out_ids[blockIdx.x] = winner;
 }

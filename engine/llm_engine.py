@@ -3,6 +3,8 @@
 add_request -> tokenize, validate, one Sequence per sample -> Scheduler.add (waiting queue)
 step        -> Scheduler.schedule -> ModelRunner.execute (swaps, forward) -> Sampler.sample
             -> Scheduler.update (append tokens) -> detokenize, stop checks, finish -> outputs
+            (a step whose rows are all plain greedy asks the backend for argmax ids instead of
+            logits, so no (B, V) array reaches the host: ``_plain_greedy``)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import Sampler
+from .sampler import Sampler, _edits_logits  # one definition of "steps 1-2 edit the row"
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -292,28 +294,43 @@ class LLMEngine:
         if trace.isEnabledFor(logging.INFO):
             self._trace_schedule(out)
         if not out.is_empty:
-            logits = self.runner.execute(out)  # (B, V)
-            self._sample_and_update(out, logits, touched)
+            self._sample_and_update(out, touched)
         outputs = [req.output(self.record_logits) for req in touched.values()]
         for o in outputs:
             if o.finished:
                 self._requests.pop(o.request_id, None)
         return outputs
 
-    def _sample_and_update(self, out: SchedulerOutput, logits: np.ndarray, touched) -> None:
-        rows, seqs = [], []
-        for b, (seq, n) in enumerate(out.scheduled):
-            if seq.num_computed_tokens + n == seq.num_tokens:  # its last token ran: sample
-                rows.append(b)
-                seqs.append(seq)
-        gens = [self._requests[s.request_id].generators[self._index(s)] for s in seqs]
-        ids, lps = self.sampler.sample(logits[rows], seqs, gens)
+    def _sample_and_update(self, out: SchedulerOutput, touched) -> None:
+        """Run the step, pick one token for every sequence whose last token ran, append them."""
+        rows, seqs = _rows_to_sample(out)
+        if self._plain_greedy(seqs):  # the argmax where the logits are; only ids come back
+            ids = self.runner.execute(out, greedy=True)[rows].tolist()  # (R,)
+            extras = [(None, None)] * len(seqs)
+        else:
+            ids, extras = self._sample_on_host(out, rows, seqs)
         sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True)}
-        extra = {s.seq_id: (lp, logits[r]) for s, lp, r in zip(seqs, lps, rows, strict=True)}
+        extra = {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
         now = time.monotonic()
         for seq in self.scheduler.update(out, sampled):
             lp, row = extra[seq.seq_id]
             self._on_token(seq, lp, row, now, touched)
+
+    def _sample_on_host(self, out: SchedulerOutput, rows: list[int], seqs: list[Sequence]):
+        """(B, V) logits to the host, the Sampler on the rows -> (ids, [(logprobs, logits row)])."""
+        logits = self.runner.execute(out)  # (B, V)
+        gens = [self._requests[s.request_id].generators[self._index(s)] for s in seqs]
+        ids, lps = self.sampler.sample(logits[rows], seqs, gens)
+        return ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
+
+    def _plain_greedy(self, seqs: list[Sequence]) -> bool:
+        """Whether every row is an argmax of the raw logits: greedy, no penalty, no min_tokens
+        ban still due, no logprobs, and the engine not recording logits."""
+        if self.record_logits:
+            return False
+        return all(
+            s.params.greedy and s.params.logprobs is None and not _edits_logits(s) for s in seqs
+        )
 
     def _index(self, seq: Sequence) -> int:
         return self._requests[seq.request_id].seqs.index(seq)
@@ -414,6 +431,17 @@ class LLMEngine:
                         yield o.outputs[0].text_delta
             if not self.has_unfinished_requests():
                 break
+
+
+def _rows_to_sample(out: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Batch rows (and their sequences) whose last token runs this step: those get a token; a
+    chunk of a prefill that ends before the prompt does gets none."""
+    rows, seqs = [], []
+    for b, (seq, n) in enumerate(out.scheduled):
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            rows.append(b)
+            seqs.append(seq)
+    return rows, seqs
 
 
 def make_config(model: str | None, **engine_args) -> EngineConfig:

@@ -1,4 +1,5 @@
-"""One scheduler step -> the flat arrays of ``ForwardBatch`` -> the backend's forward -> logits."""
+"""One scheduler step -> the flat arrays of ``ForwardBatch`` -> the backend's forward -> logits
+(or, for an all-greedy step, the backend's greedy ids)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,17 @@ class ModelRunner:
             num_decodes=output.num_decodes,
         )
 
-    def execute(self, output: SchedulerOutput) -> np.ndarray:
-        """Swaps and copies first, then the forward: (B, V) float32 logits (B = scheduled)."""
+    def execute(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
+        """Swaps and copies first, then the forward: (B, V) float32 logits (B = scheduled), or
+        with ``greedy`` the (B,) int32 argmax of each row, the logits left on the backend."""
+        self._move_blocks(output)
+        if not output.scheduled:
+            shape = (0,) if greedy else (0, self.model_config.vocab_size)
+            return np.zeros(shape, dtype=np.int32 if greedy else np.float32)
+        batch = self.prepare(output)
+        return self.backend.forward_greedy(batch) if greedy else self.backend.forward(batch)
+
+    def _move_blocks(self, output: SchedulerOutput) -> None:
         be = self.backend
         if output.blocks_to_swap_out:
             be.swap_out(output.blocks_to_swap_out)
@@ -61,6 +71,3 @@ class ModelRunner:
             be.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_copy:
             be.copy_blocks(output.blocks_to_copy)
-        if not output.scheduled:
-            return np.zeros((0, self.model_config.vocab_size), dtype=np.float32)
-        return be.forward(self.prepare(output))

@@ -66,17 +66,6 @@ def cpu_cupy_engine(loaded, monkeypatch, **kw) -> LLMEngine:
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 
-class Counter:
-    """Wraps a graph replay and counts its calls."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self):
-        self.calls += 1
-        return self.fn()
-
-
 def run(engine: LLMEngine, prompts, params) -> list:
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
@@ -98,14 +87,49 @@ def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
     be = engine.backend
     assert sorted(be.graphs) == ([] if eager else [1, 2, 4])
     be.graphs = {g: Counter(fn) for g, fn in be.graphs.items()}
+    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
     lengths = [6, 10, 14]  # the decode batch shrinks 3 -> 2 -> 1: padded to 4, then exact
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = run(engine, PROMPTS, params)
     for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)
         assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, n).token_ids
+    assert (be.forward.calls, be.forward_greedy.calls) == (0, 14)  # ids only, every step
     if not eager:
         assert {g: c.calls for g, c in be.graphs.items()} == {4: 5, 2: 4, 1: 4}
+
+
+def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
+    """Greedy rows next to a seeded draw and a logprobs row: the same tokens as an engine that
+    samples every step on the host (record_logits), and the greedy path once those end."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
+    ]
+    engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4)
+    be = engine.backend
+    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
+    outs = run(engine, PROMPTS, params)
+    want = run(cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True), PROMPTS,
+               params)  # fmt: skip
+    assert (be.forward.calls, be.forward_greedy.calls) == (5, 5)
+    for out, ref in zip(outs, want, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    assert outs[0].token_ids == reference_generate(tiny.weights, tiny.config, ids, 10).token_ids
+
+
+class Counter:
+    """Wraps a graph replay or a backend method and counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
 
 
 def test_engine_swap_preemption_greedy_equals_reference(tiny, monkeypatch):
@@ -169,6 +193,23 @@ def test_padded_graph_replay_matches_eager_and_writes_only_real_slots(tiny):
     expect = np.zeros_like(changed)
     expect[slots // be.block_size, slots % be.block_size] = True
     np.testing.assert_array_equal(changed, expect)  # padding rows wrote nothing
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_forward_greedy_is_the_first_argmax_of_forward(tiny, graphs):
+    rng = np.random.default_rng()
+    be = make_backend(tiny, max_num_seqs=8, enforce_eager=not graphs)
+    be.allocate_kv_cache(40)
+    be.kv_cache[...] = rng.standard_normal(be.kv_cache.shape).astype(np.float32)
+    batch = decode_batch(rng, 5, 40, be.block_size)  # with graphs: the graph of 8, padded
+    assert sorted(be.graphs) == ([1, 2, 4, 8] if graphs else [])
+    if graphs:
+        be.graphs[8] = Counter(be.graphs[8])
+    ids = be.forward_greedy(batch)  # (B,) int32
+    logits = be.forward(batch)  # (B, V): the same step again, same cache writes
+    assert ids.dtype == np.int32 and ids.shape == (5,)
+    np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
+    assert not graphs or be.graphs[8].calls == 2
 
 
 def test_graph_batch_sizes():

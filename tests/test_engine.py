@@ -89,6 +89,89 @@ def test_smollm2_greedy_equals_reference_golden_and_alone(smol):
     assert alone.token_ids == batched[1].token_ids[:12]
 
 
+# ---- plain-greedy steps: argmax on the backend, no (B, V) logits to the host ----
+
+
+class Spy:
+    """Wraps a backend method: counts its calls and still makes them."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+def spy_forwards(engine: LLMEngine) -> tuple[Spy, Spy]:
+    """(forward, forward_greedy) spies installed on the engine's backend."""
+    be = engine.backend
+    be.forward, be.forward_greedy = Spy(be.forward), Spy(be.forward_greedy)
+    return be.forward, be.forward_greedy
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Plain greedy (the longest), then rows that need the host: a seeded draw (4 tokens), a
+    min_tokens ban (3 of 5 tokens; EOS allowed after it), logprobs (6), a penalty (7): each is
+    the only one left that needs the host for a step or more."""
+    g = dict(temperature=0.0, ignore_eos=True)
+    return [
+        SamplingParams(max_tokens=12, **g),
+        SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5),
+        SamplingParams(logprobs=3, max_tokens=6, **g),
+        SamplingParams(repetition_penalty=1.5, max_tokens=7, **g),
+    ]
+
+
+def test_plain_greedy_steps_never_bring_logits_to_the_host(tiny):
+    engine = make_engine(tiny)
+    forward, greedy = spy_forwards(engine)
+    outs = run_all(engine, SEED_PROMPTS, GREEDY)
+    assert forward.calls == 0 and greedy.calls == GREEDY.max_tokens  # one call per step
+    for prompt, out in zip(SEED_PROMPTS, outs, strict=True):
+        assert out.token_ids == reference_tokens(tiny, prompt, GREEDY.max_tokens)
+
+
+HOST_ROWS = {  # a row that needs the host, and the steps it does (of its 4 tokens)
+    "sampled": (SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True), 4),
+    "logprobs": (SamplingParams(temperature=0.0, logprobs=2, max_tokens=4, ignore_eos=True), 4),
+    "penalty": (SamplingParams(temperature=0.0, presence_penalty=1.5, max_tokens=4), 4),
+    "min_tokens": (SamplingParams(temperature=0.0, min_tokens=3, max_tokens=4), 3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOST_ROWS))
+def test_one_host_row_sends_its_steps_to_the_host(tiny, kind):
+    params, host_steps = HOST_ROWS[kind]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine, host = make_engine(tiny), make_engine(tiny, record_logits=True)
+    forward, greedy = spy_forwards(engine)
+    outs = run_all(engine, SEED_PROMPTS[:2], [plain, params])
+    want = run_all(host, SEED_PROMPTS[:2], [plain, params])
+    assert (forward.calls, greedy.calls) == (host_steps, 8 - host_steps)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert outs[1].outputs[0].logprobs == want[1].outputs[0].logprobs
+    assert outs[0].token_ids == reference_tokens(tiny, SEED_PROMPTS[0], 8)
+
+
+def test_mixed_batch_falls_back_to_the_host_sampler(tiny):
+    prompts = SEED_PROMPTS + ["the quick brown fox", "once upon a time"]
+    engine = make_engine(tiny)
+    forward, greedy = spy_forwards(engine)
+    outs = run_all(engine, prompts, mixed_params())
+    host = make_engine(tiny, record_logits=True)  # recording logits: every step on the host
+    host_forward, host_greedy = spy_forwards(host)
+    want = run_all(host, prompts, mixed_params())
+    assert (forward.calls, greedy.calls) == (7, 5)  # host while a row needs it, then greedy
+    assert (host_forward.calls, host_greedy.calls) == (12, 0)
+    for out, ref in zip(outs, want, strict=True):
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert outs[0].token_ids == reference_tokens(tiny, prompts[0], 12)
+    assert len(outs[3].outputs[0].logprobs) == 6 and len(outs[2].token_ids) >= 3
+
+
 # ---- preemption and the pool ----
 
 

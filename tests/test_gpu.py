@@ -2,7 +2,8 @@
 
 Skipped where CuPy sees no device; scripts/gpu_check.sh runs them on the GPU machine. Each kernel
 is checked against its NumPy twin (engine.backends.numpy_ops) on fresh random inputs, outputs
-poisoned with NaN first; the engine's greedy tokens against the reference.
+poisoned with NaN first; the engine's greedy tokens against the reference, taken on the device
+(only ids come back) unless a row needs the host sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.backends import cuda_cpu_ops as C
 from engine.backends import numpy_ops as N
 from engine.backends.cupy_backend import CupyBackend
 from engine.backends.devices import gpu_count
+from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
@@ -267,21 +269,87 @@ def gpu_engine(loaded, monkeypatch, **kw) -> LLMEngine:
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
-    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
-    assert bool(engine.backend.graphs) != eager
-    lengths = [6, 10, 14]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+class Counter:
+    """Wraps a backend method or a graph replay: counts its calls and still makes them."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+def count_forwards(be) -> None:
+    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
+
+
+def run_engine(engine, params) -> list:
     for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(str(i), p, sp)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths, strict=True)):
+    return [done[str(i)] for i in range(len(params))]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
+    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
+    assert bool(engine.backend.graphs) != eager
+    count_forwards(engine.backend)
+    lengths = [6, 10, 14]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = run_engine(engine, params)
+    for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)
-        ref = reference_generate(tiny.weights, tiny.config, ids, n).token_ids
-        assert done[str(i)].token_ids == ref
+        assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, n).token_ids
+    be = engine.backend  # every step greedy: ids come back, never (B, V) logits
+    assert (be.forward.calls, be.forward_greedy.calls) == (0, 14)
+
+
+def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
+    """Greedy next to a seeded draw and a logprobs row: the tokens of an engine that samples
+    every step on the host (record_logits); the device path once those rows end."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
+    ]
+    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4)
+    count_forwards(engine.backend)
+    outs = run_engine(engine, params)
+    want = run_engine(gpu_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True), params)
+    assert (engine.backend.forward.calls, engine.backend.forward_greedy.calls) == (5, 5)
+    for out, ref in zip(outs, want, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    assert outs[0].token_ids == reference_generate(tiny.weights, tiny.config, ids, 10).token_ids
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_forward_greedy_is_the_first_argmax_of_forward(tiny, monkeypatch, eager, rng):
+    be = gpu_engine(tiny, monkeypatch, max_num_seqs=8, enforce_eager=eager).backend
+    B, bs = 5, be.block_size  # with graphs: the graph of 8 replays, 3 padding rows
+    lens = rng.integers(2, 40, B).astype(np.int32)  # (B,) context lengths
+    tables = (np.arange(B * 3, dtype=np.int32).reshape(B, 3) + 1)[rng.permutation(B)]  # (B, 3)
+    pos = lens - 1
+    with be.device.active():  # fresh random KV, written in place (the graphs hold its pointer)
+        be.kv_cache[...] = be.device.upload(randn(rng, be.kv_cache.shape, be.dtype))
+    batch = ForwardBatch(
+        token_ids=rng.integers(3, tiny.config.vocab_size, B).astype(np.int32), positions=pos,
+        slot_mapping=(tables[np.arange(B), pos // bs] * bs + pos % bs).astype(np.int32),
+        block_tables=tables, context_lens=lens,
+        query_start_loc=np.arange(B + 1, dtype=np.int32), num_decodes=B,
+    )  # fmt: skip
+    if not eager:
+        be.graphs[8] = Counter(be.graphs[8])
+    ids = be.forward_greedy(batch)  # (B,) int32
+    logits = be.forward(batch)  # (B, V): the same step again, the same cache writes
+    assert ids.dtype == np.int32 and ids.shape == (B,)
+    np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
+    assert eager or be.graphs[8].calls == 2
 
 
 def test_engine_swap_preemption(tiny, monkeypatch):

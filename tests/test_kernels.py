@@ -267,6 +267,25 @@ def test_sample_greedy(order, dtype, rng):
     assert out[2] == 10
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sample_greedy_ties_pick_the_first_max(order, dtype, rng):
+    """Ties within one thread's stride, one warp, across warps; rows of -inf: numpy's argmax."""
+    B, V, threads = 7, 2000, K.SAMPLE_THREADS
+    logits = randn(rng, (B, V), dtype, scale=2.0)
+    first = rng.integers(0, V - 800, B)  # (B,) where each row's first maximum goes (+700 fits)
+    ties = [[1, 2 * threads], [5], [threads + 3], [31, 40, 700], [1], [], []]
+    logits[5, rng.integers(0, V, 50)] = -np.inf  # some -inf entries, a finite max elsewhere
+    for b, (f, others) in enumerate(zip(first, ties, strict=True)):
+        logits[b, [f] + [f + d for d in others]] = logits[b].max() + 1  # one value, several places
+    logits[6] = -np.inf  # nothing finite: index 0, as numpy
+    out = np.full(B, -1, np.int32)
+    kern().sample_greedy(out, logits)
+    want = np.argmax(logits.astype(np.float32), axis=1)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out[:6], first[:6])
+    assert out[6] == 0
+
+
 def sampling_batch(rng, B, V):
     logits = randn(rng, (B, V), np.float32, scale=2.0)
     params = dict(

@@ -8,7 +8,8 @@ One class, written over a device (``engine.backends.devices``) and its array mod
                 run (tests/test_cupy_backend_cpu.py), graphs replaced by plain calls
 
 A step uploads its metadata in one copy, runs the layers into a workspace allocated once per
-step (reused by every layer), and downloads float32 logits (B, V). Pure-decode steps of up to
+step (reused by every layer), and downloads float32 logits (B, V) (``forward``), or only the
+(B,) greedy ids, argmax on the device (``forward_greedy``). Pure-decode steps of up to
 ``max_num_seqs`` sequences replay a graph captured for the next batch size up; the padding rows
 write no KV (slot -1) and read one cached token (context length 1).
 """
@@ -307,11 +308,24 @@ class CupyBackend:
     @on_device
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One step over the flattened batch -> (B, V) float32 logits on the host."""
+        return self.device.download(self._logits(batch))
+
+    @on_device
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        """One step -> (B,) int32 argmax of each row (first maximum), by the ``sample_greedy``
+        kernel on the device's logits: only the B ids come to the host."""
+        logits = self._logits(batch)  # (B, V) on the device
+        ids = self.xp.empty(batch.num_seqs, np.int32)  # (B,)
+        self.k.sample_greedy(ids, logits)
+        return self.device.download(ids)
+
+    def _logits(self, batch: ForwardBatch):
+        """(B, V) float32 logits on the device: a graph replay for a pure-decode step that fits
+        one, else the eager step."""
         B = batch.num_seqs
         if self.graphs and batch.num_decodes == B and B <= max(self.graphs):
             return self._replay(batch)
-        logits = self._run_eager(batch)  # (B, V)
-        return self.device.download(logits)
+        return self._run_eager(batch)
 
     def _run_eager(self, batch: ForwardBatch):
         T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
@@ -412,8 +426,9 @@ class CupyBackend:
         a[...] = 0
         return a
 
-    def _replay(self, batch: ForwardBatch) -> np.ndarray:
-        """A pure-decode step through the graph of the next batch size up (padded rows)."""
+    def _replay(self, batch: ForwardBatch):
+        """A pure-decode step through the graph of the next batch size up (padded rows) ->
+        (B, V) float32 logits on the device (the real rows of the graph's output)."""
         B = batch.num_seqs
         G = min(g for g in self.graphs if g >= B)
         tok, pos, slots, lens, tables = self._host
@@ -424,7 +439,7 @@ class CupyBackend:
         fill_padding(self._host, B, G)
         self.device.copy_to(self._dev_flat, self._host_flat)
         logits = self.graphs[G]()  # (G, V) on the device
-        return self.device.download(logits[:B])
+        return logits[:B]  # (B, V) a contiguous view; padding rows dropped
 
 
 def fill_padding(fields, lo: int, hi: int) -> None:

@@ -144,6 +144,16 @@ class NumpyBackend:
     # ---- forward ----
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One step over the flattened batch -> (B, V) float32 logits, one row per sequence."""
+        return self._logits(batch)
+
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        """One step -> (B,) int32 argmax of each row's logits (the first maximum, as the host
+        sampler's greedy). Here the logits are on the host anyway; the GPU backend is the one
+        that saves the (B, V) transfer."""
+        return np.argmax(self._logits(batch), axis=1).astype(np.int32)  # (B,)
+
+    def _logits(self, batch: ForwardBatch) -> np.ndarray:
+        # the layers over the flat batch -> (B, V) float32
         ops, c = self.ops, self.cfg
         x = ops.embedding(batch.token_ids, self.embed)  # (T, D)
         residual = None
