@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .generate import _Parser, format_stats, percentiles, summarize
+from .llm import run_to_completion
 from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 
@@ -51,14 +52,11 @@ def workload(args, vocab: int):
 
 
 def run_engine(engine: LLMEngine, prompts, out_lens) -> tuple[list, float]:
-    for i, (p, n) in enumerate(zip(prompts, out_lens, strict=True)):
-        engine.add_request(
-            f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        )
-    t0, done = time.perf_counter(), []
-    while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
-    return done, time.perf_counter() - t0
+    """Every prompt with its output length, greedy, ignore_eos: (outputs, seconds)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    t0 = time.perf_counter()
+    outputs = run_to_completion(engine, prompts, params)
+    return outputs, time.perf_counter() - t0
 
 
 def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:

@@ -81,15 +81,12 @@ def make_engine(loaded, **kw):
 
 def run_requests(engine, prompts, max_tokens: int) -> tuple[list, float]:
     """All prompts at once, ignore_eos; (outputs, seconds)."""
+    from .llm import run_to_completion
     from .sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, sp)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
+    outs = run_to_completion(engine, prompts, sp)
     return outs, time.perf_counter() - t0
 
 

@@ -24,6 +24,7 @@ from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
 from .generate import SEED_PROMPTS, _Parser
+from .llm import run_to_completion
 from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 
@@ -78,12 +79,7 @@ def run_engine(loaded, prompts: list[str], args) -> list:
         max_model_len=min(loaded.config.max_position_embeddings, 4096),
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[str(i)].outputs[0] for i in range(len(prompts))]
+    return [o.outputs[0] for o in run_to_completion(engine, prompts, params)]
 
 
 def compare(prompt: str, eng, cached, recomp, tol: float, golden=None) -> bool:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from .config import EngineConfig
+from .config import BACKENDS, DTYPES, PREEMPTION_MODES, EngineConfig
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -69,19 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="engine seed for sampling (default 0)")
     p.add_argument(
         "--preemption-mode",
-        choices=["recompute", "swap"],
+        choices=PREEMPTION_MODES,
         help="what to do with a running sequence when blocks run out: recompute (free its "
         "blocks, re-prefill later; default) or swap (copy its blocks to host memory)",
     )
     p.add_argument(
         "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=DTYPES,
         help="weights and KV-cache dtype; auto keeps the checkpoint's "
         "(float32 on the NumPy backends)",
     )
     p.add_argument(
         "--backend",
-        choices=["auto", "numpy", "cuda", "cuda-cpu"],
+        choices=BACKENDS,
         help="auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda-cpu: "
         "the CUDA kernels under the CPU emulation; cuda: the kernels on a GPU through CuPy",
     )

@@ -87,9 +87,13 @@ class NvrtcResult:
     log: str  # compiler and ptxas output (``--ptxas-options=-v``)
 
 
+def include_options() -> list[str]:
+    """``-I`` for cuda_src/ and pip's CUDA headers: every NVRTC compile (here and CuPy's)."""
+    return [f"-I{SRC_DIR}"] + [f"-I{d}" for d in cuda_include_dirs()]
+
+
 def nvrtc_options(arch: str) -> list[str]:
-    includes = [f"-I{SRC_DIR}"] + [f"-I{d}" for d in cuda_include_dirs()]
-    return [f"-arch={arch}", "--ptxas-options=-v", "-std=c++17", *includes]
+    return [f"-arch={arch}", "--ptxas-options=-v", "-std=c++17", *include_options()]
 
 
 def compile_nvrtc(name: str, arch: str = "sm_90") -> NvrtcResult:
@@ -136,9 +140,8 @@ def gxx_flags(asan: bool) -> list[str]:
     return base + ["-O2"]
 
 
-def _emu_source(name: str) -> str:
-    """The .cu unchanged, then one EMU_EXPORT per kernel (the launch and signature entries)."""
-    source = read_source(name)
+def _with_exports(source: str) -> str:
+    """The source unchanged, then one EMU_EXPORT per kernel (the launch and signature entries)."""
     exports = "".join(f"EMU_EXPORT({fn})\n" for fn in entry_points(source))
     return f'{source}\n#line 1 "<emu exports>"\n{exports}'
 
@@ -153,7 +156,7 @@ def _dependencies_digest() -> str:
 
 def compile_cpu(name: str, asan: bool | None = None) -> Path:
     """Build cuda_src/<name>.cu into a shared library (cached by content hash); its path."""
-    return build_cpu_library(_emu_source(name), name, asan)
+    return build_cpu_library(_with_exports(read_source(name)), name, asan)
 
 
 def build_cpu_library(source: str, tag: str, asan: bool | None = None) -> Path:
@@ -281,9 +284,7 @@ def cpu_module(name: str) -> CpuModule:
 
 def cpu_module_from_source(source: str, tag: str = "snippet") -> CpuModule:
     """A CPU build of kernel source text (tests of the emulator); kernels found as in .cu files."""
-    text = f'#line 1 "{tag}.cu"\n{source}\n#line 1 "<emu exports>"\n'
-    text += "".join(f"EMU_EXPORT({fn})\n" for fn in entry_points(source))
-    return CpuModule(build_cpu_library(text, tag))
+    return CpuModule(build_cpu_library(_with_exports(f'#line 1 "{tag}.cu"\n{source}'), tag))
 
 
 def build_all_cpu(names: list[str] | None = None, workers: int = 2) -> None:

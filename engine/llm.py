@@ -62,6 +62,24 @@ class LLM:
         return ids
 
 
+def run_to_completion(
+    engine: LLMEngine, prompts: list, params, check_invariants: bool = False
+) -> list[RequestOutput]:
+    """Add every prompt (request ids "0", "1", ...) and step until all finish: the finished
+    outputs in input order. ``params``: one SamplingParams for all, or a list, one per prompt.
+    The loop of ``LLM.generate`` without its checks and progress bar, for tools and tests;
+    ``check_invariants`` runs the block and queue invariant checks after every step."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if check_invariants:
+            engine.check_invariants()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]

@@ -26,7 +26,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import Sampler, _edits_logits  # one definition of "steps 1-2 edit the row"
+from .sampler import Sampler, edits_logits
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -329,7 +329,7 @@ class LLMEngine:
         if self.record_logits:
             return False
         return all(
-            s.params.greedy and s.params.logprobs is None and not _edits_logits(s) for s in seqs
+            s.params.greedy and s.params.logprobs is None and not edits_logits(s) for s in seqs
         )
 
     def _index(self, seq: Sequence) -> int:

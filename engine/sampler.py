@@ -45,7 +45,7 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _edits_logits(seq) -> bool:
+def edits_logits(seq) -> bool:
     """Whether steps 1-2 change this sequence's row (a penalty, or min_tokens still due)."""
     return _has_penalty(seq.params) or seq.num_output_tokens < seq.params.min_tokens
 
@@ -102,7 +102,7 @@ class Sampler:
     def process(self, logits: np.ndarray, seqs) -> np.ndarray:
         """Steps 1-2: penalties and min_tokens bans on a copy of logits (B, V); logits itself
         when no row needs either (the caller only reads the result)."""
-        if not any(_edits_logits(s) for s in seqs):
+        if not any(edits_logits(s) for s in seqs):
             return np.asarray(logits, dtype=np.float32)  # nothing to change: no (B, V) copy
         x = np.array(logits, dtype=np.float32)  # (B, V) copy
         for b, seq in enumerate(seqs):

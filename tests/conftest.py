@@ -1,5 +1,6 @@
 import pytest
 
+from reference.loader import load_model
 from tests.tiny_model import make_tiny_model
 
 
@@ -7,3 +8,9 @@ from tests.tiny_model import make_tiny_model
 def tiny_model_dir(tmp_path_factory):
     """A tiny random LLaMA in Hugging Face layout (see tests/tiny_model.py)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M loaded once for every module (about 3 s a load); tests only read it."""
+    return load_model("smollm2")

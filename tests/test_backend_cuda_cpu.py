@@ -12,6 +12,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine import kernels as K
 from engine.generate import main as generate_main
+from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
@@ -22,15 +23,6 @@ GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 def make_engine(loaded, **kw) -> LLMEngine:
     kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **kw}
     return LLMEngine(loaded=loaded, model="test", backend="cuda-cpu", **kw)
-
-
-def run_all(engine: LLMEngine, prompts, params) -> list:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,7 +44,7 @@ def test_backend_runs_the_kernels(tiny):
 
 def test_tiny_greedy_equals_reference(tiny):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outs = run_all(make_engine(tiny, record_logits=True), PROMPTS, greedy)
+    outs = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, greedy)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = reference_generate(tiny.weights, tiny.config, tiny.tokenizer.encode(prompt), 24)
         assert out.token_ids == ref.token_ids
@@ -65,7 +57,7 @@ def test_tiny_small_pool_preempts_and_keeps_reference_tokens(tiny, mode):
     prompts = PROMPTS + ["the quick brown fox", "once upon a time in a land"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     small = make_engine(tiny, num_gpu_blocks=8, max_model_len=64, preemption_mode=mode)
-    outs = run_all(small, prompts, params)
+    outs = run_to_completion(small, prompts, params)
     assert small.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)
@@ -73,13 +65,13 @@ def test_tiny_small_pool_preempts_and_keeps_reference_tokens(tiny, mode):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_golden():
+def test_smollm2_greedy_equals_golden(smollm2):
     """SmolLM2-135M (30 layers) in float32 against the committed Hugging Face golden tokens."""
-    smol = load_model("smollm2")
     cases = {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]}
     n = 12
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    outs = run_all(make_engine(smol, num_gpu_blocks=32, max_model_len=512), PROMPTS, params)
+    engine = make_engine(smollm2, num_gpu_blocks=32, max_model_len=512)
+    outs = run_to_completion(engine, PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.prompt_token_ids == cases[prompt]["prompt_token_ids"]
         assert out.token_ids == cases[prompt]["token_ids"][:n]

@@ -35,6 +35,7 @@ from engine.gemm import (
     numpy_gemm,
 )
 from engine.kernels import KernelBuildError, kernel_names, read_source
+from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 from reference.model import forward as reference_forward
@@ -66,18 +67,6 @@ def cpu_cupy_engine(loaded, monkeypatch, **kw) -> LLMEngine:
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 
-def run(engine: LLMEngine, prompts, params) -> list:
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        engine.check_invariants()
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 # ---- greedy equals the reference, through the engine ----
 
 
@@ -90,7 +79,7 @@ def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
     be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
     lengths = [6, 10, 14]  # the decode batch shrinks 3 -> 2 -> 1: padded to 4, then exact
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    outs = run(engine, PROMPTS, params)
+    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
     for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)
         assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, n).token_ids
@@ -110,9 +99,9 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
     engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4)
     be = engine.backend
     be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
-    outs = run(engine, PROMPTS, params)
-    want = run(cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True), PROMPTS,
-               params)  # fmt: skip
+    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
+    host = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True)
+    want = run_to_completion(host, PROMPTS, params, check_invariants=True)
     assert (be.forward.calls, be.forward_greedy.calls) == (5, 5)
     for out, ref in zip(outs, want, strict=True):
         assert out.token_ids == ref.token_ids
@@ -141,7 +130,7 @@ def test_engine_swap_preemption_greedy_equals_reference(tiny, monkeypatch):
     swap_out = engine.backend.swap_out
     engine.backend.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
-    outs = run(engine, PROMPTS, params)
+    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
     assert swapped  # blocks went to the CPU pool and came back
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
@@ -22,11 +23,6 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2")
-
-
 def make_engine(loaded, **kw) -> LLMEngine:
     kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **kw}
     return LLMEngine(loaded=loaded, model="test", **kw)
@@ -34,18 +30,9 @@ def make_engine(loaded, **kw) -> LLMEngine:
 
 def run_all(engine: LLMEngine, prompts, params, check=True) -> list:
     """Add every prompt, step until done (checking invariants each step); outputs in order."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        if check:
-            engine.check_invariants()
+    outs = run_to_completion(engine, prompts, params, check_invariants=check)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [done[str(i)] for i in range(len(prompts))]
+    return outs
 
 
 def reference_tokens(loaded, prompt: str, n: int) -> list[int]:
@@ -72,15 +59,15 @@ def test_tiny_greedy_equals_reference_batched_and_alone(tiny):
         assert out.finish_reason == "length"
 
 
-def test_smollm2_greedy_equals_reference_golden_and_alone(smol):
-    engine = make_engine(smol, num_gpu_blocks=32, max_model_len=512)
+def test_smollm2_greedy_equals_reference_golden_and_alone(smollm2):
+    engine = make_engine(smollm2, num_gpu_blocks=32, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batched = run_all(engine, SEED_PROMPTS, params, check=False)
     golden = (
         {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]} if GOLDEN.exists() else {}
     )
     for prompt, out in zip(SEED_PROMPTS, batched, strict=True):
-        assert out.token_ids == reference_tokens(smol, prompt, 16) + out.token_ids[16:]
+        assert out.token_ids == reference_tokens(smollm2, prompt, 16) + out.token_ids[16:]
         if prompt in golden:
             assert out.prompt_token_ids == golden[prompt]["prompt_token_ids"]
             assert out.token_ids == golden[prompt]["token_ids"]

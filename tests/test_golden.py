@@ -34,19 +34,18 @@ SMOL = read_golden("smollm2.json")
 TINY = read_golden("tiny.json")
 
 
-def load_float32(model: str):
-    m = load_model(model)
+def as_float32(m):
     return dataclasses.replace(m, weights=m.weights.astype(np.float32))
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_float32("smollm2")
+def smollm2_f32(smollm2):
+    return as_float32(smollm2)
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return load_float32(str(tiny_model_dir))
+    return as_float32(load_model(str(tiny_model_dir)))
 
 
 def encode_like_golden(tokenizer, case: dict) -> list[int]:
@@ -83,8 +82,8 @@ def test_golden_files_are_complete():
 
 
 @pytest.mark.parametrize("case", SMOL["cases"], ids=lambda c: c["prompt"][:24])
-def test_smollm2_matches_transformers(smollm2, case):
-    check_case(smollm2, case)
+def test_smollm2_matches_transformers(smollm2_f32, case):
+    check_case(smollm2_f32, case)
 
 
 @pytest.mark.parametrize("case", SMOL["tokenizer_cases"], ids=lambda c: c["text"][:16])

@@ -394,11 +394,6 @@ def test_gguf_sentencepiece_tokenizer_not_supported_yet(tiny_model_dir, hf, tmp_
 # --- the real model ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2")
-
-
 def test_smollm2_config(smollm2):
     c = smollm2.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == (30, 576, 9)

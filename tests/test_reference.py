@@ -48,11 +48,10 @@ def test_recompute_equals_cached_tiny(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_recompute_equals_cached_smollm2():
-    m = load_model("smollm2")
-    prompt = m.tokenizer.encode("hello there")  # short: recompute costs ~(T + 64)^2 / 2 rows
+def test_recompute_equals_cached_smollm2(smollm2):
+    prompt = smollm2.tokenizer.encode("hello there")  # short: recompute costs ~(T + 64)^2 / 2 rows
     t0 = time.perf_counter()
-    assert_recompute_equals_cached(m.weights.astype(np.float64), m.config, prompt)
+    assert_recompute_equals_cached(smollm2.weights.astype(np.float64), smollm2.config, prompt)
     print(f"smollm2 float64, {STEPS} steps both ways: {time.perf_counter() - t0:.1f} s")
 
 

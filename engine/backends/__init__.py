@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from ..config import BACKENDS
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("engine.backend")
-
-BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
 
 
 def resolve_backend_name(name: str) -> str:

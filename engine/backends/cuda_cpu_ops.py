@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from engine.kernels import cpu_kernels
+from reference.model import rope_cos_sin
 
 
 def _i32(a) -> np.ndarray:
@@ -58,10 +59,11 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 @lru_cache(maxsize=8)
 def rope_table(max_positions: int, head_dim: int, theta: float) -> np.ndarray:
-    """(max_positions, hd) float32: cos(p * f_j) for j < hd/2, then sin(p * f_j), in float64."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # (P, hd/2)
-    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    """(max_positions, hd) float32: cos(p * f_j) for j < hd/2, then sin(p * f_j). The angles are
+    the reference's (``rope_cos_sin``, float64); the kernels need only one of its two halves."""
+    half = head_dim // 2
+    cos, sin = rope_cos_sin(np.arange(max_positions), head_dim, theta, np.float32)  # (P, hd)
+    table = np.concatenate([cos[:, :half], sin[:, :half]], axis=-1)  # (P, hd)
     table.setflags(write=False)
     return table
 

@@ -25,12 +25,11 @@ import numpy as np
 
 from engine.gemm import cupy_gemm, numpy_gemm
 from engine.kernels import (
-    SRC_DIR,
     Kernels,
     build_all_cpu,
     cpu_kernels,
-    cuda_include_dirs,
     entry_points,
+    include_options,
     kernel_names,
     read_source,
 )
@@ -44,8 +43,7 @@ CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 def rawmodule_options() -> tuple[str, ...]:
     """The options ``cupy.RawModule`` compiles every cuda_src file with."""
-    includes = [f"-I{SRC_DIR}"] + [f"-I{d}" for d in cuda_include_dirs()]
-    return ("-std=c++17", *includes)
+    return ("-std=c++17", *include_options())
 
 
 def gpu_count() -> int:
