@@ -45,6 +45,7 @@ class EngineConfig:
     backend: str = "auto"  # "auto" | "numpy" | "cuda" | "cuda-cpu"
     seed: int = 0
     enable_chunked_prefill: bool = False  # split long prefills to fit the token budget
+    enable_prefix_caching: bool = False  # reuse the cached blocks of a shared prompt prefix
     memory_budget_bytes: int | None = None  # NumPy backend: explicit total budget
     enforce_eager: bool = False  # no CUDA graphs (accepted for vLLM compatibility)
 
@@ -52,11 +53,16 @@ class EngineConfig:
         self._check_types()
         self._check_ranges()
         self._check_choices()
+        if self.enable_prefix_caching and self.preemption_mode == "swap":
+            raise ValueError(
+                "EngineConfig: preemption_mode='swap' does not work with "
+                "enable_prefix_caching=True (shared blocks cannot be swapped); use 'recompute'"
+            )
 
     def _check_types(self):
         if not isinstance(self.model, str):
             raise _bad("model", self.model, "a string")
-        for name in ("enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if not _is_int(self.seed):

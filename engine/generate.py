@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="split long prefills into chunks that fit the token budget, mixed with decodes",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the KV blocks of a prompt prefix already computed for an earlier request "
+        "(full blocks, matched by chained hashes; needs --preemption-mode recompute)",
+    )
+    p.add_argument(
         "--enforce-eager", action="store_true", help="cuda backend: no CUDA graphs for decode"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
@@ -127,6 +133,7 @@ def engine_args(args) -> dict:
         kw,
         seed=args.seed,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
     )
 
@@ -155,6 +162,7 @@ def percentiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def summarize(outputs: list[RequestOutput], wall: float) -> dict:
+    """The stats table's numbers; prefix_cache_hit_tokens only when prefix caching was on."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
@@ -163,7 +171,12 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
         requests=len(outputs), prompt_tokens=prompt, generated_tokens=gen, wall_s=wall,
         requests_per_s=len(outputs) / wall, output_tok_per_s=gen / wall,
         total_tok_per_s=(prompt + gen) / wall, ttft_ms=percentiles(ttft), itl_ms=percentiles(itl),
-    )  # fmt: skip
+    ) | _prefix_cache_stats(outputs)  # fmt: skip
+
+
+def _prefix_cache_stats(outputs: list[RequestOutput]) -> dict:
+    hits = [o.num_cached_tokens for o in outputs if o.num_cached_tokens is not None]
+    return dict(prefix_cache_hit_tokens=sum(hits)) if hits else {}
 
 
 def format_stats(s: dict) -> str:
@@ -180,6 +193,10 @@ def format_stats(s: dict) -> str:
         ("TTFT mean/p50/p99", "{:.1f} / {:.1f} / {:.1f} ms".format(*s["ttft_ms"])),
         ("ITL mean/p50/p99", "{:.1f} / {:.1f} / {:.1f} ms".format(*s["itl_ms"])),
     ]
+    if "prefix_cache_hit_tokens" in s:
+        hits, prompt = s["prefix_cache_hit_tokens"], s["prompt_tokens"]
+        rate = f"{100 * hits / max(prompt, 1):.1f}% ({hits} of {prompt} prompt tokens)"
+        rows.append(("prefix cache hit rate", rate))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

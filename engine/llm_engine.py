@@ -106,6 +106,7 @@ class _Request:
             outputs=outs,
             finished=self.finished,
             metrics=dataclasses.replace(self.metrics, itl=list(self.metrics.itl)),
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
         )
 
 
@@ -158,7 +159,9 @@ class LLMEngine:
             )  # fmt: skip
         num_blocks, num_cpu_blocks = self._size_pool()
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, num_cpu_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
+        )
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.runner = ModelRunner(mc, cfg, self.backend)
         self.eos_token_ids = list(mc.eos_token_ids or self.tokenizer.eos_token_ids)
@@ -399,6 +402,9 @@ class LLMEngine:
             req.metrics.finish_time = time.monotonic()
 
     def _trace_schedule(self, out: SchedulerOutput) -> None:
+        for seq, hits in out.prefix_hits:
+            trace.info("%s: prefix cache hit: %d tokens (blocks %s)", seq.request_id,
+                       len(hits) * self.config.block_size, hits)  # fmt: skip
         for seq in out.preempted:
             trace.info("%s: preempted (%s): blocks released, %d free now", seq.request_id,
                        self.config.preemption_mode, self.block_manager.num_free_blocks)  # fmt: skip

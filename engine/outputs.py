@@ -55,6 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (if on)
 
     # convenience: the first (usually only) completion
     @property

@@ -35,6 +35,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), second
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +75,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest arrival first
         self.swapped: list[Sequence] = []  # oldest arrival first
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admissions
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
         self._rejected: list[tuple[Sequence, str]] = []
 
     # -- queues ---------------------------------------------------------------------------------
@@ -125,7 +128,7 @@ class Scheduler:
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
             if not self.swapped:
-                self._schedule_waiting(step)
+                self._schedule_waiting(step, out)
         out.scheduled = step.decodes + step.prefills
         out.num_decodes = len(step.decodes)
         return out
@@ -142,6 +145,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
+            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
                 grown.append(seq)
@@ -189,26 +193,44 @@ class Scheduler:
             self._start_running(seq)
             step.add(seq, n, is_decode=seq.num_uncomputed_tokens == 1)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
-        """Admit waiting prompts first come, first served, while they fit."""
+    def _schedule_waiting(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+        """Admit waiting prompts first come, first served, while they fit; with prefix caching
+        each starts with its cached prefix blocks, and only the rest counts against the budget."""
+        bm = self.block_manager
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._reject_if_hopeless(seq):
                 continue
-            n = self._chunk(seq, step.budget)
-            if n == 0 or not self.block_manager.can_allocate(seq, n):
+            hits = bm.cached_prefix(seq)  # [] without prefix caching
+            n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size)
+            if n == 0 or not bm.can_allocate(seq, n, hits):
                 return
             self.waiting.popleft()
-            self.block_manager.allocate(seq, n)
+            self._take_prefix(seq, hits, out)
+            bm.allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
 
+    def _take_prefix(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> None:
+        """seq starts with the cached blocks ``hits``: their tokens count as computed."""
+        if not self.config.enable_prefix_caching:
+            return
+        hit_tokens = len(hits) * self.block_manager.block_size
+        if seq.num_cached_tokens is None:  # first admission: the hit-rate statistics
+            seq.num_cached_tokens = hit_tokens
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += hit_tokens
+        if hits:
+            self.block_manager.take_cached(seq, hits)
+            seq.num_computed_tokens = hit_tokens
+            out.prefix_hits.append((seq, list(hits)))
+
     # -- helpers --------------------------------------------------------------------------------
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of seq to run now: all uncomputed ones, or (chunked prefill) what the budget
-        allows; 0 when it has to wait for a later step."""
-        n = seq.num_uncomputed_tokens
+    def _chunk(self, seq: Sequence, budget: int, skip: int = 0) -> int:
+        """Tokens of seq to run now: all uncomputed ones (less ``skip``, found in the prefix
+        cache), or (chunked prefill) what the budget allows; 0 when it has to wait."""
+        n = seq.num_uncomputed_tokens - skip
         if n <= budget:
             return n
         return max(budget, 0) if self.config.enable_chunked_prefill else 0

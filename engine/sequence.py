@@ -43,6 +43,12 @@ class Sequence:
         self.block_table: list[int] = []  # GPU block ids, in token order
         self.cpu_block_table: list[int] = []  # CPU block ids while SWAPPED
         self.num_computed_tokens = 0
+        # prefix caching: the chained hashes of its full blocks of tokens (filled lazily), how
+        # many of block_table's blocks are registered or reused from the cache, and how many
+        # prompt tokens its first admission found cached (vLLM's num_cached_tokens)
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     def __repr__(self) -> str:
