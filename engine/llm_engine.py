@@ -189,7 +189,8 @@ class LLMEngine:
         )
         fit = max((budget - weights - peak) // per_block, 0)
         num_blocks = cfg.num_gpu_blocks or fit
-        num_cpu_blocks = cfg.swap_space_bytes // per_block
+        # no swap with prefix caching (EngineConfig refuses it): no CPU pool either
+        num_cpu_blocks = 0 if cfg.enable_prefix_caching else cfg.swap_space_bytes // per_block
         where = "host memory" if be.name in ("numpy", "cuda-cpu") else "device memory"
         log.info(
             "memory budget %s (%s) - weights %s - activation peak %s (profile: %d tokens) = %s "

@@ -6,16 +6,20 @@ token into its slot through the seq's block table, reads the whole context back 
 and checks it equals the seq's true token ids: any block shared, reused too early, swapped to the
 wrong place or lost shows up as a wrong context. The sampled token is a hash of the context, so it
 is the same whatever else is in the batch, and after a recompute preemption.
+
+Prompts share prefixes (a prefix of one of two base prompts, then their own tokens). With prefix
+caching on, every cached hash must also match the token ids the fake cache holds in its block.
 """
 
 import random
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, hash_block
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -61,6 +65,8 @@ class Req:
     prompt_len: int
     max_tokens: int
     abort_step: int | None
+    shared_len: int = 0  # leading tokens taken from base prompt `base`
+    base: int = 0
 
 
 requests = st.lists(
@@ -70,14 +76,19 @@ requests = st.lists(
         prompt_len=st.integers(1, 52),
         max_tokens=st.integers(1, 24),
         abort_step=st.none() | st.integers(0, 40),
+        shared_len=st.integers(0, 52),
+        base=st.integers(0, 1),
     ),
     min_size=1,
     max_size=10,
 )
 
 
+modes = st.sampled_from(["recompute", "swap"])
+
+
 @st.composite
-def engines(draw):
+def engines(draw, prefix_caching: bool = False):
     chunked = draw(st.booleans())
     max_num_seqs = draw(st.integers(1, 6))
     budget = draw(st.integers(max_num_seqs, 64)) if chunked else MAX_MODEL_LEN
@@ -86,12 +97,13 @@ def engines(draw):
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=MAX_MODEL_LEN,
-        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        preemption_mode="recompute" if prefix_caching else draw(modes),
         enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix_caching,
     )
     tokens_in_pool = draw(st.integers(8, 3 * MAX_MODEL_LEN))  # below one max-length seq, often
     num_blocks = max(2, tokens_in_pool // config.block_size)
-    num_cpu_blocks = draw(st.integers(0, 12))
+    num_cpu_blocks = 0 if prefix_caching else draw(st.integers(0, 12))
     return config, num_blocks, num_cpu_blocks
 
 
@@ -108,20 +120,29 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         assert cfg.enable_chunked_prefill or seq.num_computed_tokens + n == seq.num_tokens
 
 
+def check_cached_contents(bm: BlockManager, model: FakePagedModel) -> None:
+    """Every hash in the cache map names a block whose tokens (in the fake cache) hash to it."""
+    for h, block in bm.cached.items():
+        parent, _ = bm.block_keys[block]
+        assert hash_block(parent, model.gpu[block].tolist()) == h, f"block {block} was changed"
+
+
+def make_seqs(reqs: list[Req], rng: random.Random) -> list[Sequence]:
+    bases = [[rng.randrange(1000) for _ in range(MAX_MODEL_LEN)] for _ in range(2)]
+    seqs = []
+    for i, r in enumerate(reqs):
+        shared = min(r.shared_len, r.prompt_len)
+        own = [rng.randrange(1000) for _ in range(r.prompt_len - shared)]
+        params = SamplingParams(max_tokens=r.max_tokens)
+        seqs.append(Sequence(f"r{i}", bases[r.base][:shared] + own, params, float(i)))
+    return seqs
+
+
 def run_workload(config, num_blocks, num_cpu_blocks, reqs, seed):
-    bm = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
+    bm = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
     sched = Scheduler(config, bm)
     model = FakePagedModel(num_blocks, num_cpu_blocks, config.block_size)
-    rng = random.Random(seed)
-    seqs = [
-        Sequence(
-            f"r{i}",
-            [rng.randrange(1000) for _ in range(r.prompt_len)],
-            SamplingParams(max_tokens=r.max_tokens),
-            arrival_time=float(i),
-        )
-        for i, r in enumerate(reqs)
-    ]
+    seqs = make_seqs(reqs, random.Random(seed))
     rejected = {}
     bound = 12 + 4 * sum(r.prompt_len + r.max_tokens for r in reqs) * (1 + len(reqs))
     for step in range(bound):
@@ -140,6 +161,7 @@ def run_workload(config, num_blocks, num_cpu_blocks, reqs, seed):
                 sched.finish(seq, "length")
         rejected.update({seq.seq_id: reason for seq, reason in sched.take_rejected()})
         sched.check_invariants()
+        check_cached_contents(bm, model)
     else:
         raise AssertionError(f"workload did not finish in {bound} steps")
     return sched, seqs, rejected
@@ -169,3 +191,28 @@ def test_random_workloads_keep_invariants_and_finish(engine, reqs, seed):
     config, num_blocks, num_cpu_blocks = engine
     sched, seqs, rejected = run_workload(config, num_blocks, num_cpu_blocks, reqs, seed)
     check_outcome(sched, seqs, reqs, rejected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(engine=engines(prefix_caching=True), reqs=requests, seed=st.integers(0, 2**16))
+def test_random_workloads_with_prefix_caching(engine, reqs, seed):
+    config, num_blocks, _ = engine
+    sched, seqs, rejected = run_workload(config, num_blocks, 0, reqs, seed)
+    check_outcome(sched, seqs, reqs, rejected)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_shared_prefixes_hit_the_cache(chunked):
+    """A fixed workload where later prompts share 20-40 tokens with earlier ones: hits happen,
+    and the tokens equal those of the same workload without the cache."""
+    fields = dict(block_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=3)
+    fields.update(enable_chunked_prefill=chunked, max_num_batched_tokens=24 if chunked else 48)
+    reqs = [Req(i, 30 + i, 10, None, shared_len=20 + 5 * i, base=i % 2) for i in range(6)]
+    outcomes = []
+    for caching in (False, True):
+        config = EngineConfig(**fields, enable_prefix_caching=caching)
+        sched, seqs, rejected = run_workload(config, 24, 0, reqs, seed=5)
+        check_outcome(sched, seqs, reqs, rejected)
+        outcomes.append([s.output_token_ids for s in seqs])
+    assert outcomes[0] == outcomes[1] and not rejected and sched.num_preemptions > 0
+    assert sched.prefix_cache_hits >= 4 * 16

@@ -1,0 +1,303 @@
+"""Prefix caching: exact block ids of hits, revivals and evictions; the engine's tokens with the
+cache on equal those with it off (tiny model and SmolLM2), also under recompute preemption."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.block_manager import BlockManager, FreeBlockQueue, hash_block
+from engine.config import EngineConfig
+from engine.generate import main as generate_main
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from reference.generate import generate as reference_generate
+from reference.loader import load_model
+
+BS = 16
+_rng = random.Random(2024)
+_clock = itertools.count()
+
+
+def tokens(n: int) -> list[int]:
+    return [_rng.randrange(32000) for _ in range(n)]
+
+
+def make_seq(prompt: list[int]) -> Sequence:
+    arrival = float(next(_clock))
+    return Sequence(f"req{arrival:.0f}", prompt, SamplingParams(max_tokens=16), arrival)
+
+
+def make_scheduler(num_blocks: int = 10) -> Scheduler:
+    config = EngineConfig(
+        block_size=BS, max_model_len=128, max_num_batched_tokens=128, enable_prefix_caching=True
+    )
+    return Scheduler(config, BlockManager(num_blocks, BS, enable_caching=True))
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One step with a fake model that samples a fresh random token for every finished row."""
+    out = sched.schedule()
+    sched.check_invariants()
+    sched.update(out, {seq.seq_id: _rng.randrange(32000) for seq, _ in out.scheduled})
+    sched.check_invariants()
+    return out
+
+
+def admit(sched: Scheduler, prompt: list[int]) -> tuple[Sequence, SchedulerOutput]:
+    seq = make_seq(prompt)
+    sched.add(seq)
+    return seq, step(sched)
+
+
+def scheduled(out: SchedulerOutput) -> list[tuple[int, int]]:
+    return [(seq.seq_id, n) for seq, n in out.scheduled]
+
+
+# ---- exact block ids ----
+
+
+def test_shared_40_tokens_reuse_two_blocks_and_get_a_new_third():
+    sched = make_scheduler()
+    bm = sched.block_manager
+    a, _ = admit(sched, tokens(50))
+    assert a.block_table == [0, 1, 2, 3] and a.num_cached_tokens == 0
+    assert sorted(bm.cached.values()) == [0, 1, 2]  # the three full blocks; 3 is partial
+    b, out = admit(sched, a.prompt_token_ids[:40] + tokens(5))
+    assert out.prefix_hits == [(b, [0, 1])]
+    assert b.block_table == [0, 1, 4] and b.num_cached_tokens == 32
+    assert scheduled(out) == [(a.seq_id, 1), (b.seq_id, 45 - 32)]  # only the uncached tokens
+    assert bm.ref_counts[:5] == [2, 2, 1, 1, 1]
+    assert (sched.prefix_cache_hits, sched.prefix_cache_queries) == (32, 95)
+
+
+def test_equal_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    a, _ = admit(sched, tokens(32))  # blocks [0, 1], both full and cached
+    b, out = admit(sched, list(a.prompt_token_ids))
+    assert out.prefix_hits == [(b, [0])]  # capped: block 1 holds the last token
+    assert b.block_table == [0, 3] and scheduled(out)[-1] == (b.seq_id, 16)
+    assert b.num_output_tokens == 1  # the last token ran, so b sampled
+    assert sched.block_manager.cached[b.block_hashes[1]] == 1  # a's copy stays the cached one
+    c, out = admit(sched, a.prompt_token_ids + tokens(1))  # 33 tokens: both blocks hit
+    assert out.prefix_hits == [(c, [0, 1])] and scheduled(out)[-1] == (c.seq_id, 1)
+
+
+def test_finished_blocks_stay_cached_and_are_revived():
+    sched = make_scheduler()
+    bm = sched.block_manager
+    a, _ = admit(sched, tokens(40))  # [0, 1, 2]: 0 and 1 full
+    sched.finish(a, "stop")
+    assert list(bm.free_blocks) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]  # reverse order, at the tail
+    assert sorted(bm.cached.values()) == [0, 1]  # free AND cached
+    c, out = admit(sched, a.prompt_token_ids[:32] + tokens(10))
+    assert out.prefix_hits == [(c, [0, 1])] and c.block_table == [0, 1, 3]
+    assert list(bm.free_blocks) == [4, 5, 6, 7, 8, 9, 2]  # revived from the middle
+    assert bm.ref_counts[:4] == [1, 1, 0, 1]
+
+
+def test_eviction_takes_the_least_recently_freed_block():
+    sched = make_scheduler(num_blocks=5)
+    bm = sched.block_manager
+    a, b = make_seq(tokens(32)), make_seq(tokens(32))
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # a [0, 1], b [2, 3]: all four full and cached
+    sched.finish(a, "stop")
+    sched.finish(b, "stop")
+    assert list(bm.free_blocks) == [4, 1, 0, 3, 2]
+    c, _ = admit(sched, tokens(20))  # two blocks: the never-used 4, then a's tail block 1
+    assert c.block_table == [4, 1]
+    assert a.block_hashes[1] not in bm.cached and sorted(bm.cached.values()) == [0, 2, 3, 4]
+    a2, out = admit(sched, list(a.prompt_token_ids))  # only a's first block is left
+    assert out.prefix_hits == [(a2, [0])] and a2.block_table == [0, 3]  # 3: b's tail, next
+    assert b.block_hashes[1] not in bm.cached
+    assert bm.cached_prefix(make_seq(list(b.prompt_token_ids))) == [2]  # b's head survives
+
+
+def test_same_tokens_after_a_different_prefix_are_not_a_hit():
+    sched = make_scheduler()
+    x, y = tokens(BS), tokens(BS)
+    a, _ = admit(sched, x + y + tokens(3))  # block 1 holds y after x
+    b, out = admit(sched, y + tokens(20))  # y as the first block: another chain
+    assert out.prefix_hits == [] and b.block_table == [3, 4, 5] and b.num_cached_tokens == 0
+    assert hash_block(None, y) != a.block_hashes[1] == hash_block(hash_block(None, x), y)
+
+
+def test_recompute_preemption_releases_refs_and_the_reprefill_hits():
+    sched = make_scheduler(num_blocks=5)
+    a, _ = admit(sched, tokens(47))  # [0, 1, 2]
+    b, out = admit(sched, a.prompt_token_ids[:32] + tokens(15))  # [0, 1] shared, then [3]
+    assert b.block_table == [0, 1, 3]
+    step(sched)  # a crosses into block 4; b fills block 3 (registered: its prompt + 1 token)
+    assert a.block_table == [0, 1, 2, 4]
+    out = step(sched)  # b crosses, nothing is free: b is the latest, so b yields
+    assert out.preempted == [b] and sched.block_manager.ref_counts == [1, 1, 1, 0, 1]
+    sched.finish(a, "stop")
+    out = step(sched)  # b re-prefills prompt + 2 tokens; its blocks 0, 1, 3 are still cached
+    assert out.prefix_hits == [(b, [0, 1, 3])] and scheduled(out) == [(b.seq_id, 1)]
+    assert b.num_computed_tokens == 49 and b.num_cached_tokens == 32  # first admission's
+
+
+def test_free_queue_removes_from_the_middle_in_order():
+    q = FreeBlockQueue(range(6))
+    q.remove(3)
+    q.append(3)
+    q.remove(1)
+    assert [q.popleft(), q.popleft()] == [0, 2] and list(q) == [4, 5, 3] and 5 in q
+
+
+# ---- the invariant check catches broken bookkeeping ----
+
+
+def _two_sharing() -> tuple[BlockManager, list[Sequence]]:
+    sched = make_scheduler()
+    a, _ = admit(sched, tokens(40))
+    b, _ = admit(sched, a.prompt_token_ids[:32] + tokens(4))
+    return sched.block_manager, [a, b]
+
+
+def test_invariants_catch_a_wrong_ref_count():
+    bm, seqs = _two_sharing()
+    bm.ref_counts[0] = 1
+    with pytest.raises(AssertionError, match="block 0: ref 1, 2 holders"):
+        bm.check_invariants(seqs)
+
+
+def test_invariants_catch_a_hash_pointing_at_other_tokens():
+    bm, seqs = _two_sharing()
+    h = bm.block_hash[1]
+    parent, toks = bm.block_keys[1]
+    bm.block_keys[1] = (parent, (toks[0] + 1,) + toks[1:])
+    with pytest.raises(AssertionError, match="block 1's key"):
+        bm.check_invariants(seqs)
+    bm.block_keys[1] = (parent, toks)
+    bm.cached[h] = 0
+    with pytest.raises(AssertionError, match="not under its hash"):
+        bm.check_invariants(seqs)
+
+
+def test_invariants_catch_a_seq_writing_a_shared_block():
+    bm, (a, b) = _two_sharing()
+    b.num_cached_blocks = 0  # as if b still had to write blocks 0 and 1
+    with pytest.raises(AssertionError, match="writes cached block 0"):
+        bm.check_invariants([a, b])
+
+
+def test_swap_with_prefix_caching_is_refused():
+    with pytest.raises(ValueError, match="preemption_mode='swap'.*enable_prefix_caching=True"):
+        EngineConfig(preemption_mode="swap", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        EngineConfig(enable_prefix_caching="yes")
+
+
+# ---- the engine: same greedy tokens with the cache on ----
+
+SYSTEM = (
+    "You are a small language model. Once upon a time in a land far away there lived a quick "
+    "brown fox; it jumps over the lazy dog. Answer briefly, and be kind to everyone."
+)
+QUESTIONS = ["hi my name is", "hello there", "today is a beautiful summer day", "the quick"]
+
+
+def chat_prompts(tokenizer) -> list[str]:
+    """One shared system prompt, different user turns: long shared prefixes."""
+    msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q in QUESTIONS]  # fmt: skip
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
+
+
+def run_staggered(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
+    """One new request per step (so later ones find the earlier prefixes cached), then step
+    to the end; invariants after every step; outputs in input order."""
+    done = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def expected_hits(outs: list, block_size: int) -> list[int]:
+    """Cached tokens each request should find: its longest common prefix with an earlier
+    prompt, in whole blocks, leaving at least its last token to compute."""
+    prompts = [o.prompt_token_ids for o in outs]
+    hits = [0]
+    for i, p in enumerate(prompts[1:], start=1):
+        common = max(len(os.path.commonprefix([p, q])) for q in prompts[:i])
+        hits.append(min(common, len(p) - 1) // block_size * block_size)
+    return hits
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0, **kw}
+    return LLMEngine(loaded=loaded, model="test", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+def test_tiny_tokens_equal_without_the_cache_and_the_reference(tiny):
+    prompts = chat_prompts(tiny.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = run_staggered(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, enable_prefix_caching=True)
+    cached = run_staggered(engine, prompts, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    ids = tiny.tokenizer.encode(prompts[-1])
+    assert cached[-1].token_ids == reference_generate(tiny.weights, tiny.config, ids, 12).token_ids
+    assert [o.num_cached_tokens for o in cached] == expected_hits(cached, BS)
+    assert cached[1].num_cached_tokens >= 96 and plain[1].num_cached_tokens is None
+    assert engine.scheduler.prefix_cache_hits == sum(o.num_cached_tokens for o in cached) > 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tiny_small_pool_recompute_preemption_same_tokens(tiny, chunked):
+    prompts = chat_prompts(tiny.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = run_staggered(make_engine(tiny), prompts, params)
+    chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=8)
+    kw = chunks if chunked else {}
+    small = make_engine(tiny, num_gpu_blocks=26, max_model_len=192, block_size=8,
+                        enable_prefix_caching=True, **kw)  # fmt: skip
+    outs = run_staggered(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0 and small.scheduler.prefix_cache_hits > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_smollm2_tokens_equal_without_the_cache(smollm2):
+    prompts = chat_prompts(smollm2.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = run_staggered(make_engine(smollm2, max_model_len=512), prompts, params)
+    engine = make_engine(smollm2, max_model_len=512, enable_prefix_caching=True)
+    cached = run_staggered(engine, prompts, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    hits = [o.num_cached_tokens for o in cached]
+    assert hits == expected_hits(cached, BS) and min(hits[1:]) >= 32
+
+
+def test_cli_traces_hits_and_prints_the_hit_rate(tiny_model_dir, capsys, caplog):
+    prefix = "once upon a time in a land far away there lived a small language model"
+    argv = ["--model", str(tiny_model_dir), "--prompt", prefix, "--prompt", prefix + " too",
+            "--block-size", "4", "--max-num-seqs", "1", "--max-tokens", "4", "--trace",
+            "--enable-prefix-caching", "--num-gpu-blocks", "64", "--max-model-len", "128",
+            "--swap-space", "0",
+            "--no-tqdm"]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="engine.trace"):
+        assert generate_main(argv) == 0
+    hits = [r.getMessage() for r in caplog.records if "prefix cache hit:" in r.getMessage()]
+    assert len(hits) == 1 and "1: prefix cache hit: " in hits[0] and "(blocks [" in hits[0]
+    assert "prefix cache hit rate" in capsys.readouterr().out
+    assert generate_main(["--preemption-mode", "swap", "--enable-prefix-caching"]) == 2
