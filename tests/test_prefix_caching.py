@@ -263,6 +263,18 @@ def test_tiny_tokens_equal_without_the_cache_and_the_reference(tiny):
     assert engine.scheduler.prefix_cache_hits == sum(o.num_cached_tokens for o in cached) > 0
 
 
+def test_cuda_cpu_kernels_over_cached_prefixes_give_the_same_tokens(tiny):
+    """The CUDA kernels (CPU emulation) read a prefill's first tokens from cached blocks."""
+    prompts = chat_prompts(tiny.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = run_staggered(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, enable_prefix_caching=True, backend="cuda-cpu")
+    cached = run_staggered(engine, prompts, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert [o.num_cached_tokens for o in cached] == expected_hits(cached, BS)
+    assert sum(o.num_cached_tokens for o in cached) > 0
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_tiny_small_pool_recompute_preemption_same_tokens(tiny, chunked):
     prompts = chat_prompts(tiny.tokenizer)
