@@ -1,8 +1,10 @@
 """Text <-> token ids, chat templates, and streaming (incremental) detokenization.
 
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` built either from a Hugging Face ``tokenizer.json``
-or, for GGUF files, from the vocabulary and merges in the metadata. BOS is added only when the
-model's own files say so. ``IncrementalDetokenizer`` turns generated ids into text piece by piece.
+or, for GGUF files, from the metadata: a byte-level BPE (``gpt2``: vocabulary and merges) or a
+SentencePiece BPE with byte fallback (``llama``: vocabulary, scores and token types). BOS is
+added only when the model's own files say so. ``IncrementalDetokenizer`` turns generated ids into
+text piece by piece.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
+# tokenizer.ggml.token_type values
+GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_BYTE = 1, 2, 3, 4, 6
+SPM_SPACE = "\u2581"  # "▁": SentencePiece's stand-in for a space
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
@@ -76,23 +80,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """From GGUF ``tokenizer.*`` metadata; only byte-level BPE (``gpt2``) for now."""
+        """From GGUF ``tokenizer.*`` metadata: byte-level BPE (``gpt2``) or SentencePiece BPE
+        (``llama``). BOS is added by default for ``llama`` only, as llama.cpp does."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind == "llama":
-            raise ValueError(
-                "gguf: tokenizer.ggml.model 'llama' (SentencePiece) is not supported yet; "
-                "use the model's Hugging Face directory instead"
-            )
-        if kind != "gpt2":
-            raise ValueError(f"gguf: tokenizer.ggml.model {kind!r} is not supported")
+        builders = {"gpt2": _byte_level_bpe_from_gguf, "llama": _sentencepiece_bpe_from_gguf}
+        if kind not in builders:
+            raise ValueError(f"gguf: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)")
         eos = [
             metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         ]
         return cls(
-            _byte_level_bpe_from_gguf(metadata),
+            builders[kind](metadata),
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_unique(eos),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
@@ -262,11 +263,16 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"gguf: tokenizer.ggml.pre {pre!r} is not supported yet (smollm, gpt-2)")
 
 
+def _required(md: dict[str, Any], key: str) -> list:
+    value = md.get(key)
+    if not value:
+        raise ValueError(f"gguf: missing required metadata key {key!r}")
+    return list(value)
+
+
 def _byte_level_bpe_from_gguf(md: dict[str, Any]) -> HFTokenizer:
     """The tokenizers.Tokenizer equivalent to a GGUF ``gpt2`` vocabulary."""
-    tokens = md.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ValueError("gguf: missing required metadata key 'tokenizer.ggml.tokens'")
+    tokens = _required(md, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ")) for m in md.get("tokenizer.ggml.merges", [])]
     bad = next((m for m in merges if len(m) != 2), None)
     if bad is not None:
@@ -286,3 +292,67 @@ def _add_gguf_specials(backend: HFTokenizer, tokens: list[str], types: list[int]
     user = [t for t, k in zip(tokens, types, strict=False) if k == GGUF_USER_DEFINED]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _sentencepiece_bpe_from_gguf(md: dict[str, Any]) -> HFTokenizer:
+    """The tokenizers.Tokenizer equivalent to a GGUF ``llama`` (SentencePiece BPE) vocabulary:
+    what transformers' LlamaTokenizerFast is. Spaces become "▁" (one in front of each run of
+    text, when add_space_prefix), pieces merge by score, characters outside the vocabulary fall
+    back to <0xNN> byte tokens; decoding undoes it all and drops the front space again."""
+    tokens = _required(md, "tokenizer.ggml.tokens")
+    scores = _required(md, "tokenizer.ggml.scores")
+    types = md.get("tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise ValueError(
+            f"gguf: {len(tokens)} tokenizer.ggml.tokens but {len(scores)} scores "
+            f"and {len(types)} token types"
+        )
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    unk = _spm_unk_token(md, tokens, types)
+    model = models.BPE(
+        vocab=vocab,
+        merges=_spm_merges(tokens, scores, types),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = HFTokenizer(model)
+    space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(SPM_SPACE)] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPM_SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    specials = [t for t, k in zip(tokens, types, strict=True) if k == GGUF_UNKNOWN]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    _add_gguf_specials(backend, tokens, types)
+    return backend
+
+
+def _spm_unk_token(md: dict[str, Any], tokens: list[str], types: list[int]) -> str | None:
+    """The unknown token: tokenizer.ggml.unknown_token_id, else the one of type 2, else none."""
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is None:
+        unk_id = next((i for i, k in enumerate(types) if k == GGUF_UNKNOWN), None)
+    if unk_id is not None and not 0 <= unk_id < len(tokens):
+        raise ValueError(f"gguf: tokenizer.ggml.unknown_token_id {unk_id} is out of range")
+    return None if unk_id is None else tokens[unk_id]
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple]:
+    """BPE merges that reproduce SentencePiece's encoding: every split of a token into two
+    vocabulary pieces, the merges of higher-scoring tokens first (ties: lower id first).
+    SentencePiece never merges into unknown, control or byte tokens, so neither do we."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    never = (GGUF_UNKNOWN, GGUF_CONTROL, GGUF_BYTE)
+    ranked = []  # (-score, token id, left id, left, right)
+    for i, tok in enumerate(tokens):
+        if types[i] in never:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, vocab[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]

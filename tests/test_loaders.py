@@ -385,9 +385,11 @@ def test_gguf_missing_metadata_key(tiny_model_dir, hf, tmp_path):
         read_gguf(path)
 
 
-def test_gguf_sentencepiece_tokenizer_not_supported_yet(tiny_model_dir, hf, tmp_path):
+def test_gguf_sentencepiece_tokenizer_needs_scores(tiny_model_dir, hf, tmp_path):
+    """load_model builds a ``llama`` tokenizer from the metadata (tests/test_tokenizer_sentencepiece
+    checks it against sentencepiece); without tokenizer.ggml.scores it can't."""
     path = write_gguf(tmp_path / "sp.gguf", *hf, tiny_model_dir, tok_model="llama")
-    with pytest.raises(ValueError, match="'llama'.*not supported yet"):
+    with pytest.raises(ValueError, match="missing required metadata key 'tokenizer.ggml.scores'"):
         load_model(str(path))
 
 
