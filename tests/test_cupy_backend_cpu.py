@@ -39,6 +39,7 @@ from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 from reference.model import forward as reference_forward
+from tests.spies import CallCounter, count_forwards
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
@@ -75,8 +76,8 @@ def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
     engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
     be = engine.backend
     assert sorted(be.graphs) == ([] if eager else [1, 2, 4])
-    be.graphs = {g: Counter(fn) for g, fn in be.graphs.items()}
-    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
+    be.graphs = {g: CallCounter(fn) for g, fn in be.graphs.items()}
+    count_forwards(be)
     lengths = [6, 10, 14]  # the decode batch shrinks 3 -> 2 -> 1: padded to 4, then exact
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
@@ -98,7 +99,7 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
     ]
     engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4)
     be = engine.backend
-    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
+    count_forwards(be)
     outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
     host = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True)
     want = run_to_completion(host, PROMPTS, params, check_invariants=True)
@@ -108,17 +109,6 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
     ids = tiny.tokenizer.encode(PROMPTS[0])
     assert outs[0].token_ids == reference_generate(tiny.weights, tiny.config, ids, 10).token_ids
-
-
-class Counter:
-    """Wraps a graph replay or a backend method and counts its calls."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.fn(*args)
 
 
 def test_engine_swap_preemption_greedy_equals_reference(tiny, monkeypatch):
@@ -193,7 +183,7 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, graphs):
     batch = decode_batch(rng, 5, 40, be.block_size)  # with graphs: the graph of 8, padded
     assert sorted(be.graphs) == ([1, 2, 4, 8] if graphs else [])
     if graphs:
-        be.graphs[8] = Counter(be.graphs[8])
+        be.graphs[8] = CallCounter(be.graphs[8])
     ids = be.forward_greedy(batch)  # (B,) int32
     logits = be.forward(batch)  # (B, V): the same step again, same cache writes
     assert ids.dtype == np.int32 and ids.shape == (5,)

@@ -12,6 +12,7 @@ from engine import LLMEngine, SamplingParams
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
+from tests.spies import count_forwards
 
 SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
@@ -79,22 +80,9 @@ def test_smollm2_greedy_equals_reference_golden_and_alone(smollm2):
 # ---- plain-greedy steps: argmax on the backend, no (B, V) logits to the host ----
 
 
-class Spy:
-    """Wraps a backend method: counts its calls and still makes them."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.fn(*args)
-
-
-def spy_forwards(engine: LLMEngine) -> tuple[Spy, Spy]:
-    """(forward, forward_greedy) spies installed on the engine's backend."""
-    be = engine.backend
-    be.forward, be.forward_greedy = Spy(be.forward), Spy(be.forward_greedy)
-    return be.forward, be.forward_greedy
+def spy_forwards(engine: LLMEngine):
+    """(forward, forward_greedy) counters installed on the engine's backend."""
+    return count_forwards(engine.backend)
 
 
 def mixed_params() -> list[SamplingParams]:

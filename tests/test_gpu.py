@@ -24,6 +24,7 @@ from engine.kernels import PARTITION_SIZE
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 from reference.model import forward as reference_forward
+from tests.spies import CallCounter, count_forwards
 
 pytestmark = [
     pytest.mark.gpu,
@@ -269,21 +270,6 @@ def gpu_engine(loaded, monkeypatch, **kw) -> LLMEngine:
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 
-class Counter:
-    """Wraps a backend method or a graph replay: counts its calls and still makes them."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.fn(*args)
-
-
-def count_forwards(be) -> None:
-    be.forward, be.forward_greedy = Counter(be.forward), Counter(be.forward_greedy)
-
-
 def run_engine(engine, params) -> list:
     for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(str(i), p, sp)
@@ -344,7 +330,7 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, monkeypatch, eager,
         query_start_loc=np.arange(B + 1, dtype=np.int32), num_decodes=B,
     )  # fmt: skip
     if not eager:
-        be.graphs[8] = Counter(be.graphs[8])
+        be.graphs[8] = CallCounter(be.graphs[8])
     ids = be.forward_greedy(batch)  # (B,) int32
     logits = be.forward(batch)  # (B, V): the same step again, the same cache writes
     assert ids.dtype == np.int32 and ids.shape == (B,)
