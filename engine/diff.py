@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def golden_logits(case: dict) -> np.ndarray:
+    """A golden case's last-prompt-position logits, (V,) float32 (stored as base64)."""
+    return np.frombuffer(base64.b64decode(case["last_logits_f32_b64"]), dtype="<f4")
+
+
 def load_golden(args) -> dict:
     """prompt text -> (token ids, first-step logits (V,)) from transformers' golden run."""
     path = args.golden or DEFAULT_GOLDEN.get(args.model)
@@ -59,10 +64,7 @@ def load_golden(args) -> dict:
         return {}
     cases = json.loads(Path(path).read_text())["cases"]
     return {
-        c["prompt"]: (
-            c["token_ids"],
-            np.frombuffer(base64.b64decode(c["last_logits_f32_b64"]), dtype="<f4"),
-        )
+        c["prompt"]: (c["token_ids"], golden_logits(c))
         for c in cases
         if c.get("add_special_tokens", True)  # plain prompts, encoded as engine.diff does
     }

@@ -8,8 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
+from engine.diff import golden_logits
 from engine.diff import main as diff_main
 from engine.generate import build_parser
 from engine.generate import main as generate_main
@@ -87,7 +86,7 @@ def test_diff_checks_golden_tokens_and_logits(tiny_model_dir, tmp_path, capsys):
     assert diff_main(args + ["--golden", str(path)]) == 1
     assert "first divergence at step 3" in capsys.readouterr().out
 
-    logits = np.frombuffer(base64.b64decode(case["last_logits_f32_b64"]), "<f4").copy()
+    logits = golden_logits(case).copy()
     logits[7] += 0.01  # beyond the 1e-3 absolute bound, tokens unchanged
     bad = dict(case, last_logits_f32_b64=base64.b64encode(logits.tobytes()).decode())
     path.write_text(json.dumps({"cases": [bad]}))

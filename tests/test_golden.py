@@ -7,7 +7,6 @@ directory path (safetensors + tokenizer.json) the same way.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.diff import golden_logits
 from reference.generate import generate
 from reference.loader import load_model
 
@@ -24,10 +24,6 @@ LOGITS_ATOL = 1e-3
 
 def read_golden(name: str) -> dict:
     return json.loads((GOLDEN / name).read_text())
-
-
-def golden_logits(case: dict) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(case["last_logits_f32_b64"]), dtype="<f4")  # (V,)
 
 
 SMOL = read_golden("smollm2.json")
