@@ -22,11 +22,13 @@ def _bad(name: str, value, expected: str) -> ValueError:
     return ValueError(f"EngineConfig: {name} must be {expected}, got {value!r}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """A real int (bool is not one here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """An int or float (bool is not one here)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -65,13 +67,13 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise _bad("seed", self.seed, "an integer")
 
     def _check_ranges(self):
         for name in ("block_size", "max_num_seqs"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise _bad(name, value, "a positive integer")
         for name in (
             "max_num_batched_tokens",
@@ -80,12 +82,12 @@ class EngineConfig:
             "memory_budget_bytes",
         ):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise _bad(name, value, "a positive integer or None")
         util = self.gpu_memory_utilization
-        if not _is_number(util) or not 0 < util <= 1:
+        if not is_number(util) or not 0 < util <= 1:
             raise _bad("gpu_memory_utilization", util, "in (0, 1]")
-        if not _is_number(self.swap_space) or self.swap_space < 0:
+        if not is_number(self.swap_space) or self.swap_space < 0:
             raise _bad("swap_space", self.swap_space, "a number of GiB >= 0")
 
     def _check_choices(self):

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import is_int, is_number
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 
 
 def _bad(name: str, value, expected: str) -> ValueError:
     return ValueError(f"SamplingParams: {name} must be {expected}, got {value!r}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -45,17 +39,17 @@ class SamplingParams:
         self._check_stops()
 
     def _check_counts(self):
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"an integer in [0, {self.max_tokens}]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise _bad("top_k", self.top_k, "an integer >= 1, or 0 / -1 for off")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise _bad("logprobs", self.logprobs, "an integer >= 0 or None")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise _bad("seed", self.seed, "an integer or None")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
@@ -71,7 +65,7 @@ class SamplingParams:
         )
         for name, ok, expected in checks:
             value = getattr(self, name)
-            if not _is_number(value) or value != value or not ok(value):  # value != value: NaN
+            if not is_number(value) or value != value or not ok(value):  # value != value: NaN
                 raise _bad(name, value, expected)
             setattr(self, name, float(value))
 
@@ -80,7 +74,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", s, "a non-empty string")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
+            if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", t, "a non-negative integer")
 
     @property
