@@ -12,12 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import engine.llm_engine as llm_engine
 from engine import LLMEngine, SamplingParams
 from engine import gemm as G
 from engine.backends import cuda_cpu_ops as C
 from engine.backends import numpy_ops as N
-from engine.backends.cupy_backend import CupyBackend
 from engine.backends.devices import gpu_count
 from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
@@ -264,9 +262,9 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
 
 
-def gpu_engine(loaded, monkeypatch, **kw) -> LLMEngine:
-    monkeypatch.setattr(llm_engine, "get_backend", lambda n, mc, w, cfg: CupyBackend(mc, w, cfg))
-    kw = {"num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
+def gpu_engine(loaded, **kw) -> LLMEngine:
+    """An engine on the ``cuda`` backend, built by the engine's own backend factory."""
+    kw = {"backend": "cuda", "num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 
@@ -280,8 +278,8 @@ def run_engine(engine, params) -> list:
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
-    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
+def test_engine_greedy_equals_reference(tiny, eager):
+    engine = gpu_engine(tiny, max_num_seqs=4, enforce_eager=eager)
     assert bool(engine.backend.graphs) != eager
     count_forwards(engine.backend)
     lengths = [6, 10, 14]
@@ -294,7 +292,7 @@ def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
     assert (be.forward.calls, be.forward_greedy.calls) == (0, 14)
 
 
-def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
+def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny):
     """Greedy next to a seeded draw and a logprobs row: the tokens of an engine that samples
     every step on the host (record_logits); the device path once those rows end."""
     params = [
@@ -302,10 +300,10 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
         SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
     ]
-    engine = gpu_engine(tiny, monkeypatch, max_num_seqs=4)
+    engine = gpu_engine(tiny, max_num_seqs=4)
     count_forwards(engine.backend)
     outs = run_engine(engine, params)
-    want = run_engine(gpu_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True), params)
+    want = run_engine(gpu_engine(tiny, max_num_seqs=4, record_logits=True), params)
     assert (engine.backend.forward.calls, engine.backend.forward_greedy.calls) == (5, 5)
     for out, ref in zip(outs, want, strict=True):
         assert out.token_ids == ref.token_ids
@@ -315,8 +313,8 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_forward_greedy_is_the_first_argmax_of_forward(tiny, monkeypatch, eager, rng):
-    be = gpu_engine(tiny, monkeypatch, max_num_seqs=8, enforce_eager=eager).backend
+def test_forward_greedy_is_the_first_argmax_of_forward(tiny, eager, rng):
+    be = gpu_engine(tiny, max_num_seqs=8, enforce_eager=eager).backend
     B, bs = 5, be.block_size  # with graphs: the graph of 8 replays, 3 padding rows
     lens = rng.integers(2, 40, B).astype(np.int32)  # (B,) context lengths
     tables = (np.arange(B * 3, dtype=np.int32).reshape(B, 3) + 1)[rng.permutation(B)]  # (B, 3)
@@ -338,9 +336,9 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, monkeypatch, eager,
     assert eager or be.graphs[8].calls == 2
 
 
-def test_engine_swap_preemption(tiny, monkeypatch):
+def test_engine_swap_preemption(tiny):
     engine = gpu_engine(
-        tiny, monkeypatch, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
+        tiny, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
         swap_space=0.001, max_num_seqs=4,
     )  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -355,8 +353,8 @@ def test_engine_swap_preemption(tiny, monkeypatch):
         assert done[str(i)].token_ids == ref
 
 
-def test_bf16_backend_logits_close_to_reference(tiny, monkeypatch):
-    engine = gpu_engine(tiny, monkeypatch, dtype="bfloat16", record_logits=True)
+def test_bf16_backend_logits_close_to_reference(tiny):
+    engine = gpu_engine(tiny, dtype="bfloat16", record_logits=True)
     ids = tiny.tokenizer.encode(PROMPTS[1])
     engine.add_request("0", ids, SamplingParams(temperature=0.0, max_tokens=1))
     (out,) = [o for o in engine.step() if o.finished]
