@@ -1,17 +1,16 @@
 """Matrix products for the device backend: ``out = x @ w.T`` with weights kept as (out, in).
 
-    numpy_gemm   the host twin: float32 math, result rounded to ``out``'s dtype
-    cupy_gemm    every dtype through one cuBLAS ``gemmEx`` call with float32 accumulation
-                 (CUBLAS_COMPUTE_32F: plain float32 math for float32, no TF32); operands
-                 CUDA_R_32F, CUDA_R_16F or CUDA_R_16BF. A bfloat16 array may be an
-                 ``ml_dtypes.bfloat16`` array or 16-bit storage (``uint16``); ``out`` may be
-                 float32 (the logits) while the operands are 16-bit. No temporaries, no host
-                 synchronisation: a CUDA graph can capture it.
+Every product, in every dtype, is one cuBLAS ``GemmEx`` with float32 accumulation
+(CUBLAS_COMPUTE_32F: plain float32 math for float32, no TF32) on the device's own handle
+(``engine.cublas.Cublas``), so a CUDA graph can capture it. Operands are CUDA_R_32F, CUDA_R_16F
+or CUDA_R_16BF; a bfloat16 array may be an ``ml_dtypes.bfloat16`` array or 16-bit storage
+(``uint16``); ``out`` may be float32 (the logits) while the operands are 16-bit.
 
 cuBLAS is column-major. A row-major (M, N) ``out`` is the column-major (N, M) ``out.T``, and
 ``out.T = w @ x.T``: with ``w`` (N, K) row-major read as the column-major (K, N) matrix, that is
 ``gemm(op(A)=T, op(B)=N, m=N, n=M, k=K, A=w, lda=K, B=x, ldb=K, C=out, ldc=N)``. ``GemmPlan``
-holds those numbers; the tests replay a plan in NumPy to prove them on the CPU.
+holds those numbers; the emulated cuBLAS (``engine.backends.emulated``) carries a plan out on
+raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
 """
 
 from __future__ import annotations
@@ -51,6 +50,8 @@ class GemmPlan:
     a_type: int  # w's data type
     b_type: int  # x's data type
     c_type: int  # out's data type
+    compute: int = CUBLAS_COMPUTE_32F
+    algo: int = CUBLAS_GEMM_DEFAULT
 
 
 def check_gemm(x, w, out) -> tuple[int, int, int]:
@@ -82,43 +83,16 @@ def gemm_plan(x, w, out) -> GemmPlan:
     return GemmPlan(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, K, K, N, t_in, t_in, t_out)
 
 
-def numpy_gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ w.T on the host; 16-bit operands are multiplied in float32."""
-    check_gemm(x, w, out)
-    if x.dtype == np.float32 and out.dtype == np.float32:
-        np.matmul(x, w.T, out=out)
-    else:
-        out[...] = (x.astype(np.float32) @ w.astype(np.float32).T).astype(out.dtype)
+class Gemm:
+    """``gemm(x, w, out)``: out = x @ w.T on a device, through its cuBLAS handle.
 
+    ``ptr(a)`` is the device address of an array (CuPy's ``a.data.ptr``; a host address on the
+    emulated device). No temporaries, no host synchronisation: a graph can capture it."""
 
-_scalars: dict[str, np.ndarray] = {}
+    def __init__(self, cublas, ptr):
+        self.cublas, self.ptr = cublas, ptr
 
-
-def _host_scalar(name: str, value: float) -> int:
-    """Address of a float32 kept alive for the process (cuBLAS reads alpha/beta from the host)."""
-    if name not in _scalars:
-        _scalars[name] = np.array(value, dtype=np.float32)
-    return _scalars[name].ctypes.data
-
-
-def cupy_gemm(x, w, out) -> None:
-    """out = x @ w.T on the GPU: one cuBLAS gemmEx on the current stream (graph-capturable)."""
-    plan = gemm_plan(x, w, out)
-    if plan.m and plan.n:  # an empty out: nothing to do (and ldc=0 would be an invalid value)
-        gemm_ex(plan, w.data.ptr, x.data.ptr, out.data.ptr)
-
-
-def gemm_ex(p: GemmPlan, a_ptr: int, b_ptr: int, c_ptr: int) -> None:
-    """One ``cublasGemmEx`` on CuPy's handle, on the current stream, float32 accumulation."""
-    import cupy
-    from cupy.cuda import cublas
-
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    cublas.gemmEx(
-        handle, p.transa, p.transb, p.m, p.n, p.k,
-        _host_scalar("one", 1.0), a_ptr, p.a_type, p.lda, b_ptr, p.b_type, p.ldb,
-        _host_scalar("zero", 0.0), c_ptr, p.c_type, p.ldc,
-        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
-    )  # fmt: skip
+    def __call__(self, x, w, out) -> None:
+        plan = gemm_plan(x, w, out)
+        if plan.m and plan.n:  # an empty out: nothing to do (and ldc=0 would be invalid)
+            self.cublas.gemm(plan, self.ptr(w), self.ptr(x), self.ptr(out))

@@ -334,15 +334,6 @@ def _suffix(op: str, a) -> str:
     return DTYPE_SUFFIX[dtype]
 
 
-def _empty(like, shape, dtype):
-    """An uninitialised array on the same device as ``like`` (numpy or cupy)."""
-    if isinstance(like, np.ndarray):
-        return np.empty(shape, dtype)
-    import cupy
-
-    return cupy.empty(shape, dtype)
-
-
 i32, f32 = np.int32, np.float32
 
 
@@ -351,10 +342,13 @@ class Kernels:
 
     ``load(name)`` returns a module for cuda_src/<name>.cu with ``get_function(entry)``:
     ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend. Outputs are written in place.
+    ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
+    allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
     """
 
-    def __init__(self, load):
+    def __init__(self, load, empty=np.empty):
         self._load = load
+        self._empty = empty
         self._fns: dict[str, object] = {}
 
     def _fn(self, file: str, entry: str):
@@ -473,8 +467,8 @@ class Kernels:
             return
         P = max(1, -(-int(max_context_len) // partition_size))
         sfx = _suffix(op, q)
-        parts = _empty(q, (B, H, P, hd) if P > 1 else (1,), np.float32)  # (B, H, P, hd)
-        stats = _empty(q, (2, B, H, P) if P > 1 else (2, 1), np.float32)  # max, sum
+        parts = self._empty((B, H, P, hd) if P > 1 else (1,), np.float32)  # (B, H, P, hd)
+        stats = self._empty((2, B, H, P) if P > 1 else (2, 1), np.float32)  # max, sum
         args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
         args += (i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]), f32(scale))
         self._fn(op, f"{op}_{sfx}")((H, B, P), (ATTN_THREADS,), args + (i32(partition_size),))

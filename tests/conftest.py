@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from reference.loader import load_model
@@ -14,3 +16,20 @@ def tiny_model_dir(tmp_path_factory):
 def smollm2():
     """SmolLM2-135M loaded once for every module (about 3 s a load); tests only read it."""
     return load_model("smollm2")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip where CuPy sees no GPU, saying why; with REQUIRE_GPU=1 the run
+    stops there instead, non-zero, with that reason (a GPU check must not pass by skipping)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    from engine.backends.devices import gpu_status
+
+    count, why = gpu_status()
+    if count:
+        return
+    if os.environ.get("REQUIRE_GPU") == "1":
+        pytest.exit(f"REQUIRE_GPU=1 but no GPU: {why}", returncode=3)
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=f"no GPU: {why}"))

@@ -11,6 +11,8 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine import kernels as K
+from engine.backends.cupy_backend import CupyBackend
+from engine.backends.devices import EmulatedDevice
 from engine.generate import main as generate_main
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
@@ -36,10 +38,14 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
 
 
-def test_backend_runs_the_kernels(tiny):
-    engine = make_engine(tiny)
-    assert engine.backend.name == "cuda-cpu"
-    assert engine.backend.ops.__name__ == "engine.backends.cuda_cpu_ops"
+def test_backend_is_the_gpu_backend_on_the_emulated_device(tiny, caplog):
+    with caplog.at_level("INFO", logger="engine.backend"):
+        engine = make_engine(tiny)
+    be = engine.backend
+    assert type(be) is CupyBackend and type(be.device) is EmulatedDevice
+    assert be.name == "cuda-cpu" and be.kv_dtype == "float32"
+    assert be.max_num_seqs == 256 and sorted(be.graphs) == [1, 2, 4, 8]  # the emulator's limit
+    assert "backend cuda-cpu: CupyBackend on cpu (CUDA emulation)" in caplog.text
 
 
 def test_tiny_greedy_equals_reference(tiny):

@@ -1,6 +1,6 @@
-"""The GPU backend's code on the CPU: ``CupyBackend`` over ``CpuDevice`` (NumPy arrays, the
-kernels' CPU builds, a NumPy gemm, graphs as plain calls) against the reference; the cuBLAS
-argument plan replayed in NumPy; the RawModule compile options through NVRTC."""
+"""The GPU backend's code on the CPU: ``CupyBackend`` over ``EmulatedDevice`` (NumPy memory, the
+kernels' CPU builds, emulated cuBLAS, graphs replayed under the capture rules) against the
+reference; the cuBLAS argument plan replayed in NumPy; the RawModule options through NVRTC."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import engine.llm_engine as llm_engine
 from engine import LLMEngine, SamplingParams
 from engine.backends import cupy_backend as CB
+from engine.backends.base import resolve_kv_dtype
 from engine.backends.devices import (
     CUPY_ADDED_OPTIONS,
     BlockReplay,
-    CpuDevice,
+    CaptureAllocationError,
+    EmulatedDevice,
     rawmodule_options,
 )
 from engine.config import EngineConfig
@@ -32,7 +33,6 @@ from engine.gemm import (
     CUDA_R_32F,
     check_gemm,
     gemm_plan,
-    numpy_gemm,
 )
 from engine.kernels import KernelBuildError, kernel_names, read_source
 from engine.llm import run_to_completion
@@ -54,26 +54,23 @@ def make_backend(loaded, model_config=None, **kw) -> CB.CupyBackend:
     mc = model_config or loaded.config
     kw = {"max_model_len": 256, "max_num_seqs": 4, **kw}
     cfg = EngineConfig(**kw).resolve(mc)
-    return CB.CupyBackend(mc, loaded.weights, cfg, device=CpuDevice())
+    return CB.CupyBackend(mc, loaded.weights, cfg, device=EmulatedDevice())
 
 
-def cpu_cupy_engine(loaded, monkeypatch, **kw) -> LLMEngine:
-    """The engine with its backend replaced by CupyBackend on the CPU device."""
-
-    def get_backend(name, mc, weights, cfg):
-        return CB.CupyBackend(mc, weights, cfg, device=CpuDevice())
-
-    monkeypatch.setattr(llm_engine, "get_backend", get_backend)
+def emulated_engine(loaded, **kw) -> LLMEngine:
+    """The engine on backend ``cuda-cpu``: CupyBackend on the emulated device."""
     kw = {"num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
-    return LLMEngine(loaded=loaded, model="test", **kw)
+    engine = LLMEngine(loaded=loaded, model="test", backend="cuda-cpu", **kw)
+    assert isinstance(engine.backend.device, EmulatedDevice)
+    return engine
 
 
 # ---- greedy equals the reference, through the engine ----
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
-    engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, enforce_eager=eager)
+def test_engine_greedy_equals_reference(tiny, eager):
+    engine = emulated_engine(tiny, max_num_seqs=4, enforce_eager=eager)
     be = engine.backend
     assert sorted(be.graphs) == ([] if eager else [1, 2, 4])
     be.graphs = {g: CallCounter(fn) for g, fn in be.graphs.items()}
@@ -89,7 +86,7 @@ def test_engine_greedy_equals_reference(tiny, monkeypatch, eager):
         assert {g: c.calls for g, c in be.graphs.items()} == {4: 5, 2: 4, 1: 4}
 
 
-def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
+def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny):
     """Greedy rows next to a seeded draw and a logprobs row: the same tokens as an engine that
     samples every step on the host (record_logits), and the greedy path once those end."""
     params = [
@@ -97,11 +94,11 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
         SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
     ]
-    engine = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4)
+    engine = emulated_engine(tiny, max_num_seqs=4)
     be = engine.backend
     count_forwards(be)
     outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
-    host = cpu_cupy_engine(tiny, monkeypatch, max_num_seqs=4, record_logits=True)
+    host = emulated_engine(tiny, max_num_seqs=4, record_logits=True)
     want = run_to_completion(host, PROMPTS, params, check_invariants=True)
     assert (be.forward.calls, be.forward_greedy.calls) == (5, 5)
     for out, ref in zip(outs, want, strict=True):
@@ -111,9 +108,9 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny, monkeypatch):
     assert outs[0].token_ids == reference_generate(tiny.weights, tiny.config, ids, 10).token_ids
 
 
-def test_engine_swap_preemption_greedy_equals_reference(tiny, monkeypatch):
-    engine = cpu_cupy_engine(
-        tiny, monkeypatch, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
+def test_engine_swap_preemption_greedy_equals_reference(tiny):
+    engine = emulated_engine(
+        tiny, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
         swap_space=0.001, max_num_seqs=4,
     )  # fmt: skip
     swapped = []
@@ -220,12 +217,13 @@ def test_bfloat16_prefill_logits_close_to_reference(tiny):
     assert np.abs(got - want).max() > 0  # bf16 activations: not the float32 numbers
 
 
-def test_dtype_auto_keeps_the_checkpoint_dtype(tiny):
-    mc = tiny.config
-    assert CB.resolve_dtype("auto", mc) == mc.torch_dtype == "float32"
-    assert CB.resolve_dtype("float16", mc) == "float16"
+def test_dtype_auto_keeps_the_checkpoint_dtype_on_a_gpu_and_float32_on_the_host(tiny):
+    bf16 = dataclasses.replace(tiny.config, torch_dtype="bfloat16")
+    assert resolve_kv_dtype("auto", bf16, on_gpu=True) == "bfloat16"
+    assert resolve_kv_dtype("auto", bf16, on_gpu=False) == "float32"
+    assert resolve_kv_dtype("float16", bf16, on_gpu=False) == "float16"
     with pytest.raises(ValueError, match="dtype"):
-        CB.resolve_dtype("int8", mc)
+        resolve_kv_dtype("int8", bf16, on_gpu=True)
 
 
 # ---- cache operations ----
@@ -317,8 +315,11 @@ def test_gemm_plan_replayed_in_numpy_is_x_times_w_transposed(dtype):
     flat = colmajor_gemm(plan, w.astype(np.float64).ravel(), x.astype(np.float64).ravel(), 55)
     want = x.astype(np.float64) @ w.astype(np.float64).T
     np.testing.assert_allclose(flat.reshape(5, 11), want, rtol=1e-12)
-    numpy_gemm(x, w, out)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    dev = EmulatedDevice()  # cuBLAS emulated on the arrays' raw memory, the plan as given
+    x_d, w_d, out_d = dev.upload(x), dev.upload(w), dev.empty(out.shape, out.dtype)
+    dev.gemm(x_d, w_d, out_d)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(out_d, want, rtol=tol, atol=tol)
 
 
 def test_gemm_rejects_bad_shapes():
@@ -351,11 +352,13 @@ def test_block_replay_hands_the_capture_the_warm_up_blocks_in_order():
     assert len(set(map(id, warm))) == 4
     captured = [blocks.replay(n) for n in sizes]
     assert captured == warm and len(made) == 4  # the same blocks, nothing allocated
-    assert blocks.unmatched == 0
-    extra = blocks.replay(512)  # more than the warm-up asked for: a new block, counted
-    assert extra is made[-1] and len(made) == 5 and blocks.unmatched == 1
+    assert [b for _, b in blocks.handed] == warm
+    with pytest.raises(CaptureAllocationError, match="512 bytes where the warm-up allocated no"):
+        blocks.replay(512)  # more than the warm-up asked for
     blocks.record(2048)
-    assert blocks.replay(1024) is not warm[-1] and blocks.unmatched == 2  # size mismatch
+    with pytest.raises(CaptureAllocationError, match="1024 bytes where the warm-up allocated 2048"):
+        blocks.replay(1024)
+    assert len(made) == 5  # a failed replay allocates nothing
     blocks.release()
     assert not blocks.blocks
 
@@ -405,7 +408,7 @@ def test_import_needs_no_gpu_and_cuda_backend_says_so():
 
 
 def test_cuda_backend_without_gpu_is_a_clear_error(tiny, monkeypatch):
-    monkeypatch.setattr("engine.backends.devices.gpu_count", lambda: 0)
+    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "no driver here"))
     cfg = EngineConfig(max_model_len=64).resolve(tiny.config)
-    with pytest.raises(ValueError, match="needs a GPU"):
+    with pytest.raises(ValueError, match=r"needs a GPU .*\(no driver here\)"):
         CB.cuda_backend(tiny.config, tiny.weights, cfg)

@@ -1,8 +1,9 @@
-"""Backends: one interface (``NumpyBackend``'s), several ways to run the ops underneath.
+"""Backends: one interface (``base.Backend``), two implementations, three devices.
 
-numpy     NumPy on the host (ops: ``fast_ops``, the vectorised twin of ``numpy_ops``)
-cuda-cpu  the CUDA kernels' C++ emulation on the host (ops: ``cuda_cpu_ops``)
-cuda      the CUDA kernels on a GPU through CuPy (``CupyBackend``)
+numpy     ``NumpyBackend``: NumPy on the host (ops: ``fast_ops``), the fast host backend
+cuda      ``CupyBackend`` on a GPU through CuPy: the project's kernels, cuBLAS, CUDA graphs
+cuda-cpu  ``CupyBackend`` on the emulated device: the same code, the kernels' CPU builds, and
+          CUDA's and CuPy's rules checked (``devices.EmulatedDevice``)
 auto      cuda when CuPy sees a GPU, else numpy
 """
 
@@ -35,12 +36,6 @@ def get_backend(name: str, model_config, weights, engine_config):
     name = resolve_backend_name(name)
     if name == "numpy":
         return NumpyBackend(model_config, weights, engine_config)
-    if name == "cuda-cpu":
-        from . import cuda_cpu_ops  # lazy: compiles the CPU emulation of the kernels
+    from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
 
-        backend = NumpyBackend(model_config, weights, engine_config, ops=cuda_cpu_ops)
-        backend.name = "cuda-cpu"
-        return backend
-    from .cupy_backend import cuda_backend  # lazy: imports CuPy
-
-    return cuda_backend(model_config, weights, engine_config)
+    return cuda_backend(model_config, weights, engine_config, emulate=name == "cuda-cpu")

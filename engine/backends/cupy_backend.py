@@ -2,10 +2,11 @@
 
 One class, written over a device (``engine.backends.devices``) and its array module ``xp``:
 
-    CupyDevice  CuPy on a GPU: kernels through ``cupy.RawModule``, cuBLAS products, CUDA graphs
-                for decode, swap space in pinned host memory
-    CpuDevice   NumPy, the kernels' CPU builds and a NumPy gemm: the same code runs in every CI
-                run (tests/test_cupy_backend_cpu.py), graphs replaced by plain calls
+    CupyDevice      backend ``cuda``: CuPy on a GPU, kernels through ``cupy.RawModule``, cuBLAS
+                    on the device's own handle, CUDA graphs for decode, pinned swap space
+    EmulatedDevice  backend ``cuda-cpu``: the same code on the host, the kernels' CPU builds,
+                    cuBLAS emulated on raw memory, graphs replayed under CUDA's and CuPy's
+                    capture rules, so every CI run runs this class end to end
 
 A step uploads its metadata in one copy, runs the layers into a workspace allocated once per
 step (reused by every layer), and downloads float32 logits (B, V) (``forward``), or only the
@@ -23,26 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.config import ModelConfig
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
-from .devices import CupyDevice, raw_view
-from .numpy_backend import numpy_dtype
+from .base import Backend, block_pairs, numpy_dtype, resolve_kv_dtype
+from .devices import CupyDevice, EmulatedDevice, raw_view
 
 log = logging.getLogger("engine.backend")
 
-DTYPES = ("float32", "float16", "bfloat16")
 MiB = 1 << 20
-
-
-def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:
-    """``auto`` keeps the checkpoint's dtype (float32 when it is none of ours)."""
-    if dtype == "auto":
-        return model_config.torch_dtype if model_config.torch_dtype in DTYPES else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
-    return dtype
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -121,21 +111,22 @@ def split_inputs(flat, T: int, B: int, nd: int, M: int) -> StepInputs:
     return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
 
 
-class CupyBackend:
+class CupyBackend(Backend):
     """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device;
     ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned host memory."""
 
-    name = "cuda"
-
     def __init__(self, model_config, weights: ModelWeights, engine_config, device=None):
         self.device = device if device is not None else CupyDevice()
+        self.name = "cuda" if self.device.is_gpu else "cuda-cpu"
         self.xp, self.k, self.gemm = self.device.xp, self.device.kernels, self.device.gemm
         self.cfg = c = model_config
         self.block_size = engine_config.block_size
-        self.kv_dtype = resolve_dtype(engine_config.dtype, model_config)
+        self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, self.device.is_gpu)
         self.dtype = numpy_dtype(self.kv_dtype)
         self.max_model_len = engine_config.max_model_len or c.max_position_embeddings
         self.max_num_seqs = engine_config.max_num_seqs
+        limit = self.device.graph_batch_limit  # None on a GPU: every batch size up to the max
+        self.max_graph_batch = min(self.max_num_seqs, limit or self.max_num_seqs)
         self.use_graphs = not engine_config.enforce_eager
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
         self.kv_cache = self.cpu_cache = None
@@ -148,6 +139,7 @@ class CupyBackend:
         t0 = time.perf_counter()
         self.device.compile_kernels()
         t1 = time.perf_counter()
+        log.info("backend %s: CupyBackend on %s", self.name, self.device.name)
         log.info("kernels for %s compiled in %.2f s", self.device.name, t1 - t0)
         self._upload_weights(weights)
         from .cuda_cpu_ops import rope_table  # float64 angles, as the kernels' tests use
@@ -190,10 +182,6 @@ class CupyBackend:
         arrays += [] if self.lm_head is self.embed else [self.lm_head]
         return sum(int(a.nbytes) for a in arrays)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
-
     def total_memory_bytes(self) -> int:
         """The device's memory (the budget is this times gpu_memory_utilization)."""
         return self.device.total_memory_bytes()
@@ -218,9 +206,9 @@ class CupyBackend:
 
     def graph_pool_estimate(self) -> int:
         """The graphs share one pool sized by the largest capture (every layer's partials live)."""
-        if not self.use_graphs or not self.device.is_gpu:
+        if not self.use_graphs:
             return 0
-        B, P = self.max_num_seqs, self._partitions(self.max_model_len)
+        B, P = self.max_graph_batch, self._partitions(self.max_model_len)
         return self.step_bytes(B, B, P, self.cfg.num_hidden_layers)
 
     @on_device
@@ -254,7 +242,7 @@ class CupyBackend:
             query_start_loc=qsl,
             num_decodes=0,
         )
-        scratch = self.device.zeros(self._cache_shape(n_blocks), self.dtype)
+        scratch = self.device.zeros(self.cache_shape(n_blocks), self.dtype)
         saved, self.kv_cache = self.kv_cache, scratch
         try:
             self._run_eager(batch)
@@ -262,37 +250,30 @@ class CupyBackend:
             self.kv_cache = saved
 
     # ---- cache ----
-    def _cache_shape(self, num_blocks: int) -> tuple:
-        c = self.cfg
-        return (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
-                c.head_dim)  # fmt: skip
-
     @on_device
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The block pool on the device (zeroed), swap blocks in pinned host memory; then the
         decode graphs, which need the pool."""
-        self.kv_cache = self.device.zeros(self._cache_shape(num_blocks), self.dtype)
-        self.cpu_cache = self.device.pinned_empty(self._cache_shape(num_cpu_blocks), self.dtype)
+        self.kv_cache = self.device.zeros(self.cache_shape(num_blocks), self.dtype)
+        self.cpu_cache = self.device.pinned_empty(self.cache_shape(num_cpu_blocks), self.dtype)
         if self.use_graphs:
             self._capture_graphs()
 
     @on_device
     def swap_out(self, pairs) -> None:
         """Device-pool block -> CPU-pool block, for each (gpu, cpu)."""
-        if not pairs:
-            return
-        g, c = np.asarray(pairs, np.int32).reshape(-1, 2).T
-        rows = self.xp.take(raw_view(self.kv_cache), self.device.upload(g), axis=2)
-        raw_view(self.cpu_cache)[:, :, c] = self.device.download(rows)
+        g, c = block_pairs(pairs)
+        if len(g):
+            rows = self.xp.take(raw_view(self.kv_cache), self.device.upload(g), axis=2)
+            raw_view(self.cpu_cache)[:, :, c] = self.device.download(rows)
 
     @on_device
     def swap_in(self, pairs) -> None:
         """CPU-pool block -> device-pool block, for each (cpu, gpu)."""
-        if not pairs:
-            return
-        c, g = np.asarray(pairs, np.int32).reshape(-1, 2).T
-        rows = self.device.upload(raw_view(self.cpu_cache)[:, :, c])  # (L, 2, n, bs, Hkv, hd)
-        raw_view(self.kv_cache)[:, :, self.device.upload(g)] = rows
+        c, g = block_pairs(pairs)
+        if len(c):
+            rows = self.device.upload(raw_view(self.cpu_cache)[:, :, c])  # (L, 2, n, bs, Hkv, hd)
+            raw_view(self.kv_cache)[:, :, self.device.upload(g)] = rows
 
     @on_device
     def copy_blocks(self, pairs) -> None:
@@ -315,7 +296,7 @@ class CupyBackend:
         """One step -> (B,) int32 argmax of each row (first maximum), by the ``sample_greedy``
         kernel on the device's logits: only the B ids come to the host."""
         logits = self._logits(batch)  # (B, V) on the device
-        ids = self.xp.empty(batch.num_seqs, np.int32)  # (B,)
+        ids = self.device.empty(batch.num_seqs, np.int32)  # (B,)
         self.k.sample_greedy(ids, logits)
         return self.device.download(ids)
 
@@ -335,16 +316,19 @@ class CupyBackend:
         return self._step(inputs, T, B, nd, max_ctx)
 
     def _workspace(self, T: int, B: int) -> Workspace:
-        c, xp, dt = self.cfg, self.xp, self.dtype
-        H, Hkv, hd, D, F = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                            c.hidden_size, c.intermediate_size)  # fmt: skip
+        c, dt = self.cfg, self.dtype
+        H, Hkv, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+        F = c.intermediate_size
+
+        def empty(*shape, dtype=dt):
+            return self.device.empty(shape, dtype)
+
         return Workspace(
-            residual=xp.empty((T, D), dt), x=xp.empty((T, D), dt), h=xp.empty((T, D), dt),
-            q=xp.empty((T, H, hd), dt), k=xp.empty((T, Hkv, hd), dt),
-            v=xp.empty((T, Hkv, hd), dt), attn=xp.empty((T, H, hd), dt),
-            gate_up=xp.empty((T, 2 * F), dt), act=xp.empty((T, F), dt),
-            last_x=xp.empty((B, D), dt), last_res=xp.empty((B, D), dt),
-            last_h=xp.empty((B, D), dt), logits=xp.empty((B, c.vocab_size), np.float32),
+            residual=empty(T, D), x=empty(T, D), h=empty(T, D),
+            q=empty(T, H, hd), k=empty(T, Hkv, hd), v=empty(T, Hkv, hd), attn=empty(T, H, hd),
+            gate_up=empty(T, 2 * F), act=empty(T, F),
+            last_x=empty(B, D), last_res=empty(B, D), last_h=empty(B, D),
+            logits=empty(B, c.vocab_size, dtype=np.float32),
         )  # fmt: skip
 
     def _step(self, inp: StepInputs, T: int, B: int, nd: int, max_ctx: int):
@@ -401,7 +385,19 @@ class CupyBackend:
         return flat, (*f, flat[4 * Bmax :].reshape(Bmax, M))
 
     def _capture_graphs(self) -> None:
-        sizes = graph_batch_sizes(self.max_num_seqs)
+        """Capture the decode graphs; if anything fails, log why and run eager instead."""
+        try:
+            self._capture_all()
+        except Exception as exc:  # any failure: the engine still serves, without graphs
+            self.graphs = {}
+            self.device.release_graph_pool()
+            log.warning(
+                "CUDA graphs off, running eager: capturing the decode step failed (%s: %s)",
+                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+            )  # fmt: skip
+
+    def _capture_all(self) -> None:
+        sizes = graph_batch_sizes(self.max_graph_batch)
         M = -(-self.max_model_len // self.block_size)
         self._host_flat, self._host = self._graph_buffers(self._pinned_zeros, sizes[-1], M)
         self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
@@ -449,10 +445,14 @@ def fill_padding(fields, lo: int, hi: int) -> None:
     tok[lo:hi], pos[lo:hi], slots[lo:hi], lens[lo:hi], tables[lo:hi] = 0, 0, -1, 1, 0
 
 
-def cuda_backend(model_config, weights, engine_config) -> CupyBackend:
-    """The ``cuda`` backend on the first GPU (ValueError when CuPy finds none)."""
-    from .devices import gpu_count
+def cuda_backend(model_config, weights, engine_config, emulate: bool = False) -> CupyBackend:
+    """``cuda`` on the first GPU (ValueError when CuPy finds none), or with ``emulate``,
+    ``cuda-cpu``: the same backend on the emulated device."""
+    from .devices import gpu_status
 
-    if gpu_count() == 0:
-        raise ValueError("backend 'cuda' needs a GPU that CuPy can see; none was found")
+    if emulate:
+        return CupyBackend(model_config, weights, engine_config, device=EmulatedDevice())
+    n, why = gpu_status()
+    if n == 0:
+        raise ValueError(f"backend 'cuda' needs a GPU that CuPy can see; none was found ({why})")
     return CupyBackend(model_config, weights, engine_config)

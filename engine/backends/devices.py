@@ -1,17 +1,26 @@
-"""Where the device backend runs: a GPU through CuPy, or the host with the same code.
+"""Where the GPU backend runs: a GPU through CuPy, or the host, emulated, with the same code.
 
 A device hands ``CupyBackend`` everything that differs between the two:
 
     xp             the array module (numpy or cupy)
-    kernels        ``engine.kernels.Kernels`` over ``cpu_module`` or ``cupy.RawModule``
-    gemm           ``out = x @ w.T`` (``engine.gemm``)
-    upload, download, zeros, pinned_empty, copy_to, synchronize
-    active()       a context in which the device's work runs (its CUDA stream made current)
-    capture(fn)    a "graph" of ``fn``: a CUDA graph on the GPU, ``fn`` itself on the host
-    measure_peak   peak device memory of a call (GPU only)
+    kernels        ``engine.kernels.Kernels`` over ``cupy.RawModule`` or the kernels' CPU builds
+    gemm           ``out = x @ w.T`` through the device's own cuBLAS handle (``engine.gemm``)
+    empty, zeros, upload, download, pinned_empty, copy_to, synchronize
+    active()       a context in which the device's work runs (its stream made current)
+    capture(fn)    a CUDA graph of ``fn``; calling the result replays it
+    measure_peak   peak device memory held while a call runs
 
-``CpuDevice`` is what the CPU tests run; only ``CupyDevice`` needs a GPU, and it imports CuPy
-when it is built, so importing this module never needs one.
+``CupyDevice`` needs a GPU and imports CuPy when it is built, so importing this module never
+needs one. ``EmulatedDevice`` is the ``cuda-cpu`` backend's: NumPy memory, the kernels' CPU
+builds, cuBLAS emulated on raw memory, and the capture rules of CUDA, cuBLAS and CuPy enforced
+(``engine.backends.emulated``), so every CPU run checks what would stop a GPU.
+
+``Device.capture`` is written once for both. Graph memory: a warm-up run records its
+allocations, all kept alive; the capture, which asks for the same sizes in the same order, is
+handed those very blocks back (``BlockReplay``), so nothing is allocated while capturing and no
+block is reused inside one graph. A block the warm-up did not ask for fails the capture (the
+engine then runs eager). Afterwards the blocks return to a graph pool: graphs replay one at a
+time on one stream, so later captures share them; only each graph's output stays its own.
 """
 
 from __future__ import annotations
@@ -19,26 +28,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections import deque
 
 import numpy as np
 
-from engine.gemm import cupy_gemm, numpy_gemm
+from engine.cublas import WORKSPACE_BYTES, Cublas, load_cublas
+from engine.gemm import Gemm
 from engine.kernels import (
     Kernels,
     build_all_cpu,
-    cpu_kernels,
+    cpu_module,
     entry_points,
     include_options,
     kernel_names,
     read_source,
 )
 
+from . import emulated
+
 log = logging.getLogger("engine.backend")
 
 # What CuPy's NVRTC path appends to a RawModule's options (cupy/cuda/compiler.py), besides the
 # -arch=sm_XX of the device; the compile check in the tests adds the same.
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+REQUIRE_GPU_ENV = "REQUIRE_GPU"
+
+
+class CaptureAllocationError(RuntimeError):
+    """Device memory asked for while a stream captures, outside the warm-up's blocks."""
 
 
 def rawmodule_options() -> tuple[str, ...]:
@@ -46,19 +64,24 @@ def rawmodule_options() -> tuple[str, ...]:
     return ("-std=c++17", *include_options())
 
 
-def gpu_count() -> int:
-    """CUDA devices CuPy can see; 0 without CuPy, a driver or a device."""
+def gpu_status() -> tuple[int, str]:
+    """(CUDA devices CuPy can see, why none when 0): no CuPy, no driver, no device."""
     try:
         import cupy
 
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no cupy, no driver (CUDARuntimeError), no libcuda: no GPU
-        return 0
+        n = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # ImportError, CUDARuntimeError, a missing libcuda, ...
+        return 0, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return n, "" if n else "CuPy's runtime reports 0 CUDA devices"
+
+
+def gpu_count() -> int:
+    return gpu_status()[0]
 
 
 def raw_view(a):
     """The same bytes as unsigned integers of the same width (plain data movement, any dtype)."""
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def host_memory_bytes() -> int:
@@ -66,57 +89,72 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class CpuDevice:
-    """NumPy arrays, the kernels' CPU builds, the NumPy gemm; graphs are plain calls."""
+class BlockReplay:
+    """A warm-up's allocations, handed back in the same order to the capture that follows.
 
-    name = "cpu (CUDA emulation)"
-    is_gpu = False
-    xp = np
+    ``record`` allocates and keeps each block alive; ``replay`` returns the recorded block when
+    the next size asked for is the recorded one, and raises otherwise; ``handed`` lists what
+    the capture got, in order (the emulated device replays a graph over exactly these)."""
 
-    def __init__(self):
-        self.kernels = cpu_kernels()
-        self.gemm = numpy_gemm
+    def __init__(self, malloc, blocks=()):
+        self.malloc = malloc
+        self.blocks: deque = deque(blocks)  # (size, block) in allocation order
+        self.handed: list = []
 
-    def compile_kernels(self) -> None:
-        build_all_cpu()
+    def record(self, size: int):
+        block = self.malloc(size)
+        self.blocks.append((size, block))
+        return block
 
-    def active(self):
-        return contextlib.nullcontext()
+    def replay(self, size: int):
+        if not self.blocks or self.blocks[0][0] != size:
+            want = self.blocks[0][0] if self.blocks else "nothing more"
+            raise CaptureAllocationError(
+                f"graph capture asked for {size} bytes where the warm-up allocated {want}: the "
+                "captured function must allocate the same sizes in the same order every call"
+            )
+        entry = self.blocks.popleft()
+        self.handed.append(entry)
+        return entry[1]
 
-    def upload(self, a: np.ndarray) -> np.ndarray:
-        return np.array(a, order="C")  # a private copy, as a device upload is
+    def release(self) -> None:
+        self.blocks.clear()
 
-    def download(self, a: np.ndarray) -> np.ndarray:
-        return np.array(a)
 
-    def zeros(self, shape, dtype) -> np.ndarray:
-        return np.zeros(shape, dtype)
+class Device:
+    """What both devices share: the graph capture protocol."""
 
-    def pinned_empty(self, shape, dtype) -> np.ndarray:
-        return np.empty(shape, dtype)
-
-    def copy_to(self, dst: np.ndarray, src: np.ndarray) -> None:
-        np.copyto(dst, src)
-
-    def synchronize(self) -> None:
-        pass
-
-    def total_memory_bytes(self) -> int:
-        return host_memory_bytes()
+    stream = None
+    graph_batch_limit: int | None = None  # the largest decode batch worth a graph (None: all)
 
     def capture(self, fn):
-        """No graphs on the host: "replay" calls ``fn`` again (the padding logic still runs)."""
-        return fn
+        """A graph of ``fn``'s launches on the device's stream; calling it replays it and returns
+        the array ``fn`` returned during capture (refreshed by each replay)."""
+        blocks = BlockReplay(self._graph_malloc)
+        with self.active():
+            with self._allocating(blocks.record):
+                fn()  # warm-up: module loads, first launches, the blocks recorded
+            self.synchronize()
+            self.stream.begin_capture()
+            try:
+                with self._allocating(blocks.replay):
+                    out = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.stream.end_capture()
+                raise
+            graph = self.stream.end_capture()
+            blocks.release()
+            return self._graph(graph, fn, out, blocks.handed)
 
-    def graph_pool_bytes(self) -> int:
-        return 0
-
-    def measure_peak(self, fn) -> int | None:
-        return None
+    def active(self):
+        """``with device.active():`` makes this device's stream the current one."""
+        return self.stream
 
 
-class CupyDevice:
-    """One GPU: CuPy arrays on a private non-blocking stream, NVRTC kernels, cuBLAS, graphs."""
+class CupyDevice(Device):
+    """One GPU: CuPy arrays on a private non-blocking stream, NVRTC kernels, cuBLAS on a handle
+    of our own (bound to that stream, with a fixed workspace), CUDA graphs."""
 
     is_gpu = True
 
@@ -134,10 +172,29 @@ class CupyDevice:
         # capture the legacy stream 0, and a non-blocking stream does not wait for it).
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
-        self.kernels = Kernels(self._load)
-        self.gemm = cupy_gemm
+        self.kernels = Kernels(self._load, self.empty)
         self._modules: dict[str, object] = {}
         self._graph_pool = cupy.cuda.MemoryPool()
+        with self.stream:
+            self._cublas_workspace = cupy.empty(WORKSPACE_BYTES, np.uint8)
+        self.cublas = Cublas(
+            load_cublas(), self.stream.ptr, self._cublas_workspace.data.ptr, WORKSPACE_BYTES
+        )
+        self.gemm = Gemm(self.cublas, self.ptr)
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.data.ptr
+
+    @property
+    def cupy_cublas(self):
+        """CuPy's own cuBLAS module (only the tests call it: it refuses during capture)."""
+        from cupy.cuda import cublas
+
+        return cublas
+
+    def cupy_cublas_handle(self) -> int:
+        return self.xp.cuda.device.get_cublas_handle()
 
     def _load(self, name: str):
         if name not in self._modules:
@@ -152,9 +209,10 @@ class CupyDevice:
             for entry in entry_points(read_source(name)):
                 module.get_function(entry)
 
-    def active(self):
-        """``with device.active():`` makes this device's stream the current one."""
-        return self.stream
+    def empty(self, shape, dtype):
+        """Uninitialised device memory from the current allocator (a graph's, while capturing)."""
+        with self.stream:
+            return self.xp.empty(shape, raw_view(np.empty(0, dtype)).dtype).view(dtype)
 
     def upload(self, a: np.ndarray):
         """A device copy of ``a``, moved as raw bits (no CuPy dtype conversion kernel)."""
@@ -195,34 +253,21 @@ class CupyDevice:
     def total_memory_bytes(self) -> int:
         return int(self.xp.cuda.runtime.memGetInfo()[1])
 
-    def capture(self, fn):
-        """A CUDA graph of ``fn``'s launches on the device's stream; calling it replays it.
+    def _graph_malloc(self, size: int):
+        return self._graph_pool.malloc(size)
 
-        ``fn``'s temporaries come from a pool kept for graphs. A warm-up run (module loads,
-        cuBLAS set-up) records its allocations, all kept alive; the capture, which asks for the
-        same sizes in the same order, is handed those very blocks back, so nothing is allocated
-        while capturing and no block is reused within one graph. Afterwards the blocks return to
-        the graph pool: graphs replay one at a time on one stream, so later captures share them;
-        only each graph's output array stays its own."""
-        blocks = BlockReplay(self._graph_pool.malloc)
-        with self.stream:
-            with self.xp.cuda.using_allocator(blocks.record):
-                fn()
-            self.stream.synchronize()
-            self.stream.begin_capture()
-            try:
-                with self.xp.cuda.using_allocator(blocks.replay):
-                    out = fn()
-            finally:
-                graph = self.stream.end_capture()
-            blocks.release()
-            graph.upload(self.stream)
-        if blocks.unmatched:
-            log.warning("graph capture allocated %d blocks the warm-up did not", blocks.unmatched)
+    def _allocating(self, malloc):
+        return self.xp.cuda.using_allocator(malloc)
+
+    def _graph(self, graph, fn, out, handed):
+        graph.upload(self.stream)
         return _Replay(graph, out, self.stream)
 
     def graph_pool_bytes(self) -> int:
         return int(self._graph_pool.total_bytes())
+
+    def release_graph_pool(self) -> None:
+        self._graph_pool.free_all_blocks()
 
     def measure_peak(self, fn) -> int:
         """Peak bytes held from CuPy's pool while ``fn`` runs (beyond what was held before)."""
@@ -248,33 +293,6 @@ class CupyDevice:
         return hook.peak
 
 
-class BlockReplay:
-    """A warm-up's allocations, handed back in the same order to the capture that follows.
-
-    ``record`` allocates and keeps each block alive; ``replay`` returns the recorded block when
-    the next size asked for is the recorded one (else allocates anew and counts it).
-    """
-
-    def __init__(self, malloc):
-        self.malloc = malloc
-        self.blocks: deque = deque()  # (size, block) in allocation order
-        self.unmatched = 0
-
-    def record(self, size: int):
-        block = self.malloc(size)
-        self.blocks.append((size, block))
-        return block
-
-    def replay(self, size: int):
-        if self.blocks and self.blocks[0][0] == size:
-            return self.blocks.popleft()[1]
-        self.unmatched += 1
-        return self.malloc(size)
-
-    def release(self) -> None:
-        self.blocks.clear()
-
-
 class _Replay:
     """A captured graph: calling it launches the graph and returns the captured output array."""
 
@@ -283,4 +301,160 @@ class _Replay:
 
     def __call__(self):
         self.graph.launch(self.stream)
+        return self.out
+
+
+class EmulatedDevice(Device):
+    """The host as a GPU: NumPy memory, the kernels' CPU builds, emulated cuBLAS, and CUDA's,
+    cuBLAS's and CuPy's capture rules (``engine.backends.emulated``). A graph replay runs the
+    captured function again over the capture's very blocks and checks that it launches exactly
+    what was captured (same kernels, same addresses, same scalars), as a real graph would."""
+
+    name = "cpu (CUDA emulation)"
+    is_gpu = False
+    xp = np
+    graph_batch_limit = 8  # each capture runs the step twice through the emulated kernels
+
+    def __init__(self):
+        self.stream = emulated.EmuStream()
+        self.kernels = Kernels(self._load, self.empty)
+        self._cublas_lib = emulated.EmulatedCublas()
+        self._cublas_workspace = np.empty(WORKSPACE_BYTES, np.uint8)
+        self.cublas = Cublas(
+            self._cublas_lib, self.stream.ptr, self.ptr(self._cublas_workspace), WORKSPACE_BYTES
+        )
+        self.gemm = Gemm(self.cublas, self.ptr)
+        self.cupy_cublas = emulated.EmulatedCupyCublas(self._cublas_lib)
+        self._malloc = self._fresh
+        self._graph_blocks: list[np.ndarray] = []
+        self.live = self.peak = 0  # bytes of device memory held (measure_peak)
+
+    @staticmethod
+    def ptr(a: np.ndarray) -> int:
+        return a.ctypes.data
+
+    def cupy_cublas_handle(self) -> int:
+        return self.cupy_cublas.handle
+
+    def _load(self, name: str):
+        return emulated.LoggedModule(cpu_module(name), self.stream)
+
+    def compile_kernels(self) -> None:
+        build_all_cpu()
+
+    # ---- memory ----
+    def _fresh(self, size: int) -> np.ndarray:
+        """A new block of device memory; while capturing, only through ``capture`` (this
+        engine's rule: CUDA's relaxed mode would allow it, but the graph could then keep a
+        block that is freed and reused after capture)."""
+        if self.stream.is_capturing():
+            raise CaptureAllocationError(
+                f"{size} bytes of device memory asked for while the stream captures, outside "
+                "Device.capture's warm-up blocks"
+            )
+        block = np.empty(size, np.uint8)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(block, self._freed, size)
+        return block
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape)) * dtype.itemsize
+        return self._malloc(size)[:size].view(dtype).reshape(shape)
+
+    def zeros(self, shape, dtype) -> np.ndarray:
+        a = self.empty(shape, dtype)
+        a.reshape(-1).view(np.uint8).fill(0)  # a memset: allowed while capturing
+        return a
+
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        """A private copy in device memory (an H2D copy: refused while capturing, as CuPy)."""
+        self._no_transfer("H2D")
+        a = np.ascontiguousarray(a)
+        out = self.empty(a.shape, a.dtype)
+        out.reshape(-1).view(np.uint8)[...] = a.reshape(-1).view(np.uint8)
+        return out
+
+    def download(self, a: np.ndarray) -> np.ndarray:
+        self._no_transfer("D2H")
+        return np.array(a)
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def copy_to(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self._no_transfer("H2D")
+        np.copyto(raw_view(dst), raw_view(src))
+
+    def _no_transfer(self, kind: str) -> None:
+        if self.stream.is_capturing():  # CuPy's check in copy_{from,to}_host_async
+            raise RuntimeError(
+                f"the current stream is capturing, so {kind} transfers are disallowed"
+            )
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def total_memory_bytes(self) -> int:
+        return host_memory_bytes()
+
+    def measure_peak(self, fn) -> int:
+        """Peak device bytes held while ``fn`` runs, beyond what was held before."""
+        before, self.peak = self.live, self.live
+        fn()
+        return self.peak - before
+
+    # ---- graphs ----
+    def _graph_malloc(self, size: int) -> np.ndarray:
+        block = np.empty(size, np.uint8)
+        self._graph_blocks.append(block)
+        return block
+
+    @contextlib.contextmanager
+    def _allocating(self, malloc):
+        saved, self._malloc = self._malloc, malloc
+        try:
+            yield
+        finally:
+            self._malloc = saved
+
+    def _graph(self, launches, fn, out, handed):
+        return _EmulatedReplay(self, fn, out, launches, handed)
+
+    def graph_pool_bytes(self) -> int:
+        return sum(b.nbytes for b in self._graph_blocks)
+
+    def release_graph_pool(self) -> None:
+        self._graph_blocks.clear()
+
+
+class _EmulatedReplay:
+    """A "graph" on the emulated device: the captured function run again, under the capture
+    rules, over the blocks the capture was handed, and its launches compared to the capture's."""
+
+    def __init__(self, device: EmulatedDevice, fn, out, launches: list, handed: list):
+        self.device, self.fn, self.out = device, fn, out
+        self.launches, self.handed = launches, handed
+
+    def __call__(self):
+        dev, stream = self.device, self.device.stream
+        blocks = BlockReplay(None, self.handed)
+        stream.status, stream.log = "replaying", []
+        try:
+            with dev._allocating(blocks.replay):
+                out = self.fn()
+        finally:
+            stream.status = None
+        if stream.log != self.launches:
+            pairs = zip(stream.log, self.launches, strict=False)
+            i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(self.launches))
+            raise RuntimeError(
+                f"graph replay differs from its capture at launch {i}: the captured function "
+                "must launch the same kernels on the same memory with the same scalars each time"
+            )
+        assert out.ctypes.data == self.out.ctypes.data, "a graph's output is fixed at capture"
         return self.out

@@ -18,23 +18,11 @@ from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
 from . import fast_ops
+from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype
 
 log = logging.getLogger("engine.backend")
 
 F32 = np.dtype(np.float32)
-
-
-def kv_dtype_name(dtype: str) -> str:
-    """The KV cache's dtype on the NumPy backend: float32 unless a 16-bit dtype is asked for."""
-    return "float32" if dtype == "auto" else dtype
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 @dataclass
@@ -75,7 +63,7 @@ def pack_weights(w: ModelWeights, round_to: np.dtype) -> tuple[list[PackedLayer]
     return layers, rest
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     """Paged-attention forward in NumPy. ``kv_cache``: (L, 2, N, bs, Hkv, hd)."""
 
     name = "numpy"
@@ -84,7 +72,7 @@ class NumpyBackend:
         self.cfg = model_config
         self.ops = ops if ops is not None else fast_ops
         self.block_size = engine_config.block_size
-        self.kv_dtype = kv_dtype_name(engine_config.dtype)
+        self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, on_gpu=False)
         self.np_kv_dtype = numpy_dtype(self.kv_dtype)
         self.layers, rest = pack_weights(weights, self.np_kv_dtype)
         self.embed, self.final_norm, self.lm_head = (
@@ -103,10 +91,6 @@ class NumpyBackend:
         arrays += [a for lw in self.layers for a in vars(lw).values()]
         return sum(a.nbytes for a in arrays)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
-
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         """Activation peak of a forward over ``num_tokens`` tokens in ``num_seqs`` sequences, the
         longest ``max_seq_len`` tokens (an analytic count; tests check it against tracemalloc)."""
@@ -122,20 +106,14 @@ class NumpyBackend:
 
     # ---- cache ----
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        c = self.cfg
-        shape = (c.num_hidden_layers, 2, 0, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_cache = np.zeros(shape[:2] + (num_blocks,) + shape[3:], self.np_kv_dtype)
-        self.cpu_cache = np.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], self.np_kv_dtype)
+        self.kv_cache = np.zeros(self.cache_shape(num_blocks), self.np_kv_dtype)
+        self.cpu_cache = np.zeros(self.cache_shape(num_cpu_blocks), self.np_kv_dtype)
 
     def swap_out(self, pairs) -> None:
-        """GPU-pool block -> CPU-pool block, for each (gpu, cpu)."""
-        for g, c in pairs:
-            self.cpu_cache[:, :, c] = self.kv_cache[:, :, g]
+        copy_host_blocks(self.cpu_cache, self.kv_cache, pairs)
 
     def swap_in(self, pairs) -> None:
-        """CPU-pool block -> GPU-pool block, for each (cpu, gpu)."""
-        for c, g in pairs:
-            self.kv_cache[:, :, g] = self.cpu_cache[:, :, c]
+        copy_host_blocks(self.kv_cache, self.cpu_cache, pairs)
 
     def copy_blocks(self, pairs) -> None:
         if pairs:

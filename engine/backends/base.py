@@ -1,0 +1,112 @@
+"""The interface every backend implements, and the code the backends share.
+
+The engine talks to a backend through these methods alone: it sizes the pool from
+``weights_bytes``, ``bytes_per_block`` and ``profile_peak_bytes``, allocates it once, moves
+blocks (``swap_out``, ``swap_in``, ``copy_blocks``) as the scheduler says, and runs one step with
+``forward`` (logits) or ``forward_greedy`` (argmax ids only). The KV cache of every backend has
+the shape ``cache_shape``: (L, 2, num_blocks, block_size, Hkv, hd), K and V of a layer side by
+side, so a block id names the same rows in every layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from reference.config import ModelConfig
+
+from ..forward_batch import ForwardBatch
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def resolve_kv_dtype(dtype: str, model_config: ModelConfig, on_gpu: bool) -> str:
+    """The dtype of weights, activations and KV cache. ``auto``: the checkpoint's on a GPU
+    (bf16 for TinyLlama), float32 on the host (NumPy has no fast 16-bit products)."""
+    if dtype == "auto":
+        keep = on_gpu and model_config.torch_dtype in KV_DTYPES
+        return model_config.torch_dtype if keep else "float32"
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """(L, 2, num_blocks, block_size, Hkv, hd): the KV pool of every backend."""
+    L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    return (L, 2, num_blocks, block_size, Hkv, hd)
+
+
+def block_pairs(pairs) -> tuple[np.ndarray, np.ndarray]:
+    """(src ids, dst ids), int32, from (src, dst) pairs (a list or an (n, 2) array)."""
+    a = np.asarray(pairs, np.int32).reshape(-1, 2)  # (n, 2)
+    return a[:, 0], a[:, 1]
+
+
+def copy_host_blocks(dst: np.ndarray, src: np.ndarray, pairs) -> None:
+    """dst[:, :, d] = src[:, :, s] for each (s, d): a swap between two host pools."""
+    s, d = block_pairs(pairs)
+    if len(s):
+        dst[:, :, d] = src[:, :, s]
+
+
+class Backend(ABC):
+    """One model's forward over a paged KV cache. ``kv_cache``: ``cache_shape(num_blocks)``
+    where the step runs; ``cpu_cache``: the swap space, in host memory."""
+
+    name: str
+    cfg: ModelConfig
+    block_size: int
+    kv_dtype: str  # "float32" | "float16" | "bfloat16"
+    kv_cache = None
+    cpu_cache = None
+
+    @property
+    @abstractmethod
+    def weights_bytes(self) -> int:
+        """Bytes of the weights as the backend holds them."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return cache_shape(self.cfg, num_blocks, self.block_size)
+
+    @abstractmethod
+    def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
+        """Activation bytes of the largest step (``num_tokens`` tokens in ``num_seqs``
+        sequences, the longest ``max_seq_len``)."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """The block pool (``num_blocks``) and the swap space (``num_cpu_blocks``)."""
+
+    @abstractmethod
+    def swap_out(self, pairs) -> None:
+        """Pool block -> swap block, for each (pool id, swap id)."""
+
+    @abstractmethod
+    def swap_in(self, pairs) -> None:
+        """Swap block -> pool block, for each (swap id, pool id)."""
+
+    @abstractmethod
+    def copy_blocks(self, pairs) -> None:
+        """Whole blocks within the pool, for each (src, dst) (copy-on-write)."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """One step -> (B, V) float32 logits on the host, one row per sequence."""
+
+    @abstractmethod
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        """One step -> (B,) int32 argmax of each row's logits (the first maximum)."""
