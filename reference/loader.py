@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelConfig
-from .gguf_file import gguf_weights, read_gguf
 from .hf_weights import load_hf_weights
 from .tokenizer import Tokenizer
 from .weights import ModelWeights
@@ -125,6 +124,8 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+    from .gguf_file import gguf_weights, read_gguf  # gguf is imported only for a .gguf file
+
     gf = read_gguf(path)
     tokenizer = Tokenizer.from_gguf(gf.metadata)
     return _with_eos(gf.config, tokenizer.eos_token_ids), gguf_weights(gf), tokenizer

@@ -422,3 +422,17 @@ def test_smollm2_first_greedy_token_matches_transformers(smollm2):
     golden = json.loads((GOLDEN / "smollm2.json").read_text())["cases"][0]
     logits = forward(smollm2.weights, smollm2.config, np.array(golden["prompt_token_ids"]))
     assert int(np.argmax(logits)) == golden["token_ids"][0]
+
+
+def test_loading_a_hf_directory_does_not_import_gguf(tiny_model_dir):
+    """gguf is needed for .gguf files only (the GPU machine's image has no gguf)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from reference.loader import load_model; "
+        f"load_model({str(tiny_model_dir)!r}); print('gguf' in sys.modules)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
