@@ -1,12 +1,17 @@
-"""GPU measurements for ``engine.bench``: each figure next to its ceiling (needs a GPU).
+"""GPU measurements, each figure next to its ceiling.
 
-    copy_bandwidth_gbs   device-to-device copy: bytes read + written per second (ceiling 1)
-    bf16_matmul_tflops   one large bfloat16 cuBLAS product (ceiling 2)
-    decode_itl           batch-1 inter-token latency vs reading the weights once at ceiling 1
-    throughput           output tokens/s of N concurrent requests vs the decode-step roofline
-    hf_generate          Hugging Face ``generate`` on the same model and workload (torch only there)
+    copy        device-to-device copy: bytes read + written per second (ceiling 1)
+    gemm        one large bfloat16 product on the engine's cuBLAS handle (ceiling 2)
+    itl         batch-1 inter-token latency, graphs and eager, vs reading the weights once
+    throughput  output tokens/s of N concurrent requests, graphs and eager, vs the roofline
+                of their decode step; and one decode step's time at batch N
+    hf          Hugging Face ``generate`` on the same model and workload (torch only there)
 
-``python -m engine.bench_gpu --model DIR`` runs them all and prints one line per figure.
+``python -m engine.bench_gpu --model DIR --json FILE`` runs them in that order. Each figure is
+guarded on its own (an exception is recorded as that figure's ``error`` and the next one runs)
+and FILE is rewritten after each, so a run cut short still leaves every figure it reached.
+``--emulate`` runs the same code on the emulated device (backend ``cuda-cpu``) with a small
+workload: it checks the benchmark itself, its numbers say nothing about speed.
 """
 
 from __future__ import annotations
@@ -14,73 +19,82 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
+from datetime import UTC, datetime
 
 import ml_dtypes
 import numpy as np
 
 GiB = 1 << 30
+FULL = dict(requests=256, prompt_len=128, output_len=128, copy_bytes=2 * GiB, gemm_n=8192)
+SMALL = dict(requests=4, prompt_len=16, output_len=8, copy_bytes=1 << 24, gemm_n=256)
 
 
-def _timed(fn, repeats: int, stream=None) -> float:
-    """Seconds per call of ``fn``, by CUDA events on ``stream`` (the one ``fn`` launches on;
-    None: the current stream), after one warm-up."""
-    import cupy
+class Clock:
+    """Seconds per call of ``fn`` after one warm-up: CUDA events on the device's stream on a
+    GPU (``fn`` only launches), wall time on the emulated device."""
 
-    stream = stream or cupy.cuda.get_current_stream()
-    fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(repeats):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / repeats
+    def __init__(self, device):
+        self.device = device
+
+    def per_call(self, fn, repeats: int) -> float:
+        with self.device.active():
+            fn()
+            if not self.device.is_gpu:
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                return (time.perf_counter() - t0) / repeats
+            import cupy
+
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(self.device.stream)
+            for _ in range(repeats):
+                fn()
+            end.record(self.device.stream)
+            end.synchronize()
+            return cupy.cuda.get_elapsed_time(start, end) / 1e3 / repeats
 
 
-def _wall(fn, repeats: int) -> float:
-    """Seconds per call of ``fn`` (which synchronises itself), after one warm-up."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 * GiB, repeats: int = 10) -> float:
+def copy_bandwidth(device, nbytes: int) -> dict:
     """GB/s moved (read + write) by a device-to-device copy of ``nbytes``."""
-    import cupy
+    with device.active():
+        src, dst = device.zeros((nbytes,), np.uint8), device.empty((nbytes,), np.uint8)
+    if device.is_gpu:  # one cudaMemcpyAsync on the device's stream
 
-    src, dst = cupy.ones(nbytes, np.uint8), cupy.empty(nbytes, np.uint8)
-    seconds = _timed(lambda: dst.data.copy_from_device_async(src.data, nbytes), repeats)
-    return 2 * nbytes / seconds / 1e9
+        def copy():
+            dst.data.copy_from_device_async(src.data, nbytes, device.stream)
+    else:
+
+        def copy():
+            np.copyto(dst, src)
+
+    seconds = Clock(device).per_call(copy, 10)
+    return {"gbs": 2 * nbytes / seconds / 1e9, "bytes": nbytes}
 
 
-def bf16_matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
-    """TFLOP/s of an (n, n) x (n, n) bfloat16 product through cuBLAS gemmEx (float32 sums)."""
-    import cupy
-
-    from .gemm import cupy_gemm
-
+def gemm_tflops(device, n: int) -> dict:
+    """TFLOP/s of an (n, n) x (n, n) bfloat16 product (float32 sums) on the engine's handle."""
     rng = np.random.default_rng(0)
+    with device.active():
+        x, w = (
+            device.upload(rng.standard_normal((n, n), np.float32).astype(ml_dtypes.bfloat16))
+            for _ in range(2)
+        )
+        out = device.empty((n, n), ml_dtypes.bfloat16)
+    seconds = Clock(device).per_call(lambda: device.gemm(x, w, out), 10)
+    return {"tflops": 2 * n**3 / seconds / 1e12, "n": n}
 
-    def bf16(shape):  # drawn on the host, moved as raw bits: no CuPy bfloat16 cast kernel
-        a = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
-        return cupy.asarray(a.view(np.uint16)).view(ml_dtypes.bfloat16)
 
-    x, w = bf16((n, n)), bf16((n, n))
-    out = cupy.empty((n, n), ml_dtypes.bfloat16)
-    return 2 * n**3 / _timed(lambda: cupy_gemm(x, w, out), repeats) / 1e12
-
-
-def make_engine(loaded, **kw):
+def make_engine(loaded, backend: str, eager: bool, **kw):
     from .llm_engine import LLMEngine
 
-    kw = {"backend": "cuda", "swap_space": 1, "num_gpu_blocks": 8192, **kw}
-    return LLMEngine(loaded=loaded, model="bench", **kw)
+    kw = {"swap_space": 1, "num_gpu_blocks": 8192, "enforce_eager": eager, **kw}
+    return LLMEngine(loaded=loaded, model="bench", backend=backend, **kw)
 
 
 def run_requests(engine, prompts, max_tokens: int) -> tuple[list, float]:
-    """All prompts at once, ignore_eos; (outputs, seconds)."""
+    """All prompts at once, greedy, ignore_eos; (outputs, seconds)."""
     from .llm import run_to_completion
     from .sampling_params import SamplingParams
 
@@ -90,19 +104,28 @@ def run_requests(engine, prompts, max_tokens: int) -> tuple[list, float]:
     return outs, time.perf_counter() - t0
 
 
-def decode_itl(loaded, bandwidth_gbs: float, prompt_len=32, tokens=128) -> dict:
+def random_prompts(loaded, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, loaded.config.vocab_size, length)] for _ in range(n)]
+
+
+def decode_itl(loaded, backend: str, eager: bool, bandwidth_gbs: float | None, w: dict) -> dict:
     """Batch-1 decode: median inter-token latency vs weights bytes / bandwidth."""
-    engine = make_engine(loaded, max_num_seqs=1)
-    prompt = list(np.random.default_rng(0).integers(3, loaded.config.vocab_size, prompt_len))
-    run_requests(engine, [prompt], 8)  # warm-up
-    (out,), _ = run_requests(engine, [prompt], tokens)
+    engine = make_engine(loaded, backend, eager, max_num_seqs=1)
+    prompt = random_prompts(loaded, 1, w["prompt_len"], 0)
+    run_requests(engine, prompt, 4)  # warm-up
+    (out,), _ = run_requests(engine, prompt, w["output_len"])
     itl = float(np.median(out.metrics.itl))
-    floor = engine.backend.weights_bytes / (bandwidth_gbs * 1e9)
-    return {"itl_ms": 1e3 * itl, "floor_ms": 1e3 * floor, "ratio": itl / floor, "target": 1.5}
+    res = {"itl_ms": 1e3 * itl, "graphs": sorted(engine.backend.graphs)}
+    if bandwidth_gbs:
+        floor = engine.backend.weights_bytes / (bandwidth_gbs * 1e9)
+        res |= {"floor_ms": 1e3 * floor, "ratio": itl / floor}
+    return res
 
 
 def decode_step_ms(engine, batch: int) -> dict:
-    """One pure-decode forward of ``batch`` sequences: graph replay alone, and with logits."""
+    """One pure-decode forward of ``batch`` sequences (128-token contexts), inputs up and ids
+    down, and the graph replay alone where there is one."""
     from .forward_batch import ForwardBatch
 
     bs, ctx = engine.config.block_size, 128
@@ -116,69 +139,120 @@ def decode_step_ms(engine, batch: int) -> dict:
         query_start_loc=np.arange(batch + 1, dtype=np.int32), num_decodes=batch,
     )  # fmt: skip
     be = engine.backend
-    with_logits = _wall(lambda: be.forward(fb), 20)  # inputs up, graph, logits down
+    be.forward_greedy(fb)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        be.forward_greedy(fb)
+    res = {"batch": batch, "step_ms": 1e3 * (time.perf_counter() - t0) / 10}
     graph = be.graphs.get(batch)
-    replay = _timed(graph, 20, be.device.stream) if graph else float("nan")
-    return {"batch": batch, "replay_ms": 1e3 * replay, "forward_ms": 1e3 * with_logits}
+    if graph is not None:
+        res["replay_ms"] = 1e3 * Clock(be.device).per_call(graph, 10)
+    return res
 
 
-def throughput(loaded, bandwidth_gbs: float, n=256, prompt_len=128, tokens=128) -> dict:
-    """Output tokens/s of ``n`` concurrent requests vs the roofline of their decode step
+def throughput(loaded, backend: str, eager: bool, bandwidth_gbs: float | None, w: dict) -> dict:
+    """Output tokens/s of ``requests`` concurrent requests vs the roofline of their decode step
     (weights plus every sequence's KV read once per step, at the measured bandwidth)."""
-    engine = make_engine(loaded, max_num_seqs=n, max_num_batched_tokens=max(4096, n))
-    rng = np.random.default_rng(1)
-    prompts = [list(rng.integers(3, loaded.config.vocab_size, prompt_len)) for _ in range(n)]
-    run_requests(engine, prompts[:8], 4)  # warm-up
-    outs, seconds = run_requests(engine, prompts, tokens)
-    produced = sum(len(o.token_ids) for o in outs)
-    mean_ctx = prompt_len + tokens / 2
-    kv = n * mean_ctx * loaded.config.kv_bytes_per_token(engine.backend.kv_dtype)
-    step_floor = (engine.backend.weights_bytes + kv) / (bandwidth_gbs * 1e9)
-    roofline = n / step_floor
-    rate = produced / seconds
-    step = decode_step_ms(engine, n)
-    return {"tokens_per_s": rate, "roofline": roofline, "ratio": rate / roofline,
-            "target": 0.5, "seconds": seconds, **step}  # fmt: skip
+    n = w["requests"]
+    engine = make_engine(loaded, backend, eager, max_num_seqs=n, max_num_batched_tokens=4096)
+    prompts = random_prompts(loaded, n, w["prompt_len"], 1)
+    run_requests(engine, prompts[: min(n, 8)], 4)  # warm-up
+    outs, seconds = run_requests(engine, prompts, w["output_len"])
+    rate = sum(len(o.token_ids) for o in outs) / seconds
+    res = {"tokens_per_s": rate, "seconds": seconds, **decode_step_ms(engine, n)}
+    if bandwidth_gbs:
+        mean_ctx = w["prompt_len"] + w["output_len"] / 2
+        kv = n * mean_ctx * loaded.config.kv_bytes_per_token(engine.backend.kv_dtype)
+        roofline = n * bandwidth_gbs * 1e9 / (engine.backend.weights_bytes + kv)
+        res |= {"roofline": roofline, "ratio": rate / roofline}
+    return res
 
 
-def hf_generate(model_dir: str, n=256, prompt_len=128, tokens=128) -> dict:
-    """The same workload through transformers ``generate`` (greedy, one static batch)."""
+def hf_generate(model_dir: str, w: dict) -> dict:
+    """The same workload through transformers ``generate`` (greedy, one static batch, bf16)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model = model.to(device="cuda", dtype=torch.bfloat16).eval()  # bf16 whatever the version
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    n, p, t = w["requests"], w["prompt_len"], w["output_len"]
     rng = np.random.default_rng(1)
-    ids = torch.tensor(rng.integers(3, model.config.vocab_size, (n, prompt_len)), device="cuda")
-    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    ids = torch.tensor(rng.integers(3, model.config.vocab_size, (n, p)), device="cuda")
+    kw = dict(max_new_tokens=t, min_new_tokens=t, do_sample=False, pad_token_id=0)
     model.generate(ids[:8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"tokens_per_s": (out.shape[1] - prompt_len) * n / seconds, "seconds": seconds}
+    return {"tokens_per_s": (out.shape[1] - p) * n / seconds, "seconds": seconds}
 
 
-def run_all(model_dir: str, with_hf: bool = True) -> dict:
+def summary(name: str, r: dict) -> str:
+    """One line a figure."""
+    if "error" in r:
+        return f"{name}: FAILED {r['error']}"
+    if name == "copy":
+        return f"copy: {r['gbs']:,.0f} GB/s device to device (ceiling 1)"
+    if name == "gemm":
+        return f"gemm: {r['tflops']:,.1f} TFLOP/s bf16 {r['n']}^3 (ceiling 2)"
+    if name.startswith("itl"):
+        ratio = ""
+        if "ratio" in r:
+            ratio = f" vs weights/bandwidth {r['floor_ms']:.2f} ms = {r['ratio']:.2f}x"
+        return f"{name}: {r['itl_ms']:.2f} ms batch-1 ITL{ratio}"
+    if name.startswith("throughput"):
+        roof = f" vs roofline {r['roofline']:,.0f} = {r['ratio']:.2f}" if "ratio" in r else ""
+        replay = f", graph replay {r['replay_ms']:.2f} ms" if "replay_ms" in r else ""
+        return (f"{name}: {r['tokens_per_s']:,.0f} tok/s{roof}; decode step at {r['batch']}: "
+                f"{r['step_ms']:.2f} ms{replay}")  # fmt: skip
+    if name == "hf":
+        return f"hf: transformers generate {r['tokens_per_s']:,.0f} tok/s"
+    return f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items())
+
+
+def run_all(model_dir: str, out_json: str | None, emulate: bool, with_hf: bool) -> dict:
     from reference.loader import load_model
 
-    res = {"copy_gbs": copy_bandwidth_gbs(), "bf16_tflops": bf16_matmul_tflops()}
-    print(f"device copy bandwidth: {res['copy_gbs']:,.0f} GB/s   (ceiling 1)", flush=True)
-    print(f"bf16 matmul 8192^3: {res['bf16_tflops']:,.0f} TFLOP/s   (ceiling 2)", flush=True)
-    loaded = load_model(model_dir)
-    res["itl"] = d = decode_itl(loaded, res["copy_gbs"])
-    print(f"batch-1 decode ITL: {d['itl_ms']:.2f} ms vs weights/bandwidth {d['floor_ms']:.2f} ms "
-          f"= {d['ratio']:.2f}x (target <= 1.5x)", flush=True)  # fmt: skip
-    res["throughput"] = t = throughput(loaded, res["copy_gbs"])
-    print(f"256 requests: {t['tokens_per_s']:,.0f} tok/s vs roofline {t['roofline']:,.0f} tok/s "
-          f"= {t['ratio']:.2f} (target >= 0.5); decode step at 256: graph "
-          f"{t['replay_ms']:.2f} ms, with logits {t['forward_ms']:.2f} ms", flush=True)  # fmt: skip
-    if with_hf:
-        res["hf"] = h = hf_generate(model_dir)
-        res["engine_over_hf"] = t["tokens_per_s"] / h["tokens_per_s"]
-        print(f"transformers generate: {h['tokens_per_s']:,.0f} tok/s; engine / HF = "
-              f"{res['engine_over_hf']:.2f}x (target >= 3x)", flush=True)  # fmt: skip
+    from .backends.devices import CupyDevice, EmulatedDevice
+
+    w = SMALL if emulate else FULL
+    backend = "cuda-cpu" if emulate else "cuda"
+    res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "workload": w}
+    state: dict = {}
+
+    def figure(name, fn):
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as exc:
+            res[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            res[name]["traceback"] = traceback.format_exc()
+        res[name]["wall_s"] = round(time.perf_counter() - t0, 2)
+        if out_json:
+            with open(out_json, "w") as f:
+                json.dump(res, f, indent=2, default=float)
+        print(summary(name, res[name]), flush=True)
+
+    def device():
+        state["device"] = dev = EmulatedDevice() if emulate else CupyDevice()
+        return {"name": dev.name, "backend": backend}
+
+    figure("device", device)
+    dev = state.get("device")
+    figure("copy", lambda: copy_bandwidth(dev, w["copy_bytes"]))
+    figure("gemm", lambda: gemm_tflops(dev, w["gemm_n"]))
+    figure("load", lambda: {"source": state.setdefault("loaded", load_model(model_dir)).source})
+    loaded, bw = state.get("loaded"), None if emulate else res["copy"].get("gbs")
+    for eager in (False, True):
+        tag = "eager" if eager else "graphs"
+        figure(f"itl_{tag}", lambda e=eager: decode_itl(loaded, backend, e, bw, w))
+        figure(f"throughput_{tag}", lambda e=eager: throughput(loaded, backend, e, bw, w))
+    if with_hf and not emulate:
+        figure("hf", lambda: hf_generate(model_dir, w))
+        ours, theirs = res["throughput_graphs"], res["hf"]
+        if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+            res["engine_over_hf"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
     return res
 
 
@@ -187,14 +261,16 @@ def main(argv=None) -> int:
         prog="python -m engine.bench_gpu", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model", required=True, help="a Hugging Face directory (bf16 safetensors)")
+    p.add_argument("--json", help="write the figures to this file, rewritten after each")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
-    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument(
+        "--emulate", action="store_true",
+        help="the emulated device (backend cuda-cpu) and a small workload: checks the benchmark",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    res = run_all(args.model, with_hf=not args.no_hf)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+    res = run_all(args.model, args.json, args.emulate, with_hf=not args.no_hf)
+    failed = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

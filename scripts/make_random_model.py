@@ -1,6 +1,6 @@
 """Write the models the GPU check needs, since nothing can be downloaded on the GPU machine.
 
-    python scripts/make_random_model.py DIR
+    python scripts/make_random_model.py DIR [--tiny-only]
 
 DIR/tiny        the tests' tiny random LLaMA (tests/tiny_model.py), float32
 DIR/tinyllama   TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4 KV heads, ffn 5632,
@@ -85,10 +85,12 @@ def make_tinyllama_shaped(path: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0] if argv else "models")
+    args = [a for a in argv if a != "--tiny-only"]
+    out = Path(args[0] if args else "models")
     t0 = time.perf_counter()
     make_tiny_model(out / "tiny", seed=0)
-    make_tinyllama_shaped(out / "tinyllama")
+    if "--tiny-only" not in argv:
+        make_tinyllama_shaped(out / "tinyllama")
     print(f"models in {out} after {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -3,6 +3,7 @@ import os
 import pytest
 
 from reference.loader import load_model
+from tests.gpu_target import EMULATE, make_device
 from tests.tiny_model import make_tiny_model
 
 
@@ -22,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip where CuPy sees no GPU, saying why; with REQUIRE_GPU=1 the run
     stops there instead, non-zero, with that reason (a GPU check must not pass by skipping)."""
     gpu_items = [item for item in items if "gpu" in item.keywords]
-    if not gpu_items:
+    if not gpu_items or EMULATE:
         return
     from engine.backends.devices import gpu_status
 
@@ -33,3 +34,9 @@ def pytest_collection_modifyitems(config, items):
         pytest.exit(f"REQUIRE_GPU=1 but no GPU: {why}", returncode=3)
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=f"no GPU: {why}"))
+
+
+@pytest.fixture(scope="session")
+def gpu_device():
+    """The device of the ``gpu`` tests (tests/gpu_target.py), built once."""
+    return make_device()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.backends.cupy_backend import CupyBackend
-from engine.backends.devices import CaptureAllocationError, EmulatedDevice, gpu_status
+from engine.backends.devices import CaptureAllocationError, EmulatedDevice
 from engine.config import EngineConfig
 from engine.cublas import Cublas, host_scalar
 from engine.gemm import gemm_plan
@@ -28,10 +28,7 @@ from reference.model import forward as reference_forward
 def device(request):
     if request.param == "emulated":
         return EmulatedDevice()
-    from engine.backends.devices import CupyDevice
-
-    assert gpu_status()[0], gpu_status()[1]
-    return CupyDevice()
+    return request.getfixturevalue("gpu_device")  # a GPU, or emulated (tests/gpu_target.py)
 
 
 @pytest.fixture

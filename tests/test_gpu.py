@@ -21,6 +21,7 @@ from engine.kernels import PARTITION_SIZE
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 from reference.model import forward as reference_forward
+from tests.gpu_target import BACKEND, EMULATE
 from tests.spies import CallCounter, count_forwards
 
 pytestmark = pytest.mark.gpu  # skipped without a GPU, or failed with REQUIRE_GPU=1 (conftest)
@@ -29,13 +30,6 @@ DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 IDS = ["f32", "f16", "bf16"]
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
-
-
-@pytest.fixture(scope="module")
-def gpu_device():
-    from engine.backends.devices import CupyDevice
-
-    return CupyDevice()
 
 
 @pytest.fixture
@@ -184,6 +178,7 @@ def test_sampling(dev, dtype, rng):
 # ---- gemm -------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(EMULATE, reason="CuPy's cuBLAS module needs the real library")
 def test_cublas_constants_match_cupy():
     from cupy.cuda import cublas
     from cupy_backends.cuda.api import runtime
@@ -224,8 +219,8 @@ def test_bf16_gemm_on_uint16_storage(dev, rng):
 
 def test_measure_peak_counts_live_blocks(dev):
     def two_live():
-        a = dev.xp.empty(1 << 20, np.uint8)
-        b = dev.xp.empty(2 << 20, np.uint8)
+        a = dev.empty((1 << 20,), np.uint8)
+        b = dev.empty((2 << 20,), np.uint8)
         return a.size + b.size
 
     assert dev.measure_peak(two_live) == 3 << 20
@@ -240,8 +235,9 @@ def tiny(tiny_model_dir):
 
 
 def gpu_engine(loaded, **kw) -> LLMEngine:
-    """An engine on the ``cuda`` backend, built by the engine's own backend factory."""
-    kw = {"backend": "cuda", "num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
+    """An engine on the ``cuda`` backend (emulated: ``cuda-cpu``), built by the engine's own
+    backend factory."""
+    kw = {"backend": BACKEND, "num_gpu_blocks": 48, "max_model_len": 256, "swap_space": 0.01, **kw}
     return LLMEngine(loaded=loaded, model="test", **kw)
 
 

@@ -1,0 +1,234 @@
+"""The GPU check's first minute: does every piece of the GPU path work at all?
+
+    python scripts/gpu_smoke.py --out DIR [--emulate]
+
+Each check runs on its own (one failing does not stop the next) and ``DIR/smoke.json`` is
+rewritten after each one, so whatever ran is on disk even if the process is killed:
+
+    device    the device comes up: CuPy, the stream, the engine's cuBLAS handle
+    compile   every kernel module compiled, every entry point loaded
+    kernels   each kernel launched once on fresh random inputs against its NumPy twin
+    gemm      one bfloat16 product through the engine's handle against float32 NumPy
+    graph     a captured graph holding a gemm and a kernel, replayed on new inputs
+    pinned    a pinned host buffer copied to the device and back
+
+``--emulate`` runs the same checks on the emulated device (``cuda-cpu``), as CI does.
+Exit status: 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backends import cuda_cpu_ops as C  # noqa: E402
+from engine.backends import numpy_ops as N  # noqa: E402
+
+
+def make_device(emulate: bool):
+    from engine.backends.devices import CupyDevice, EmulatedDevice
+
+    return EmulatedDevice() if emulate else CupyDevice()
+
+
+def close(got, want, tol: float) -> float:
+    """Max abs error; AssertionError when it exceeds ``tol`` (or a NaN: never written)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = float(np.abs(got - want).max()) if got.size else 0.0
+    if not err <= tol:
+        raise AssertionError(f"max abs error {err:.3g} > {tol:g}")
+    return err
+
+
+def poisoned(dev, shape, dtype=np.float32):
+    return dev.upload(np.full(shape, np.nan, dtype))
+
+
+def check_kernels(dev, rng) -> dict:
+    """Every kernel once, float32, against numpy_ops (sampling: against its Philox twin)."""
+    k, up, down = dev.kernels, dev.upload, dev.download
+    T, D, F, V, H, Hkv, hd, bs = 7, 64, 48, 300, 4, 2, 32, 16
+    x, r = rng.standard_normal((T, D), np.float32), rng.standard_normal((T, D), np.float32)
+    w = rng.standard_normal(D, np.float32)
+    errors = {}
+
+    out = poisoned(dev, (T, D))
+    k.rms_norm(out, up(x), up(w), 1e-5)
+    errors["rms_norm"] = close(down(out), N.rms_norm(x, w, 1e-5), 1e-4)
+    out, res = poisoned(dev, (T, D)), up(r)
+    k.fused_add_rms_norm(out, res, up(x), up(w), 1e-5)
+    want_out, want_res = N.fused_add_rms_norm(x, r, w, 1e-5)
+    errors["fused_add_rms_norm"] = max(
+        close(down(out), want_out, 1e-4), close(down(res), want_res, 1e-5)
+    )
+    table, ids = rng.standard_normal((V, D), np.float32), rng.integers(0, V, T).astype(np.int32)
+    out = poisoned(dev, (T, D))
+    k.embedding(out, up(ids), up(table))
+    errors["embedding"] = close(down(out), N.embedding(ids, table), 0)
+    gu, out = rng.standard_normal((T, 2 * F), np.float32), poisoned(dev, (T, F))
+    k.silu_and_mul(out, up(gu))
+    errors["silu_and_mul"] = close(down(out), N.silu_and_mul(gu), 1e-5)
+    q, kk = (
+        rng.standard_normal((T, H, hd), np.float32),
+        rng.standard_normal((T, Hkv, hd), np.float32),
+    )
+    pos = rng.integers(0, 500, T).astype(np.int32)
+    q_d, k_d = up(q), up(kk)
+    k.rotary(q_d, k_d, up(pos), up(C.rope_table(512, hd, 1e4)))
+    want_q, want_k = N.rotary(q, kk, pos, 1e4)
+    errors["rotary"] = max(close(down(q_d), want_q, 1e-4), close(down(k_d), want_k, 1e-4))
+    errors |= check_paged(dev, rng, H, Hkv, hd, bs)
+    logits = rng.standard_normal((5, V), np.float32) * 3
+    ids = up(np.full(5, -1, np.int32))
+    k.sample_greedy(ids, up(logits))
+    errors["sample_greedy"] = close(down(ids), np.argmax(logits, 1), 0)
+    params = dict(
+        temperature=np.array([0.0, 0.7, 1.0, 1.0, 0.5], np.float32),
+        top_k=np.array([0, 0, 20, 0, 5], np.int32),
+        top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.8], np.float32),
+        min_p=np.array([0.0, 0.0, 0.0, 0.05, 0.0], np.float32),
+        seeds=rng.integers(0, 2**63, 5, dtype=np.uint64),
+        steps=rng.integers(0, 100, 5).astype(np.int32),
+    )
+    ids = up(np.full(5, -1, np.int32))
+    k.sample(ids, up(logits), *(up(p) for p in params.values()))
+    errors["sample"] = close(down(ids), C.sample_numpy(logits, **params), 0)
+    return {"max_abs_error": errors}
+
+
+def check_paged(dev, rng, H, Hkv, hd, bs) -> dict:
+    """reshape_and_cache, decode attention (one and two partitions), prefill, copy_blocks."""
+    k, up, down = dev.kernels, dev.upload, dev.download
+    nb, lens = 24, np.array([1, 17, 40, 90], np.int32)
+    kc, vc = (rng.standard_normal((nb, bs, Hkv, hd), np.float32) for _ in range(2))
+    tables = rng.permutation(nb)[:24].astype(np.int32).reshape(4, 6)  # (B, M) distinct blocks
+    errors = {}
+    T = 20
+    kn, vn = rng.standard_normal((2, T, Hkv, hd), np.float32)
+    slots = rng.permutation(nb * bs)[:T].astype(np.int32)
+    kc_d, vc_d = up(kc), up(vc)
+    k.reshape_and_cache(up(kn), up(vn), kc_d, vc_d, up(slots))
+    N.reshape_and_cache(kn, vn, kc, vc, slots)
+    errors["reshape_and_cache"] = max(close(down(kc_d), kc, 0), close(down(vc_d), vc, 0))
+    q = rng.standard_normal((4, H, hd), np.float32)
+    want = N.paged_attention_decode(q, kc, vc, tables, lens, hd**-0.5)
+    for partition in (512, 64):  # 64: two partitions and the reduce kernel
+        out = poisoned(dev, q.shape)
+        k.paged_attention_decode(
+            out, up(q), kc_d, vc_d, up(tables), up(lens), hd**-0.5, 90, partition
+        )
+        errors[f"paged_attention_decode/{partition}"] = close(down(out), want, 1e-4)
+    q_lens = np.array([1, 5, 40, 3], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    qp = rng.standard_normal((int(qsl[-1]), H, hd), np.float32)
+    out = poisoned(dev, qp.shape)
+    k.paged_attention_prefill(out, up(qp), kc_d, vc_d, up(tables), up(qsl), up(lens), hd**-0.5)
+    want = N.paged_attention_prefill(qp, kc, vc, tables, qsl, lens, hd**-0.5)
+    errors["paged_attention_prefill"] = close(down(out), want, 1e-4)
+    pool = rng.standard_normal((2, 2, 8, bs, Hkv, hd), np.float32)
+    pairs = np.array([[1, 5], [2, 6]], np.int32)
+    pool_d = up(pool)
+    k.copy_blocks(pool_d, pool_d, up(pairs))
+    N.copy_blocks(pool, pool, pairs)
+    errors["copy_blocks"] = close(down(pool_d), pool, 0)
+    return errors
+
+
+def check_gemm(dev, rng) -> dict:
+    M, K, N_ = 33, 2048, 512
+    x = rng.standard_normal((M, K), np.float32).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((N_, K), np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    out = dev.empty((M, N_), np.float32)
+    dev.gemm(dev.upload(x), dev.upload(w), out)
+    want = x.astype(np.float32) @ w.astype(np.float32).T
+    return {"max_abs_error": close(dev.download(out), want, 1e-3)}
+
+
+def check_graph(dev, rng) -> dict:
+    x_d = dev.upload(rng.standard_normal((9, 256), np.float32))
+    w = rng.standard_normal((128, 256), np.float32)
+    w_d = dev.upload(w)
+
+    def step():  # a gemm and a kernel, temporaries allocated inside
+        y, act = dev.empty((9, 128), np.float32), dev.empty((9, 64), np.float32)
+        dev.gemm(x_d, w_d, y)
+        dev.kernels.silu_and_mul(act, y)
+        return act
+
+    t0 = time.perf_counter()
+    replay = dev.capture(step)
+    seconds = time.perf_counter() - t0
+    host = dev.pinned_empty((9, 256), np.float32)
+    errors = []
+    for _ in range(2):
+        host[...] = x_new = rng.standard_normal((9, 256), np.float32)
+        dev.copy_to(x_d, host)
+        want = N.silu_and_mul(x_new @ w.T)
+        errors.append(close(dev.download(replay()), want, 1e-3))
+    return {"capture_s": seconds, "max_abs_error": max(errors)}
+
+
+def check_pinned(dev, rng) -> dict:
+    n = 1 << 20
+    host = dev.pinned_empty((n,), np.float32)
+    host[...] = data = rng.standard_normal(n, np.float32)
+    dst = dev.empty((n,), np.float32)
+    dev.copy_to(dst, host)
+    back = dev.download(dst)
+    return {"bytes": 4 * n, "max_abs_error": close(back, data, 0)}
+
+
+def run(out_dir: Path, emulate: bool) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"emulate": emulate, "checks": {}}
+    rng = np.random.default_rng()
+    dev = None
+
+    def record(name, fn):
+        t0 = time.perf_counter()
+        try:
+            entry = {"ok": True, **(fn() or {})}
+        except Exception as exc:
+            entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            entry["traceback"] = traceback.format_exc()
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        results["checks"][name] = entry
+        (out_dir / "smoke.json").write_text(json.dumps(results, indent=2, default=float))
+        status = "ok" if entry["ok"] else f"FAILED: {entry['error']}"
+        print(f"{name:8s} {entry['seconds']:7.2f} s  {status}", flush=True)
+        return entry["ok"]
+
+    def device():
+        nonlocal dev
+        dev = make_device(emulate)
+        return {"name": dev.name, "cublas_version": dev.cublas.version()}
+
+    if record("device", device):
+        with dev.active():
+            record("compile", lambda: dev.compile_kernels())
+            record("kernels", lambda: check_kernels(dev, rng))
+            record("gemm", lambda: check_gemm(dev, rng))
+            record("graph", lambda: check_graph(dev, rng))
+            record("pinned", lambda: check_pinned(dev, rng))
+    return 0 if all(c["ok"] for c in results["checks"].values()) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="folder for smoke.json")
+    p.add_argument("--emulate", action="store_true", help="the emulated device, not a GPU")
+    args = p.parse_args(argv)
+    return run(args.out, args.emulate)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""scripts/gpu_check.sh itself, run on the emulated device as CI does: every stage passes and
+leaves the files a GPU run leaves; a stage that cannot run is reported, and the exit says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = ["summary.md", "env.log", "models.log", "smoke.log", "smoke.json", "pytest.log"]
+FILES += ["bench.log", "bench.json"]
+STAGES = ["env", "models", "smoke", "tests", "bench"]
+FIGURES = ["device", "copy", "gemm", "load", "itl_graphs", "throughput_graphs"]
+FIGURES += ["itl_eager", "throughput_eager"]
+
+
+def run_check(out: Path, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env}
+    env.pop("PAGEDLLM_EMULATE_GPU", None)
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--emulate"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpu_check_passes_on_the_emulated_device(tmp_path):
+    res = run_check(tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
+    summary = (tmp_path / "summary.md").read_text()
+    for stage in STAGES:
+        assert f"| {stage} | 0 |" in summary
+    smoke = json.loads((tmp_path / "smoke.json").read_text())["checks"]
+    assert list(smoke) == ["device", "compile", "kernels", "gemm", "graph", "pinned"]
+    assert all(c["ok"] for c in smoke.values()), smoke
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    for name in FIGURES:
+        assert "error" not in bench[name], bench[name]
+    assert bench["itl_graphs"]["graphs"] == [1] and bench["itl_eager"]["graphs"] == []
+    assert bench["throughput_graphs"]["tokens_per_s"] > 0
+    assert "passed" in (tmp_path / "pytest.log").read_text()
+
+
+def test_gpu_check_reports_stages_it_could_not_run(tmp_path):
+    res = run_check(tmp_path, BUDGET="1")
+    assert res.returncode >= 3  # smoke, tests and bench at least: the budget is spent
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| bench | skipped (budget spent) | 0 |" in summary
