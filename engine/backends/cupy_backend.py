@@ -217,7 +217,11 @@ class CupyBackend(Backend):
         a profile forward, the larger kept) plus the CUDA graphs' pool."""
         P = self._partitions(max_seq_len)
         computed = self.step_bytes(num_tokens, min(num_seqs, num_tokens), P)
-        measured = self.device.measure_peak(lambda: self._profile_forward(num_tokens, max_seq_len))
+        measured = None
+        if self.device.profiles_memory:
+            measured = self.device.measure_peak(
+                lambda: self._profile_forward(num_tokens, max_seq_len)
+            )
         graphs = self.graph_pool_estimate()
         log.info(
             "profile forward of %d tokens: activation peak %.1f MiB computed, %s measured; "

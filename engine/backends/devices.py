@@ -126,6 +126,7 @@ class Device:
 
     stream = None
     graph_batch_limit: int | None = None  # the largest decode batch worth a graph (None: all)
+    profiles_memory = True  # measure a profile forward's peak (else the computed one alone)
 
     def capture(self, fn):
         """A graph of ``fn``'s launches on the device's stream; calling it replays it and returns
@@ -314,6 +315,7 @@ class EmulatedDevice(Device):
     is_gpu = False
     xp = np
     graph_batch_limit = 8  # each capture runs the step twice through the emulated kernels
+    profiles_memory = False  # a profile forward through the emulated kernels takes minutes
 
     def __init__(self):
         self.stream = emulated.EmuStream()
