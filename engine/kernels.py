@@ -34,7 +34,13 @@ ASAN_ENV = "PAGEDLLM_EMU_ASAN"  # "1": build the CPU kernels with AddressSanitiz
 BUILD_ENV = "PAGEDLLM_BUILD_DIR"  # where CPU builds are cached (default build/cuda_cpu)
 ORDERS = ("forward", "reversed", "shuffled")
 
-_ENTRY_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+ENTRY_SUFFIXES = ("f32", "f16", "bf16")  # what DTYPE_ENTRY_POINTS (common.cuh) defines, in order
+
+# An entry point written out, or a line DTYPE_ENTRY_POINTS(name, n).
+_ENTRY_RE = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(|^[ \t]*DTYPE_ENTRY_POINTS\(\s*(\w+)\s*,',
+    re.MULTILINE,
+)
 
 
 class KernelBuildError(RuntimeError):
@@ -60,8 +66,12 @@ def read_source(name: str) -> str:
 
 
 def entry_points(source: str) -> list[str]:
-    """The ``extern "C" __global__`` kernels a source defines, in order."""
-    return _ENTRY_RE.findall(source)
+    """The ``extern "C" __global__`` kernels a source defines, in order: those written out, and
+    name_f32, name_f16, name_bf16 for each ``DTYPE_ENTRY_POINTS(name, n)``."""
+    names = []
+    for written, name in _ENTRY_RE.findall(source):
+        names += [written] if written else [f"{name}_{s}" for s in ENTRY_SUFFIXES]
+    return names
 
 
 def cuda_include_dirs() -> list[Path]:
