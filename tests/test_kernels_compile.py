@@ -69,9 +69,9 @@ def test_ptxas_parser_sees_spills():
 def test_compile_errors_point_at_the_cu_line(tmp_path, monkeypatch):
     broken = tmp_path / "broken.cu"
     broken.write_text('#include "common.cuh"\n\nextern "C" __global__ void k() { undefined_x; }\n')
-    monkeypatch.setattr(K, "SRC_DIR", tmp_path)
+    monkeypatch.setattr(K.build, "SRC_DIR", tmp_path)
     monkeypatch.setattr(
-        K,
+        K.build,
         "nvrtc_options",
         lambda arch: (
             [f"-arch={arch}", f"-I{K.REPO / 'cuda_src'}"]
