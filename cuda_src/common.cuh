@@ -151,8 +151,9 @@ __device__ __forceinline__ float key_float(unsigned k) {
 // A kernel is a __device__ template over its storage type T (float, __half or __nv_bfloat16)
 // with a // Grid: line over it. DTYPE_ENTRY_POINTS(name, n) defines the entry points that the
 // loaders look up, name_f32, name_f16 and name_bf16: each takes the n parameters of name<T>,
-// pointers __restrict__, and calls name<T>; a wrong n does not compile. engine/kernels
-// lists entry points by finding this macro; docs/kernels.md shows one expanded.
+// pointers __restrict__, and calls name<T>; a wrong n does not compile.
+// engine/kernels/build.py (entry_points) lists them by finding this macro; docs/kernels.md
+// shows one expanded.
 #define DTYPE_ENTRY_POINTS(name, n)       \
   DTYPE_ENTRY_POINT(name, n, float, f32)   \
   DTYPE_ENTRY_POINT(name, n, __half, f16)  \
