@@ -146,3 +146,63 @@ __device__ __forceinline__ unsigned float_key(float x) {
 __device__ __forceinline__ float key_float(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
+
+// ---- entry points: one template kernel, three extern "C" kernels ----------------------------
+// A kernel is a __device__ template over its storage type T (float, __half or __nv_bfloat16)
+// with a // Grid: line over it. DTYPE_ENTRY_POINTS(name, n) defines the entry points that the
+// loaders look up, name_f32, name_f16 and name_bf16: each takes the n parameters of name<T>,
+// pointers __restrict__, and calls name<T>; a wrong n does not compile.
+// engine/kernels/build.py (entry_points) lists them by finding this macro; docs/kernels.md
+// shows one expanded.
+#define DTYPE_ENTRY_POINTS(name, n)       \
+  DTYPE_ENTRY_POINT(name, n, float, f32)   \
+  DTYPE_ENTRY_POINT(name, n, __half, f16)  \
+  DTYPE_ENTRY_POINT(name, n, __nv_bfloat16, bf16)
+
+#define DTYPE_ENTRY_POINT(name, n, T, suffix)                                                 \
+  extern "C" __global__ void name##_##suffix(ENTRY_LIST_##n(ENTRY_PARAM, decltype(name<T>))) { \
+    name<T>(ENTRY_LIST_##n(ENTRY_ARG, _));                                                   \
+  }
+
+// Parameter i of the function type F; a pointer comes back __restrict__ (top-level qualifiers
+// are not part of a function's type, so the template's own __restrict__ does not show in F).
+template <int i, typename F>
+struct ParamOf;
+template <typename A0, typename... A>
+struct ParamOf<0, void(A0, A...)> {
+  using type = A0;
+};
+template <int i, typename A0, typename... A>
+struct ParamOf<i, void(A0, A...)> : ParamOf<i - 1, void(A...)> {};
+
+template <typename P>
+struct Restrict {
+  using type = P;
+};
+template <typename P>
+struct Restrict<P*> {
+  using type = P* __restrict__;
+};
+
+template <int i, typename F>
+using entry_param_t = typename Restrict<typename ParamOf<i, F>::type>::type;
+
+// ENTRY_LIST_n(X, F) is X(0, F), ..., X(n - 1, F): the parameters a0 .. a{n-1}, or their names.
+#define ENTRY_PARAM(i, F) entry_param_t<i, F> a##i
+#define ENTRY_ARG(i, F) a##i
+#define ENTRY_LIST_1(X, F) X(0, F)
+#define ENTRY_LIST_2(X, F) ENTRY_LIST_1(X, F), X(1, F)
+#define ENTRY_LIST_3(X, F) ENTRY_LIST_2(X, F), X(2, F)
+#define ENTRY_LIST_4(X, F) ENTRY_LIST_3(X, F), X(3, F)
+#define ENTRY_LIST_5(X, F) ENTRY_LIST_4(X, F), X(4, F)
+#define ENTRY_LIST_6(X, F) ENTRY_LIST_5(X, F), X(5, F)
+#define ENTRY_LIST_7(X, F) ENTRY_LIST_6(X, F), X(6, F)
+#define ENTRY_LIST_8(X, F) ENTRY_LIST_7(X, F), X(7, F)
+#define ENTRY_LIST_9(X, F) ENTRY_LIST_8(X, F), X(8, F)
+#define ENTRY_LIST_10(X, F) ENTRY_LIST_9(X, F), X(9, F)
+#define ENTRY_LIST_11(X, F) ENTRY_LIST_10(X, F), X(10, F)
+#define ENTRY_LIST_12(X, F) ENTRY_LIST_11(X, F), X(11, F)
+#define ENTRY_LIST_13(X, F) ENTRY_LIST_12(X, F), X(12, F)
+#define ENTRY_LIST_14(X, F) ENTRY_LIST_13(X, F), X(13, F)
+#define ENTRY_LIST_15(X, F) ENTRY_LIST_14(X, F), X(14, F)
+#define ENTRY_LIST_16(X, F) ENTRY_LIST_15(X, F), X(15, F)

@@ -3,11 +3,12 @@
 // counts) or the same one (copy-on-write). A block id outside its pool is skipped.
 #include "common.cuh"
 
+// Grid: (P, L * 2)  Block: (any, e.g. 256)
 template <typename T>
-__device__ __forceinline__ void copy_block(T* __restrict__ dst,          // (L, 2, Nd, bs, Hkv, hd)
-                                           const T* __restrict__ src,    // (L, 2, Ns, bs, Hkv, hd)
-                                           const int* __restrict__ pairs,  // (P, 2) (src, dst)
-                                           int src_blocks, int dst_blocks, int block_elems) {
+__device__ __forceinline__ void copy_blocks(T* __restrict__ dst,          // (L, 2, Nd, bs, Hkv, hd)
+                                            const T* __restrict__ src,    // (L, 2, Ns, bs, Hkv, hd)
+                                            const int* __restrict__ pairs,  // (P, 2) (src, dst)
+                                            int src_blocks, int dst_blocks, int block_elems) {
   const int s = pairs[2 * blockIdx.x], d = pairs[2 * blockIdx.x + 1];
   if (s < 0 || s >= src_blocks || d < 0 || d >= dst_blocks) return;
   const size_t plane = blockIdx.y;  // layer * 2 + (0: K, 1: V)
@@ -16,25 +17,4 @@ __device__ __forceinline__ void copy_block(T* __restrict__ dst,          // (L, 
   for (int e = threadIdx.x; e < block_elems; e += blockDim.x) to[e] = from[e];
 }
 
-// Grid: (P, L * 2)  Block: (any, e.g. 256)
-extern "C" __global__ void copy_blocks_f32(float* __restrict__ dst, const float* __restrict__ src,
-                                           const int* __restrict__ pairs, int src_blocks,
-                                           int dst_blocks, int block_elems) {
-  copy_block(dst, src, pairs, src_blocks, dst_blocks, block_elems);
-}
-
-// Grid: (P, L * 2)  Block: (any, e.g. 256)
-extern "C" __global__ void copy_blocks_f16(__half* __restrict__ dst,
-                                           const __half* __restrict__ src,
-                                           const int* __restrict__ pairs, int src_blocks,
-                                           int dst_blocks, int block_elems) {
-  copy_block(dst, src, pairs, src_blocks, dst_blocks, block_elems);
-}
-
-// Grid: (P, L * 2)  Block: (any, e.g. 256)
-extern "C" __global__ void copy_blocks_bf16(__nv_bfloat16* __restrict__ dst,
-                                            const __nv_bfloat16* __restrict__ src,
-                                            const int* __restrict__ pairs, int src_blocks,
-                                            int dst_blocks, int block_elems) {
-  copy_block(dst, src, pairs, src_blocks, dst_blocks, block_elems);
-}
+DTYPE_ENTRY_POINTS(copy_blocks, 6)

@@ -2,12 +2,13 @@
 // out = rms_norm(residual) * weight. One row per block.
 #include "common.cuh"
 
+// Grid: (T,)  Block: (multiple of 32, <= 1024)
 template <typename T>
-__device__ __forceinline__ void fused_add_rms_norm_row(T* __restrict__ out,         // (T, D)
-                                                       T* __restrict__ residual,    // (T, D)
-                                                       const T* __restrict__ x,     // (T, D)
-                                                       const T* __restrict__ weight,  // (D,)
-                                                       int dim, float eps) {
+__device__ __forceinline__ void fused_add_rms_norm(T* __restrict__ out,         // (T, D)
+                                                   T* __restrict__ residual,    // (T, D)
+                                                   const T* __restrict__ x,     // (T, D)
+                                                   const T* __restrict__ weight,  // (D,)
+                                                   int dim, float eps) {
   const size_t row = size_t(blockIdx.x) * dim;
   float squares = 0.0f;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -22,29 +23,4 @@ __device__ __forceinline__ void fused_add_rms_norm_row(T* __restrict__ out,     
   }
 }
 
-// Grid: (T,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void fused_add_rms_norm_f32(float* __restrict__ out,
-                                                  float* __restrict__ residual,
-                                                  const float* __restrict__ x,
-                                                  const float* __restrict__ weight, int dim,
-                                                  float eps) {
-  fused_add_rms_norm_row(out, residual, x, weight, dim, eps);
-}
-
-// Grid: (T,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void fused_add_rms_norm_f16(__half* __restrict__ out,
-                                                  __half* __restrict__ residual,
-                                                  const __half* __restrict__ x,
-                                                  const __half* __restrict__ weight, int dim,
-                                                  float eps) {
-  fused_add_rms_norm_row(out, residual, x, weight, dim, eps);
-}
-
-// Grid: (T,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void fused_add_rms_norm_bf16(__nv_bfloat16* __restrict__ out,
-                                                   __nv_bfloat16* __restrict__ residual,
-                                                   const __nv_bfloat16* __restrict__ x,
-                                                   const __nv_bfloat16* __restrict__ weight,
-                                                   int dim, float eps) {
-  fused_add_rms_norm_row(out, residual, x, weight, dim, eps);
-}
+DTYPE_ENTRY_POINTS(fused_add_rms_norm, 6)

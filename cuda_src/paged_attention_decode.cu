@@ -6,8 +6,9 @@
 // and exponent sum, and paged_attention_reduce.cu combines the partitions.
 #include "attention.cuh"
 
+// Grid: (H, B, P)  Block: (128,)
 template <typename T>
-__device__ __forceinline__ void decode_partition(
+__device__ __forceinline__ void paged_attention_decode(
     T* __restrict__ out,                  // (B, H, hd)
     float* __restrict__ part_out,         // (B, H, P, hd) partial outputs, when P > 1
     float* __restrict__ part_max,         // (B, H, P) max score of each partition
@@ -70,41 +71,4 @@ __device__ __forceinline__ void decode_partition(
   }
 }
 
-// Grid: (H, B, P)  Block: (128,)
-extern "C" __global__ void paged_attention_decode_f32(
-    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, const float* __restrict__ q,
-    const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ context_lens,
-    int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-    int partition_size) {
-  decode_partition(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables,
-                   context_lens, num_kv_heads, head_dim, block_size, max_blocks, scale,
-                   partition_size);
-}
-
-// Grid: (H, B, P)  Block: (128,)
-extern "C" __global__ void paged_attention_decode_f16(
-    __half* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, const __half* __restrict__ q,
-    const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ context_lens,
-    int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-    int partition_size) {
-  decode_partition(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables,
-                   context_lens, num_kv_heads, head_dim, block_size, max_blocks, scale,
-                   partition_size);
-}
-
-// Grid: (H, B, P)  Block: (128,)
-extern "C" __global__ void paged_attention_decode_bf16(
-    __nv_bfloat16* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, const __nv_bfloat16* __restrict__ q,
-    const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ context_lens,
-    int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-    int partition_size) {
-  decode_partition(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables,
-                   context_lens, num_kv_heads, head_dim, block_size, max_blocks, scale,
-                   partition_size);
-}
+DTYPE_ENTRY_POINTS(paged_attention_decode, 15)

@@ -4,8 +4,9 @@
 // Sequence b has ceil(context_lens[b] / partition_size) partitions (at least one).
 #include "common.cuh"
 
+// Grid: (H, B)  Block: (any, e.g. 128)
 template <typename T>
-__device__ __forceinline__ void reduce_partitions(
+__device__ __forceinline__ void paged_attention_reduce(
     T* __restrict__ out,                   // (B, H, hd)
     const float* __restrict__ part_out,    // (B, H, P, hd)
     const float* __restrict__ part_max,    // (B, H, P)
@@ -31,29 +32,4 @@ __device__ __forceinline__ void reduce_partitions(
   }
 }
 
-// Grid: (H, B)  Block: (any, e.g. 128)
-extern "C" __global__ void paged_attention_reduce_f32(
-    float* __restrict__ out, const float* __restrict__ part_out,
-    const float* __restrict__ part_max, const float* __restrict__ part_sum,
-    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
-  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
-                    partition_size);
-}
-
-// Grid: (H, B)  Block: (any, e.g. 128)
-extern "C" __global__ void paged_attention_reduce_f16(
-    __half* __restrict__ out, const float* __restrict__ part_out,
-    const float* __restrict__ part_max, const float* __restrict__ part_sum,
-    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
-  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
-                    partition_size);
-}
-
-// Grid: (H, B)  Block: (any, e.g. 128)
-extern "C" __global__ void paged_attention_reduce_bf16(
-    __nv_bfloat16* __restrict__ out, const float* __restrict__ part_out,
-    const float* __restrict__ part_max, const float* __restrict__ part_sum,
-    const int* __restrict__ context_lens, int head_dim, int max_parts, int partition_size) {
-  reduce_partitions(out, part_out, part_max, part_sum, context_lens, head_dim, max_parts,
-                    partition_size);
-}
+DTYPE_ENTRY_POINTS(paged_attention_reduce, 8)

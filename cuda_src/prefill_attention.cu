@@ -17,8 +17,9 @@ __device__ __forceinline__ int sequence_of(const int* __restrict__ query_start_l
   return lo;
 }
 
+// Grid: (H, ceil(T / 4))  Block: (128,)
 template <typename T>
-__device__ __forceinline__ void prefill_row(
+__device__ __forceinline__ void prefill_attention(
     T* __restrict__ out,                      // (T, H, hd)
     const T* __restrict__ q,                  // (T, H, hd)
     const T* __restrict__ k_cache,            // (N, bs, Hkv, hd)
@@ -59,35 +60,4 @@ __device__ __forceinline__ void prefill_row(
   }
 }
 
-// Grid: (H, ceil(T / 4))  Block: (128,)
-extern "C" __global__ void prefill_attention_f32(
-    float* __restrict__ out, const float* __restrict__ q, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
-    int num_seqs, int num_tokens, int num_kv_heads, int head_dim, int block_size,
-    int max_blocks, float scale) {
-  prefill_row(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, num_seqs,
-              num_tokens, num_kv_heads, head_dim, block_size, max_blocks, scale);
-}
-
-// Grid: (H, ceil(T / 4))  Block: (128,)
-extern "C" __global__ void prefill_attention_f16(
-    __half* __restrict__ out, const __half* __restrict__ q, const __half* __restrict__ k_cache,
-    const __half* __restrict__ v_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
-    int num_seqs, int num_tokens, int num_kv_heads, int head_dim, int block_size,
-    int max_blocks, float scale) {
-  prefill_row(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, num_seqs,
-              num_tokens, num_kv_heads, head_dim, block_size, max_blocks, scale);
-}
-
-// Grid: (H, ceil(T / 4))  Block: (128,)
-extern "C" __global__ void prefill_attention_bf16(
-    __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ q,
-    const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ query_start_loc,
-    const int* __restrict__ context_lens, int num_seqs, int num_tokens, int num_kv_heads,
-    int head_dim, int block_size, int max_blocks, float scale) {
-  prefill_row(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, num_seqs,
-              num_tokens, num_kv_heads, head_dim, block_size, max_blocks, scale);
-}
+DTYPE_ENTRY_POINTS(prefill_attention, 14)

@@ -22,13 +22,14 @@ __device__ __forceinline__ void rotate_heads(T* __restrict__ x,               //
   }
 }
 
+// Grid: (T,)  Block: (any, e.g. 128)
 template <typename T>
-__device__ __forceinline__ void rotary_token(T* __restrict__ q,                  // (T, H, hd)
-                                             T* __restrict__ k,                  // (T, Hkv, hd)
-                                             const int* __restrict__ positions,  // (T,)
-                                             const float* __restrict__ cos_sin,  // (P, hd)
-                                             int num_heads, int num_kv_heads, int head_dim,
-                                             int max_positions) {
+__device__ __forceinline__ void rotary(T* __restrict__ q,                  // (T, H, hd)
+                                       T* __restrict__ k,                  // (T, Hkv, hd)
+                                       const int* __restrict__ positions,  // (T,)
+                                       const float* __restrict__ cos_sin,  // (P, hd)
+                                       int num_heads, int num_kv_heads, int head_dim,
+                                       int max_positions) {
   const int t = blockIdx.x, pos = positions[t];
   if (pos < 0 || pos >= max_positions) return;
   const float* table = cos_sin + size_t(pos) * head_dim;
@@ -36,27 +37,4 @@ __device__ __forceinline__ void rotary_token(T* __restrict__ q,                 
   rotate_heads(k + size_t(t) * num_kv_heads * head_dim, table, num_kv_heads, head_dim);
 }
 
-// Grid: (T,)  Block: (any, e.g. 128)
-extern "C" __global__ void rotary_f32(float* __restrict__ q, float* __restrict__ k,
-                                      const int* __restrict__ positions,
-                                      const float* __restrict__ cos_sin, int num_heads,
-                                      int num_kv_heads, int head_dim, int max_positions) {
-  rotary_token(q, k, positions, cos_sin, num_heads, num_kv_heads, head_dim, max_positions);
-}
-
-// Grid: (T,)  Block: (any, e.g. 128)
-extern "C" __global__ void rotary_f16(__half* __restrict__ q, __half* __restrict__ k,
-                                      const int* __restrict__ positions,
-                                      const float* __restrict__ cos_sin, int num_heads,
-                                      int num_kv_heads, int head_dim, int max_positions) {
-  rotary_token(q, k, positions, cos_sin, num_heads, num_kv_heads, head_dim, max_positions);
-}
-
-// Grid: (T,)  Block: (any, e.g. 128)
-extern "C" __global__ void rotary_bf16(__nv_bfloat16* __restrict__ q,
-                                       __nv_bfloat16* __restrict__ k,
-                                       const int* __restrict__ positions,
-                                       const float* __restrict__ cos_sin, int num_heads,
-                                       int num_kv_heads, int head_dim, int max_positions) {
-  rotary_token(q, k, positions, cos_sin, num_heads, num_kv_heads, head_dim, max_positions);
-}
+DTYPE_ENTRY_POINTS(rotary, 8)

@@ -56,16 +56,17 @@ __device__ __forceinline__ unsigned top_p_key(const T* __restrict__ row, int voc
   return lo;
 }
 
+// Grid: (B,)  Block: (multiple of 32, <= 1024)
 template <typename T>
-__device__ __forceinline__ void sample_row(int* __restrict__ out_ids,                  // (B,)
-                                           const T* __restrict__ logits,               // (B, V)
-                                           const float* __restrict__ temperature,      // (B,)
-                                           const int* __restrict__ top_k,              // (B,)
-                                           const float* __restrict__ top_p,            // (B,)
-                                           const float* __restrict__ min_p,            // (B,)
-                                           const unsigned long long* __restrict__ seeds,  // (B,)
-                                           const int* __restrict__ steps,              // (B,)
-                                           int vocab) {
+__device__ __forceinline__ void sample(int* __restrict__ out_ids,                  // (B,)
+                                       const T* __restrict__ logits,               // (B, V)
+                                       const float* __restrict__ temperature,      // (B,)
+                                       const int* __restrict__ top_k,              // (B,)
+                                       const float* __restrict__ top_p,            // (B,)
+                                       const float* __restrict__ min_p,            // (B,)
+                                       const unsigned long long* __restrict__ seeds,  // (B,)
+                                       const int* __restrict__ steps,              // (B,)
+                                       int vocab) {
   const int b = blockIdx.x;
   const T* row = logits + size_t(b) * vocab;
   const float temp = temperature[b];
@@ -98,36 +99,4 @@ __device__ __forceinline__ void sample_row(int* __restrict__ out_ids,           
   if (threadIdx.x == 0) out_ids[b] = winner;
 }
 
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_f32(int* __restrict__ out_ids, const float* __restrict__ logits,
-                                      const float* __restrict__ temperature,
-                                      const int* __restrict__ top_k,
-                                      const float* __restrict__ top_p,
-                                      const float* __restrict__ min_p,
-                                      const unsigned long long* __restrict__ seeds,
-                                      const int* __restrict__ steps, int vocab) {
-  sample_row(out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, vocab);
-}
-
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_f16(int* __restrict__ out_ids, const __half* __restrict__ logits,
-                                      const float* __restrict__ temperature,
-                                      const int* __restrict__ top_k,
-                                      const float* __restrict__ top_p,
-                                      const float* __restrict__ min_p,
-                                      const unsigned long long* __restrict__ seeds,
-                                      const int* __restrict__ steps, int vocab) {
-  sample_row(out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, vocab);
-}
-
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_bf16(int* __restrict__ out_ids,
-                                       const __nv_bfloat16* __restrict__ logits,
-                                       const float* __restrict__ temperature,
-                                       const int* __restrict__ top_k,
-                                       const float* __restrict__ top_p,
-                                       const float* __restrict__ min_p,
-                                       const unsigned long long* __restrict__ seeds,
-                                       const int* __restrict__ steps, int vocab) {
-  sample_row(out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, vocab);
-}
+DTYPE_ENTRY_POINTS(sample, 9)

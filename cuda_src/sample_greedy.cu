@@ -3,10 +3,11 @@
 // index (0, as numpy) rather than the empty candidate's 0x7FFFFFFF.
 #include "common.cuh"
 
+// Grid: (B,)  Block: (multiple of 32, <= 1024)
 template <typename T>
-__device__ __forceinline__ void greedy_row(int* __restrict__ out_ids,     // (B,)
-                                           const T* __restrict__ logits,  // (B, V)
-                                           int vocab) {
+__device__ __forceinline__ void sample_greedy(int* __restrict__ out_ids,     // (B,)
+                                              const T* __restrict__ logits,  // (B, V)
+                                              int vocab) {
   const T* row = logits + size_t(blockIdx.x) * vocab;
   float best = kNegLarge;
   int index = 0x7FFFFFFF;
@@ -18,21 +19,4 @@ __device__ __forceinline__ void greedy_row(int* __restrict__ out_ids,     // (B,
   if (threadIdx.x == 0) out_ids[blockIdx.x] = winner;
 }
 
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_greedy_f32(int* __restrict__ out_ids,
-                                             const float* __restrict__ logits, int vocab) {
-  greedy_row(out_ids, logits, vocab);
-}
-
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_greedy_f16(int* __restrict__ out_ids,
-                                             const __half* __restrict__ logits, int vocab) {
-  greedy_row(out_ids, logits, vocab);
-}
-
-// Grid: (B,)  Block: (multiple of 32, <= 1024)
-extern "C" __global__ void sample_greedy_bf16(int* __restrict__ out_ids,
-                                              const __nv_bfloat16* __restrict__ logits,
-                                              int vocab) {
-  greedy_row(out_ids, logits, vocab);
-}
+DTYPE_ENTRY_POINTS(sample_greedy, 3)

@@ -44,16 +44,15 @@ def test_nvrtc_compiles_without_spills(name, arch):
     assert_no_local_memory(name, result.log, entries)
 
 
-def test_every_kernel_has_grid_comment_and_three_dtypes():
+def test_every_kernel_is_a_template_with_grid_comment_and_three_dtypes():
     for name in K.kernel_names():
         source = K.read_source(name)
         entries = K.entry_points(source)
-        for entry in entries:
-            lines = source[: source.index(f"void {entry}(")].splitlines()
-            assert lines[-2].startswith("// Grid:"), f"{name}.cu: no // Grid: line over {entry}"
-        stems = {re.sub(r"_(f32|f16|bf16)$", "", e) for e in entries}
-        for stem in stems:
-            assert {f"{stem}_{s}" for s in ("f32", "f16", "bf16")} <= set(entries), stem
+        for stem in {re.sub(r"_(f32|f16|bf16)$", "", e) for e in entries}:
+            assert {f"{stem}_{s}" for s in K.ENTRY_SUFFIXES} <= set(entries), stem
+            lines = source[: source.index(f" void {stem}(")].splitlines()
+            assert lines[-2] == "template <typename T>", f"{name}.cu: {stem} is no template"
+            assert lines[-3].startswith("// Grid:"), f"{name}.cu: no // Grid: line over {stem}"
 
 
 def test_ptxas_parser_sees_spills():
@@ -70,9 +69,9 @@ def test_ptxas_parser_sees_spills():
 def test_compile_errors_point_at_the_cu_line(tmp_path, monkeypatch):
     broken = tmp_path / "broken.cu"
     broken.write_text('#include "common.cuh"\n\nextern "C" __global__ void k() { undefined_x; }\n')
-    monkeypatch.setattr(K, "SRC_DIR", tmp_path)
+    monkeypatch.setattr(K.build, "SRC_DIR", tmp_path)
     monkeypatch.setattr(
-        K,
+        K.build,
         "nvrtc_options",
         lambda arch: (
             [f"-arch={arch}", f"-I{K.REPO / 'cuda_src'}"]

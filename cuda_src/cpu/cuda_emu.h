@@ -1,8 +1,9 @@
 // cuda_emu.h: the CUDA subset our kernels use, for g++ on x86-64 Linux.
 //
 // g++ -std=c++17 -include cuda_src/cpu/cuda_emu.h -I cuda_src/cpu/shim -x c++ kernel.cu
-// compiles a kernel file unchanged into a shared library; engine/kernels.py launches its
-// kernels through the exported emu_launch_<name>() with CuPy's (grid, block, args, shared_mem).
+// compiles a kernel file unchanged into a shared library; engine/kernels/emulator.py launches
+// its kernels through the exported emu_launch_<name>() with CuPy's (grid, block, args,
+// shared_mem).
 //
 // Model: every CUDA thread is a fiber with its own stack (a hand-written context switch, no
 // syscall). One block runs at a time; its threads run one after another and switch only at
@@ -509,7 +510,7 @@ inline void syncthreads(const char* file, int line) {
   yield_to_scheduler();
 }
 
-// ---- exports for engine/kernels.py ---------------------------------------------------------
+// ---- exports for engine/kernels/emulator.py ------------------------------------------------
 
 template <typename... A>
 struct Invoke {

@@ -1,0 +1,101 @@
+"""Load the CUDA kernels of ``cuda_src/`` for every backend, and launch them with checks.
+
+One source, three compilers:
+  ``compile_nvrtc(name, arch)``  NVRTC through ``cupy.cuda.nvrtc`` (no device needed): a cubin
+                                 and the ptxas report; the production compiler.
+  ``cpu_module(name)``           g++ with ``cuda_src/cpu/cuda_emu.h``: a shared library whose
+                                 kernels run on the CPU, one fiber per CUDA thread.
+  ``cupy.RawModule``             the GPU backend, on ``read_source(name)`` with the same names.
+
+  build.py     sources, entry points, the NVRTC and g++ builds
+  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order
+  launch.py    ``Kernels``: one checked launch per operation; block sizes
+"""
+
+from .build import (
+    ASAN_ENV,
+    BUILD_ENV,
+    EMU_DIR,
+    ENTRY_SUFFIXES,
+    REPO,
+    SRC_DIR,
+    KernelBuildError,
+    NvrtcResult,
+    asan_enabled,
+    asan_env,
+    build_all_cpu,
+    build_cpu_library,
+    build_dir,
+    compile_cpu,
+    compile_cpu_source,
+    compile_nvrtc,
+    cuda_include_dirs,
+    entry_points,
+    gxx_flags,
+    include_options,
+    kernel_names,
+    nvrtc_options,
+    read_source,
+)
+from .emulator import (
+    ORDERS,
+    CpuKernel,
+    CpuModule,
+    KernelLaunchError,
+    cpu_module,
+    cpu_module_from_source,
+    set_thread_order,
+    thread_order,
+)
+from .launch import (
+    ATTN_THREADS,
+    DTYPE_SUFFIX,
+    MAX_HEAD_DIM,
+    NORM_THREADS,
+    PARTITION_SIZE,
+    SAMPLE_THREADS,
+    Kernels,
+    cpu_kernels,
+)
+
+__all__ = [
+    "ASAN_ENV",
+    "ATTN_THREADS",
+    "BUILD_ENV",
+    "DTYPE_SUFFIX",
+    "EMU_DIR",
+    "ENTRY_SUFFIXES",
+    "MAX_HEAD_DIM",
+    "NORM_THREADS",
+    "ORDERS",
+    "PARTITION_SIZE",
+    "REPO",
+    "SAMPLE_THREADS",
+    "SRC_DIR",
+    "CpuKernel",
+    "CpuModule",
+    "KernelBuildError",
+    "KernelLaunchError",
+    "Kernels",
+    "NvrtcResult",
+    "asan_enabled",
+    "asan_env",
+    "build_all_cpu",
+    "build_cpu_library",
+    "build_dir",
+    "compile_cpu",
+    "compile_cpu_source",
+    "compile_nvrtc",
+    "cpu_kernels",
+    "cpu_module",
+    "cpu_module_from_source",
+    "cuda_include_dirs",
+    "entry_points",
+    "gxx_flags",
+    "include_options",
+    "kernel_names",
+    "nvrtc_options",
+    "read_source",
+    "set_thread_order",
+    "thread_order",
+]

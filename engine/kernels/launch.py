@@ -1,0 +1,257 @@
+"""Checked launches: ``Kernels`` wraps each kernel in a method that checks shapes, dtypes and
+contiguity, picks the dtype's entry point, grid and block, and launches it with
+``kernel(grid, block, args, shared_mem=...)``, CuPy's launch shape, which the CPU emulator's
+kernels mirror. Scalars are numpy scalars of the parameter's exact type (np.int32, np.float32).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .emulator import cpu_module
+
+DTYPE_SUFFIX = {
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float16): "f16",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+}
+NORM_THREADS = 128  # rows: rms_norm, fused_add_rms_norm, embedding, silu_and_mul, ...
+ATTN_THREADS = 128  # attention kernels: four warps (attention.cuh)
+SAMPLE_THREADS = 256
+MAX_HEAD_DIM = 256  # attention.cuh kMaxHeadDim
+PARTITION_SIZE = 512  # decode: tokens per partition
+
+
+def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
+    """``a`` must be a C-contiguous array of ``shape`` (None: any size) and ``dtype``."""
+    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+    if not hasattr(a, "shape") or len(a.shape) != len(shape):
+        raise ValueError(f"{op}: {name} must be an array of shape {want}, got {_desc(a)}")
+    if any(s is not None and s != n for s, n in zip(shape, a.shape, strict=True)):
+        raise ValueError(f"{op}: {name} must have shape {want}, got {tuple(a.shape)}")
+    if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
+        raise ValueError(f"{op}: {name} must be {np.dtype(dtype).name}, got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{op}: {name} must be C-contiguous, got strides {a.strides}")
+
+
+def _desc(a) -> str:
+    return f"shape {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__
+
+
+def _suffix(op: str, a) -> str:
+    dtype = np.dtype(a.dtype)
+    if dtype not in DTYPE_SUFFIX:
+        names = ", ".join(d.name for d in DTYPE_SUFFIX)
+        raise ValueError(f"{op}: dtype must be one of {names}, got {dtype.name}")
+    return DTYPE_SUFFIX[dtype]
+
+
+i32, f32 = np.int32, np.float32
+
+
+class Kernels:
+    """Every kernel behind a method that checks its arguments first.
+
+    ``load(name)`` returns a module for cuda_src/<name>.cu with ``get_function(entry)``:
+    ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend. Outputs are written in place.
+    ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
+    allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
+    """
+
+    def __init__(self, load, empty=np.empty):
+        self._load = load
+        self._empty = empty
+        self._fns: dict[str, object] = {}
+
+    def _fn(self, file: str, entry: str):
+        if entry not in self._fns:
+            self._fns[entry] = self._load(file).get_function(entry)
+        return self._fns[entry]
+
+    def embedding(self, out, token_ids, table) -> None:
+        V, D = table.shape
+        T = token_ids.shape[0]
+        _check("embedding", "token_ids", token_ids, (T,), np.int32)
+        _check("embedding", "table", table, (V, D))
+        _check("embedding", "out", out, (T, D), table.dtype)
+        if T:
+            fn = self._fn("embedding", f"embedding_{_suffix('embedding', table)}")
+            fn((T,), (NORM_THREADS,), (out, token_ids, table, i32(V), i32(D)))
+
+    def rms_norm(self, out, x, weight, eps: float) -> None:
+        T, D = x.shape
+        _check("rms_norm", "x", x, (T, D))
+        _check("rms_norm", "weight", weight, (D,), x.dtype)
+        _check("rms_norm", "out", out, (T, D), x.dtype)
+        if T:
+            fn = self._fn("rms_norm", f"rms_norm_{_suffix('rms_norm', x)}")
+            fn((T,), (NORM_THREADS,), (out, x, weight, i32(D), f32(eps)))
+
+    def fused_add_rms_norm(self, out, residual, x, weight, eps: float) -> None:
+        """residual += x in place; out = rms_norm(residual) * weight."""
+        T, D = x.shape
+        op = "fused_add_rms_norm"
+        _check(op, "x", x, (T, D))
+        _check(op, "residual", residual, (T, D), x.dtype)
+        _check(op, "weight", weight, (D,), x.dtype)
+        _check(op, "out", out, (T, D), x.dtype)
+        if T:
+            fn = self._fn(op, f"{op}_{_suffix(op, x)}")
+            fn((T,), (NORM_THREADS,), (out, residual, x, weight, i32(D), f32(eps)))
+
+    def rotary(self, q, k, positions, cos_sin) -> None:
+        """Rotate q (T, H, hd) and k (T, Hkv, hd) in place; cos_sin: (max_pos, hd) float32."""
+        T, H, hd = q.shape
+        _check("rotary", "q", q, (T, H, hd))
+        _check("rotary", "k", k, (T, None, hd), q.dtype)
+        _check("rotary", "positions", positions, (T,), np.int32)
+        _check("rotary", "cos_sin", cos_sin, (None, hd), np.float32)
+        if hd % 2:
+            raise ValueError(f"rotary: head_dim must be even, got {hd}")
+        if T:
+            fn = self._fn("rotary", f"rotary_{_suffix('rotary', q)}")
+            args = (q, k, positions, cos_sin, i32(H), i32(k.shape[1]), i32(hd))
+            fn((T,), (NORM_THREADS,), args + (i32(cos_sin.shape[0]),))
+
+    def silu_and_mul(self, out, gate_up) -> None:
+        T, F2 = gate_up.shape
+        _check("silu_and_mul", "gate_up", gate_up, (T, F2))
+        if F2 % 2:
+            raise ValueError(f"silu_and_mul: gate_up width must be even, got {F2}")
+        _check("silu_and_mul", "out", out, (T, F2 // 2), gate_up.dtype)
+        if T:
+            fn = self._fn("silu_and_mul", f"silu_and_mul_{_suffix('silu_and_mul', gate_up)}")
+            fn((T,), (NORM_THREADS,), (out, gate_up, i32(F2 // 2)))
+
+    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        N, bs, Hkv, hd = k_cache.shape
+        T = k.shape[0]
+        op = "reshape_and_cache"
+        _check(op, "k_cache", k_cache, (N, bs, Hkv, hd))
+        _check(op, "v_cache", v_cache, (N, bs, Hkv, hd), k_cache.dtype)
+        _check(op, "k", k, (T, Hkv, hd), k_cache.dtype)
+        _check(op, "v", v, (T, Hkv, hd), k_cache.dtype)
+        _check(op, "slot_mapping", slot_mapping, (T,), np.int32)
+        if T:
+            fn = self._fn(op, f"{op}_{_suffix(op, k_cache)}")
+            args = (k_cache, v_cache, k, v, slot_mapping, i32(Hkv * hd), np.int64(N * bs))
+            fn((T,), (NORM_THREADS,), args)
+
+    def _check_paged(self, op, q, k_cache, v_cache, block_tables, context_lens):
+        N, bs, Hkv, hd = k_cache.shape
+        B = context_lens.shape[0]
+        _check(op, "q", q, (None, None, hd), k_cache.dtype)
+        _check(op, "k_cache", k_cache, (N, bs, Hkv, hd))
+        _check(op, "v_cache", v_cache, (N, bs, Hkv, hd), k_cache.dtype)
+        _check(op, "block_tables", block_tables, (B, None), np.int32)
+        _check(op, "context_lens", context_lens, (B,), np.int32)
+        H = q.shape[1]
+        if H % Hkv:
+            raise ValueError(f"{op}: query heads ({H}) must be a multiple of KV heads ({Hkv})")
+        if hd > MAX_HEAD_DIM:
+            raise ValueError(f"{op}: head_dim must be <= {MAX_HEAD_DIM}, got {hd}")
+        return H, Hkv, hd, bs
+
+    def paged_attention_decode(
+        self,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale: float,
+        max_context_len: int,
+        partition_size: int = PARTITION_SIZE,
+    ) -> None:
+        """One query per sequence, q: (B, H, hd); contexts over ``partition_size`` tokens
+        are split into partitions and combined by the reduce kernel."""
+        op = "paged_attention_decode"
+        H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
+        B = context_lens.shape[0]
+        _check(op, "q", q, (B, H, hd))
+        _check(op, "out", out, (B, H, hd), q.dtype)
+        if partition_size <= 0 or partition_size % 32:
+            raise ValueError(
+                f"{op}: partition_size must be a positive multiple of 32, got {partition_size}"
+            )
+        if B == 0:
+            return
+        P = max(1, -(-int(max_context_len) // partition_size))
+        sfx = _suffix(op, q)
+        parts = self._empty((B, H, P, hd) if P > 1 else (1,), np.float32)  # (B, H, P, hd)
+        stats = self._empty((2, B, H, P) if P > 1 else (2, 1), np.float32)  # max, sum
+        args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
+        args += (i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]), f32(scale))
+        self._fn(op, f"{op}_{sfx}")((H, B, P), (ATTN_THREADS,), args + (i32(partition_size),))
+        if P > 1:
+            red = "paged_attention_reduce"
+            args = (out, parts, stats[0], stats[1], context_lens, i32(hd), i32(P))
+            self._fn(red, f"{red}_{sfx}")((H, B), (ATTN_THREADS,), args + (i32(partition_size),))
+
+    def paged_attention_prefill(
+        self, out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float
+    ) -> None:
+        """Causal attention of query runs q: (T, H, hd), split by query_start_loc (B+1,)."""
+        op = "paged_attention_prefill"
+        H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
+        B, T = context_lens.shape[0], q.shape[0]
+        _check(op, "query_start_loc", query_start_loc, (B + 1,), np.int32)
+        _check(op, "out", out, (T, H, hd), q.dtype)
+        if T == 0:
+            return
+        fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
+        args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+        args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
+        fn((H, -(-T // 4)), (ATTN_THREADS,), args + (f32(scale),))
+
+    def copy_blocks(self, src, dst, pairs) -> None:
+        """dst[:, :, d] = src[:, :, s] for each row (s, d) of pairs (P, 2) int32."""
+        L, two, Ns, bs, Hkv, hd = src.shape
+        _check("copy_blocks", "src", src, (L, 2, Ns, bs, Hkv, hd))
+        _check("copy_blocks", "dst", dst, (L, 2, None, bs, Hkv, hd), src.dtype)
+        _check("copy_blocks", "pairs", pairs, (None, 2), np.int32)
+        if pairs.shape[0]:
+            fn = self._fn("copy_blocks", f"copy_blocks_{_suffix('copy_blocks', src)}")
+            args = (dst, src, pairs, i32(Ns), i32(dst.shape[2]), i32(bs * Hkv * hd))
+            fn((pairs.shape[0], L * 2), (256,), args)
+
+    def sample_greedy(self, out_ids, logits) -> None:
+        B, V = logits.shape
+        _check("sample_greedy", "logits", logits, (B, V))
+        _check("sample_greedy", "out_ids", out_ids, (B,), np.int32)
+        if B:
+            fn = self._fn("sample_greedy", f"sample_greedy_{_suffix('sample_greedy', logits)}")
+            fn((B,), (SAMPLE_THREADS,), (out_ids, logits, i32(V)))
+
+    def sample(self, out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps) -> None:
+        """One draw per row; every parameter is a (B,) array (see cuda_src/sample.cu)."""
+        B, V = logits.shape
+        _check("sample", "logits", logits, (B, V))
+        _check("sample", "out_ids", out_ids, (B,), np.int32)
+        for name, a, dtype in (
+            ("temperature", temperature, np.float32),
+            ("top_k", top_k, i32),
+            ("top_p", top_p, np.float32),
+            ("min_p", min_p, np.float32),
+            ("seeds", seeds, np.uint64),
+            ("steps", steps, i32),
+        ):
+            _check("sample", name, a, (B,), dtype)
+        if B:
+            fn = self._fn("sample", f"sample_{_suffix('sample', logits)}")
+            args = (out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, i32(V))
+            fn((B,), (SAMPLE_THREADS,), args)
+
+
+_cpu_kernels: Kernels | None = None
+
+
+def cpu_kernels() -> Kernels:
+    """The checked launches over the CPU builds."""
+    global _cpu_kernels
+    if _cpu_kernels is None:
+        _cpu_kernels = Kernels(cpu_module)
+    return _cpu_kernels
