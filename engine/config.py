@@ -133,3 +133,12 @@ class EngineConfig:
     @property
     def is_resolved(self) -> bool:
         return self.max_model_len is not None and self.max_num_batched_tokens is not None
+
+
+def make_config(model: str | None, **engine_args) -> EngineConfig:
+    """EngineConfig from keyword arguments; an unknown name is a ValueError naming it."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ValueError(f"unknown engine argument {unknown[0]!r}")
+    return EngineConfig(model=model or "", **engine_args)

@@ -217,8 +217,8 @@ def _greedy() -> dict:
 def test_eos_ends_unless_ignored(tiny):
     engine = make_engine(tiny)
     (full,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
-    eos = full.token_ids[3]
-    engine.eos_token_ids = engine.sampler.eos_token_ids = [eos]  # pretend the model's EOS is it
+    eos = full.token_ids[3]  # pretend the model's EOS is it
+    engine.output_processor.eos_token_ids = engine.sampler.eos_token_ids = [eos]
     (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24))
     assert o.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
     assert o.finish_reason == "stop"
