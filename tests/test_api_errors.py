@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.generate import main as generate_main
+from engine.entrypoints.generate import main as generate_main
 from reference.loader import load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from engine.diff import golden_logits
-from engine.diff import main as diff_main
-from engine.generate import build_parser
-from engine.generate import main as generate_main
+from engine.config import EngineConfig
+from engine.entrypoints.bench import build_parser as bench_parser
+from engine.entrypoints.diff import build_parser as diff_parser
+from engine.entrypoints.diff import main as diff_main
+from engine.entrypoints.engine_args import engine_config, engine_kwargs
+from engine.entrypoints.generate import build_parser
+from engine.entrypoints.generate import main as generate_main
+from engine.golden import golden_logits, read_golden
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
@@ -70,9 +74,45 @@ def test_help_lists_every_flag_with_help():
         assert action.help, action.option_strings
 
 
+def test_each_engine_config_field_has_exactly_one_flag():
+    """Every EngineConfig field is one flag (--block-size for block_size), listed by --help,
+    that parses back into that field; nothing else of the CLI lands on an EngineConfig field."""
+    parser = build_parser()
+    text = parser.format_help()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        owners = [a for a in parser._actions if flag in a.option_strings]
+        assert len(owners) == 1 and owners[0].dest == f.name, f.name
+        assert flag in text and owners[0].help, f.name
+        assert sum(a.dest == f.name for a in parser._actions) == 1, f.name
+
+
+def test_engine_flags_parse_back_into_the_config():
+    args = build_parser().parse_args(
+        ["--block-size", "8", "--swap-space", "0.5", "--backend", "numpy", "--enforce-eager"]
+    )
+    assert engine_kwargs(args) == dict(
+        block_size=8, swap_space=0.5, backend="numpy", enforce_eager=True
+    )
+    assert engine_config(args) == EngineConfig(
+        block_size=8, swap_space=0.5, backend="numpy", enforce_eager=True
+    )
+    assert engine_kwargs(build_parser().parse_args([])) == {}
+
+
+def test_diff_and_bench_take_the_engine_flags_with_their_defaults():
+    diff_args = diff_parser().parse_args(["--model", "m", "--block-size", "8"])
+    assert engine_kwargs(diff_args) == dict(
+        model="m", block_size=8, backend="numpy", dtype="float32", swap_space=0
+    )
+    bench_args = bench_parser().parse_args(["--seed", "3"])
+    assert bench_args.seed == 3 and "seed" not in engine_kwargs(bench_args)  # the workload's
+    assert engine_kwargs(bench_args)["model"] == "smollm2"
+
+
 def test_diff_checks_golden_tokens_and_logits(tiny_model_dir, tmp_path, capsys):
     """With golden data for the prompt, diff passes on the true data and fails on a forgery."""
-    golden = json.loads((Path(__file__).parent / "golden" / "tiny.json").read_text())
+    golden = read_golden("tiny")
     case = next(c for c in golden["cases"] if c.get("add_special_tokens", True))
     path = tmp_path / "golden.json"
     path.write_text(json.dumps({"cases": [case]}))

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.golden import read_golden
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 from tests.spies import count_forwards
 
 SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
-GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -64,9 +61,7 @@ def test_smollm2_greedy_equals_reference_golden_and_alone(smollm2):
     engine = make_engine(smollm2, num_gpu_blocks=32, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batched = run_all(engine, SEED_PROMPTS, params, check=False)
-    golden = (
-        {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]} if GOLDEN.exists() else {}
-    )
+    golden = {c["prompt"]: c for c in read_golden("smollm2")["cases"]}
     for prompt, out in zip(SEED_PROMPTS, batched, strict=True):
         assert out.token_ids == reference_tokens(smollm2, prompt, 16) + out.token_ids[16:]
         if prompt in golden:

@@ -1,4 +1,4 @@
-"""The reference against golden data from Hugging Face transformers (tests/golden/make_golden.py).
+"""The reference against golden data from Hugging Face transformers (scripts/make_golden.py).
 
 Prompt token ids and 32 greedy tokens must be identical; the float32 logits at the prompt's last
 position within 1e-3 absolute. SmolLM2 is the real model; the tiny random model checks the HF
@@ -8,26 +8,16 @@ directory path (safetensors + tokenizer.json) the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine.diff import golden_logits
+from engine.golden import LOGITS_ATOL, golden_logits, read_golden
 from reference.generate import generate
 from reference.loader import load_model
 
-GOLDEN = Path(__file__).parent / "golden"
-LOGITS_ATOL = 1e-3
-
-
-def read_golden(name: str) -> dict:
-    return json.loads((GOLDEN / name).read_text())
-
-
-SMOL = read_golden("smollm2.json")
-TINY = read_golden("tiny.json")
+SMOL = read_golden("smollm2")
+TINY = read_golden("tiny")
 
 
 def as_float32(m):

@@ -13,7 +13,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager, FreeBlockQueue, hash_block
 from engine.config import EngineConfig
-from engine.generate import main as generate_main
+from engine.entrypoints.generate import main as generate_main
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from reference.generate import generate as reference_generate
