@@ -7,17 +7,16 @@ import sys
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.entrypoints.generate import main as generate_main
-from reference.loader import load_model
+from tests.utils import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
-    return LLMEngine(loaded=loaded, model="t", num_gpu_blocks=32, max_model_len=64, swap_space=0)
+def engine(tiny):
+    return make_engine(tiny, num_gpu_blocks=32, max_model_len=64, swap_space=0)
 
 
 BAD_REQUESTS = [

@@ -17,7 +17,6 @@ from engine.entrypoints.generate import build_parser
 from engine.entrypoints.generate import main as generate_main
 from engine.golden import golden_logits, read_golden
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 
 ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --top-k --max-tokens
 --seed --ignore-eos --block-size --num-gpu-blocks --max-model-len --max-num-seqs
@@ -25,7 +24,7 @@ ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --
 --backend --json --trace""".split()
 
 
-def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path):
+def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi my name is\nhello there\n")
     r = subprocess.run(
@@ -36,14 +35,13 @@ def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]  # stdout: only the JSON
-    loaded = load_model(str(tiny_model_dir))
     assert [row["prompt"] for row in rows] == ["hi my name is", "hello there"]
     for row in rows:
         assert set(row) >= {"prompt", "prompt_token_ids", "text", "token_ids", "finish_reason",
                             "metrics"}  # fmt: skip
-        ref = reference_generate(loaded.weights, loaded.config, row["prompt_token_ids"], 8)
+        ref = reference_generate(tiny.weights, tiny.config, row["prompt_token_ids"], 8)
         assert row["token_ids"] == ref.token_ids and row["finish_reason"] == "length"
-        assert row["prompt_token_ids"] == loaded.tokenizer.encode(row["prompt"])
+        assert row["prompt_token_ids"] == tiny.tokenizer.encode(row["prompt"])
         assert row["metrics"]["ttft"] > 0 and len(row["metrics"]["itl"]) == 7
     assert "# GPU blocks: 16, # CPU blocks: 0" in r.stderr
     assert "scheduled as prefill of 4 tokens with blocks" in r.stderr  # --trace

@@ -9,21 +9,10 @@ from engine import LLMEngine, SamplingParams
 from engine.golden import read_golden
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 from tests.spies import count_forwards
+from tests.utils import SEED_PROMPTS, make_engine
 
-SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
-
-
-def make_engine(loaded, **kw) -> LLMEngine:
-    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **kw}
-    return LLMEngine(loaded=loaded, model="test", **kw)
 
 
 def run_all(engine: LLMEngine, prompts, params, check=True) -> list:

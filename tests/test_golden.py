@@ -14,7 +14,6 @@ import pytest
 
 from engine.golden import LOGITS_ATOL, golden_logits, read_golden
 from reference.generate import generate
-from reference.loader import load_model
 
 SMOL = read_golden("smollm2")
 TINY = read_golden("tiny")
@@ -30,8 +29,8 @@ def smollm2_f32(smollm2):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return as_float32(load_model(str(tiny_model_dir)))
+def tiny_f32(tiny):
+    return as_float32(tiny)
 
 
 def encode_like_golden(tokenizer, case: dict) -> list[int]:
@@ -79,11 +78,11 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, case):
 
 
 @pytest.mark.parametrize("case", TINY["cases"], ids=lambda c: c["prompt"])
-def test_tiny_matches_transformers(tiny, case):
-    check_case(tiny, case)
+def test_tiny_matches_transformers(tiny_f32, case):
+    check_case(tiny_f32, case)
 
 
 @pytest.mark.parametrize("case", TINY["tokenizer_cases"], ids=lambda c: c["text"][:16])
-def test_tiny_tokenizer_matches_transformers(tiny, case):
-    ids = tiny.tokenizer.encode(case["text"], add_special_tokens=case["add_special_tokens"])
+def test_tiny_tokenizer_matches_transformers(tiny_f32, case):
+    ids = tiny_f32.tokenizer.encode(case["text"], add_special_tokens=case["add_special_tokens"])
     assert ids == case["ids"]

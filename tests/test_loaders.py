@@ -311,17 +311,16 @@ def write_gguf(path, cfg, tensors, model_dir, qtype=Q.F32, skip_keys=(), tok_mod
     return path
 
 
-def test_gguf_f32_round_trips_hf_weights_and_qk_permutation(tiny_model_dir, hf, tmp_path):
+def test_gguf_f32_round_trips_hf_weights_and_qk_permutation(tiny_model_dir, hf, tmp_path, tiny):
     cfg_dict, tensors = hf
     q0 = tensors["model.layers.0.self_attn.q_proj.weight"]
     assert not np.array_equal(llama_cpp_permute(q0, 4), q0)  # the permutation is not a no-op
     path = write_gguf(tmp_path / "tiny.gguf", cfg_dict, tensors, tiny_model_dir)
     loaded = load_model(str(path))
     assert_weights_are(loaded.weights, tensors, cfg_dict["num_hidden_layers"])
-    hf_model = load_model(str(tiny_model_dir))
-    ids = np.array(hf_model.tokenizer.encode(CORPUS[0]))
+    ids = np.array(tiny.tokenizer.encode(CORPUS[0]))
     np.testing.assert_array_equal(
-        forward(loaded.weights, loaded.config, ids), forward(hf_model.weights, hf_model.config, ids)
+        forward(loaded.weights, loaded.config, ids), forward(tiny.weights, tiny.config, ids)
     )
 
 

@@ -11,7 +11,6 @@ import pytest
 from engine.backends import fast_ops, numpy_ops
 from engine.backends.numpy_backend import NumpyBackend
 from engine.forward_batch import ForwardBatch
-from reference.loader import load_model
 
 BS, HKV, HD, H = 4, 2, 8, 6
 
@@ -81,17 +80,16 @@ def test_elementwise_ops_match_numpy_ops():
     np.testing.assert_array_equal(caches[1], caches[3])
 
 
-def test_profile_peak_bounds_the_measured_peak(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
+def test_profile_peak_bounds_the_measured_peak(tiny):
     cfg = SimpleNamespace(block_size=16, dtype="auto")
-    be = NumpyBackend(loaded.config, loaded.weights, cfg)
+    be = NumpyBackend(tiny.config, tiny.weights, cfg)
     t = 384  # one prefill of t tokens
     be.allocate_kv_cache(-(-t // 16), 0)
     blocks = np.arange(-(-t // 16), dtype=np.int32)
     pos = np.arange(t, dtype=np.int32)
     rng = np.random.default_rng(3)
     batch = ForwardBatch(
-        token_ids=rng.integers(0, loaded.config.vocab_size, t).astype(np.int32), positions=pos,
+        token_ids=rng.integers(0, tiny.config.vocab_size, t).astype(np.int32), positions=pos,
         slot_mapping=pos.copy(), block_tables=blocks[None], context_lens=np.array([t], np.int32),
         query_start_loc=np.array([0, t], np.int32), num_decodes=0,
     )  # fmt: skip
