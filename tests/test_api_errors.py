@@ -103,7 +103,9 @@ def test_cli_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv, message)
 def test_cli_unknown_model_exits_2_in_a_real_process():
     r = subprocess.run(
         [sys.executable, "-m", "engine.generate", "--model", "/no/such/model"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "/no/such/model" in r.stderr

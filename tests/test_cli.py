@@ -27,18 +27,20 @@ ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --
 def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi my name is\nhello there\n")
+    flags = "--json --max-tokens 8 --ignore-eos --trace --num-gpu-blocks 16 --swap-space 0"
+    argv = ["--model", str(tiny_model_dir), "--prompts-file", str(prompts), *flags.split()]
     r = subprocess.run(
-        [sys.executable, "-m", "engine.generate", "--model", str(tiny_model_dir), "--json",
-         "--prompts-file", str(prompts), "--max-tokens", "8", "--ignore-eos", "--trace",
-         "--num-gpu-blocks", "16", "--swap-space", "0", "--max-model-len", "128"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "engine.generate", *argv, "--max-model-len", "128"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]  # stdout: only the JSON
     assert [row["prompt"] for row in rows] == ["hi my name is", "hello there"]
     for row in rows:
-        assert set(row) >= {"prompt", "prompt_token_ids", "text", "token_ids", "finish_reason",
-                            "metrics"}  # fmt: skip
+        keys = "prompt prompt_token_ids text token_ids finish_reason metrics"
+        assert set(row) >= set(keys.split())
         ref = reference_generate(tiny.weights, tiny.config, row["prompt_token_ids"], 8)
         assert row["token_ids"] == ref.token_ids and row["finish_reason"] == "length"
         assert row["prompt_token_ids"] == tiny.tokenizer.encode(row["prompt"])
@@ -50,8 +52,8 @@ def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
 
 
 def test_generate_text_mode_chat(tiny_model_dir, capsys):
-    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", "--max-tokens",
-            "4", "--num-gpu-blocks", "32", "--swap-space", "0", "--no-tqdm"]  # fmt: skip
+    flags = "--max-tokens 4 --num-gpu-blocks 32 --swap-space 0 --no-tqdm"
+    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
     assert generate_main(argv) == 0
     out = capsys.readouterr().out
     assert "<|im_start|>user\\nhello there<|im_end|>" in out and "generated tokens   4" in out

@@ -8,6 +8,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.golden import read_golden
 from engine.llm import run_to_completion
+from engine.utils import MiB
 from reference.generate import generate as reference_generate
 from tests.spies import count_forwards
 from tests.utils import SEED_PROMPTS, make_engine
@@ -162,7 +163,7 @@ def test_startup_fails_when_one_sequence_cannot_fit(tiny):
     with pytest.raises(ValueError, match="max_model_len=256 tokens needs 16 blocks"):
         make_engine(tiny, num_gpu_blocks=15)
     with pytest.raises(ValueError, match="KV cache too small"):
-        make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=1 << 20)
+        make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=MiB)
 
 
 # ---- stops, n, streaming, abort ----

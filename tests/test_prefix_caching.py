@@ -175,8 +175,9 @@ QUESTIONS = ["hi my name is", "hello there", "today is a beautiful summer day", 
 
 def chat_prompts(tokenizer) -> list[str]:
     """One shared system prompt, different user turns: long shared prefixes."""
-    msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-            for q in QUESTIONS]  # fmt: skip
+    msgs = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
 
 
@@ -240,8 +241,9 @@ def test_tiny_small_pool_recompute_preemption_same_tokens(tiny, chunked):
     plain = run_staggered(make_engine(tiny), prompts, params)
     chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=8)
     kw = chunks if chunked else {}
-    small = make_engine(tiny, num_gpu_blocks=26, max_model_len=192, block_size=8,
-                        enable_prefix_caching=True, **kw)  # fmt: skip
+    small = make_engine(
+        tiny, num_gpu_blocks=26, max_model_len=192, block_size=8, enable_prefix_caching=True, **kw
+    )
     outs = run_staggered(small, prompts, params)
     assert small.scheduler.num_preemptions > 0 and small.scheduler.prefix_cache_hits > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -260,11 +262,10 @@ def test_smollm2_tokens_equal_without_the_cache(smollm2):
 
 def test_cli_traces_hits_and_prints_the_hit_rate(tiny_model_dir, capsys, caplog):
     prefix = "once upon a time in a land far away there lived a small language model"
-    argv = ["--model", str(tiny_model_dir), "--prompt", prefix, "--prompt", prefix + " too",
-            "--block-size", "4", "--max-num-seqs", "1", "--max-tokens", "4", "--trace",
-            "--enable-prefix-caching", "--num-gpu-blocks", "64", "--max-model-len", "128",
-            "--swap-space", "0",
-            "--no-tqdm"]  # fmt: skip
+    flags = """--block-size 4 --max-num-seqs 1 --max-tokens 4 --trace --enable-prefix-caching
+    --num-gpu-blocks 64 --max-model-len 128 --swap-space 0 --no-tqdm"""
+    argv = ["--model", str(tiny_model_dir), "--prompt", prefix, "--prompt", prefix + " too"]
+    argv += flags.split()
     with caplog.at_level(logging.INFO, logger="engine.trace"):
         assert generate_main(argv) == 0
     hits = [r.getMessage() for r in caplog.records if "prefix cache hit:" in r.getMessage()]

@@ -126,8 +126,13 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny):
         return done
 
     alone = run([("s", "hello there", seeded)])["s"].token_ids
-    batch = run([("x", "hi my name is", other), ("s", "hello there", seeded),
-                 ("y", "today is a beautiful summer day", other)])  # fmt: skip
+    batch = run(
+        [
+            ("x", "hi my name is", other),
+            ("s", "hello there", seeded),
+            ("y", "today is a beautiful summer day", other),
+        ]
+    )
     assert batch["s"].token_ids == alone
     reseeded = SamplingParams(**{**vars(seeded), "seed": 12})
     assert run([("s", "hello there", reseeded)])["s"].token_ids != alone
