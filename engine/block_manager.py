@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
 from engine.sequence import Sequence, SequenceStatus
+from engine.utils import cdiv
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
@@ -62,10 +63,6 @@ class FreeBlockQueue:
         del self._blocks[block]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_caching=False
@@ -99,7 +96,7 @@ class BlockManager:
         return len(self.free_cpu_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks to cover positions < num_computed_tokens + num_new_tokens."""

@@ -1,6 +1,7 @@
 """The engine's configuration: one dataclass, vLLM's names and defaults, checked at construction.
 
-The CLI flags mirror these field names (``--block-size`` -> ``block_size``). Values that depend on
+Each field carries its command-line help (and choices); engine/entrypoints/engine_args.py turns
+the fields into flags (``--block-size`` -> ``block_size``). Values that depend on
 the model (``max_model_len``, the default ``max_num_batched_tokens``) are filled in by
 ``EngineConfig.resolve(model_config)``, which returns a checked copy.
 """
@@ -8,9 +9,11 @@ the model (``max_model_len``, the default ``max_num_batched_tokens``) are filled
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reference.config import ModelConfig
+
+from .utils import GiB
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -32,24 +35,72 @@ def is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def option(default, help: str, choices: tuple[str, ...] | None = None, default_help=None):
+    """A field with its command-line help beside it (engine/entrypoints/engine_args.py makes the
+    flag). default_help: how ``--help`` describes a default of None."""
+    meta = {"help": help, "choices": choices, "default_help": default_help}
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class EngineConfig:
-    model: str = ""  # path or Hugging Face id; the engine resolves it
-    block_size: int = 16  # tokens per KV block
-    gpu_memory_utilization: float = 0.90  # fraction of device (NumPy: host) memory to use
-    swap_space: float = 4  # GiB of host memory for swapped-out blocks
-    max_num_seqs: int = 256  # sequences in one step at most
-    max_num_batched_tokens: int | None = None  # token budget of one step (resolve() fills it)
-    max_model_len: int | None = None  # prompt + output tokens (resolve() fills it)
-    num_gpu_blocks: int | None = None  # override the profiled pool size
-    preemption_mode: str = "recompute"  # "recompute" | "swap"
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype
-    backend: str = "auto"  # "auto" | "numpy" | "cuda" | "cuda-cpu"
-    seed: int = 0
-    enable_chunked_prefill: bool = False  # split long prefills to fit the token budget
-    enable_prefix_caching: bool = False  # reuse the cached blocks of a shared prompt prefix
-    memory_budget_bytes: int | None = None  # NumPy backend: explicit total budget
-    enforce_eager: bool = False  # no CUDA graphs (accepted for vLLM compatibility)
+    model: str = option(
+        "",
+        "HF directory, .gguf file, Hub id or 'smollm2'",
+        default_help="TinyLlama when cached or reachable, else the bundled SmolLM2",
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.90, "fraction of device memory to use (NumPy backends: of available RAM)"
+    )
+    swap_space: float = option(4, "GiB of host memory for swapped-out blocks")
+    max_num_seqs: int = option(256, "sequences in one step at most")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "tokens in one step at most",
+        default_help=f"max(max_model_len, {DEFAULT_BATCHED_TOKENS}); "
+        f"{DEFAULT_BATCHED_TOKENS} with chunked prefill",
+    )
+    max_model_len: int | None = option(
+        None, "prompt + output tokens per sequence", default_help="the model's"
+    )
+    num_gpu_blocks: int | None = option(
+        None,
+        "KV-cache blocks in the pool, overriding the size computed from the memory budget",
+        default_help="computed",
+    )
+    preemption_mode: str = option(
+        "recompute",
+        "what to do with a running sequence when blocks run out: recompute (free its blocks, "
+        "re-prefill later) or swap (copy its blocks to host memory)",
+        choices=PREEMPTION_MODES,
+    )
+    dtype: str = option(
+        "auto",
+        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the NumPy backends)",
+        choices=DTYPES,
+    )
+    backend: str = option(
+        "auto",
+        "auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda-cpu: the "
+        "CUDA kernels under the CPU emulation; cuda: the kernels on a GPU through CuPy",
+        choices=BACKENDS,
+    )
+    seed: int = option(0, "engine seed for sampling (a request's own seed overrides it)")
+    enable_chunked_prefill: bool = option(
+        False, "split long prefills into chunks that fit the token budget, mixed with decodes"
+    )
+    enable_prefix_caching: bool = option(
+        False,
+        "reuse the KV blocks of a prompt prefix already computed for an earlier request (full "
+        "blocks, matched by chained hashes; needs preemption_mode recompute)",
+    )
+    memory_budget_bytes: int | None = option(
+        None,
+        "explicit memory budget in bytes, instead of gpu_memory_utilization",
+        default_help="off",
+    )
+    enforce_eager: bool = option(False, "cuda backend: no CUDA graphs for decode")
 
     def __post_init__(self):
         self._check_types()
@@ -101,7 +152,7 @@ class EngineConfig:
 
     @property
     def swap_space_bytes(self) -> int:
-        return int(self.swap_space * (1 << 30))
+        return int(self.swap_space * GiB)
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """A copy with max_model_len and max_num_batched_tokens filled in and cross-checked."""
@@ -133,3 +184,12 @@ class EngineConfig:
     @property
     def is_resolved(self) -> bool:
         return self.max_model_len is not None and self.max_num_batched_tokens is not None
+
+
+def make_config(model: str | None = None, **engine_args) -> EngineConfig:
+    """EngineConfig from keyword arguments; an unknown name is a ValueError naming it."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ValueError(f"unknown engine argument {unknown[0]!r}")
+    return EngineConfig(model=model or "", **engine_args)

@@ -9,6 +9,7 @@ from reference.config import ModelConfig
 
 from .forward_batch import ForwardBatch
 from .scheduler import SchedulerOutput
+from .utils import cdiv
 
 
 class ModelRunner:
@@ -29,7 +30,7 @@ class ModelRunner:
                 tokens.extend(seq.token_ids[start : start + n])
             starts.append(start)
             q_lens.append(n)
-            tables.append(seq.block_table[: -(-(start + n) // bs)])
+            tables.append(seq.block_table[: cdiv(start + n, bs)])
         q_lens_a = np.asarray(q_lens, dtype=np.int32)  # (B,)
         context_lens = np.asarray(starts, dtype=np.int32) + q_lens_a  # (B,)
         qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)  # (B+1,)

@@ -50,6 +50,24 @@ def edits_logits(seq) -> bool:
     return _has_penalty(seq.params) or seq.num_output_tokens < seq.params.min_tokens
 
 
+def plain_greedy(seq) -> bool:
+    """Whether seq's row is an argmax of the raw logits: greedy, no penalty, no min_tokens ban
+    still due, no logprobs (the backend can take the argmax and send back only the id)."""
+    return seq.params.greedy and seq.params.logprobs is None and not edits_logits(seq)
+
+
+def rows_to_sample(scheduled) -> tuple[list[int], list]:
+    """Batch rows (and their sequences) of the scheduled (seq, num_new_tokens) pairs whose last
+    token runs this step: those get a token; a prefill chunk that ends before the prompt does
+    gets none."""
+    rows, seqs = [], []
+    for b, (seq, n) in enumerate(scheduled):
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            rows.append(b)
+            seqs.append(seq)
+    return rows, seqs
+
+
 def filter_probs(probs: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
     """min_p, top_k, top_p in place on probs (R, V), then renormalised rows."""
     min_p = np.array([p.min_p for p in params], dtype=np.float32)  # (R,)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import bench  # noqa: E402
 from engine.backends import fast_ops  # noqa: E402
+from engine.entrypoints import bench  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 
 

@@ -71,14 +71,24 @@ def make_tinyllama_shaped(path: Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(1000)  # a small BPE: every id it makes is < vocab_size
     eos = tok.token_to_id("<|endoftext|>")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": eos,
-              "eos_token_id": eos, **TINYLLAMA}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        **TINYLLAMA,
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     tok.save(str(path / "tokenizer.json"))
-    tok_cfg = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-               "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    tok_cfg = {
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     save_file(random_bf16_weights(TINYLLAMA, seed), str(path / "model.safetensors"))
     return path

@@ -1,3 +1,7 @@
+"""Session fixtures: the tiny random model (written once, loaded once), SmolLM2, and the device of
+the ``gpu`` tests. Builders that take them (make_engine, make_seq, make_scheduler) are in
+tests/utils.py."""
+
 import os
 
 import pytest
@@ -11,6 +15,12 @@ from tests.tiny_model import make_tiny_model
 def tiny_model_dir(tmp_path_factory):
     """A tiny random LLaMA in Hugging Face layout (see tests/tiny_model.py)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir):
+    """The tiny model loaded once for every module; tests only read it."""
+    return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")

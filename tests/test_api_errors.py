@@ -7,17 +7,16 @@ import sys
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.generate import main as generate_main
-from reference.loader import load_model
+from engine import LLM, SamplingParams
+from engine.entrypoints.generate import main as generate_main
+from tests.utils import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
-    return LLMEngine(loaded=loaded, model="t", num_gpu_blocks=32, max_model_len=64, swap_space=0)
+def engine(tiny):
+    return make_engine(tiny, num_gpu_blocks=32, max_model_len=64, swap_space=0)
 
 
 BAD_REQUESTS = [
@@ -104,7 +103,9 @@ def test_cli_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv, message)
 def test_cli_unknown_model_exits_2_in_a_real_process():
     r = subprocess.run(
         [sys.executable, "-m", "engine.generate", "--model", "/no/such/model"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "/no/such/model" in r.stderr

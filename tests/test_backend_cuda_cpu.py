@@ -4,7 +4,6 @@ CPU emulator gives the reference's greedy tokens (tiny model, SmolLM2), with pre
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,12 +13,11 @@ from engine import kernels as K
 from engine.backends.cupy_backend import CupyBackend
 from engine.backends.devices import EmulatedDevice
 from engine.generate import main as generate_main
+from engine.golden import read_golden
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
-GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
@@ -31,11 +29,6 @@ def make_engine(loaded, **kw) -> LLMEngine:
 def built_kernels():
     """Compile every kernel file once, two g++ processes at a time (cached by content hash)."""
     K.build_all_cpu()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
 
 
 def test_backend_is_the_gpu_backend_on_the_emulated_device(tiny, caplog):
@@ -73,7 +66,7 @@ def test_tiny_small_pool_preempts_and_keeps_reference_tokens(tiny, mode):
 @pytest.mark.slow
 def test_smollm2_greedy_equals_golden(smollm2):
     """SmolLM2-135M (30 layers) in float32 against the committed Hugging Face golden tokens."""
-    cases = {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]}
+    cases = {c["prompt"]: c for c in read_golden("smollm2")["cases"]}
     n = 12
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     engine = make_engine(smollm2, num_gpu_blocks=32, max_model_len=512)

@@ -1,20 +1,10 @@
 """Block manager: exact block ids from the FIFO free queue, swaps, and the invariant check."""
 
-import random
-
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-
-_rng = random.Random(1234)
-
-
-def make_seq(prompt_len: int, arrival: float = 0.0) -> Sequence:
-    """A sequence with prompt_len random token ids (the ids never matter to the block manager)."""
-    return Sequence(
-        f"r{prompt_len}", [_rng.randrange(32000) for _ in range(prompt_len)], None, arrival
-    )
+from tests.utils import make_seq, random_tokens
 
 
 def prefill(bm: BlockManager, seq: Sequence) -> list[int]:
@@ -27,7 +17,7 @@ def prefill(bm: BlockManager, seq: Sequence) -> list[int]:
 
 def decode(bm: BlockManager, seq: Sequence) -> list[int]:
     """Append one token and allocate for it, as one decode step would; returns new blocks."""
-    seq.append_token(_rng.randrange(32000))
+    seq.append_token(random_tokens(1)[0])
     new = bm.allocate(seq, 1)
     seq.num_computed_tokens += 1
     return new

@@ -20,7 +20,6 @@ from engine.backends.devices import CaptureAllocationError, EmulatedDevice
 from engine.config import EngineConfig
 from engine.cublas import Cublas, host_scalar
 from engine.gemm import gemm_plan
-from reference.loader import load_model
 from reference.model import forward as reference_forward
 
 
@@ -131,11 +130,6 @@ def test_capture_that_allocates_beyond_its_warm_up_fails(dev):
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
 
 
 def prefill(backend, ids):

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from engine.diff import golden_logits
-from engine.diff import main as diff_main
-from engine.generate import build_parser
-from engine.generate import main as generate_main
+from engine.config import EngineConfig
+from engine.entrypoints.bench import build_parser as bench_parser
+from engine.entrypoints.diff import build_parser as diff_parser
+from engine.entrypoints.diff import main as diff_main
+from engine.entrypoints.engine_args import engine_config, engine_kwargs
+from engine.entrypoints.generate import build_parser
+from engine.entrypoints.generate import main as generate_main
+from engine.golden import golden_logits, read_golden
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 
 ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --top-k --max-tokens
 --seed --ignore-eos --block-size --num-gpu-blocks --max-model-len --max-num-seqs
@@ -21,25 +24,26 @@ ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --
 --backend --json --trace""".split()
 
 
-def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path):
+def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi my name is\nhello there\n")
+    flags = "--json --max-tokens 8 --ignore-eos --trace --num-gpu-blocks 16 --swap-space 0"
+    argv = ["--model", str(tiny_model_dir), "--prompts-file", str(prompts), *flags.split()]
     r = subprocess.run(
-        [sys.executable, "-m", "engine.generate", "--model", str(tiny_model_dir), "--json",
-         "--prompts-file", str(prompts), "--max-tokens", "8", "--ignore-eos", "--trace",
-         "--num-gpu-blocks", "16", "--swap-space", "0", "--max-model-len", "128"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "engine.generate", *argv, "--max-model-len", "128"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]  # stdout: only the JSON
-    loaded = load_model(str(tiny_model_dir))
     assert [row["prompt"] for row in rows] == ["hi my name is", "hello there"]
     for row in rows:
-        assert set(row) >= {"prompt", "prompt_token_ids", "text", "token_ids", "finish_reason",
-                            "metrics"}  # fmt: skip
-        ref = reference_generate(loaded.weights, loaded.config, row["prompt_token_ids"], 8)
+        keys = "prompt prompt_token_ids text token_ids finish_reason metrics"
+        assert set(row) >= set(keys.split())
+        ref = reference_generate(tiny.weights, tiny.config, row["prompt_token_ids"], 8)
         assert row["token_ids"] == ref.token_ids and row["finish_reason"] == "length"
-        assert row["prompt_token_ids"] == loaded.tokenizer.encode(row["prompt"])
+        assert row["prompt_token_ids"] == tiny.tokenizer.encode(row["prompt"])
         assert row["metrics"]["ttft"] > 0 and len(row["metrics"]["itl"]) == 7
     assert "# GPU blocks: 16, # CPU blocks: 0" in r.stderr
     assert "scheduled as prefill of 4 tokens with blocks" in r.stderr  # --trace
@@ -48,8 +52,8 @@ def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path):
 
 
 def test_generate_text_mode_chat(tiny_model_dir, capsys):
-    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", "--max-tokens",
-            "4", "--num-gpu-blocks", "32", "--swap-space", "0", "--no-tqdm"]  # fmt: skip
+    flags = "--max-tokens 4 --num-gpu-blocks 32 --swap-space 0 --no-tqdm"
+    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
     assert generate_main(argv) == 0
     out = capsys.readouterr().out
     assert "<|im_start|>user\\nhello there<|im_end|>" in out and "generated tokens   4" in out
@@ -70,9 +74,45 @@ def test_help_lists_every_flag_with_help():
         assert action.help, action.option_strings
 
 
+def test_each_engine_config_field_has_exactly_one_flag():
+    """Every EngineConfig field is one flag (--block-size for block_size), listed by --help,
+    that parses back into that field; nothing else of the CLI lands on an EngineConfig field."""
+    parser = build_parser()
+    text = parser.format_help()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        owners = [a for a in parser._actions if flag in a.option_strings]
+        assert len(owners) == 1 and owners[0].dest == f.name, f.name
+        assert flag in text and owners[0].help, f.name
+        assert sum(a.dest == f.name for a in parser._actions) == 1, f.name
+
+
+def test_engine_flags_parse_back_into_the_config():
+    args = build_parser().parse_args(
+        ["--block-size", "8", "--swap-space", "0.5", "--backend", "numpy", "--enforce-eager"]
+    )
+    assert engine_kwargs(args) == dict(
+        block_size=8, swap_space=0.5, backend="numpy", enforce_eager=True
+    )
+    assert engine_config(args) == EngineConfig(
+        block_size=8, swap_space=0.5, backend="numpy", enforce_eager=True
+    )
+    assert engine_kwargs(build_parser().parse_args([])) == {}
+
+
+def test_diff_and_bench_take_the_engine_flags_with_their_defaults():
+    diff_args = diff_parser().parse_args(["--model", "m", "--block-size", "8"])
+    assert engine_kwargs(diff_args) == dict(
+        model="m", block_size=8, backend="numpy", dtype="float32", swap_space=0
+    )
+    bench_args = bench_parser().parse_args(["--seed", "3"])
+    assert bench_args.seed == 3 and "seed" not in engine_kwargs(bench_args)  # the workload's
+    assert engine_kwargs(bench_args)["model"] == "smollm2"
+
+
 def test_diff_checks_golden_tokens_and_logits(tiny_model_dir, tmp_path, capsys):
     """With golden data for the prompt, diff passes on the true data and fails on a forgery."""
-    golden = json.loads((Path(__file__).parent / "golden" / "tiny.json").read_text())
+    golden = read_golden("tiny")
     case = next(c for c in golden["cases"] if c.get("add_special_tokens", True))
     path = tmp_path / "golden.json"
     path.write_text(json.dumps({"cases": [case]}))

@@ -37,17 +37,11 @@ from engine.gemm import (
 from engine.kernels import KernelBuildError, kernel_names, read_source
 from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 from reference.model import forward as reference_forward
 from tests.spies import CallCounter, count_forwards
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
 
 
 def make_backend(loaded, model_config=None, **kw) -> CB.CupyBackend:

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.golden import read_golden
 from engine.llm import run_to_completion
+from engine.utils import MiB
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 from tests.spies import count_forwards
+from tests.utils import SEED_PROMPTS, make_engine
 
-SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
-GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
-
-
-def make_engine(loaded, **kw) -> LLMEngine:
-    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **kw}
-    return LLMEngine(loaded=loaded, model="test", **kw)
 
 
 def run_all(engine: LLMEngine, prompts, params, check=True) -> list:
@@ -64,9 +51,7 @@ def test_smollm2_greedy_equals_reference_golden_and_alone(smollm2):
     engine = make_engine(smollm2, num_gpu_blocks=32, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batched = run_all(engine, SEED_PROMPTS, params, check=False)
-    golden = (
-        {c["prompt"]: c for c in json.loads(GOLDEN.read_text())["cases"]} if GOLDEN.exists() else {}
-    )
+    golden = {c["prompt"]: c for c in read_golden("smollm2")["cases"]}
     for prompt, out in zip(SEED_PROMPTS, batched, strict=True):
         assert out.token_ids == reference_tokens(smollm2, prompt, 16) + out.token_ids[16:]
         if prompt in golden:
@@ -178,7 +163,7 @@ def test_startup_fails_when_one_sequence_cannot_fit(tiny):
     with pytest.raises(ValueError, match="max_model_len=256 tokens needs 16 blocks"):
         make_engine(tiny, num_gpu_blocks=15)
     with pytest.raises(ValueError, match="KV cache too small"):
-        make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=1 << 20)
+        make_engine(tiny, num_gpu_blocks=None, memory_budget_bytes=MiB)
 
 
 # ---- stops, n, streaming, abort ----
@@ -217,8 +202,8 @@ def _greedy() -> dict:
 def test_eos_ends_unless_ignored(tiny):
     engine = make_engine(tiny)
     (full,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
-    eos = full.token_ids[3]
-    engine.eos_token_ids = engine.sampler.eos_token_ids = [eos]  # pretend the model's EOS is it
+    eos = full.token_ids[3]  # pretend the model's EOS is it
+    engine.output_processor.eos_token_ids = engine.sampler.eos_token_ids = [eos]
     (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24))
     assert o.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
     assert o.finish_reason == "stop"

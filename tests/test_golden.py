@@ -1,4 +1,4 @@
-"""The reference against golden data from Hugging Face transformers (tests/golden/make_golden.py).
+"""The reference against golden data from Hugging Face transformers (scripts/make_golden.py).
 
 Prompt token ids and 32 greedy tokens must be identical; the float32 logits at the prompt's last
 position within 1e-3 absolute. SmolLM2 is the real model; the tiny random model checks the HF
@@ -8,26 +8,15 @@ directory path (safetensors + tokenizer.json) the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine.diff import golden_logits
+from engine.golden import LOGITS_ATOL, golden_logits, read_golden
 from reference.generate import generate
-from reference.loader import load_model
 
-GOLDEN = Path(__file__).parent / "golden"
-LOGITS_ATOL = 1e-3
-
-
-def read_golden(name: str) -> dict:
-    return json.loads((GOLDEN / name).read_text())
-
-
-SMOL = read_golden("smollm2.json")
-TINY = read_golden("tiny.json")
+SMOL = read_golden("smollm2")
+TINY = read_golden("tiny")
 
 
 def as_float32(m):
@@ -40,8 +29,8 @@ def smollm2_f32(smollm2):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return as_float32(load_model(str(tiny_model_dir)))
+def tiny_f32(tiny):
+    return as_float32(tiny)
 
 
 def encode_like_golden(tokenizer, case: dict) -> list[int]:
@@ -89,11 +78,11 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, case):
 
 
 @pytest.mark.parametrize("case", TINY["cases"], ids=lambda c: c["prompt"])
-def test_tiny_matches_transformers(tiny, case):
-    check_case(tiny, case)
+def test_tiny_matches_transformers(tiny_f32, case):
+    check_case(tiny_f32, case)
 
 
 @pytest.mark.parametrize("case", TINY["tokenizer_cases"], ids=lambda c: c["text"][:16])
-def test_tiny_tokenizer_matches_transformers(tiny, case):
-    ids = tiny.tokenizer.encode(case["text"], add_special_tokens=case["add_special_tokens"])
+def test_tiny_tokenizer_matches_transformers(tiny_f32, case):
+    ids = tiny_f32.tokenizer.encode(case["text"], add_special_tokens=case["add_special_tokens"])
     assert ids == case["ids"]

@@ -19,7 +19,6 @@ from engine.backends import numpy_ops as N
 from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 from reference.model import forward as reference_forward
 from tests.gpu_target import BACKEND, EMULATE
 from tests.spies import CallCounter, count_forwards
@@ -227,11 +226,6 @@ def test_measure_peak_counts_live_blocks(dev):
 
 
 # ---- the engine -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
 
 
 def gpu_engine(loaded, **kw) -> LLMEngine:

@@ -311,17 +311,16 @@ def write_gguf(path, cfg, tensors, model_dir, qtype=Q.F32, skip_keys=(), tok_mod
     return path
 
 
-def test_gguf_f32_round_trips_hf_weights_and_qk_permutation(tiny_model_dir, hf, tmp_path):
+def test_gguf_f32_round_trips_hf_weights_and_qk_permutation(tiny_model_dir, hf, tmp_path, tiny):
     cfg_dict, tensors = hf
     q0 = tensors["model.layers.0.self_attn.q_proj.weight"]
     assert not np.array_equal(llama_cpp_permute(q0, 4), q0)  # the permutation is not a no-op
     path = write_gguf(tmp_path / "tiny.gguf", cfg_dict, tensors, tiny_model_dir)
     loaded = load_model(str(path))
     assert_weights_are(loaded.weights, tensors, cfg_dict["num_hidden_layers"])
-    hf_model = load_model(str(tiny_model_dir))
-    ids = np.array(hf_model.tokenizer.encode(CORPUS[0]))
+    ids = np.array(tiny.tokenizer.encode(CORPUS[0]))
     np.testing.assert_array_equal(
-        forward(loaded.weights, loaded.config, ids), forward(hf_model.weights, hf_model.config, ids)
+        forward(loaded.weights, loaded.config, ids), forward(tiny.weights, tiny.config, ids)
     )
 
 
@@ -329,9 +328,9 @@ def test_gguf_config_from_metadata(tiny_model_dir, hf, tmp_path):
     cfg_dict, tensors = hf
     gf = read_gguf(write_gguf(tmp_path / "tiny.gguf", cfg_dict, tensors, tiny_model_dir))
     expected = ModelConfig.from_hf_dict(cfg_dict)
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                  "max_position_embeddings", "tie_word_embeddings"):  # fmt: skip
+    fields = """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+    num_key_value_heads head_dim rope_theta max_position_embeddings tie_word_embeddings"""
+    for field in fields.split():
         assert getattr(gf.config, field) == getattr(expected, field), field
     assert gf.config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
     assert gf.config.eos_token_ids == (2,) and gf.config.bos_token_id == 0
@@ -356,9 +355,12 @@ def test_gguf_quant_types_dequantize_within_their_error(tiny_model_dir, hf, tmp_
     cfg_dict, tensors = hf
     gf = read_gguf(write_gguf(tmp_path / "q.gguf", cfg_dict, tensors, tiny_model_dir, qtype))
     w = gguf_weights(gf)
-    for name, got in [("model.embed_tokens.weight", w.embed), ("lm_head.weight", w.lm_head),
-                      ("model.layers.1.mlp.down_proj.weight", w.layers[1].w_down),
-                      ("model.layers.1.self_attn.k_proj.weight", w.layers[1].wk)]:  # fmt: skip
+    for name, got in [
+        ("model.embed_tokens.weight", w.embed),
+        ("lm_head.weight", w.lm_head),
+        ("model.layers.1.mlp.down_proj.weight", w.layers[1].w_down),
+        ("model.layers.1.self_attn.k_proj.weight", w.layers[1].wk),
+    ]:
         want = tensors[name]  # (rows, cols), cols a multiple of 32
         assert got.dtype == np.float32 and got.shape == want.shape, name
         block_max = np.abs(want.reshape(want.shape[0], -1, 32)).max(

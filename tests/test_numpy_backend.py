@@ -11,19 +11,19 @@ import pytest
 from engine.backends import fast_ops, numpy_ops
 from engine.backends.numpy_backend import NumpyBackend
 from engine.forward_batch import ForwardBatch
-from reference.loader import load_model
+from engine.utils import cdiv
 
 BS, HKV, HD, H = 4, 2, 8, 6
 
 
 def paged_setup(rng, lens):
-    n_blocks = sum(-(-n // BS) for n in lens) + 3
+    n_blocks = sum(cdiv(n, BS) for n in lens) + 3
     k = rng.standard_normal((n_blocks, BS, HKV, HD), dtype=np.float32)
     v = rng.standard_normal((n_blocks, BS, HKV, HD), dtype=np.float32)
     ids = rng.permutation(n_blocks)
     tables, i = [], 0
     for n in lens:
-        nb = -(-n // BS)
+        nb = cdiv(n, BS)
         tables.append(list(ids[i : i + nb]) + [-1] * (10 - nb))
         i += nb
     return k, v, np.array(tables, dtype=np.int32)
@@ -57,14 +57,19 @@ def test_elementwise_ops_match_numpy_ops():
     rng = np.random.default_rng(2)
     x, r = rng.standard_normal((5, 16), dtype=np.float32), rng.standard_normal((5, 16), np.float32)
     w = rng.standard_normal(16, dtype=np.float32)
-    np.testing.assert_allclose(fast_ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(x, w, 1e-5),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
-    for a, b in zip(fast_ops.fused_add_rms_norm(x, r, w, 1e-5),
-                    numpy_ops.fused_add_rms_norm(x, r, w, 1e-5), strict=True):  # fmt: skip
+    np.testing.assert_allclose(
+        fast_ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6
+    )
+    for a, b in zip(
+        fast_ops.fused_add_rms_norm(x, r, w, 1e-5),
+        numpy_ops.fused_add_rms_norm(x, r, w, 1e-5),
+        strict=True,
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     gate_up = rng.standard_normal((5, 32), dtype=np.float32) * 4  # silu's both tails
-    np.testing.assert_allclose(fast_ops.silu_and_mul(gate_up), numpy_ops.silu_and_mul(gate_up),
-                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    np.testing.assert_allclose(
+        fast_ops.silu_and_mul(gate_up), numpy_ops.silu_and_mul(gate_up), rtol=1e-6, atol=1e-7
+    )
     pos = rng.integers(0, 100, 5).astype(np.int32)
     q, k = (
         rng.standard_normal((5, H, HD), np.float32),
@@ -81,20 +86,23 @@ def test_elementwise_ops_match_numpy_ops():
     np.testing.assert_array_equal(caches[1], caches[3])
 
 
-def test_profile_peak_bounds_the_measured_peak(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
+def test_profile_peak_bounds_the_measured_peak(tiny):
     cfg = SimpleNamespace(block_size=16, dtype="auto")
-    be = NumpyBackend(loaded.config, loaded.weights, cfg)
+    be = NumpyBackend(tiny.config, tiny.weights, cfg)
     t = 384  # one prefill of t tokens
-    be.allocate_kv_cache(-(-t // 16), 0)
-    blocks = np.arange(-(-t // 16), dtype=np.int32)
+    be.allocate_kv_cache(cdiv(t, 16), 0)
+    blocks = np.arange(cdiv(t, 16), dtype=np.int32)
     pos = np.arange(t, dtype=np.int32)
     rng = np.random.default_rng(3)
     batch = ForwardBatch(
-        token_ids=rng.integers(0, loaded.config.vocab_size, t).astype(np.int32), positions=pos,
-        slot_mapping=pos.copy(), block_tables=blocks[None], context_lens=np.array([t], np.int32),
-        query_start_loc=np.array([0, t], np.int32), num_decodes=0,
-    )  # fmt: skip
+        token_ids=rng.integers(0, tiny.config.vocab_size, t).astype(np.int32),
+        positions=pos,
+        slot_mapping=pos.copy(),
+        block_tables=blocks[None],
+        context_lens=np.array([t], np.int32),
+        query_start_loc=np.array([0, t], np.int32),
+        num_decodes=0,
+    )
     tracemalloc.start()
     be.forward(batch)
     _, peak = tracemalloc.get_traced_memory()

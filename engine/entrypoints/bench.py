@@ -1,0 +1,152 @@
+"""``python -m engine.bench``: offline throughput and latency of the engine (not a test).
+
+Workload: ``--num-requests`` requests of random token ids, prompt lengths uniform in
+[--min-prompt, --max-prompt], outputs uniform in [--min-output, --max-output] tokens with
+ignore_eos, all from ``--seed``. Prints requests/s, output and total tokens/s, TTFT and ITL
+percentiles; then batch-1 decode ITL next to the time the step's matrix products alone take.
+With ``--peer transformers`` the same workload runs through Hugging Face ``generate`` in
+static batches (torch and transformers are imported only there) and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from engine.llm import run_to_completion
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+from .cli_utils import CliParser, format_stats, percentiles, summarize
+from .engine_args import add_engine_args, engine_kwargs
+
+# engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
+ENGINE_DEFAULTS = dict(model="smollm2", backend="numpy", max_num_seqs=64, swap_space=0.5)
+
+
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
+    p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (default 16)")
+    p.add_argument("--max-prompt", type=int, default=256, help="longest prompt (default 256)")
+    p.add_argument("--min-output", type=int, default=64, help="fewest outputs (default 64)")
+    p.add_argument("--max-output", type=int, default=128, help="most outputs (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--batch1-tokens", type=int, default=32, help="batch-1 decode steps timed")
+    p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
+    p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
+    return add_engine_args(p, defaults=ENGINE_DEFAULTS, exclude=("seed",))
+
+
+def make_engine(args) -> LLMEngine:
+    """The engine of the flags; max_model_len defaults to the longest prompt + output."""
+    kw = engine_kwargs(args)
+    kw.setdefault("max_model_len", args.max_prompt + args.max_output)
+    return LLMEngine(**kw)
+
+
+def workload(args, vocab: int):
+    rng = np.random.default_rng(args.seed)
+    lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.num_requests)
+    outs = rng.integers(args.min_output, args.max_output + 1, args.num_requests)
+    prompts = [rng.integers(100, vocab - 100, n).tolist() for n in lens]
+    return prompts, outs.tolist()
+
+
+def run_engine(engine: LLMEngine, prompts, out_lens) -> tuple[list, float]:
+    """Every prompt with its output length, greedy, ignore_eos: (outputs, seconds)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    t0 = time.perf_counter()
+    outputs = run_to_completion(engine, prompts, params)
+    return outputs, time.perf_counter() - t0
+
+
+def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:
+    """Best time of one step's matrix products alone (every layer + LM head) at this batch."""
+    x = np.random.default_rng(0).standard_normal((batch, backend.cfg.hidden_size), np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for lw in backend.layers:
+            qkv = x @ lw.w_qkv
+            _ = qkv[:, : backend.cfg.q_dim] @ lw.w_o
+            _ = (x @ lw.w_gate_up)[:, : backend.cfg.intermediate_size] @ lw.w_down
+        _ = x @ backend.lm_head
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def batch1_itl_ms(engine: LLMEngine, prompt, n: int) -> list[float]:
+    outs, _ = run_engine(engine, [prompt], [n])
+    return outs[0].metrics.itl
+
+
+def run_peer(args, prompts, out_lens) -> float:
+    """Output tokens/s of transformers ``generate`` in static batches (float32, greedy)."""
+    import torch  # only here: not a project dependency
+    from transformers import AutoModelForCausalLM
+
+    from reference.loader import resolve_model
+
+    path = resolve_model(args.model)
+    kw = dict(gguf_file=path.name) if path.is_file() else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent if path.is_file() else path, torch_dtype=torch.float32, **kw
+    ).eval()
+    t0, useful = time.perf_counter(), 0
+    for s in range(0, len(prompts), args.peer_batch):
+        batch, lens = prompts[s : s + args.peer_batch], out_lens[s : s + args.peer_batch]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            n = max(lens)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        useful += sum(lens)
+    return useful / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        engine = make_engine(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts, out_lens = workload(args, engine.model_config.vocab_size)
+    run_engine(engine, [prompts[0][:16]], [4])  # warm-up
+    outputs, wall = run_engine(engine, prompts, out_lens)
+    stats = summarize(outputs, wall)
+    print(f"engine ({engine.backend.name}, {args.num_requests} requests):")
+    print(format_stats(stats))
+    itl = batch1_itl_ms(engine, prompts[0][:32], args.batch1_tokens)
+    mean, p50, p99 = percentiles(itl)
+    mm = matmul_only_ms(engine.backend, 1)
+    itl_line = f"batch-1 ITL mean/p50/p99 {mean:.1f} / {p50:.1f} / {p99:.1f} ms"
+    ratio = f"ITL p50 is {p50 / mm:.2f}x the matmul time"
+    print(f"{itl_line}; matrix products alone {mm:.1f} ms per step -> {ratio}")
+    batch_mm = matmul_only_ms(engine.backend, args.max_num_seqs, 3)
+    print(f"matrix products alone at batch {args.max_num_seqs}: {batch_mm:.1f} ms per step")
+    if args.peer:
+        try:
+            peer = run_peer(args, prompts, out_lens)
+        except ImportError as e:
+            print(f"error: --peer transformers needs torch and transformers ({e})", file=sys.stderr)
+            return 2
+        ours = stats["output_tok_per_s"]
+        peer_line = f"peer transformers (static batches of {args.peer_batch}): {peer:.1f}"
+        print(f"{peer_line} output tok/s; engine {ours:.1f} -> {ours / peer:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Per-request state after the forward: detokenizing, stop checks, and the ``RequestOutput``s.
+
+The engine hands each sampled token here (``process_token``), which appends it to its sample's
+text and says whether the sequence stops ("stop": EOS, a stop token id or a stop string; "length":
+max_tokens or max_model_len). ``outputs()`` then builds one ``RequestOutput`` per request touched
+in the step and forgets the finished ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from reference.tokenizer import IncrementalDetokenizer
+
+from . import tracing
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+
+class SampleState:
+    """One of a request's n samples: its sequence, its index, its text and what was streamed."""
+
+    def __init__(self, index: int, seq: Sequence, detok, generator: np.random.Generator):
+        self.index = index  # CompletionOutput.index
+        self.seq = seq
+        self.detok: IncrementalDetokenizer = detok
+        self.generator = generator
+        self.text = ""
+        self.emitted = 0  # characters of text already streamed
+        self.logprobs: list[dict[int, float]] = []
+        self.step_logits: list[np.ndarray] = []  # (V,) float32 per token, with record_logits
+        self.error: str | None = None
+        self.truncated = False  # text cut at a stop string
+
+    def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
+        """The CompletionOutput so far, with the text that is new since the previous one."""
+        seq = self.seq
+        # while running, hold back a possible stop-string prefix so no emitted text is retracted
+        ready = len(self.text) if seq.is_finished else max(len(self.text) - hold_back, 0)
+        delta = self.text[self.emitted : ready]
+        self.emitted = max(self.emitted, ready)
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            logprobs=list(self.logprobs) if params.logprobs is not None else None,
+            text_delta=delta,
+            step_logits=list(self.step_logits) if record_logits else None,
+            error=self.error,
+        )
+
+
+class RequestState:
+    """One request: its samples (one per sequence), prompt and latency metrics."""
+
+    def __init__(self, request_id, prompt, prompt_ids, params, samples, arrival: float):
+        self.request_id = request_id
+        self.prompt: str | None = prompt
+        self.prompt_ids: list[int] = prompt_ids
+        self.params: SamplingParams = params
+        self.samples: list[SampleState] = samples
+        self.index = {s.seq.seq_id: s.index for s in samples}  # seq_id -> sample index
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.last_token_time: float | None = None
+        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return all(s.seq.is_finished for s in self.samples)
+
+    def sample(self, seq: Sequence) -> SampleState:
+        return self.samples[self.index[seq.seq_id]]
+
+    def on_token_time(self, token: int, now: float) -> None:
+        """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+            ms = 1e3 * (now - self.metrics.arrival_time)
+            tracing.first_token(self.request_id, token, ms)
+        else:
+            self.metrics.itl.append(now - self.last_token_time)
+        self.last_token_time = now
+
+    def output(self, record_logits: bool) -> RequestOutput:
+        outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_ids),
+            outputs=outs,
+            finished=self.finished,
+            metrics=dataclasses.replace(self.metrics, itl=list(self.metrics.itl)),
+            num_cached_tokens=self.samples[0].seq.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    """Every live request's state; turns sampled tokens into text, stop decisions and outputs."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, record_logits):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.record_logits = record_logits
+        self.requests: dict[str, RequestState] = {}
+        self._touched: dict[str, RequestState] = {}  # requests with news in this step
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request_id, prompt, prompt_ids, params, seqs, generators, arrival):
+        """Start the state of one request: one sample per sequence, each with its detokenizer."""
+        samples = [
+            SampleState(i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), gen)
+            for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
+        ]
+        req = RequestState(request_id, prompt, prompt_ids, params, samples, arrival)
+        self.requests[request_id] = req
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request (no output follows); False if unknown."""
+        self._touched.pop(request_id, None)
+        return self.requests.pop(request_id, None) is not None
+
+    def generator(self, seq: Sequence) -> np.random.Generator:
+        return self.requests[seq.request_id].sample(seq).generator
+
+    def process_rejected(self, rejected: list[tuple[Sequence, str]]) -> None:
+        """Sequences the scheduler finished because they can never run; an abort keeps why."""
+        for seq, reason in rejected:
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            self._touched[req.request_id] = req
+            if seq.finish_reason == "abort":
+                req.sample(seq).error = reason
+
+    def process_token(self, seq: Sequence, logprob, logits_row, now: float) -> str | None:
+        """Record seq's new last token; the finish reason if it stops here, else None."""
+        req = self.requests[seq.request_id]
+        self._touched[req.request_id] = req
+        sample = req.sample(seq)
+        if sample.index == 0:
+            req.on_token_time(seq.last_token_id, now)
+        if logprob is not None:
+            sample.logprobs.append(logprob)
+        if self.record_logits:
+            sample.step_logits.append(np.array(logits_row, dtype=np.float32))
+        before = len(sample.text)
+        sample.text += sample.detok.add(seq.last_token_id)
+        reason = self._stop_reason(sample, before)
+        if reason is not None and not sample.truncated:
+            sample.text += sample.detok.finish()  # flush a held-back partial character
+        return reason
+
+    def _stop_reason(self, sample: SampleState, before: int) -> str | None:
+        """EOS, a stop token id or a stop string once min_tokens are out; else length limits.
+        A stop string ends the text and is not part of it: the text is cut before it."""
+        seq, p = sample.seq, sample.seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            token = seq.last_token_id
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                return "stop"
+            for s in p.stop:
+                at = sample.text.find(s, max(before - len(s) + 1, 0))
+                if at >= 0:
+                    sample.text = sample.text[:at]
+                    sample.truncated = True
+                    return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def outputs(self) -> list[RequestOutput]:
+        """One output per request touched since the last call; finished requests are forgotten."""
+        touched, self._touched = self._touched, {}
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                if req.metrics.finish_time is None:
+                    req.metrics.finish_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+            outputs.append(req.output(self.record_logits))
+        return outputs

@@ -1,0 +1,97 @@
+"""The life of each request as log lines on ``engine.trace`` (off unless asked for).
+
+``python -m engine.generate --trace`` (or a caller) sets the logger to INFO. Each function returns
+at once when tracing is off, so the engine calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .scheduler import SchedulerOutput
+
+trace = logging.getLogger("engine.trace")
+trace.setLevel(logging.WARNING)  # `--trace` (or a caller) sets it to INFO
+
+
+def on() -> bool:
+    return trace.isEnabledFor(logging.INFO)
+
+
+def queued(request_id: str, ids: list[int], num_waiting: int) -> None:
+    if on():
+        trace.info(
+            "%s: tokenized into %d ids %s; queued (%d waiting)",
+            request_id,
+            len(ids),
+            ids[:16],
+            num_waiting,
+        )
+
+
+def first_token(request_id: str, token: int, ms: float) -> None:
+    if on():
+        trace.info("%s: first token %d after %.1f ms", request_id, token, ms)
+
+
+def finished(request_id: str, reason: str, num_tokens: int, num_free: int) -> None:
+    if on():
+        trace.info(
+            "%s: finished (%s) after %d tokens; its blocks are back on the free queue "
+            "(%d free now)",
+            request_id,
+            reason,
+            num_tokens,
+            num_free,
+        )
+
+
+class ScheduleTracer:
+    """Logs prefix hits, preemptions, prefills and new blocks of each scheduled step; remembers
+    how much of each block table it has already shown."""
+
+    def __init__(self, block_manager, block_size: int, preemption_mode: str):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.preemption_mode = preemption_mode
+        self.tables: dict[int, int] = {}  # seq_id -> block table length last traced
+
+    def __call__(self, out: SchedulerOutput) -> None:
+        if not on():
+            return
+        for seq, hits in out.prefix_hits:
+            tokens = len(hits) * self.block_size
+            trace.info("%s: prefix cache hit: %d tokens (blocks %s)", seq.request_id, tokens, hits)
+        for seq in out.preempted:
+            trace.info(
+                "%s: preempted (%s): blocks released, %d free now",
+                seq.request_id,
+                self.preemption_mode,
+                self.block_manager.num_free_blocks,
+            )
+            self.tables.pop(seq.seq_id, None)
+        for seq, n in out.scheduled:
+            self._scheduled(seq, n)
+
+    def _scheduled(self, seq, n: int) -> None:
+        known = self.tables.get(seq.seq_id)
+        free = self.block_manager.num_free_blocks
+        if known is None:
+            kind = "prefill" if seq.num_output_tokens == 0 else "resumed prefill"
+            trace.info(
+                "%s: scheduled as %s of %d tokens with blocks %s (%d free)",
+                seq.request_id,
+                kind,
+                n,
+                seq.block_table,
+                free,
+            )
+        elif len(seq.block_table) > known:
+            trace.info(
+                "%s: new block %s at token %d (%d free)",
+                seq.request_id,
+                seq.block_table[known:],
+                seq.num_tokens,
+                free,
+            )
+        self.tables[seq.seq_id] = len(seq.block_table)

@@ -1,0 +1,75 @@
+"""Builders shared by the test modules (in the style of vLLM's tests/v1/core/utils.py): a change
+to a constructor touches this file only. The loaded tiny model is the ``tiny`` fixture
+(tests/conftest.py)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+_rng = random.Random(2024)
+_clock = itertools.count()
+
+
+def random_tokens(n: int) -> list[int]:
+    """n random token ids (the ids never matter to the scheduler or the block manager)."""
+    return [_rng.randrange(32000) for _ in range(n)]
+
+
+def make_engine(loaded, **engine_args) -> LLMEngine:
+    """An engine on an already loaded model, with a small fixed pool unless engine_args say."""
+    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **engine_args}
+    return LLMEngine(loaded=loaded, model="test", **kw)
+
+
+def make_seq(
+    prompt: int | list[int], max_tokens: int = 16, request_id: str | None = None
+) -> Sequence:
+    """A waiting sequence; prompt: its token ids, or a length for that many random ids.
+    Arrival times increase with each call; the request id defaults to ``req<arrival>``."""
+    arrival = float(next(_clock))
+    ids = random_tokens(prompt) if isinstance(prompt, int) else prompt
+    rid = request_id or f"req{arrival:.0f}"
+    return Sequence(rid, ids, SamplingParams(max_tokens=max_tokens), arrival)
+
+
+def make_scheduler(
+    num_blocks: int = 10,
+    block_size: int = 4,
+    num_cpu_blocks: int = 0,
+    max_model_len: int = 64,
+    **config,
+) -> Scheduler:
+    """A scheduler over its own block manager; the token budget is max_model_len unless config
+    says otherwise. ``enable_prefix_caching=True`` turns caching on in both."""
+    fields = dict(block_size=block_size, max_model_len=max_model_len)
+    fields = {"max_num_batched_tokens": max_model_len, **fields, **config}
+    cfg = EngineConfig(**fields)
+    bm = BlockManager(
+        num_blocks, block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
+    )
+    return Scheduler(cfg, bm)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step with a fake model that samples a fresh random token for every scheduled
+    sequence, checking the invariants before and after."""
+    out = sched.schedule()
+    sched.check_invariants()
+    sched.update(out, {seq.seq_id: _rng.randrange(32000) for seq, _ in out.scheduled})
+    sched.check_invariants()
+    return out
+
+
+def scheduled_ids(out: SchedulerOutput) -> list[tuple[int, int]]:
+    """The step's (seq_id, num_new_tokens) pairs, decodes first."""
+    return [(seq.seq_id, n) for seq, n in out.scheduled]
