@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import gguf
 import ml_dtypes
@@ -14,6 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
+from engine.golden import read_golden
 from reference.config import ModelConfig
 from reference.gguf_file import gguf_weights, read_gguf
 from reference.hf_weights import load_hf_weights
@@ -21,8 +21,6 @@ from reference.loader import TINYLLAMA, default_model, load_model, resolve_model
 from reference.model import forward
 from reference.tokenizer import Tokenizer
 from tests.tiny_model import CORPUS, SPECIALS, make_tiny_model
-
-GOLDEN = Path(__file__).parent / "golden"
 
 # The test's own copy of the Hugging Face names (the spec the loader's table must agree with).
 HF_LAYER = {
@@ -421,7 +419,7 @@ def test_smollm2_tokenizer(smollm2):
 def test_smollm2_first_greedy_token_matches_transformers(smollm2):
     """The golden file's first case: the loaded weights (dequantized, Q/K restored) predict
     the token transformers predicted."""
-    golden = json.loads((GOLDEN / "smollm2.json").read_text())["cases"][0]
+    golden = read_golden("smollm2")["cases"][0]
     logits = forward(smollm2.weights, smollm2.config, np.array(golden["prompt_token_ids"]))
     assert int(np.argmax(logits)) == golden["token_ids"][0]
 

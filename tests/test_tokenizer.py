@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.golden import read_golden
 from reference.gguf_file import read_metadata
 from reference.loader import smollm2_path
 from reference.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.tiny_model import CHATML, CORPUS
 
-GOLDEN = Path(__file__).parent / "golden"
 HYPOTHESIS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -109,7 +109,7 @@ def test_missing_tokenizer_json(tmp_path):
 
 
 def test_smollm2_matches_transformers_ids(smol):
-    golden = json.loads((GOLDEN / "smollm2.json").read_text())
+    golden = read_golden("smollm2")
     for case in golden["tokenizer_cases"]:
         assert smol.encode(case["text"], case["add_special_tokens"]) == case["ids"], case["text"]
     for case in golden["cases"]:
