@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends import cuda_cpu_ops as C  # noqa: E402
-from engine.backends import numpy_ops as N  # noqa: E402
+from tests.oracles import cuda_cpu_ops as C  # noqa: E402
+from tests.oracles import numpy_ops as N  # noqa: E402
 
 
 def make_device(emulate: bool):

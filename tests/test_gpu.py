@@ -1,7 +1,7 @@
 """The kernels, the gemm and the engine through CuPy on a real GPU (marker ``gpu``).
 
 Skipped where CuPy sees no device; scripts/gpu_check.sh runs them on the GPU machine. Each kernel
-is checked against its NumPy twin (engine.backends.numpy_ops) on fresh random inputs, outputs
+is checked against its NumPy twin (tests.oracles.numpy_ops) on fresh random inputs, outputs
 poisoned with NaN first; the engine's greedy tokens against the reference, taken on the device
 (only ids come back) unless a row needs the host sampler.
 """
@@ -14,13 +14,13 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine import gemm as G
-from engine.backends import cuda_cpu_ops as C
-from engine.backends import numpy_ops as N
 from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
 from tests.gpu_target import BACKEND, EMULATE
+from tests.oracles import cuda_cpu_ops as C
+from tests.oracles import numpy_ops as N
 from tests.spies import CallCounter, count_forwards
 
 pytestmark = pytest.mark.gpu  # skipped without a GPU, or failed with REQUIRE_GPU=1 (conftest)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from engine import kernels as K
-from engine.backends import cuda_cpu_ops as C
-from engine.backends import numpy_ops as N
+from tests.oracles import cuda_cpu_ops as C
+from tests.oracles import numpy_ops as N
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 DTYPE_IDS = ["f32", "f16", "bf16"]

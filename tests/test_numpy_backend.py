@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.backends import fast_ops, numpy_ops
+from engine.backends import fast_ops
 from engine.backends.numpy_backend import NumpyBackend
 from engine.forward_batch import ForwardBatch
 from engine.utils import cdiv
+from tests.oracles import numpy_ops
 
 BS, HKV, HD, H = 4, 2, 8, 6
 

@@ -29,6 +29,7 @@ from reference.weights import ModelWeights
 from ..forward_batch import ForwardBatch
 from .base import Backend, block_pairs, numpy_dtype, resolve_kv_dtype
 from .devices import CupyDevice, EmulatedDevice, raw_view
+from .rope import rope_table
 
 log = logging.getLogger("engine.backend")
 
@@ -142,7 +143,6 @@ class CupyBackend(Backend):
         log.info("backend %s: CupyBackend on %s", self.name, self.device.name)
         log.info("kernels for %s compiled in %.2f s", self.device.name, t1 - t0)
         self._upload_weights(weights)
-        from .cuda_cpu_ops import rope_table  # float64 angles, as the kernels' tests use
 
         rows = max(self.max_model_len, 1)
         self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope_theta))

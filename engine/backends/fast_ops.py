@@ -1,7 +1,8 @@
-"""``numpy_ops`` with faster attention and rotary: the NumPy backend's default ops.
+"""The NumPy backend's operations over the paged KV-cache layout of ``engine.forward_batch``.
 
-Same functions, same arguments, same results (within float rounding) as ``numpy_ops``, which stays
-the plain twin of the CUDA kernels. The differences are only how NumPy is driven:
+Same functions, same arguments, same results (within float rounding) as the plain twins of the
+CUDA kernels the tests hold as oracles (``tests/oracles/numpy_ops.py``). The differences are only
+how NumPy is driven:
 - attention groups the query heads that share a K/V head (no ``np.repeat`` copies of K and V) and
   uses batched ``matmul`` instead of ``einsum``;
 - long prefills process queries in chunks, so the score matrix stays bounded, and the causal mask
@@ -16,13 +17,24 @@ import numpy as np
 
 from reference.model import apply_rope, rope_cos_sin
 
-from .numpy_ops import (  # noqa: F401  (re-exported: the backend calls them through this module)
-    _f,
-    copy_blocks,
-    embedding,
-)
+from .base import copy_host_blocks
 
 QUERY_CHUNK = 512  # prefill query rows per score matrix: (H, 512, S) float32 at most
+
+
+def _f(x: np.ndarray) -> np.ndarray:
+    """Compute dtype: float64 stays, everything else computes in float32."""
+    return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
+
+
+def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    # token_ids: (T,) int32, table: (V, D) -> (T, D)
+    return table[token_ids]
+
+
+def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:
+    """dst[:, :, d] = src[:, :, s] for each (s, d): whole blocks, every layer, K and V."""
+    copy_host_blocks(dst, src, pairs)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

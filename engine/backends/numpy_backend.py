@@ -2,8 +2,8 @@
 
 Weights are re-arranged once for speed: every matrix pre-transposed to (in, out) and contiguous,
 Q/K/V fused into one matrix and gate/up into another, so a layer is four matrix products. Everything
-that is not a matrix product goes through ``self.ops`` (``fast_ops`` by default; ``numpy_ops`` or
-``cuda_cpu_ops`` have the same functions), so another ops module swaps the math underneath.
+that is not a matrix product goes through ``self.ops`` (``fast_ops``; the tests' oracles in
+``tests/oracles`` have the same functions), so another ops module swaps the math underneath.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine's operations run by the CUDA kernels of ``cuda_src/`` on the CPU.
 
-Same names, arguments and results as ``engine.backends.numpy_ops`` (its twin): each call
+Same names, arguments and results as ``tests.oracles.numpy_ops`` (its twin): each call
 launches the kernel through ``engine.kernels`` on the CUDA emulator. Inputs may be float32,
 float16 or bfloat16 (ml_dtypes); metadata arrays are converted to int32. Operations that the
 kernels do in place (rotary, fused_add_rms_norm) work on copies, as the NumPy twins return new
@@ -10,12 +10,10 @@ arrays. Sampling: ``sample_greedy`` and ``sample`` launch the sampling kernels;
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
+from engine.backends.rope import rope_table
 from engine.kernels import cpu_kernels
-from reference.model import rope_cos_sin
 
 
 def _i32(a) -> np.ndarray:
@@ -55,17 +53,6 @@ def fused_add_rms_norm(x, residual, weight, eps):
         out, new_residual, x, _c(weight.astype(x.dtype, copy=False)), eps
     )
     return out, new_residual
-
-
-@lru_cache(maxsize=8)
-def rope_table(max_positions: int, head_dim: int, theta: float) -> np.ndarray:
-    """(max_positions, hd) float32: cos(p * f_j) for j < hd/2, then sin(p * f_j). The angles are
-    the reference's (``rope_cos_sin``, float64); the kernels need only one of its two halves."""
-    half = head_dim // 2
-    cos, sin = rope_cos_sin(np.arange(max_positions), head_dim, theta, np.float32)  # (P, hd)
-    table = np.concatenate([cos[:, :half], sin[:, :half]], axis=-1)  # (P, hd)
-    table.setflags(write=False)
-    return table
 
 
 def _table_rows(max_position: int) -> int:
