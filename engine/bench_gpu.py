@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 import ml_dtypes
 import numpy as np
 
+from engine.utils import cdiv
+
 GiB = 1 << 30
 FULL = dict(requests=256, prompt_len=128, output_len=128, copy_bytes=2 * GiB, gemm_n=8192)
 SMALL = dict(requests=4, prompt_len=16, output_len=8, copy_bytes=1 << 24, gemm_n=256)
@@ -129,15 +131,18 @@ def decode_step_ms(engine, batch: int) -> dict:
     from .forward_batch import ForwardBatch
 
     bs, ctx = engine.config.block_size, 128
-    per = -(-ctx // bs)
+    per = cdiv(ctx, bs)
     tables = np.arange(batch * per, dtype=np.int32).reshape(batch, per)
     pos = np.full(batch, ctx - 1, np.int32)
     fb = ForwardBatch(
-        token_ids=np.full(batch, 5, np.int32), positions=pos,
+        token_ids=np.full(batch, 5, np.int32),
+        positions=pos,
         slot_mapping=(tables[:, -1] * bs + (ctx - 1) % bs).astype(np.int32),
-        block_tables=tables, context_lens=pos + 1,
-        query_start_loc=np.arange(batch + 1, dtype=np.int32), num_decodes=batch,
-    )  # fmt: skip
+        block_tables=tables,
+        context_lens=pos + 1,
+        query_start_loc=np.arange(batch + 1, dtype=np.int32),
+        num_decodes=batch,
+    )
     be = engine.backend
     be.forward_greedy(fb)
     t0 = time.perf_counter()
@@ -204,8 +209,10 @@ def summary(name: str, r: dict) -> str:
     if name.startswith("throughput"):
         roof = f" vs roofline {r['roofline']:,.0f} = {r['ratio']:.2f}" if "ratio" in r else ""
         replay = f", graph replay {r['replay_ms']:.2f} ms" if "replay_ms" in r else ""
-        return (f"{name}: {r['tokens_per_s']:,.0f} tok/s{roof}; decode step at {r['batch']}: "
-                f"{r['step_ms']:.2f} ms{replay}")  # fmt: skip
+        return (
+            f"{name}: {r['tokens_per_s']:,.0f} tok/s{roof}; decode step at {r['batch']}: "
+            f"{r['step_ms']:.2f} ms{replay}"
+        )
     if name == "hf":
         return f"hf: transformers generate {r['tokens_per_s']:,.0f} tok/s"
     return f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items())
@@ -264,9 +271,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures to this file, rewritten after each")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument(
-        "--emulate", action="store_true",
+        "--emulate",
+        action="store_true",
         help="the emulated device (backend cuda-cpu) and a small workload: checks the benchmark",
-    )  # fmt: skip
+    )
     args = p.parse_args(argv)
     res = run_all(args.model, args.json, args.emulate, with_hf=not args.no_hf)
     failed = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]

@@ -77,9 +77,25 @@ def test_smollm2_greedy_equals_golden(smollm2):
 
 
 def test_generate_cli_on_cuda_cpu(tiny_model_dir, tiny, capsys):
-    argv = ["--model", str(tiny_model_dir), "--backend", "cuda-cpu", "--json", "--prompt",
-            PROMPTS[0], "--max-tokens", "6", "--ignore-eos", "--num-gpu-blocks", "16",
-            "--swap-space", "0", "--max-model-len", "128", "--no-tqdm"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--backend",
+        "cuda-cpu",
+        "--json",
+        "--prompt",
+        PROMPTS[0],
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--num-gpu-blocks",
+        "16",
+        "--swap-space",
+        "0",
+        "--max-model-len",
+        "128",
+        "--no-tqdm",
+    ]
     assert generate_main(argv) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ids = tiny.tokenizer.encode(PROMPTS[0])

@@ -20,6 +20,7 @@ from engine.backends.devices import CaptureAllocationError, EmulatedDevice
 from engine.config import EngineConfig
 from engine.cublas import Cublas, host_scalar
 from engine.gemm import gemm_plan
+from engine.utils import cdiv
 from reference.model import forward as reference_forward
 
 
@@ -46,10 +47,26 @@ def cupy_module_gemm(dev, x, w, out) -> None:
     p, cublas, handle = gemm_plan(x, w, out), dev.cupy_cublas, dev.cupy_cublas_handle()
     cublas.setPointerMode(handle, 0)
     cublas.gemmEx(
-        handle, p.transa, p.transb, p.m, p.n, p.k, host_scalar(1.0), dev.ptr(w), p.a_type,
-        p.lda, dev.ptr(x), p.b_type, p.ldb, host_scalar(0.0), dev.ptr(out), p.c_type, p.ldc,
-        p.compute, p.algo,
-    )  # fmt: skip
+        handle,
+        p.transa,
+        p.transb,
+        p.m,
+        p.n,
+        p.k,
+        host_scalar(1.0),
+        dev.ptr(w),
+        p.a_type,
+        p.lda,
+        dev.ptr(x),
+        p.b_type,
+        p.ldb,
+        host_scalar(0.0),
+        dev.ptr(out),
+        p.c_type,
+        p.ldc,
+        p.compute,
+        p.algo,
+    )
 
 
 def operands(dev, rng, M=9, K=64, N=48):
@@ -137,10 +154,14 @@ def prefill(backend, ids):
 
     n = len(ids)
     return ForwardBatch(
-        np.asarray(ids, np.int32), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32),
-        np.arange(-(-n // backend.block_size), dtype=np.int32)[None], np.array([n], np.int32),
-        np.array([0, n], np.int32), 0,
-    )  # fmt: skip
+        np.asarray(ids, np.int32),
+        np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.int32),
+        np.arange(cdiv(n, backend.block_size), dtype=np.int32)[None],
+        np.array([n], np.int32),
+        np.array([0, n], np.int32),
+        0,
+    )
 
 
 def test_backend_whose_capture_fails_warns_and_serves_eager(device, tiny, caplog):

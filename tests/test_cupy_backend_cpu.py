@@ -36,6 +36,7 @@ from engine.gemm import (
 )
 from engine.kernels import KernelBuildError, kernel_names, read_source
 from engine.llm import run_to_completion
+from engine.utils import cdiv
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
 from tests.spies import CallCounter, count_forwards
@@ -104,9 +105,13 @@ def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny):
 
 def test_engine_swap_preemption_greedy_equals_reference(tiny):
     engine = emulated_engine(
-        tiny, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
-        swap_space=0.001, max_num_seqs=4,
-    )  # fmt: skip
+        tiny,
+        num_gpu_blocks=5,
+        max_model_len=64,
+        preemption_mode="swap",
+        swap_space=0.001,
+        max_num_seqs=4,
+    )
     swapped = []
     swap_out = engine.backend.swap_out
     engine.backend.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
@@ -124,7 +129,7 @@ def test_engine_swap_preemption_greedy_equals_reference(tiny):
 def decode_batch(rng, B: int, num_blocks: int, block_size: int) -> ForwardBatch:
     """B decodes with fresh random contexts and distinct blocks."""
     lens = rng.integers(2, 40, size=B).astype(np.int32)  # (B,) context lengths
-    need = -(-lens // block_size)
+    need = cdiv(lens, block_size)
     blocks = rng.permutation(num_blocks)[: need.sum()].astype(np.int32)
     tables = np.full((B, need.max()), -1, np.int32)
     starts = np.concatenate([[0], np.cumsum(need)])
@@ -200,10 +205,14 @@ def test_bfloat16_prefill_logits_close_to_reference(tiny):
     ids = np.asarray(tiny.tokenizer.encode(PROMPTS[1]), np.int32)
     n = len(ids)
     batch = ForwardBatch(
-        ids, np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 16,
-        np.array([[1, 2, 3]], np.int32), np.array([n], np.int32),
-        np.array([0, n], np.int32), 0,
-    )  # fmt: skip
+        ids,
+        np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.int32) + 16,
+        np.array([[1, 2, 3]], np.int32),
+        np.array([n], np.int32),
+        np.array([0, n], np.int32),
+        0,
+    )
     got = be.forward(batch)[0]  # (V,)
     w32 = tiny.weights.astype(ml_dtypes.bfloat16).astype(np.float32)
     want = reference_forward(w32, tiny.config, ids)  # (V,)
@@ -248,7 +257,7 @@ def test_step_bytes_counts_the_workspace_and_inputs(tiny):
     T, B = 37, 5
     ws = be._workspace(T, B)
     arrays = sum(a.nbytes for a in vars(ws).values())
-    M = -(-be.max_model_len // be.block_size)
+    M = cdiv(be.max_model_len, be.block_size)
     inputs = 4 * (4 * T + 3 * B + 1 + B * M)
     assert be.step_bytes(T, B, 1) == arrays + inputs + 512 * 18
     c = tiny.config

@@ -16,6 +16,7 @@ from engine import LLMEngine, SamplingParams
 from engine import gemm as G
 from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
+from engine.utils import cdiv
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
 from tests.gpu_target import BACKEND, EMULATE
@@ -98,7 +99,7 @@ def test_rotary(dev, dtype, head_dim, rng):
 
 def paged_case(rng, dtype, lengths, H, Hkv, hd, bs=16, num_blocks=80):
     caches = [randn(rng, (num_blocks, bs, Hkv, hd), dtype) for _ in range(2)]
-    need = [-(-n // bs) for n in lengths]
+    need = [cdiv(n, bs) for n in lengths]
     ids = rng.permutation(num_blocks)[: sum(need)]
     tables = np.full((len(lengths), max(need) + 1), -1, np.int32)
     starts = np.concatenate([[0], np.cumsum(need)])
@@ -183,8 +184,10 @@ def test_cublas_constants_match_cupy():
     from cupy_backends.cuda.api import runtime
 
     assert (G.CUDA_R_32F, G.CUDA_R_16F, G.CUDA_R_16BF) == (
-        runtime.CUDA_R_32F, runtime.CUDA_R_16F, runtime.CUDA_R_16BF,
-    )  # fmt: skip
+        runtime.CUDA_R_32F,
+        runtime.CUDA_R_16F,
+        runtime.CUDA_R_16BF,
+    )
     assert (G.CUBLAS_OP_N, G.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
     assert G.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
     assert G.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
@@ -289,11 +292,14 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, eager, rng):
     with be.device.active():  # fresh random KV, written in place (the graphs hold its pointer)
         be.kv_cache[...] = be.device.upload(randn(rng, be.kv_cache.shape, be.dtype))
     batch = ForwardBatch(
-        token_ids=rng.integers(3, tiny.config.vocab_size, B).astype(np.int32), positions=pos,
+        token_ids=rng.integers(3, tiny.config.vocab_size, B).astype(np.int32),
+        positions=pos,
         slot_mapping=(tables[np.arange(B), pos // bs] * bs + pos % bs).astype(np.int32),
-        block_tables=tables, context_lens=lens,
-        query_start_loc=np.arange(B + 1, dtype=np.int32), num_decodes=B,
-    )  # fmt: skip
+        block_tables=tables,
+        context_lens=lens,
+        query_start_loc=np.arange(B + 1, dtype=np.int32),
+        num_decodes=B,
+    )
     if not eager:
         be.graphs[8] = CallCounter(be.graphs[8])
     ids = be.forward_greedy(batch)  # (B,) int32
@@ -305,9 +311,13 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, eager, rng):
 
 def test_engine_swap_preemption(tiny):
     engine = gpu_engine(
-        tiny, num_gpu_blocks=5, max_model_len=64, preemption_mode="swap",
-        swap_space=0.001, max_num_seqs=4,
-    )  # fmt: skip
+        tiny,
+        num_gpu_blocks=5,
+        max_model_len=64,
+        preemption_mode="swap",
+        swap_space=0.001,
+        max_num_seqs=4,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, sp)

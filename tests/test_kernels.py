@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine import kernels as K
+from engine.utils import cdiv
 from tests.oracles import cuda_cpu_ops as C
 from tests.oracles import numpy_ops as N
 
@@ -135,7 +136,7 @@ def make_cache(rng, num_blocks, block_size, kv_heads, head_dim, dtype):
 
 def block_tables_for(rng, lengths, block_size, num_blocks) -> np.ndarray:
     """(B, max_blocks) int32: distinct random blocks per sequence, padded with -1."""
-    need = [-(-n // block_size) for n in lengths]
+    need = [cdiv(n, block_size) for n in lengths]
     ids = rng.permutation(num_blocks)[: sum(need)]
     table = np.full((len(lengths), max(need) + 2), -1, np.int32)
     start = 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.utils import MiB, cdiv
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
@@ -32,8 +33,6 @@ from .devices import CupyDevice, EmulatedDevice, raw_view
 from .rope import rope_table
 
 log = logging.getLogger("engine.backend")
-
-MiB = 1 << 20
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -149,9 +148,11 @@ class CupyBackend(Backend):
         self.device.synchronize()
         log.info(
             "weights on %s: %s as %s in %.2f s",
-            self.device.name, f"{self.weights_bytes / MiB:,.1f} MiB", self.kv_dtype,
+            self.device.name,
+            f"{self.weights_bytes / MiB:,.1f} MiB",
+            self.kv_dtype,
             time.perf_counter() - t1,
-        )  # fmt: skip
+        )
 
     def _put(self, *arrays: np.ndarray):
         """Upload (stacking several along rows) in the backend's dtype."""
@@ -189,13 +190,13 @@ class CupyBackend(Backend):
     def _partitions(self, max_context_len: int) -> int:
         from engine.kernels import PARTITION_SIZE
 
-        return max(1, -(-max_context_len // PARTITION_SIZE))
+        return max(1, cdiv(max_context_len, PARTITION_SIZE))
 
     def step_bytes(self, T: int, B: int, partitions: int, layers_with_partials: int = 1) -> int:
         """Device bytes one step allocates: inputs, workspace, logits, attention partials (the
         decode kernel's per-layer scratch, held by ``layers_with_partials`` layers at once)."""
         c, e = self.cfg, self.dtype.itemsize
-        M = -(-self.max_model_len // self.block_size)
+        M = cdiv(self.max_model_len, self.block_size)
         inputs = 4 * (4 * T + 3 * B + 1 + B * M)
         per_token = 3 * c.hidden_size + 2 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
         last = B * 3 * c.hidden_size * e + B * c.vocab_size * 4
@@ -225,9 +226,12 @@ class CupyBackend(Backend):
         graphs = self.graph_pool_estimate()
         log.info(
             "profile forward of %d tokens: activation peak %.1f MiB computed, %s measured; "
-            "CUDA graph pool %.1f MiB (estimate)", num_tokens, computed / MiB,
-            "not" if measured is None else f"{measured / MiB:.1f} MiB", graphs / MiB,
-        )  # fmt: skip
+            "CUDA graph pool %.1f MiB (estimate)",
+            num_tokens,
+            computed / MiB,
+            "not" if measured is None else f"{measured / MiB:.1f} MiB",
+            graphs / MiB,
+        )
         return max(computed, measured or 0) + graphs
 
     def _profile_forward(self, num_tokens: int, max_seq_len: int) -> None:
@@ -235,7 +239,7 @@ class CupyBackend(Backend):
         bs = self.block_size
         lens = [max_seq_len] * (num_tokens // max_seq_len)
         lens += [num_tokens % max_seq_len] if num_tokens % max_seq_len else []
-        n_blocks = -(-max(lens) // bs)
+        n_blocks = cdiv(max(lens), bs)
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # (B+1,)
         batch = ForwardBatch(
             token_ids=np.zeros(num_tokens, np.int32),
@@ -328,12 +332,20 @@ class CupyBackend(Backend):
             return self.device.empty(shape, dtype)
 
         return Workspace(
-            residual=empty(T, D), x=empty(T, D), h=empty(T, D),
-            q=empty(T, H, hd), k=empty(T, Hkv, hd), v=empty(T, Hkv, hd), attn=empty(T, H, hd),
-            gate_up=empty(T, 2 * F), act=empty(T, F),
-            last_x=empty(B, D), last_res=empty(B, D), last_h=empty(B, D),
+            residual=empty(T, D),
+            x=empty(T, D),
+            h=empty(T, D),
+            q=empty(T, H, hd),
+            k=empty(T, Hkv, hd),
+            v=empty(T, Hkv, hd),
+            attn=empty(T, H, hd),
+            gate_up=empty(T, 2 * F),
+            act=empty(T, F),
+            last_x=empty(B, D),
+            last_res=empty(B, D),
+            last_h=empty(B, D),
             logits=empty(B, c.vocab_size, dtype=np.float32),
-        )  # fmt: skip
+        )
 
     def _step(self, inp: StepInputs, T: int, B: int, nd: int, max_ctx: int):
         """The layers over a step's inputs -> (B, V) float32 logits on the device. No host
@@ -371,14 +383,26 @@ class CupyBackend(Backend):
         B = inp.context_lens.shape[0]
         if nd:  # decodes: rows 0..nd-1, one per sequence
             k.paged_attention_decode(
-                ws.attn[:nd], ws.q[:nd], k_cache, v_cache, inp.block_tables[:nd],
-                inp.context_lens[:nd], self.scale, max_ctx,
-            )  # fmt: skip
+                ws.attn[:nd],
+                ws.q[:nd],
+                k_cache,
+                v_cache,
+                inp.block_tables[:nd],
+                inp.context_lens[:nd],
+                self.scale,
+                max_ctx,
+            )
         if nd < B:  # prefills: the rows after the decodes
             k.paged_attention_prefill(
-                ws.attn[nd:], ws.q[nd:], k_cache, v_cache, inp.block_tables[nd:],
-                inp.prefill_qsl, inp.context_lens[nd:], self.scale,
-            )  # fmt: skip
+                ws.attn[nd:],
+                ws.q[nd:],
+                k_cache,
+                v_cache,
+                inp.block_tables[nd:],
+                inp.prefill_qsl,
+                inp.context_lens[nd:],
+                self.scale,
+            )
         self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
 
     # ---- CUDA graphs for decode ----
@@ -397,12 +421,13 @@ class CupyBackend(Backend):
             self.device.release_graph_pool()
             log.warning(
                 "CUDA graphs off, running eager: capturing the decode step failed (%s: %s)",
-                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-            )  # fmt: skip
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
 
     def _capture_all(self) -> None:
         sizes = graph_batch_sizes(self.max_graph_batch)
-        M = -(-self.max_model_len // self.block_size)
+        M = cdiv(self.max_model_len, self.block_size)
         self._host_flat, self._host = self._graph_buffers(self._pinned_zeros, sizes[-1], M)
         self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
         fill_padding(self._host, 0, sizes[-1])
@@ -417,9 +442,11 @@ class CupyBackend(Backend):
         self.device.synchronize()
         log.info(
             "CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, graph pool %.1f MiB",
-            len(sizes), ", ".join(map(str, sizes)), time.perf_counter() - t0,
+            len(sizes),
+            ", ".join(map(str, sizes)),
+            time.perf_counter() - t0,
             self.device.graph_pool_bytes() / MiB,
-        )  # fmt: skip
+        )
 
     def _pinned_zeros(self, shape, dtype) -> np.ndarray:
         a = self.device.pinned_empty(shape, dtype)

@@ -205,8 +205,28 @@ class EmulatedCublas:
         out._obj.value = self.VERSION
         return CUBLAS_STATUS_SUCCESS
 
-    def cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct,
-                     ldc, compute, algo) -> int:  # fmt: skip
+    def cublasGemmEx(
+        self,
+        handle,
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        alpha,
+        a,
+        at,
+        lda,
+        b,
+        bt,
+        ldb,
+        beta,
+        c,
+        ct,
+        ldc,
+        compute,
+        algo,
+    ) -> int:
         h = self.handles.get(handle)
         if h is None:
             return CUBLAS_STATUS_NOT_INITIALIZED
@@ -280,13 +300,50 @@ class EmulatedCupyCublas:
     def setPointerMode(self, handle: int, mode: int) -> None:
         self.lib.cublasSetPointerMode_v2(handle, mode)
 
-    def gemmEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
-               C, Ctype, ldc, computeType, algo) -> None:  # fmt: skip
+    def gemmEx(
+        self,
+        handle,
+        transa,
+        transb,
+        m,
+        n,
+        k,
+        alpha,
+        A,
+        Atype,
+        lda,
+        B,
+        Btype,
+        ldb,
+        beta,
+        C,
+        Ctype,
+        ldc,
+        computeType,
+        algo,
+    ) -> None:
         stream = current_stream()
         self.setStream(handle, stream.ptr if stream is not None else 0)
         status = self.lib.cublasGemmEx(
-            handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
-            ldc, computeType, algo,
-        )  # fmt: skip
+            handle,
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            alpha,
+            A,
+            Atype,
+            lda,
+            B,
+            Btype,
+            ldb,
+            beta,
+            C,
+            Ctype,
+            ldc,
+            computeType,
+            algo,
+        )
         if status:
             raise RuntimeError(f"cublasGemmEx: status {status}")

@@ -1,7 +1,7 @@
 """The NumPy backend's operations over the paged KV-cache layout of ``engine.forward_batch``.
 
 Same functions, same arguments, same results (within float rounding) as the plain twins of the
-CUDA kernels the tests hold as oracles (``tests/oracles/numpy_ops.py``). The differences are only
+CUDA kernels that the tests hold as oracles (``tests/oracles``). The differences are only
 how NumPy is driven:
 - attention groups the query heads that share a K/V head (no ``np.repeat`` copies of K and V) and
   uses batched ``matmul`` instead of ``einsum``;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.utils import cdiv
 from reference.model import apply_rope, rope_cos_sin
 
 from .base import copy_host_blocks
@@ -143,7 +144,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     qg = _f(q).reshape(n_seqs, n_kv, n_heads // n_kv, hd)  # (B, Hkv, group, hd)
     out = np.empty(qg.shape, dtype=qg.dtype)  # (B, Hkv, group, hd)
     for b, n in enumerate(context_lens.tolist()):
-        blocks = block_tables[b, : -(-n // bs)]  # (nb,)
+        blocks = block_tables[b, : cdiv(n, bs)]  # (nb,)
         k, v = _gather(k_cache, blocks, n), _gather(v_cache, blocks, n)  # (n, Hkv, hd)
         s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, n)
         s *= np.float32(scale)
@@ -162,7 +163,7 @@ def paged_attention_prefill(
     qsl = query_start_loc.tolist()
     for b, n in enumerate(context_lens.tolist()):
         lo, hi = qsl[b], qsl[b + 1]
-        blocks = block_tables[b, : -(-n // bs)]
+        blocks = block_tables[b, : cdiv(n, bs)]
         k, v = _gather(k_cache, blocks, n), _gather(v_cache, blocks, n)  # (n, Hkv, hd)
         start = n - (hi - lo)  # position of row lo
         for c in range(lo, hi, QUERY_CHUNK):

@@ -166,7 +166,12 @@ class NumpyBackend(Backend):
         if nd < b.num_seqs:  # prefills: the remaining rows
             qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
             out[b.query_start_loc[nd] :] = ops.paged_attention_prefill(
-                q[b.query_start_loc[nd] :], k_cache, v_cache, b.block_tables[nd:], qsl,
-                b.context_lens[nd:], self.scale,
-            )  # fmt: skip
+                q[b.query_start_loc[nd] :],
+                k_cache,
+                v_cache,
+                b.block_tables[nd:],
+                qsl,
+                b.context_lens[nd:],
+                self.scale,
+            )
         return out.reshape(n, c.q_dim) @ lw.w_o

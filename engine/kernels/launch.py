@@ -9,6 +9,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from engine.utils import cdiv
+
 from .emulator import cpu_module
 
 DTYPE_SUFFIX = {
@@ -179,7 +181,7 @@ class Kernels:
             )
         if B == 0:
             return
-        P = max(1, -(-int(max_context_len) // partition_size))
+        P = max(1, cdiv(int(max_context_len), partition_size))
         sfx = _suffix(op, q)
         parts = self._empty((B, H, P, hd) if P > 1 else (1,), np.float32)  # (B, H, P, hd)
         stats = self._empty((2, B, H, P) if P > 1 else (2, 1), np.float32)  # max, sum
@@ -205,7 +207,7 @@ class Kernels:
         fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
         args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
-        fn((H, -(-T // 4)), (ATTN_THREADS,), args + (f32(scale),))
+        fn((H, cdiv(T, 4)), (ATTN_THREADS,), args + (f32(scale),))
 
     def copy_blocks(self, src, dst, pairs) -> None:
         """dst[:, :, d] = src[:, :, s] for each row (s, d) of pairs (P, 2) int32."""

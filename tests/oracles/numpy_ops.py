@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.utils import cdiv
 from reference.model import apply_rope, rope_cos_sin, silu
 
 
@@ -62,7 +63,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:
     """One sequence's first ``length`` rows, read through its page table -> (length, Hkv, hd)."""
     block_size = cache.shape[1]
-    n_blocks = -(-length // block_size)
+    n_blocks = cdiv(length, block_size)
     rows = cache[block_table[:n_blocks]]  # (n_blocks, bs, Hkv, hd)
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
