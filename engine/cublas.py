@@ -138,25 +138,5 @@ class Cublas:
 
     def gemm(self, p: GemmPlan, a_ptr: int, b_ptr: int, c_ptr: int) -> None:
         """C = A op B as planned, alpha 1, beta 0, float32 sums."""
-        status = self.lib.cublasGemmEx(
-            self.handle,
-            p.transa,
-            p.transb,
-            p.m,
-            p.n,
-            p.k,
-            host_scalar(1.0),
-            a_ptr,
-            p.a_type,
-            p.lda,
-            b_ptr,
-            p.b_type,
-            p.ldb,
-            host_scalar(0.0),
-            c_ptr,
-            p.c_type,
-            p.ldc,
-            p.compute,
-            p.algo,
-        )
-        check("cublasGemmEx", status)
+        args = p.ex_args(a_ptr, b_ptr, c_ptr, host_scalar(1.0), host_scalar(0.0))
+        check("cublasGemmEx", self.lib.cublasGemmEx(self.handle, *args))

@@ -16,6 +16,7 @@ raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +53,54 @@ class GemmPlan:
     c_type: int  # out's data type
     compute: int = CUBLAS_COMPUTE_32F
     algo: int = CUBLAS_GEMM_DEFAULT
+
+    def ex_args(self, a: int, b: int, c: int, alpha: int, beta: int) -> GemmExArgs:
+        """cublasGemmEx's arguments after the handle, for operands and scalars at these
+        addresses."""
+        p = self
+        return GemmExArgs(
+            p.transa,
+            p.transb,
+            p.m,
+            p.n,
+            p.k,
+            alpha,
+            a,
+            p.a_type,
+            p.lda,
+            b,
+            p.b_type,
+            p.ldb,
+            beta,
+            c,
+            p.c_type,
+            p.ldc,
+            p.compute,
+            p.algo,
+        )
+
+
+class GemmExArgs(NamedTuple):
+    """``cublasGemmEx(handle, *args)``: C = alpha op(A) op(B) + beta C, column-major."""
+
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    alpha: int  # address of a float32
+    a: int  # addresses of the matrices
+    a_type: int
+    lda: int
+    b: int
+    b_type: int
+    ldb: int
+    beta: int
+    c: int
+    c_type: int
+    ldc: int
+    compute: int
+    algo: int
 
 
 def check_gemm(x, w, out) -> tuple[int, int, int]:

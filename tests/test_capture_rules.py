@@ -46,27 +46,8 @@ def cupy_module_gemm(dev, x, w, out) -> None:
     """out = x @ w.T the way the engine must not: through CuPy's cuBLAS module and handle."""
     p, cublas, handle = gemm_plan(x, w, out), dev.cupy_cublas, dev.cupy_cublas_handle()
     cublas.setPointerMode(handle, 0)
-    cublas.gemmEx(
-        handle,
-        p.transa,
-        p.transb,
-        p.m,
-        p.n,
-        p.k,
-        host_scalar(1.0),
-        dev.ptr(w),
-        p.a_type,
-        p.lda,
-        dev.ptr(x),
-        p.b_type,
-        p.ldb,
-        host_scalar(0.0),
-        dev.ptr(out),
-        p.c_type,
-        p.ldc,
-        p.compute,
-        p.algo,
-    )
+    args = p.ex_args(dev.ptr(w), dev.ptr(x), dev.ptr(out), host_scalar(1.0), host_scalar(0.0))
+    cublas.gemmEx(handle, *args)
 
 
 def operands(dev, rng, M=9, K=64, N=48):

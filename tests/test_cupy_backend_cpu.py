@@ -81,28 +81,6 @@ def test_engine_greedy_equals_reference(tiny, eager):
         assert {g: c.calls for g, c in be.graphs.items()} == {4: 5, 2: 4, 1: 4}
 
 
-def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny):
-    """Greedy rows next to a seeded draw and a logprobs row: the same tokens as an engine that
-    samples every step on the host (record_logits), and the greedy path once those end."""
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-        SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True),
-        SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
-    ]
-    engine = emulated_engine(tiny, max_num_seqs=4)
-    be = engine.backend
-    count_forwards(be)
-    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
-    host = emulated_engine(tiny, max_num_seqs=4, record_logits=True)
-    want = run_to_completion(host, PROMPTS, params, check_invariants=True)
-    assert (be.forward.calls, be.forward_greedy.calls) == (5, 5)
-    for out, ref in zip(outs, want, strict=True):
-        assert out.token_ids == ref.token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
-    ids = tiny.tokenizer.encode(PROMPTS[0])
-    assert outs[0].token_ids == reference_generate(tiny.weights, tiny.config, ids, 10).token_ids
-
-
 def test_engine_swap_preemption_greedy_equals_reference(tiny):
     engine = emulated_engine(
         tiny,

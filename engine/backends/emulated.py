@@ -28,7 +28,14 @@ import weakref
 import ml_dtypes
 import numpy as np
 
-from engine.gemm import CUBLAS_COMPUTE_32F, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F
+from engine.gemm import (
+    CUBLAS_COMPUTE_32F,
+    CUBLAS_OP_T,
+    CUDA_R_16BF,
+    CUDA_R_16F,
+    CUDA_R_32F,
+    GemmExArgs,
+)
 
 CUBLAS_STATUS_SUCCESS, CUBLAS_STATUS_NOT_INITIALIZED, CUBLAS_STATUS_INVALID_VALUE = 0, 1, 7
 CUBLAS_STATUS_NOT_SUPPORTED = 15
@@ -205,47 +212,20 @@ class EmulatedCublas:
         out._obj.value = self.VERSION
         return CUBLAS_STATUS_SUCCESS
 
-    def cublasGemmEx(
-        self,
-        handle,
-        ta,
-        tb,
-        m,
-        n,
-        k,
-        alpha,
-        a,
-        at,
-        lda,
-        b,
-        bt,
-        ldb,
-        beta,
-        c,
-        ct,
-        ldc,
-        compute,
-        algo,
-    ) -> int:
+    def cublasGemmEx(self, handle, *args) -> int:
+        g = GemmExArgs(*args)
         h = self.handles.get(handle)
         if h is None:
             return CUBLAS_STATUS_NOT_INITIALIZED
-        if compute != CUBLAS_COMPUTE_32F or h.pointer_mode != 0:
-            return CUBLAS_STATUS_NOT_SUPPORTED  # the only mode the engine uses
-        if min(m, n, k) < 0 or ta not in (0, 1) or tb not in (0, 1):
-            return CUBLAS_STATUS_INVALID_VALUE
-        if at != bt or at not in TYPES or ct not in (at, CUDA_R_32F):
-            return CUBLAS_STATUS_NOT_SUPPORTED
-        if ldc < max(1, m) or lda < max(1, k if ta == CUBLAS_OP_T else m):
-            return CUBLAS_STATUS_INVALID_VALUE
-        if ldb < max(1, n if tb == CUBLAS_OP_T else k):
-            return CUBLAS_STATUS_INVALID_VALUE
+        status = gemm_status(g, h.pointer_mode)
+        if status != CUBLAS_STATUS_SUCCESS:
+            return status
         self._check_capture(h)
         stream = _streams.get(h.stream_ptr)
         if stream is not None:
-            stream.record(("cublasGemmEx", handle, ta, tb, m, n, k, a, lda, b, ldb, c, ldc))
-        if m and n:
-            self._gemm(ta, tb, m, n, k, alpha, beta, (a, at, lda), (b, bt, ldb), (c, ct, ldc))
+            stream.record(("cublasGemmEx", handle, *g))
+        if g.m and g.n:
+            self._gemm(g)
         return CUBLAS_STATUS_SUCCESS
 
     def _check_capture(self, h: _Handle) -> None:
@@ -266,19 +246,42 @@ class EmulatedCublas:
             )
 
     @staticmethod
-    def _gemm(ta, tb, m, n, k, alpha, beta, A, B, C) -> None:
-        (a, at, lda), (b, bt, ldb), (c, ct, ldc) = A, B, C
-        alpha = ctypes.c_float.from_address(alpha).value
-        beta = ctypes.c_float.from_address(beta).value
-        c_mat = _matrix(c, ct, m, n, ldc)  # (m, n) column-major
-        acc = np.zeros((m, n), np.float32)
-        if k:  # op(A) (m, k) @ op(B) (k, n), float32 sums
-            a_mat = _matrix(a, at, k, m, lda).T if ta == CUBLAS_OP_T else _matrix(a, at, m, k, lda)
-            b_mat = _matrix(b, bt, n, k, ldb).T if tb == CUBLAS_OP_T else _matrix(b, bt, k, n, ldb)
-            acc = alpha * (a_mat.astype(np.float32) @ b_mat.astype(np.float32))
+    def _gemm(g: GemmExArgs) -> None:
+        """C (m, n) = alpha op(A) (m, k) @ op(B) (k, n) + beta C, float32 sums."""
+        alpha = ctypes.c_float.from_address(g.alpha).value
+        beta = ctypes.c_float.from_address(g.beta).value
+        c_mat = _matrix(g.c, g.c_type, g.m, g.n, g.ldc)  # (m, n) column-major
+        acc = np.zeros((g.m, g.n), np.float32)
+        if g.k:
+            acc = alpha * (
+                _op(g.a, g.a_type, g.transa, g.m, g.k, g.lda)
+                @ _op(g.b, g.b_type, g.transb, g.k, g.n, g.ldb)
+            )
         if beta:
             acc += beta * c_mat.astype(np.float32)
         c_mat[...] = acc.astype(c_mat.dtype)
+
+
+def _op(ptr: int, type_: int, trans: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    """op(X) (rows, cols) in float32: X as stored, or its transpose (stored (cols, rows))."""
+    if trans == CUBLAS_OP_T:
+        return _matrix(ptr, type_, cols, rows, ld).T.astype(np.float32)
+    return _matrix(ptr, type_, rows, cols, ld).astype(np.float32)
+
+
+def gemm_status(g: GemmExArgs, pointer_mode: int) -> int:
+    """What cuBLAS answers before computing: the modes the engine uses, sizes, types, ld's."""
+    if g.compute != CUBLAS_COMPUTE_32F or pointer_mode != 0:
+        return CUBLAS_STATUS_NOT_SUPPORTED
+    if min(g.m, g.n, g.k) < 0 or g.transa not in (0, 1) or g.transb not in (0, 1):
+        return CUBLAS_STATUS_INVALID_VALUE
+    if g.a_type != g.b_type or g.a_type not in TYPES or g.c_type not in (g.a_type, CUDA_R_32F):
+        return CUBLAS_STATUS_NOT_SUPPORTED
+    a_rows = g.k if g.transa == CUBLAS_OP_T else g.m  # A as stored, column-major
+    b_rows = g.n if g.transb == CUBLAS_OP_T else g.k
+    if g.ldc < max(1, g.m) or g.lda < max(1, a_rows) or g.ldb < max(1, b_rows):
+        return CUBLAS_STATUS_INVALID_VALUE
+    return CUBLAS_STATUS_SUCCESS
 
 
 class EmulatedCupyCublas:
@@ -300,50 +303,10 @@ class EmulatedCupyCublas:
     def setPointerMode(self, handle: int, mode: int) -> None:
         self.lib.cublasSetPointerMode_v2(handle, mode)
 
-    def gemmEx(
-        self,
-        handle,
-        transa,
-        transb,
-        m,
-        n,
-        k,
-        alpha,
-        A,
-        Atype,
-        lda,
-        B,
-        Btype,
-        ldb,
-        beta,
-        C,
-        Ctype,
-        ldc,
-        computeType,
-        algo,
-    ) -> None:
+    def gemmEx(self, handle: int, *args) -> None:
+        """cublasGemmEx's arguments after the handle (``GemmExArgs``), as CuPy takes them."""
         stream = current_stream()
         self.setStream(handle, stream.ptr if stream is not None else 0)
-        status = self.lib.cublasGemmEx(
-            handle,
-            transa,
-            transb,
-            m,
-            n,
-            k,
-            alpha,
-            A,
-            Atype,
-            lda,
-            B,
-            Btype,
-            ldb,
-            beta,
-            C,
-            Ctype,
-            ldc,
-            computeType,
-            algo,
-        )
+        status = self.lib.cublasGemmEx(handle, *args)
         if status:
             raise RuntimeError(f"cublasGemmEx: status {status}")
