@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
@@ -109,3 +111,50 @@ def test_cli_unknown_model_exits_2_in_a_real_process():
     )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "/no/such/model" in r.stderr
+
+
+# ---- every bad value is refused before anything is queued; the others keep running ----
+
+
+def test_sampling_params_are_frozen():
+    p = SamplingParams()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.n = 0
+    assert p.n == 1
+
+
+def test_bad_sampling_values_name_field_and_range():
+    cases = [
+        (dict(top_p=1e-50), r"top_p must be a finite number in \[1e-06, 1\]"),
+        (dict(temperature=float("inf")), r"temperature must be a finite number in \[0, 100\]"),
+        (dict(temperature=1e39, min_tokens=4), "temperature must be"),
+        (dict(repetition_penalty=1e-45), r"repetition_penalty must be .* in \[0.01, 100\]"),
+        (dict(logprobs=10**9), r"logprobs must be an integer in \[0, 20\]"),
+        (dict(stop=5), "stop must be a non-empty string or a list of non-empty strings"),
+        (dict(stop=[b"x"]), "stop must be"),
+        (dict(stop_token_ids=np.array([[5]])), "stop_token_ids must be"),
+        (dict(stop_token_ids=[True]), "stop_token_ids must be"),
+        (dict(n=True), "n must be"),
+        (dict(temperature=np.bool_(True)), "temperature must be"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=rf"^SamplingParams: {message}") as e:
+            SamplingParams(**kw)
+        assert "\n" not in str(e.value)
+
+
+def test_numpy_numbers_are_accepted_as_plain_python():
+    p = SamplingParams(
+        n=np.int64(2),
+        top_k=np.int32(5),
+        seed=np.uint64(7),
+        temperature=np.float32(0.5),
+        top_p=np.float64(0.9),
+        logprobs=np.int16(20),
+        stop_token_ids=np.array([5, 6]),
+        stop=("a", "b"),
+    )
+    assert (p.n, p.top_k, p.seed, p.logprobs, p.temperature) == (2, 5, 7, 20, 0.5)
+    assert [type(v) for v in (p.n, p.top_k, p.seed, p.temperature)] == [int, int, int, float]
+    assert p.stop_token_ids == [5, 6] and type(p.stop_token_ids[0]) is int
+    assert p.stop == ["a", "b"]
