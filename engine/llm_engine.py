@@ -29,7 +29,7 @@ from .memory import HOST_BACKENDS, num_kv_blocks
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .sampler import Sampler, plain_greedy, rows_to_sample
+from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -182,7 +182,8 @@ class LLMEngine:
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
 
     def _update(self, out: SchedulerOutput, seqs, ids, extras) -> None:
-        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True)}
+        self._abort_unsampled(seqs, ids)
+        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
         extra = {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
         now = time.monotonic()
         for seq in self.scheduler.update(out, sampled):
@@ -191,6 +192,14 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
                 free = self.block_manager.num_free_blocks
                 tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
+
+    def _abort_unsampled(self, seqs, ids) -> None:
+        """Sequences whose row had no token to pick (NaN or all banned) end as an error."""
+        why = "sampling failed: no finite logit to pick a token from"
+        failed = [(s, why) for s, t in zip(seqs, ids, strict=True) if t == NO_TOKEN]
+        for seq, _ in failed:
+            self.scheduler.finish(seq, "abort")  # its blocks go back now
+        self.output_processor.process_rejected(failed)
 
     # ---- conveniences ----
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
