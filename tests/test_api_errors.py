@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -116,7 +117,87 @@ def test_cli_unknown_model_exits_2_in_a_real_process():
 # ---- every bad value is refused before anything is queued; the others keep running ----
 
 
-def test_sampling_params_are_frozen():
+def assert_all_free(engine):
+    """Nothing left running, the invariants hold and every block is back in the pool."""
+    engine.check_invariants()
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+
+
+def serve_others_after(engine, add_bad, message):
+    """add_bad() raises a one-line ValueError matching message; a good request then finishes."""
+    with pytest.raises(ValueError, match=message) as e:
+        add_bad()
+    assert "\n" not in str(e.value)
+    engine.add_request("good", "hello there", GREEDY)
+    done = set()
+    for _ in range(50):  # bounded: a leak must fail, not spin
+        done |= {o.request_id for o in engine.step() if o.finished}
+        engine.check_invariants()
+        if not engine.has_unfinished_requests():
+            break
+    assert done == {"good"}
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "arrival", ["x", float("nan"), float("inf"), -float("inf"), time.time(), 1e300, [1.0]]
+)
+def test_bad_arrival_time_is_refused(engine, arrival):
+    add = lambda: engine.add_request("bad", "hi", GREEDY, arrival_time=arrival)  # noqa: E731
+    serve_others_after(engine, add, "arrival_time must be")
+
+
+def test_arrival_time_is_on_the_monotonic_clock(engine):
+    engine.add_request("past", "hi", GREEDY, arrival_time=np.float64(time.monotonic() - 2.0))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert 2.0 <= outs["past"].metrics.ttft < 60.0
+    assert_all_free(engine)
+
+
+BAD_PROMPTS = [
+    ([1.5, 2.7], "token ids must be integers"),
+    (("5", "6"), "token ids must be integers"),
+    ([True, False], "token ids must be integers"),
+    ([5, None], "token ids must be integers"),
+    ([[5, 6], [7]], "token ids must be integers"),
+    (np.array([[5, 6], [7, 8]]), "1-D integer array"),
+    (np.array([5.0, 6.0]), "1-D integer array"),
+    ([5, -1], "token id -1 is outside"),
+    ("bad \ud800", "lone surrogate at character 4"),
+]
+
+
+@pytest.mark.parametrize("prompt,message", BAD_PROMPTS)
+def test_bad_prompt_is_refused(engine, prompt, message):
+    serve_others_after(engine, lambda: engine.add_request("bad", prompt, GREEDY), message)
+
+
+def test_numpy_token_ids_are_plain_ints(engine):
+    ids = engine.add_request("np", np.array([5, 6, 7], dtype=np.int32), GREEDY)
+    assert ids == [5, 6, 7] and all(type(t) is int for t in ids)
+    engine.abort("np")
+    assert_all_free(engine)
+
+
+def test_huge_text_is_refused_before_tokenizing(engine, monkeypatch):
+    calls = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or [5])
+    add = lambda: engine.add_request("bad", "x" * 10_000_000, GREEDY)  # noqa: E731
+    with pytest.raises(ValueError, match="characters, more than max_model_len=64"):
+        add()
+    assert calls == []  # never tokenized
+    assert engine.max_prompt_chars >= 64  # one character per token at least
+
+
+def test_n_above_max_num_seqs_is_refused_before_allocating(engine):
+    add = lambda: engine.add_request("bad", "hi", SamplingParams(n=10**5))  # noqa: E731
+    serve_others_after(engine, add, r"n must be in \[1, max_num_seqs=\d+\], got 100000")
+
+
+def test_sampling_params_are_frozen(engine):
     p = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.n = 0
