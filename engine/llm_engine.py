@@ -231,9 +231,16 @@ class LLMEngine:
     # ---- conveniences ----
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Add one request and drive the engine until it ends, yielding its new text as it comes.
-        (Other requests in the engine advance too; their outputs are not returned here.)"""
+        (Other requests in the engine advance too; their outputs are not returned here.)
+        Leaving early (``break``, ``close()``, an exception) aborts the request."""
         rid = f"stream-{next(self._counter)}"
         self.add_request(rid, prompt, params)
+        try:
+            yield from self._stream_deltas(rid)
+        finally:
+            self.abort(rid)  # False (a no-op) once it finished
+
+    def _stream_deltas(self, rid: str) -> Iterator[str]:
         done = False
         while not done:
             for o in self.step():

@@ -239,3 +239,73 @@ def test_numpy_numbers_are_accepted_as_plain_python():
     assert [type(v) for v in (p.n, p.top_k, p.seed, p.temperature)] == [int, int, int, float]
     assert p.stop_token_ids == [5, 6] and type(p.stop_token_ids[0]) is int
     assert p.stop == ["a", "b"]
+
+
+# ---- LLM.generate: nothing of a failed call keeps running ----
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_gpu_blocks=32, max_model_len=64, swap_space=0)
+
+
+@pytest.mark.parametrize(
+    "bad", ["bad \ud800", [5, None], [[5, 6], [7]], np.array([[5, 6], [7, 8]])]
+)
+def test_generate_cleans_up_after_a_bad_prompt(llm, bad):
+    with pytest.raises(ValueError, match="prompt 1: "):
+        llm.generate(["hello there", bad, "hi"], GREEDY, use_tqdm=False)
+    assert_all_free(llm.engine)
+
+
+def test_generate_cleans_up_after_ctrl_c_while_adding(llm, monkeypatch):
+    add = llm.engine.add_request
+
+    def add_then_interrupt(rid, *args, **kw):
+        if rid.endswith("-1"):
+            raise KeyboardInterrupt
+        return add(rid, *args, **kw)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["hello there", "hi", "hi"], GREEDY, use_tqdm=False)
+    assert_all_free(llm.engine)
+
+
+def test_generate_cleans_up_after_ctrl_c_while_stepping(llm, monkeypatch):
+    step, calls = llm.engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["hello there", "hi"], GREEDY, use_tqdm=False)
+    assert_all_free(llm.engine)
+    monkeypatch.undo()
+    outs = llm.generate(["hello there"], GREEDY, use_tqdm=False)
+    assert len(outs) == 1 and len(outs[0].token_ids) == 12
+
+
+def test_generate_takes_numpy_token_ids(llm):
+    (one,) = llm.generate(np.array([5, 6, 7]), GREEDY, use_tqdm=False)
+    (two,) = llm.generate([np.int64(5), np.int64(6), np.int64(7)], GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == two.prompt_token_ids == [5, 6, 7]
+    assert one.token_ids == two.token_ids
+
+
+# ---- LLMEngine.stream: leaving early aborts the request ----
+
+
+def test_leaving_a_stream_early_aborts_its_request(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    gen = engine.stream("hello there", params)
+    next(gen)
+    gen.close()
+    assert_all_free(engine)
+    for _piece in engine.stream("hello there", params):
+        break  # the generator is dropped here, which closes it
+    assert_all_free(engine)
