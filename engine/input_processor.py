@@ -1,24 +1,33 @@
 """Requests in: a prompt (text or token ids) -> checked token ids, before anything is queued.
 
 Bad input is a one-line ValueError for that request only; the engine keeps running the others.
+Text longer than ``max_prompt_chars`` is refused before it is tokenized (tokenizing megabytes
+takes seconds), and token ids must be a flat sequence of integers inside the vocabulary.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .sampling_params import is_integer
 
-def tokenize_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int):
-    """(prompt text or None, token ids), checked against the vocabulary and max_model_len."""
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """Characters a prompt of max_model_len tokens can have at most: one token covers at most as
+    many characters as its vocabulary entry has (byte-level BPE spells each byte as one
+    character; SentencePiece spells a space as one, and falls back to bytes). A tokenizer whose
+    normaliser shrinks text could beat this; none of the supported ones does."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)  # {token string: id}
+    return max_model_len * max(map(len, vocab), default=1)
+
+
+def tokenize_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, max_chars: int):
+    """(prompt text or None, token ids), checked against the vocabulary and max_model_len;
+    max_chars: the text length beyond which no tokenizing can fit (``max_prompt_chars``)."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty")
-        text, ids = prompt, tokenizer.encode(prompt)
+        text, ids = prompt, _encode(prompt, tokenizer, max_model_len, max_chars)
     elif isinstance(prompt, list | tuple | np.ndarray):
-        text, ids = None, [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside [0, {vocab_size})")
+        text, ids = None, _token_ids(prompt, vocab_size, max_model_len)
     else:
         raise ValueError(
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
@@ -28,3 +37,37 @@ def tokenize_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int):
     if len(ids) > max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
     return text, ids
+
+
+def _encode(text: str, tokenizer, max_model_len: int, max_chars: int) -> list[int]:
+    if not text:
+        raise ValueError("prompt is empty")
+    if len(text) > max_chars:
+        raise ValueError(
+            f"prompt has {len(text)} characters, more than max_model_len={max_model_len} "
+            f"tokens can hold ({max_chars})"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        why = f"a lone surrogate at character {e.start}"
+        raise ValueError(f"prompt is not valid Unicode: {why}") from None
+    return tokenizer.encode(text)
+
+
+def _token_ids(prompt, vocab_size: int, max_model_len: int) -> list[int]:
+    """A 1-D list, tuple or array of Python or NumPy integers in [0, vocab_size) -> plain ints."""
+    if len(prompt) > max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt)} tokens, more than max_model_len={max_model_len}"
+        )
+    if isinstance(prompt, np.ndarray) and (prompt.ndim != 1 or prompt.dtype.kind not in "iu"):
+        raise ValueError(
+            f"prompt token ids must be a 1-D integer array, got {prompt.ndim}-D {prompt.dtype}"
+        )
+    for t in prompt:
+        if not is_integer(t):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t} is outside [0, {vocab_size})")
+    return [int(t) for t in prompt]

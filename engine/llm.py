@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, is_integer
 
 
 class LLM:
@@ -34,6 +35,15 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         ids = self._add_all(prompts, params)
+        try:
+            done = self._run(ids, use_tqdm)
+        except BaseException:  # Ctrl-C or an engine error: nothing of this call keeps running
+            self._abort_all(ids)
+            raise
+        return [done[r] for r in ids]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every request of ids finished: request id -> its final output."""
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while len(done) < len(ids) and self.engine.has_unfinished_requests():
@@ -42,9 +52,11 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [done[r] for r in ids]
+        return done
 
     def _add_all(self, prompts, params) -> list[str]:
+        """Add every prompt; on any failure (a bad prompt, a tokenizer error, Ctrl-C) abort what
+        this call added, so nothing of it runs in a later call, and re-raise."""
         self._batch += 1
         ids = [f"{self._batch}-{i}" for i in range(len(prompts))]
         added = []
@@ -55,11 +67,14 @@ class LLM:
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
                 added.append(rid)
-        except ValueError:
-            for rid in added:  # nothing of this call keeps running
-                self.engine.abort(rid)
+        except BaseException:
+            self._abort_all(added)
             raise
         return ids
+
+    def _abort_all(self, ids: list[str]) -> None:
+        for rid in ids:  # a finished request is a no-op
+            self.engine.abort(rid)
 
 
 def run_to_completion(
@@ -83,7 +98,9 @@ def run_to_completion(
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        return [prompts]  # one prompt given as an array of token ids
+    if isinstance(prompts, Seq) and prompts and all(is_integer(t) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, Seq) or isinstance(prompts, bytes):
         raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")

@@ -24,17 +24,36 @@ from . import tracing
 from .backends import get_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, make_config
-from .input_processor import tokenize_prompt
+from .input_processor import max_prompt_chars, tokenize_prompt
 from .memory import HOST_BACKENDS, num_kv_blocks
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .sampler import Sampler, plain_greedy, rows_to_sample
-from .sampling_params import SamplingParams
+from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
+from .sampling_params import SamplingParams, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 
 log = logging.getLogger("engine")
+
+# arrival_time is on time.monotonic()'s clock; a value further ahead than this is another clock
+# (time.time() is ~1.7e9 s, far beyond any monotonic reading)
+ARRIVAL_SLACK_S = 60.0
+
+
+def check_arrival_time(arrival_time) -> float:
+    """arrival_time (None: now) as a float on time.monotonic()'s clock, else a ValueError."""
+    now = time.monotonic()
+    if arrival_time is None:
+        return now
+    if not is_real(arrival_time) or not np.isfinite(arrival_time):
+        raise ValueError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
+    if arrival_time > now + ARRIVAL_SLACK_S:
+        raise ValueError(
+            f"arrival_time must be on time.monotonic()'s clock (now {now:.1f} s, at most "
+            f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
+        )
+    return float(arrival_time)
 
 
 class LLMEngine:
@@ -106,6 +125,7 @@ class LLMEngine:
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
         self._counter = itertools.count()
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, cfg.max_model_len)
 
     # ---- requests ----
     def add_request(
@@ -115,15 +135,22 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> list[int]:
-        """Validate and queue one request (ValueError for bad input); returns its prompt ids."""
+        """Validate and queue one request (ValueError for bad input); returns its prompt ids.
+
+        ``arrival_time``: seconds on ``time.monotonic()``'s clock (None: now). Every check runs
+        before anything is queued or allocated, the cheap ones first."""
         if not isinstance(request_id, str) or request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is not a new string id")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         mc, cfg = self.model_config, self.config
-        text, ids = tokenize_prompt(prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"n must be in [1, max_num_seqs={cfg.max_num_seqs}], got {params.n}")
+        arrival = check_arrival_time(arrival_time)
+        text, ids = tokenize_prompt(
+            prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
+        )
         seqs = [Sequence(request_id, ids, params, arrival) for _ in range(params.n)]
         gens = [self._generator(params, i) for i in range(params.n)]
         self.output_processor.add_request(request_id, text, ids, params, seqs, gens, arrival)
@@ -182,7 +209,8 @@ class LLMEngine:
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
 
     def _update(self, out: SchedulerOutput, seqs, ids, extras) -> None:
-        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True)}
+        self._abort_unsampled(seqs, ids)
+        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
         extra = {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
         now = time.monotonic()
         for seq in self.scheduler.update(out, sampled):
@@ -192,12 +220,27 @@ class LLMEngine:
                 free = self.block_manager.num_free_blocks
                 tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
 
+    def _abort_unsampled(self, seqs, ids) -> None:
+        """Sequences whose row had no token to pick (NaN or all banned) end as an error."""
+        why = "sampling failed: no finite logit to pick a token from"
+        failed = [(s, why) for s, t in zip(seqs, ids, strict=True) if t == NO_TOKEN]
+        for seq, _ in failed:
+            self.scheduler.finish(seq, "abort")  # its blocks go back now
+        self.output_processor.process_rejected(failed)
+
     # ---- conveniences ----
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Add one request and drive the engine until it ends, yielding its new text as it comes.
-        (Other requests in the engine advance too; their outputs are not returned here.)"""
+        (Other requests in the engine advance too; their outputs are not returned here.)
+        Leaving early (``break``, ``close()``, an exception) aborts the request."""
         rid = f"stream-{next(self._counter)}"
         self.add_request(rid, prompt, params)
+        try:
+            yield from self._stream_deltas(rid)
+        finally:
+            self.abort(rid)  # False (a no-op) once it finished
+
+    def _stream_deltas(self, rid: str) -> Iterator[str]:
         done = False
         while not done:
             for o in self.step():

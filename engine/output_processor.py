@@ -99,6 +99,13 @@ class RequestState:
         )
 
 
+def _first_stop(text: str, stops: list[str], before: int) -> int | None:
+    """Where the earliest stop string in text starts, among matches that end past ``before``
+    (the text checked at earlier tokens); None if none. The list order does not matter."""
+    hits = [text.find(s, max(before - len(s) + 1, 0)) for s in stops]
+    return min((at for at in hits if at >= 0), default=None)
+
+
 class OutputProcessor:
     """Every live request's state; turns sampled tokens into text, stop decisions and outputs."""
 
@@ -169,12 +176,11 @@ class OutputProcessor:
             token = seq.last_token_id
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 return "stop"
-            for s in p.stop:
-                at = sample.text.find(s, max(before - len(s) + 1, 0))
-                if at >= 0:
-                    sample.text = sample.text[:at]
-                    sample.truncated = True
-                    return "stop"
+            at = _first_stop(sample.text, p.stop, before)
+            if at is not None:
+                sample.text = sample.text[:at]
+                sample.truncated = True
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

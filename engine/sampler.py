@@ -10,6 +10,9 @@ Order of operations for one row of logits (V,):
      measured after the earlier filters and renormalised), renormalise;
   5. draw by inverse CDF with ONE uniform from the sequence's own ``numpy.random.Generator``, so a
      seeded sequence draws the same numbers whatever else shares the batch.
+Guards: the most likely token always survives the filters, and a row with nothing to pick (all
+banned, or NaN from the model) gets ``NO_TOKEN`` instead of a token: the engine aborts that
+sequence with an error rather than emit token 0.
 Logprobs (top-N per token, plus the chosen token) are the model's raw log-softmax, as in vLLM.
 """
 
@@ -18,6 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from .sampling_params import SamplingParams
+
+NO_TOKEN = -1  # the id of a row that had no token to pick
+F32_MAX = np.finfo(np.float32).max
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -85,8 +91,10 @@ def filter_probs(probs: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
         sorted_p = np.take_along_axis(sub, order, axis=1)  # (R', V)
         mass_before = np.cumsum(sorted_p, axis=1) - sorted_p  # (R', V)
         top_p = np.array([params[r].top_p for r in top_p_rows], dtype=np.float32)[:, None]
+        drop_sorted = mass_before >= top_p  # (R', V)
+        drop_sorted[:, 0] = False  # the most likely token stays, whatever top_p rounds to
         drop = np.empty_like(mass_before, dtype=bool)  # (R', V) back in vocab order
-        np.put_along_axis(drop, order, mass_before >= top_p, axis=1)  # the first token stays
+        np.put_along_axis(drop, order, drop_sorted, axis=1)
         sub[drop] = 0.0
         probs[top_p_rows] = sub
     probs /= probs.sum(axis=1, keepdims=True)
@@ -95,12 +103,15 @@ def filter_probs(probs: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
 
 def sampling_probs(logits: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
     """(R, V) processed logits of non-greedy rows -> (R, V) the distribution each row draws from."""
-    temps = np.array([p.temperature for p in params], dtype=np.float32)[:, None]  # (R, 1)
-    x = logits / temps
-    x -= x.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        temps = np.array([p.temperature for p in params], dtype=np.float32)[:, None]  # (R, 1)
+        x = np.where(np.isneginf(logits), -np.inf, logits / temps)  # banned stays banned
+        np.minimum(x, F32_MAX, out=x)  # +inf (a huge penalty quotient) -> the largest float
+        x -= x.max(axis=1, keepdims=True)  # a row of only -inf or NaN becomes NaN
     probs = np.exp(x)
-    probs /= probs.sum(axis=1, keepdims=True)
-    return filter_probs(probs, params)
+    with np.errstate(invalid="ignore"):
+        probs /= probs.sum(axis=1, keepdims=True)
+        return filter_probs(probs, params)
 
 
 def draw(probs: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
@@ -126,9 +137,10 @@ class Sampler:
         for b, seq in enumerate(seqs):
             p = seq.params
             if _has_penalty(p):
-                apply_penalties(x[b], p, seq.prompt_token_ids, seq.output_token_ids)
+                with np.errstate(over="ignore"):  # an overflow is +inf, clipped when sampling
+                    apply_penalties(x[b], p, seq.prompt_token_ids, seq.output_token_ids)
             if seq.num_output_tokens < p.min_tokens:
-                banned = [t for t in self.eos_token_ids + p.stop_token_ids if t < x.shape[1]]
+                banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < x.shape[1]]
                 x[b, banned] = -np.inf
         return x
 
@@ -137,10 +149,14 @@ class Sampler:
         of {token_id: logprob} or None per row)."""
         x = self.process(logits, seqs)
         ids = np.argmax(x, axis=1)  # (B,) greedy for every row; random rows overwrite below
+        picked = x[np.arange(len(ids)), ids]  # (B,) the argmax's logit
+        ids[np.isnan(picked) | np.isneginf(picked)] = NO_TOKEN  # NaN, or everything banned
         rand = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if rand:
             probs = sampling_probs(x[rand], [seqs[b].params for b in rand])  # (R, V)
-            ids[rand] = draw(probs, [generators[b] for b in rand])
+            drawn = draw(np.nan_to_num(probs), [generators[b] for b in rand])  # (R,)
+            ok = np.isfinite(probs).all(axis=1)  # (R,) a NaN row has nothing to draw from
+            ids[rand] = np.where(ok, drawn, NO_TOKEN)
         return ids.tolist(), self._logprobs(logits, seqs, ids)
 
     @staticmethod
@@ -148,7 +164,7 @@ class Sampler:
         out = []
         for b, seq in enumerate(seqs):
             n = seq.params.logprobs
-            if n is None:
+            if n is None or ids[b] == NO_TOKEN:
                 out.append(None)
                 continue
             lp = log_softmax(logits[b].astype(np.float32))  # (V,)

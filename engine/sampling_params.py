@@ -1,19 +1,94 @@
-"""How to pick each next token, and when to stop: vLLM's ``SamplingParams`` names and ranges."""
+"""How to pick each next token, and when to stop: vLLM's ``SamplingParams`` names and ranges.
+
+Frozen: every field is checked once, at construction, and cannot change afterwards (a request
+keeps the params it was checked with). Integer fields take Python or NumPy integers (not bool),
+float fields Python or NumPy reals; both are stored as plain Python ``int`` / ``float``. The
+ranges keep the sampler's float32 arithmetic finite: no temperature that overflows, no top_p that
+rounds to 0, no repetition penalty that divides a logit into infinity.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from engine.config import is_int, is_number
+import numpy as np
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision anyway
+MIN_TOP_P = 1e-6  # well above float32's smallest normal, so top_p never rounds to 0
+PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: a logit divided by it stays finite
+MAX_LOGPROBS = 20  # top-N log-probabilities per token at most (vLLM's max_logprobs default)
 
 
 def _bad(name: str, value, expected: str) -> ValueError:
     return ValueError(f"SamplingParams: {name} must be {expected}, got {value!r}")
 
 
-@dataclass
+def is_integer(value) -> bool:
+    """A Python or NumPy integer; bool (Python or NumPy) is not one."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A Python or NumPy int or float; bool is not one."""
+    return is_integer(value) or isinstance(value, float | np.floating)
+
+
+def as_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """value as a plain int in [low, high] (None: unbounded), else a ValueError naming name."""
+    if not is_integer(value) or (low is not None and value < low):
+        raise _bad(name, value, _int_range(low, high))
+    if high is not None and value > high:
+        raise _bad(name, value, _int_range(low, high))
+    return int(value)
+
+
+def _int_range(low, high) -> str:
+    if high is None:
+        return "an integer" if low is None else f"an integer >= {low}"
+    return f"an integer in [{low}, {high}]"
+
+
+def int_list(name: str, values) -> list[int]:
+    """A list, tuple or 1-D array of non-negative integers -> list of plain ints."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise _bad(name, values, "a list of non-negative integers")
+        values = list(values)
+    if not isinstance(values, list | tuple):
+        raise _bad(name, values, "a list of non-negative integers")
+    return [as_int(name, v, 0) for v in values]
+
+
+def _stop_list(value) -> list[str]:
+    """None, a string or a list of strings -> list of non-empty strings."""
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("stop", value, "a non-empty string or a list of non-empty strings")
+    return list(stops)
+
+
+# name -> (low, high, how the range reads); both ends included
+FLOAT_RANGES = {
+    "temperature": (0.0, MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
+    "top_p": (MIN_TOP_P, 1.0, f"in [{MIN_TOP_P:g}, 1]"),
+    "min_p": (0.0, 1.0, "in [0, 1]"),
+    "presence_penalty": (-2.0, 2.0, "in [-2, 2]"),
+    "frequency_penalty": (-2.0, 2.0, "in [-2, 2]"),
+    "repetition_penalty": (*PENALTY_RANGE, "in [{:g}, {:g}]".format(*PENALTY_RANGE)),
+}
+
+
+def as_float(name: str, value) -> float:
+    """value as a plain float in FLOAT_RANGES[name], else a ValueError naming name."""
+    low, high, expected = FLOAT_RANGES[name]
+    if not is_real(value) or not math.isfinite(value) or not low <= value <= high:
+        raise _bad(name, value, f"a finite number {expected}")
+    return float(value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt
     temperature: float = 1.0  # 0 = greedy
@@ -32,50 +107,26 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-N log-probabilities per generated token
 
     def __post_init__(self):
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self._check_counts()
-        self._check_floats()
-        self._check_stops()
+        for name, value in self._checked().items():
+            object.__setattr__(self, name, value)  # frozen: only here
 
-    def _check_counts(self):
-        if not is_int(self.n) or self.n < 1:
-            raise _bad("n", self.n, "an integer >= 1")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise _bad("min_tokens", self.min_tokens, f"an integer in [0, {self.max_tokens}]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", self.top_k, "an integer >= 1, or 0 / -1 for off")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise _bad("logprobs", self.logprobs, "an integer >= 0 or None")
-        if self.seed is not None and not is_int(self.seed):
-            raise _bad("seed", self.seed, "an integer or None")
+    def _checked(self) -> dict:
+        """Every field checked and normalised (plain Python types, stop lists as lists)."""
+        out = {name: as_float(name, getattr(self, name)) for name in FLOAT_RANGES}
+        out["n"] = as_int("n", self.n, 1)
+        out["max_tokens"] = as_int("max_tokens", self.max_tokens, 1)
+        out["min_tokens"] = as_int("min_tokens", self.min_tokens, 0, out["max_tokens"])
+        out["top_k"] = as_int("top_k", self.top_k, -1)
+        if self.logprobs is not None:
+            out["logprobs"] = as_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            out["seed"] = as_int("seed", self.seed)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
-
-    def _check_floats(self):
-        checks = (
-            ("temperature", lambda v: v >= 0, ">= 0"),
-            ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-            ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-            ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-            ("repetition_penalty", lambda v: v > 0, "> 0"),
-        )
-        for name, ok, expected in checks:
-            value = getattr(self, name)
-            if not is_number(value) or value != value or not ok(value):  # value != value: NaN
-                raise _bad(name, value, expected)
-            setattr(self, name, float(value))
-
-    def _check_stops(self):
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise _bad("stop", s, "a non-empty string")
-        for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                raise _bad("stop_token_ids", t, "a non-negative integer")
+        out["stop"] = [] if self.stop is None else _stop_list(self.stop)
+        ids = self.stop_token_ids
+        out["stop_token_ids"] = [] if ids is None else int_list("stop_token_ids", ids)
+        return out
 
     @property
     def greedy(self) -> bool:

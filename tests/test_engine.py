@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.golden import read_golden
 from engine.llm import run_to_completion
+from engine.output_processor import OutputProcessor
 from engine.utils import MiB
 from reference.generate import generate as reference_generate
 from tests.spies import count_forwards
@@ -193,6 +196,17 @@ def test_stop_token_ids_stop_strings_and_min_tokens(tiny):
     stop = text[at : at + 2]
     (o,) = run_all(engine, [SEED_PROMPTS[0]], SamplingParams(**{**_greedy(), "stop": [stop]}))
     assert o.finish_reason == "stop" and o.text == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize("stop", [["dying", "stu"], ["stu", "dying"], ["udy", "dying", "stu"]])
+def test_the_earliest_stop_string_wins_whatever_the_order(stop):
+    """One token brings "studying": every stop string matches; the text ends before the first."""
+    op = OutputProcessor(tokenizer=None, eos_token_ids=[], max_model_len=64, record_logits=False)
+    params = SamplingParams(stop=stop)
+    seq = SimpleNamespace(params=params, num_output_tokens=3, last_token_id=5, num_tokens=9)
+    sample = SimpleNamespace(seq=seq, text="I was studying", truncated=False)
+    assert op._stop_reason(sample, before=len("I was ")) == "stop"
+    assert sample.text == "I was " and sample.truncated
 
 
 def _greedy() -> dict:
