@@ -255,3 +255,26 @@ def test_metrics_and_max_model_len(tiny):
     assert m.arrival_time < m.first_token_time <= m.finish_time
     assert m.ttft == m.first_token_time - m.arrival_time
     assert len(m.itl) == len(o.token_ids) - 1 and min(m.itl) > 0
+
+
+def test_a_greedy_row_with_no_token_ends_that_request_with_an_error(tiny):
+    """The device argmax answers -1 for a row of NaN/-inf: that request fails with an error,
+    the other one goes on, and every block comes back."""
+    engine = make_engine(tiny)
+    forward_greedy, calls = engine.backend.forward_greedy, []
+
+    def first_row_fails_once(batch):
+        ids = forward_greedy(batch)  # (B,)
+        if not calls:
+            ids[0] = -1
+        calls.append(1)
+        return ids
+
+    engine.backend.forward_greedy = first_row_fails_once
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = run_to_completion(engine, ["hello there", "hi my name is"], sp)
+    failed = [o.outputs[0] for o in outs if o.outputs[0].error]
+    (ok,) = [o for o in outs if not o.outputs[0].error]
+    assert len(failed) == 1 and "sampling failed" in failed[0].error
+    assert failed[0].finish_reason == "abort" and len(ok.token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -110,3 +110,18 @@ def test_profile_peak_bounds_the_measured_peak(tiny):
     tracemalloc.stop()
     estimate = be.profile_peak_bytes(t, t, 1)
     assert peak <= estimate <= 4 * peak, (peak, estimate)
+
+
+def test_greedy_ids_skip_nan_and_give_no_token_for_an_empty_row():
+    from engine.backends.numpy_backend import greedy_ids
+
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((4, 50)).astype(np.float32)  # (B, V)
+    logits[1, 7] = np.nan  # beside finite values: never the answer
+    logits[2] = -np.inf
+    logits[3] = np.nan
+    want = np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=1)
+    got = greedy_ids(logits)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got[:2], want[:2])
+    np.testing.assert_array_equal(got[2:], [-1, -1])

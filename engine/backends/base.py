@@ -109,4 +109,5 @@ class Backend(ABC):
 
     @abstractmethod
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
-        """One step -> (B,) int32 argmax of each row's logits (the first maximum)."""
+        """One step -> (B,) int32 argmax of each row's logits (the first maximum; NaN never
+        wins; -1 for a row with nothing above -inf, which the engine ends as a failed sample)."""

@@ -63,6 +63,14 @@ def pack_weights(w: ModelWeights, round_to: np.dtype) -> tuple[list[PackedLayer]
     return layers, rest
 
 
+def greedy_ids(logits: np.ndarray) -> np.ndarray:
+    """(B, V) -> (B,) int32 first argmax, NaN ignored; -1 where no value is above -inf."""
+    clean = np.where(np.isnan(logits), -np.inf, logits)  # (B, V)
+    ids = np.argmax(clean, axis=1).astype(np.int32)  # (B,)
+    ids[~(clean[np.arange(len(ids)), ids] > -np.inf)] = -1
+    return ids
+
+
 class NumpyBackend(Backend):
     """Paged-attention forward in NumPy. ``kv_cache``: (L, 2, N, bs, Hkv, hd)."""
 
@@ -125,10 +133,9 @@ class NumpyBackend(Backend):
         return self._logits(batch)
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
-        """One step -> (B,) int32 argmax of each row's logits (the first maximum, as the host
-        sampler's greedy). Here the logits are on the host anyway; the GPU backend is the one
-        that saves the (B, V) transfer."""
-        return np.argmax(self._logits(batch), axis=1).astype(np.int32)  # (B,)
+        """One step -> (B,) int32 argmax of each row's logits (the first maximum), as the
+        ``sample_greedy`` kernel: NaN never wins, a row with nothing above -inf gives -1."""
+        return greedy_ids(self._logits(batch))
 
     def _logits(self, batch: ForwardBatch) -> np.ndarray:
         # the layers over the flat batch -> (B, V) float32
