@@ -5,11 +5,14 @@ page-table order, so a block freed long ago is reused first. The page tables the
 the sequences (``Sequence.block_table``, and ``Sequence.cpu_block_table`` while swapped out). This
 module moves no data: swaps return (src, dst) block pairs for the backend to copy.
 
-With prefix caching (``enable_caching``) every full, computed block gets a hash that chains its
-parent's, and a map hash -> block id lets a later prompt with the same prefix reuse the block
-(reference counted). A freed cached block keeps its hash while it waits in the free queue, so it
-can be revived until allocation takes it from the head (LRU eviction). Sequences free their
-blocks in reverse order then, so their tail blocks are evicted first.
+With prefix caching (``enable_caching``) every full block gets a hash that chains its parent's,
+and a map hash -> block id lets a later prompt with the same prefix reuse the block (reference
+counted). A block is registered when it is allocated for tokens that the current step computes
+(``cache_full_blocks``), so a prompt admitted later in the same step already finds it: every
+backend writes a step's new K/V into the cache before attention reads it, in every layer. A
+freed cached block keeps its hash while it waits in the free queue, so it can be revived until
+allocation takes it from the head (LRU eviction). Sequences free their blocks in reverse order
+then, so their tail blocks are evicted first.
 """
 
 from __future__ import annotations
@@ -185,12 +188,14 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_cached_blocks = len(hits)
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly full, computed blocks under their hashes (after a step). A hash
-        already cached keeps its first block; this copy stays unshared and uncached."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register seq's blocks that are full within its first num_tokens tokens: those computed
+        once the step being scheduled has run. A block only partly computed by then is not
+        registered. A hash already cached keeps its first block; this copy stays unshared and
+        uncached."""
         if not self.enable_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = num_tokens // self.block_size
         if full <= seq.num_cached_blocks:
             return
         hashes = self.block_hashes(seq)
@@ -237,22 +242,32 @@ class BlockManager:
 
     # -- invariants -----------------------------------------------------------------------------
 
-    def check_invariants(self, seqs: list[Sequence]) -> None:
+    def check_invariants(
+        self,
+        seqs: list[Sequence],
+        scheduled: dict[int, int] | None = None,
+        releasing: list[Sequence] = (),
+    ) -> None:
         """Every block free (ref 0) or held by live sequences (ref = how many hold it; exactly
         one without prefix caching); free + used = total; tables sized to their tokens; every
         cached hash names a block whose tokens hash to it, and no sequence writes into one.
 
+        Between schedule and update, ``scheduled`` maps seq_id -> tokens the step computes (a
+        registered block must be computed once the step has run), and ``releasing`` holds the
+        sequences finished meanwhile, whose blocks go back only after the step.
+
         Raises AssertionError (kept under ``python -O``) naming the first broken rule.
         """
-        gpu_tables = [s.block_table for s in seqs]
-        cpu_tables = [s.cpu_block_table for s in seqs]
+        holders = list(seqs) + list(releasing)
+        gpu_tables = [s.block_table for s in holders]
+        cpu_tables = [s.cpu_block_table for s in holders]
         if not self.enable_caching:
             _check_pool("GPU", self.num_blocks, self.free_blocks, gpu_tables)
         _check_pool("CPU", self.num_cpu_blocks, self.free_cpu_blocks, cpu_tables)
         for seq in seqs:
             self._check_seq(seq)
         self._check_refs(gpu_tables)
-        self._check_cache(seqs)
+        self._check_cache(holders, scheduled or {})
 
     def _check_refs(self, tables: list[list[int]]) -> None:
         """ref == number of tables holding the block; the free ones (ref 0) and the held ones
@@ -270,7 +285,7 @@ class BlockManager:
         for block, ref in enumerate(self.ref_counts):
             _require(ref == held[block], f"GPU: block {block}: ref {ref}, {held[block]} holders")
 
-    def _check_cache(self, seqs: list[Sequence]) -> None:
+    def _check_cache(self, seqs: list[Sequence], scheduled: dict[int, int]) -> None:
         """The hash map and each block's hash agree, and match the tokens that made them."""
         _require(len(self.block_hash) == len(self.cached), "cache: map and block hashes differ")
         for h, block in self.cached.items():
@@ -283,8 +298,9 @@ class BlockManager:
                 parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
                 chain.append(parent)
             _require(seq.block_hashes == chain[: len(seq.block_hashes)], f"{seq}: wrong hashes")
+            computed = seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)  # after the step
             _require(
-                seq.num_cached_blocks <= seq.num_computed_tokens // bs,
+                seq.num_cached_blocks <= computed // bs,
                 f"{seq}: registered blocks that are not computed",
             )
             for i, block in enumerate(seq.block_table):
