@@ -217,7 +217,7 @@ def test_an_owner_preempted_next_step_leaves_its_computed_blocks_to_the_sharer()
 def test_free_queue_removes_from_the_middle_in_order():
     q = FreeBlockQueue(range(6))
     q.remove(3)
-    q.append(3)
+    q.push(3)
     q.remove(1)
     assert [q.popleft(), q.popleft()] == [0, 2] and list(q) == [4, 5, 3] and 5 in q
 
