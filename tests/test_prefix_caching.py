@@ -393,13 +393,25 @@ def run_batch(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
     return [done[str(i)] for i in range(len(prompts))]
 
 
+def record_steps(engine: LLMEngine) -> list[SchedulerOutput]:
+    """Every SchedulerOutput the engine's scheduler hands out from now on, in order."""
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    return steps
+
+
 def test_smollm2_batch_shares_the_system_prompt_in_its_first_step(smollm2):
     prompts = chat_prompts(smollm2.tokenizer, LONG_SYSTEM, BATCH_QUESTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     kw = dict(num_gpu_blocks=512, max_model_len=1024)
     plain = run_batch(make_engine(smollm2, **kw), prompts, params)
     engine = make_engine(smollm2, enable_prefix_caching=True, **kw)
+    steps = record_steps(engine)
     cached = run_batch(engine, prompts, params)
+    first = steps[0]  # all eight in one step: seven share the blocks the first one computes
+    suffixes = [n - 96 for n in (112, 116, 112, 117, 116, 114, 116)]  # requests 2-8
+    assert [n for _, n in first.scheduled] == [114] + suffixes
+    assert [hits for _, hits in first.prefix_hits] == [list(range(6))] * 7
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert [len(o.prompt_token_ids) for o in cached] == [114, 112, 116, 112, 117, 116, 114, 116]
     # 104 tokens in common (system prompt and template): six full blocks for requests 2-8
@@ -428,6 +440,21 @@ def test_tiny_batch_under_preemption_same_tokens(tiny, chunked):
     assert small.scheduler.num_preemptions > 0
     assert min(o.num_cached_tokens for o in outs[1:]) > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_cuda_cpu_kernels_read_blocks_written_in_the_same_step(tiny):
+    """reshape_and_cache runs before both attention kernels: a same-step hit reads the K/V
+    the step's first request writes."""
+    prompts = chat_prompts(tiny.tokenizer, SYSTEM, BATCH_QUESTIONS)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = run_batch(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, enable_prefix_caching=True, backend="cuda-cpu")
+    steps = record_steps(engine)
+    cached = run_batch(engine, prompts, params)
+    assert len(steps[0].scheduled) == 8 and len(steps[0].prefix_hits) == 7
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert [o.num_cached_tokens for o in cached] == expected_hits(cached, BS)
+    assert min(o.num_cached_tokens for o in cached[1:]) > 0
 
 
 def test_cli_traces_hits_and_prints_the_hit_rate(tiny_model_dir, capsys, caplog):
