@@ -1,15 +1,21 @@
-"""The KV block pool's bookkeeping: a FIFO free block queue and one page table per sequence.
+"""The KV block pool's bookkeeping: a free block queue and one page table per sequence.
 
-Allocation pops block ids from the head of the free queue; freed blocks go back to the tail in
-page-table order, so a block freed long ago is reused first. The page tables themselves live on
-the sequences (``Sequence.block_table``, and ``Sequence.cpu_block_table`` while swapped out). This
-module moves no data: swaps return (src, dst) block pairs for the backend to copy.
+Allocation pops block ids from the head of the free queue. Without prefix caching a freed block
+goes back to the head (LIFO): the most recently freed block is reused first, so a steady workload
+keeps touching the same few blocks (the same memory pages). A sequence frees its blocks in
+reverse table order, so the next allocation gets them back in table order. The page tables
+themselves live on the sequences (``Sequence.block_table``, and ``Sequence.cpu_block_table``
+while swapped out). This module moves no data: swaps return (src, dst) block pairs for the
+backend to copy.
 
-With prefix caching (``enable_caching``) every full, computed block gets a hash that chains its
-parent's, and a map hash -> block id lets a later prompt with the same prefix reuse the block
-(reference counted). A freed cached block keeps its hash while it waits in the free queue, so it
-can be revived until allocation takes it from the head (LRU eviction). Sequences free their
-blocks in reverse order then, so their tail blocks are evicted first.
+With prefix caching (``enable_caching``) every full block gets a hash that chains its parent's,
+and a map hash -> block id lets a later prompt with the same prefix reuse the block (reference
+counted). A block is registered when it is allocated for tokens that the current step computes
+(``cache_full_blocks``), so a prompt admitted later in the same step already finds it: every
+backend writes a step's new K/V into the cache before attention reads it, in every layer. A
+freed block then goes to the tail instead (LRU): it keeps its hash while it waits in the free
+queue, so it can be revived until allocation takes it from the head, the least recently freed
+first, a sequence's tail blocks before its head.
 """
 
 from __future__ import annotations
@@ -33,11 +39,15 @@ def hash_block(parent_hash: int | None, tokens: Iterable[int]) -> int:
 
 
 class FreeBlockQueue:
-    """Free block ids in eviction order (head = next to allocate), with O(1) removal from the
-    middle for a revived cached block; an OrderedDict (a doubly linked list underneath)."""
+    """Free block ids in allocation order (head = next to allocate), with O(1) removal from the
+    middle for a revived cached block; an OrderedDict (a doubly linked list underneath).
 
-    def __init__(self, blocks: Iterable[int] = ()):
+    ``lifo``: a pushed block goes to the head (reused first); otherwise to the tail (LRU).
+    """
+
+    def __init__(self, blocks: Iterable[int] = (), lifo: bool = False):
         self._blocks: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
+        self.lifo = lifo
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -51,13 +61,12 @@ class FreeBlockQueue:
     def popleft(self) -> int:
         return self._blocks.popitem(last=False)[0]
 
-    def append(self, block: int) -> None:
+    def push(self, block: int) -> None:
+        """A freed block: to the head (LIFO) or the tail (LRU)."""
         assert block not in self._blocks, f"block {block} is already free"
         self._blocks[block] = None
-
-    def extend(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            self.append(block)
+        if self.lifo:
+            self._blocks.move_to_end(block, last=False)
 
     def remove(self, block: int) -> None:
         del self._blocks[block]
@@ -78,7 +87,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_caching = enable_caching
-        self.free_blocks = FreeBlockQueue(range(num_blocks))
+        self.free_blocks = FreeBlockQueue(range(num_blocks), lifo=not enable_caching)
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))
         self.ref_counts = [0] * num_blocks  # live sequences whose table holds the block
         self.cached: dict[int, int] = {}  # block hash -> block id (in use, or free and cached)
@@ -122,10 +131,9 @@ class BlockManager:
         return new
 
     def free(self, seq: Sequence) -> None:
-        """Every block of seq (GPU and CPU) back to the tail of its free queue once no other
-        sequence holds it: in table order, or (prefix caching) in reverse, tail blocks first."""
-        table = reversed(seq.block_table) if self.enable_caching else seq.block_table
-        for block in table:
+        """Every block of seq (GPU and CPU) back to its free queue once no other sequence holds
+        it, in reverse table order: reused in table order (LIFO), or evicted tail first (LRU)."""
+        for block in reversed(seq.block_table):
             self._release(block)
         self.free_cpu_blocks.extend(seq.cpu_block_table)
         seq.block_table = []
@@ -146,7 +154,7 @@ class BlockManager:
         self.ref_counts[block] -= 1
         assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"
         if self.ref_counts[block] == 0:
-            self.free_blocks.append(block)
+            self.free_blocks.push(block)
 
     # -- prefix caching -------------------------------------------------------------------------
 
@@ -185,12 +193,14 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_cached_blocks = len(hits)
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly full, computed blocks under their hashes (after a step). A hash
-        already cached keeps its first block; this copy stays unshared and uncached."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register seq's blocks that are full within its first num_tokens tokens: those computed
+        once the step being scheduled has run. A block only partly computed by then is not
+        registered. A hash already cached keeps its first block; this copy stays unshared and
+        uncached."""
         if not self.enable_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = num_tokens // self.block_size
         if full <= seq.num_cached_blocks:
             return
         hashes = self.block_hashes(seq)
@@ -215,7 +225,7 @@ class BlockManager:
         """Move seq's blocks to CPU blocks; returns (gpu_block, cpu_block) copy pairs."""
         assert self.can_swap_out(seq), "swap_out: not enough free CPU blocks"
         pairs = [(gpu, self.free_cpu_blocks.popleft()) for gpu in seq.block_table]
-        for gpu in seq.block_table:
+        for gpu in reversed(seq.block_table):
             self._release(gpu)
         seq.cpu_block_table = [cpu for _, cpu in pairs]
         seq.block_table = []
@@ -237,22 +247,32 @@ class BlockManager:
 
     # -- invariants -----------------------------------------------------------------------------
 
-    def check_invariants(self, seqs: list[Sequence]) -> None:
+    def check_invariants(
+        self,
+        seqs: list[Sequence],
+        scheduled: dict[int, int] | None = None,
+        releasing: list[Sequence] = (),
+    ) -> None:
         """Every block free (ref 0) or held by live sequences (ref = how many hold it; exactly
         one without prefix caching); free + used = total; tables sized to their tokens; every
         cached hash names a block whose tokens hash to it, and no sequence writes into one.
 
+        Between schedule and update, ``scheduled`` maps seq_id -> tokens the step computes (a
+        registered block must be computed once the step has run), and ``releasing`` holds the
+        sequences finished meanwhile, whose blocks go back only after the step.
+
         Raises AssertionError (kept under ``python -O``) naming the first broken rule.
         """
-        gpu_tables = [s.block_table for s in seqs]
-        cpu_tables = [s.cpu_block_table for s in seqs]
+        holders = list(seqs) + list(releasing)
+        gpu_tables = [s.block_table for s in holders]
+        cpu_tables = [s.cpu_block_table for s in holders]
         if not self.enable_caching:
             _check_pool("GPU", self.num_blocks, self.free_blocks, gpu_tables)
         _check_pool("CPU", self.num_cpu_blocks, self.free_cpu_blocks, cpu_tables)
         for seq in seqs:
             self._check_seq(seq)
         self._check_refs(gpu_tables)
-        self._check_cache(seqs)
+        self._check_cache(holders, scheduled or {})
 
     def _check_refs(self, tables: list[list[int]]) -> None:
         """ref == number of tables holding the block; the free ones (ref 0) and the held ones
@@ -270,7 +290,7 @@ class BlockManager:
         for block, ref in enumerate(self.ref_counts):
             _require(ref == held[block], f"GPU: block {block}: ref {ref}, {held[block]} holders")
 
-    def _check_cache(self, seqs: list[Sequence]) -> None:
+    def _check_cache(self, seqs: list[Sequence], scheduled: dict[int, int]) -> None:
         """The hash map and each block's hash agree, and match the tokens that made them."""
         _require(len(self.block_hash) == len(self.cached), "cache: map and block hashes differ")
         for h, block in self.cached.items():
@@ -283,8 +303,9 @@ class BlockManager:
                 parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
                 chain.append(parent)
             _require(seq.block_hashes == chain[: len(seq.block_hashes)], f"{seq}: wrong hashes")
+            computed = seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)  # after the step
             _require(
-                seq.num_cached_blocks <= seq.num_computed_tokens // bs,
+                seq.num_cached_blocks <= computed // bs,
                 f"{seq}: registered blocks that are not computed",
             )
             for i, block in enumerate(seq.block_table):

@@ -6,6 +6,13 @@ sequence), then swapped-out sequences come back, then waiting prompts are admitt
 first served while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` records what
 the step computed and appends each sampled token. Finished sequences give their blocks back at
 once, so waiting prompts join the very next step.
+
+With prefix caching, blocks are registered in the cache as they are allocated for the tokens a
+step computes, so a prompt admitted later in the same step shares the full blocks of a prefix that
+an earlier one computes in it. Such blocks are always computed by that step's forward: a sequence
+is preempted only inside ``schedule()``, before any prompt is admitted and never once it is
+scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
+blocks until ``update()``, so the forward still writes them.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
         self._rejected: list[tuple[Sequence, str]] = []
+        self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
+        self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -108,7 +117,10 @@ class Scheduler:
         }[seq.status]
         if seq in queue:
             queue.remove(seq)
-        self.block_manager.free(seq)
+        if seq.seq_id in self._in_flight:  # the step's forward still writes its blocks
+            self._releasing.append(seq)
+        else:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -131,6 +143,7 @@ class Scheduler:
                 self._schedule_waiting(step, out)
         out.scheduled = step.decodes + step.prefills
         out.num_decodes = len(step.decodes)
+        self._in_flight = {seq.seq_id: n for seq, n in out.scheduled}
         return out
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
@@ -145,11 +158,18 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
-            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
                 grown.append(seq)
+        self._end_step()
         return grown
+
+    def _end_step(self) -> None:
+        """The step has run: sequences finished while it was in flight give their blocks back."""
+        for seq in self._releasing:
+            self.block_manager.free(seq)
+        self._releasing = []
+        self._in_flight = {}
 
     def _schedule_running(self, step: _StepBuilder, out: SchedulerOutput) -> None:
         """One decode token (or the next prefill chunk) per running seq, oldest first.
@@ -174,7 +194,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            self.block_manager.allocate(seq, n)
+            self._allocate(seq, n)
             step.add(seq, n, is_decode)
             i += 1
 
@@ -189,7 +209,7 @@ class Scheduler:
                 return
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq))
-            self.block_manager.allocate(seq, n)
+            self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=seq.num_uncomputed_tokens == 1)
 
@@ -207,9 +227,15 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self._take_prefix(seq, hits, out)
-            bm.allocate(seq, n)
+            self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
+
+    def _allocate(self, seq: Sequence, n: int) -> None:
+        """Blocks for n more tokens of seq; with prefix caching the blocks this step fills are
+        registered now, so a prompt admitted later in the step can share them."""
+        self.block_manager.allocate(seq, n)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _take_prefix(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed."""
@@ -270,6 +296,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take seq off the running queue to free its blocks: swap it out or drop its cache."""
+        assert seq.seq_id not in self._in_flight, f"{seq} is preempted while its step runs"
         bm = self.block_manager
         self.running.remove(seq)
         num_blocks = len(seq.block_table)
@@ -304,7 +331,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Block invariants over every live seq, plus queue/status agreement (AssertionError)."""
-        self.block_manager.check_invariants(self.live_seqs())
+        bm = self.block_manager
+        bm.check_invariants(self.live_seqs(), self._in_flight, self._releasing)
         for queue, status in (
             (self.running, SequenceStatus.RUNNING),
             (self.waiting, SequenceStatus.WAITING),

@@ -1,4 +1,5 @@
-"""Block manager: exact block ids from the FIFO free queue, swaps, and the invariant check."""
+"""Block manager: exact block ids from the free queue (LIFO without prefix caching), swaps, and the
+invariant check."""
 
 import pytest
 
@@ -47,20 +48,39 @@ def test_decode_takes_a_block_only_when_crossing_a_boundary():
     bm.check_invariants([a, b])
 
 
-def test_free_returns_blocks_to_the_tail_in_table_order():
+def test_free_puts_blocks_back_at_the_head_in_table_order():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = make_seq(9), make_seq(5)
     prefill(bm, a)
     prefill(bm, b)
     bm.free(a)
     assert a.block_table == []
-    assert list(bm.free_blocks) == [5, 6, 7, 8, 9, 0, 1, 2]
-    c = make_seq(26)  # 7 blocks: the never-used ones first, then a's, in a's order
-    assert prefill(bm, c) == [5, 6, 7, 8, 9, 0, 1]
+    assert list(bm.free_blocks) == [0, 1, 2, 5, 6, 7, 8, 9]
+    c = make_seq(26)  # 7 blocks: a's first (most recently freed), in a's order, then new ones
+    assert prefill(bm, c) == [0, 1, 2, 5, 6, 7, 8]
     bm.free(b)
+    assert list(bm.free_blocks) == [3, 4, 9]
     d = make_seq(4)
-    assert prefill(bm, d) == [2]  # a's last block, freed before b's
+    assert prefill(bm, d) == [3]  # b's first block, freed last
     bm.check_invariants([c, d])
+
+
+def test_a_steady_workload_touches_a_bounded_set_of_blocks():
+    """The same batch again and again reuses the blocks of the last one: the pool's other
+    blocks (their memory pages) are never touched."""
+    bm = BlockManager(num_blocks=100, block_size=4)
+    touched = set()
+    for _ in range(30):
+        batch = [make_seq(n) for n in (9, 5, 14)]
+        for seq in batch:
+            prefill(bm, seq)
+            for _ in range(6):
+                decode(bm, seq)
+            touched.update(seq.block_table)
+        for seq in batch:
+            bm.free(seq)
+    assert touched == set(range(12))  # 4 + 3 + 5 blocks: one batch's worth, of 100
+    assert bm.num_free_blocks == 100
 
 
 def test_can_allocate_counts_free_blocks():
@@ -97,13 +117,13 @@ def test_swap_out_and_in_return_exact_pairs():
     assert bm.swap_out(a) == [(0, 0), (1, 1), (2, 2)]
     a.status = SequenceStatus.SWAPPED
     assert a.block_table == [] and a.cpu_block_table == [0, 1, 2]
-    assert list(bm.free_blocks) == [3, 4, 5, 6, 7, 8, 9, 0, 1, 2]
-    assert prefill(bm, b) == [3, 4]
+    assert list(bm.free_blocks) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert prefill(bm, b) == [0, 1]
     bm.check_invariants([a, b])
     assert bm.can_swap_in(a) and bm.can_swap_in(a, num_new_tokens=1)
-    assert bm.swap_in(a) == [(0, 5), (1, 6), (2, 7)]
+    assert bm.swap_in(a) == [(0, 2), (1, 3), (2, 4)]
     a.status = SequenceStatus.RUNNING
-    assert a.block_table == [5, 6, 7] and a.cpu_block_table == []
+    assert a.block_table == [2, 3, 4] and a.cpu_block_table == []
     assert list(bm.free_cpu_blocks) == [3, 0, 1, 2]
     bm.check_invariants([a, b])
 
@@ -119,7 +139,7 @@ def test_swap_checks_both_pools():
     bm.swap_out(b)
     b.status = SequenceStatus.SWAPPED
     c = make_seq(12)
-    assert prefill(bm, c) == [5, 3, 4]  # the free GPU blocks: none left
+    assert prefill(bm, c) == [3, 4, 5]  # b's blocks first, then the never-used one: none left
     assert not bm.can_swap_in(b)
     bm.check_invariants([a, b, c])
 
@@ -139,7 +159,7 @@ def test_invariants_catch_a_block_owned_twice():
     prefill(bm, a)
     prefill(bm, b)
     b.block_table[0] = a.block_table[0]
-    bm.free_blocks.append(2)
+    bm.free_blocks.push(2)
     with pytest.raises(AssertionError, match="owned twice"):
         bm.check_invariants([a, b])
 
@@ -149,7 +169,7 @@ def test_invariants_catch_a_table_too_short_for_the_computed_tokens():
     a = make_seq(5)
     prefill(bm, a)
     a.num_computed_tokens = 5
-    bm.free_blocks.append(a.block_table.pop())
+    bm.free_blocks.push(a.block_table.pop())
     with pytest.raises(AssertionError, match="fewer blocks"):
         bm.check_invariants([a])
 

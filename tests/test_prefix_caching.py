@@ -15,6 +15,7 @@ from engine.entrypoints.generate import main as generate_main
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from reference.generate import generate as reference_generate
+from tests.test_scheduler_random import FakePagedModel
 from tests.utils import make_engine, make_scheduler, make_seq, random_tokens, scheduled_ids, step
 
 BS = 16
@@ -112,10 +113,111 @@ def test_recompute_preemption_releases_refs_and_the_reprefill_hits():
     assert b.num_computed_tokens == 49 and b.num_cached_tokens == 32  # first admission's
 
 
+# ---- same step: a prompt shares the blocks an earlier one computes in that step ----
+
+
+def test_a_batch_shares_the_full_blocks_the_first_prompt_computes():
+    sched = make_scheduler(**CACHING)
+    bm = sched.block_manager
+    a = make_seq(random_tokens(40))  # [0, 1, 2]: 0 and 1 full, registered as they are allocated
+    b = make_seq(a.prompt_token_ids[:32] + random_tokens(5))
+    c = make_seq(a.prompt_token_ids + random_tokens(10))  # a's block 2 is partial: not shared
+    for seq in (a, b, c):
+        sched.add(seq)
+    out = sched.schedule()
+    assert out.prefix_hits == [(b, [0, 1]), (c, [0, 1])]
+    assert scheduled_ids(out) == [(a.seq_id, 40), (b.seq_id, 5), (c.seq_id, 18)]
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 2], [0, 1, 3], [0, 1, 4, 5])
+    assert bm.ref_counts[:6] == [3, 3, 1, 1, 1, 1] and sorted(bm.cached.values()) == [0, 1, 4]
+    sched.check_invariants()
+    model = FakePagedModel(bm.num_blocks, 0, BS)  # writes the whole step, then reads
+    sched.update(out, model.execute(out))  # b and c read blocks 0 and 1 as a wrote them
+    sched.check_invariants()
+    assert [s.num_cached_tokens for s in (a, b, c)] == [0, 32, 32]
+    assert (sched.prefix_cache_hits, sched.prefix_cache_queries) == (64, 127)
+
+
+def test_a_chunk_ending_inside_a_block_leaves_it_unregistered_until_the_step_filling_it():
+    sched = make_scheduler(enable_chunked_prefill=True, max_num_batched_tokens=44, **CACHING)
+    bm = sched.block_manager
+    model = FakePagedModel(bm.num_blocks, 0, BS)
+    a = make_seq(random_tokens(50))
+    b = make_seq(a.prompt_token_ids[:48] + random_tokens(4))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # a's first chunk: 44 tokens, block 2 holds 12 of them
+    assert scheduled_ids(out) == [(a.seq_id, 44)] and a.block_table == [0, 1, 2]
+    assert sorted(bm.cached.values()) == [0, 1]  # not block 2: partly computed
+    sched.update(out, model.execute(out))
+    out = sched.schedule()  # a's last 6 tokens fill block 2; b shares it in this very step
+    assert out.prefix_hits == [(b, [0, 1, 2])]
+    assert scheduled_ids(out) == [(a.seq_id, 6), (b.seq_id, 4)]
+    assert (a.block_table, b.block_table) == ([0, 1, 2, 3], [0, 1, 2, 4])
+    assert sorted(bm.cached.values()) == [0, 1, 2] and bm.ref_counts[:5] == [2, 2, 2, 1, 1]
+    sched.check_invariants()
+    sched.update(out, model.execute(out))
+    sched.check_invariants()
+    assert b.num_cached_tokens == 48 and b.num_output_tokens == 1
+
+
+def test_an_owner_aborted_in_flight_keeps_its_blocks_until_the_step_has_run():
+    sched = make_scheduler(**CACHING)
+    bm = sched.block_manager
+    a = make_seq(random_tokens(40))
+    b = make_seq(a.prompt_token_ids[:32] + random_tokens(5))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.prefix_hits == [(b, [0, 1])]
+    assert sched.abort(a.request_id) and a.is_finished
+    assert a.block_table == [0, 1, 2] and bm.ref_counts[:4] == [2, 2, 1, 1]  # still held
+    sched.check_invariants()
+    model = FakePagedModel(bm.num_blocks, 0, BS)
+    sched.update(out, model.execute(out))  # a's rows still run: blocks 0 and 1 get written
+    assert a.block_table == [] and bm.ref_counts[:4] == [1, 1, 0, 1]
+    assert b.num_output_tokens == 1 and sorted(bm.cached.values()) == [0, 1]
+    sched.check_invariants()
+    assert list(bm.free_blocks)[-1] == 2  # a's partial block back at the tail
+
+
+def test_an_owner_preempted_next_step_leaves_its_computed_blocks_to_the_sharer():
+    sched = make_scheduler(num_blocks=5, **CACHING)
+    bm = sched.block_manager
+    model = FakePagedModel(bm.num_blocks, 0, BS)
+    shared = random_tokens(32)
+    b = make_seq(shared + random_tokens(15))  # arrives first ...
+    a = make_seq(shared + random_tokens(15))  # ... but a is queued first: a computes 0 and 1
+    sched.add(a)
+    sched.add(b)
+
+    def run() -> SchedulerOutput:
+        out = sched.schedule()
+        sched.check_invariants()
+        sched.update(out, model.execute(out))
+        sched.check_invariants()
+        return out
+
+    out = run()
+    assert out.prefix_hits == [(b, [0, 1])] and (a.block_table, b.block_table) == (
+        [0, 1, 2],
+        [0, 1, 3],
+    )
+    run()  # both fill their third block: registered
+    out = run()  # b takes block 4; a, the latest arrival, finds none and yields
+    assert out.preempted == [a] and scheduled_ids(out) == [(b.seq_id, 1)]
+    assert bm.ref_counts == [1, 1, 0, 1, 1] and b.block_table == [0, 1, 3, 4]
+    out = run()  # b still reads blocks 0 and 1 as a wrote them; a waits for room
+    assert scheduled_ids(out) == [(b.seq_id, 1)] and a.block_table == []
+    sched.finish(b, "stop")
+    out = run()  # a re-prefills: its three full blocks are still cached
+    assert out.prefix_hits == [(a, [0, 1, 2])] and a.block_table == [0, 1, 2, 4]
+    assert scheduled_ids(out) == [(a.seq_id, 1)]
+
+
 def test_free_queue_removes_from_the_middle_in_order():
     q = FreeBlockQueue(range(6))
     q.remove(3)
-    q.append(3)
+    q.push(3)
     q.remove(1)
     assert [q.popleft(), q.popleft()] == [0, 2] and list(q) == [4, 5, 3] and 5 in q
 
@@ -173,10 +275,10 @@ SYSTEM = (
 QUESTIONS = ["hi my name is", "hello there", "today is a beautiful summer day", "the quick"]
 
 
-def chat_prompts(tokenizer) -> list[str]:
+def chat_prompts(tokenizer, system: str = SYSTEM, questions: list[str] = QUESTIONS) -> list[str]:
     """One shared system prompt, different user turns: long shared prefixes."""
     msgs = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+        [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions
     ]
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
 
@@ -258,6 +360,101 @@ def test_smollm2_tokens_equal_without_the_cache(smollm2):
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     hits = [o.num_cached_tokens for o in cached]
     assert hits == expected_hits(cached, BS) and min(hits[1:]) >= 32
+
+
+# ---- the engine: a batch in one step shares its system prompt ----
+
+LONG_SYSTEM = (
+    "You are a small language model that helps people in a friendly village. Once upon a time in "
+    "a land far away there lived a quick brown fox; it jumps over the lazy dog every morning, "
+    "then runs to the river to drink and to watch the fish. Answer every question briefly and "
+    "clearly, in plain words, and be kind to everyone who asks. If you do not know an answer, "
+    "say so and suggest where the person could look for it instead. Keep answers short."
+)  # 96 SmolLM2 tokens
+BATCH_QUESTIONS = QUESTIONS + [
+    "what is the capital of France?",
+    "how do bees make honey?",
+    "tell me a joke",
+    "why is the sky blue?",
+]
+
+
+def run_batch(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
+    """Every request added before the first step (one generate call); invariants after every
+    step; outputs in input order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def record_steps(engine: LLMEngine) -> list[SchedulerOutput]:
+    """Every SchedulerOutput the engine's scheduler hands out from now on, in order."""
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    return steps
+
+
+def test_smollm2_batch_shares_the_system_prompt_in_its_first_step(smollm2):
+    prompts = chat_prompts(smollm2.tokenizer, LONG_SYSTEM, BATCH_QUESTIONS)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kw = dict(num_gpu_blocks=512, max_model_len=1024)
+    plain = run_batch(make_engine(smollm2, **kw), prompts, params)
+    engine = make_engine(smollm2, enable_prefix_caching=True, **kw)
+    steps = record_steps(engine)
+    cached = run_batch(engine, prompts, params)
+    first = steps[0]  # all eight in one step: seven share the blocks the first one computes
+    suffixes = [n - 96 for n in (112, 116, 112, 117, 116, 114, 116)]  # requests 2-8
+    assert [n for _, n in first.scheduled] == [114] + suffixes
+    assert [hits for _, hits in first.prefix_hits] == [list(range(6))] * 7
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert [len(o.prompt_token_ids) for o in cached] == [114, 112, 116, 112, 117, 116, 114, 116]
+    # 104 tokens in common (system prompt and template): six full blocks for requests 2-8
+    assert [o.num_cached_tokens for o in cached] == [0] + [96] * 7 == expected_hits(cached, BS)
+    sched = engine.scheduler
+    assert (sched.prefix_cache_hits, sched.prefix_cache_queries) == (672, 917)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tiny_batch_under_preemption_same_tokens(tiny, chunked):
+    """A batch in one step with a small pool: same-step sharing, then recompute preemption (and
+    chunks ending inside the shared prefix) give the tokens of the run without the cache."""
+    prompts = chat_prompts(tiny.tokenizer, SYSTEM, BATCH_QUESTIONS)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run_batch(make_engine(tiny, max_model_len=192), prompts, params)
+    chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=60, max_num_seqs=8)
+    small = make_engine(
+        tiny,
+        num_gpu_blocks=40,
+        max_model_len=192,
+        block_size=8,
+        enable_prefix_caching=True,
+        **(chunks if chunked else {}),
+    )
+    outs = run_batch(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    assert min(o.num_cached_tokens for o in outs[1:]) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_cuda_cpu_kernels_read_blocks_written_in_the_same_step(tiny):
+    """reshape_and_cache runs before both attention kernels: a same-step hit reads the K/V
+    the step's first request writes."""
+    prompts = chat_prompts(tiny.tokenizer, SYSTEM, BATCH_QUESTIONS)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = run_batch(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, enable_prefix_caching=True, backend="cuda-cpu")
+    steps = record_steps(engine)
+    cached = run_batch(engine, prompts, params)
+    assert len(steps[0].scheduled) == 8 and len(steps[0].prefix_hits) == 7
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert [o.num_cached_tokens for o in cached] == expected_hits(cached, BS)
+    assert min(o.num_cached_tokens for o in cached[1:]) > 0
 
 
 def test_cli_traces_hits_and_prints_the_hit_rate(tiny_model_dir, capsys, caplog):

@@ -60,7 +60,7 @@ def test_admission_is_first_come_first_served():
     sched.finish(a, "stop")
     out = step(sched)
     assert scheduled_ids(out) == [(big.seq_id, 12), (small.seq_id, 3)]
-    assert big.block_table == [4, 5, 0] and small.block_table == [1]
+    assert big.block_table == [0, 1, 2] and small.block_table == [3]  # a's, freed last
 
 
 def test_max_num_seqs_limits_the_batch():
@@ -75,7 +75,7 @@ def test_max_num_seqs_limits_the_batch():
     sched.finish(a, "stop")
     out = step(sched)  # c joins the very next step
     assert scheduled_ids(out) == [(b.seq_id, 1), (c.seq_id, 4)]
-    assert c.block_table == [4]  # the head; a's blocks [0, 2] went to the tail
+    assert c.block_table == [0]  # the head: a's blocks [0, 2] went back there, 0 first
 
 
 def test_token_budget_limits_prefills():

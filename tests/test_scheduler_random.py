@@ -9,6 +9,8 @@ is the same whatever else is in the batch, and after a recompute preemption.
 
 Prompts share prefixes (a prefix of one of two base prompts, then their own tokens). With prefix
 caching on, every cached hash must also match the token ids the fake cache holds in its block.
+Batches arrive together, so later prompts share blocks that an earlier one computes in the same
+step; some are aborted between schedule and update (their blocks go back after the step).
 """
 
 import random
@@ -40,23 +42,32 @@ class FakePagedModel:
         self.cpu = np.full((max(num_cpu_blocks, 1), block_size), -1, dtype=np.int64)  # (M, bs)
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Swaps, then every scheduled token written, then every context read: like a backend,
+        which writes a step's K/V in each layer before attention reads the cache."""
         for gpu, cpu in out.blocks_to_swap_out:
             self.cpu[cpu] = self.gpu[gpu]
             self.gpu[gpu] = -1  # a freed block's old contents must never be read again
         for cpu, gpu in out.blocks_to_swap_in:
             self.gpu[gpu] = self.cpu[cpu]
             self.cpu[cpu] = -1
-        return {seq.seq_id: self._run(seq, n) for seq, n in out.scheduled}
+        for seq, n in out.scheduled:
+            self._write(seq, n)
+        return {seq.seq_id: self._read(seq, n) for seq, n in out.scheduled}
 
-    def _run(self, seq: Sequence, n: int) -> int:
+    def _slots(self, seq: Sequence, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.arange(start, end)  # (end - start,)
+        return np.asarray(seq.block_table)[pos // self.bs], pos % self.bs
+
+    def _write(self, seq: Sequence, n: int) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        table = np.asarray(seq.block_table)  # (blocks,)
-        pos = np.arange(end)  # (end,)
-        tokens = np.asarray(seq.token_ids[:end])  # (end,)
-        self.gpu[table[pos[start:] // self.bs], pos[start:] % self.bs] = tokens[start:]
-        context = self.gpu[table[pos // self.bs], pos % self.bs]  # (end,) read through the table
-        assert np.array_equal(context, tokens), f"{seq}: cache holds {context} not {tokens}"
-        return next_token(context.tolist())
+        self.gpu[self._slots(seq, start, end)] = seq.token_ids[start:end]
+
+    def _read(self, seq: Sequence, n: int) -> int:
+        end = seq.num_computed_tokens + n
+        tokens = seq.token_ids[:end]
+        context = self.gpu[self._slots(seq, 0, end)].tolist()  # (end,) read through the table
+        assert context == tokens, f"{seq}: cache holds {context} not {tokens}"
+        return next_token(context)
 
 
 @dataclass
@@ -67,6 +78,7 @@ class Req:
     abort_step: int | None
     shared_len: int = 0  # leading tokens taken from base prompt `base`
     base: int = 0
+    abort_mid: int | None = None  # a step to abort in, between schedule and update
 
 
 requests = st.lists(
@@ -81,6 +93,22 @@ requests = st.lists(
     ),
     min_size=1,
     max_size=10,
+)
+
+
+batches = st.lists(
+    st.builds(
+        Req,
+        arrival_step=st.integers(0, 1),
+        prompt_len=st.integers(1, 40),
+        max_tokens=st.integers(1, 12),
+        abort_step=st.none(),
+        shared_len=st.integers(8, 40),
+        base=st.integers(0, 1),
+        abort_mid=st.none() | st.integers(0, 20),
+    ),
+    min_size=2,
+    max_size=8,
 )
 
 
@@ -156,6 +184,9 @@ def run_workload(config, num_blocks, num_cpu_blocks, reqs, seed):
         out = sched.schedule()
         check_output(sched, out)
         sched.check_invariants()
+        for seq, r in zip(seqs, reqs, strict=True):
+            if r.abort_mid == step and sched.abort(seq.request_id):
+                sched.check_invariants()  # its blocks stay until the step has run
         for seq in sched.update(out, model.execute(out)):
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= MAX_MODEL_LEN:
                 sched.finish(seq, "length")
@@ -182,7 +213,8 @@ def check_outcome(sched, seqs, reqs, rejected):
         elif seq.finish_reason == "length":
             assert seq.num_output_tokens == r.max_tokens or seq.num_tokens >= MAX_MODEL_LEN
         else:
-            assert seq.finish_reason == "abort" and r.abort_step is not None
+            assert seq.finish_reason == "abort"
+            assert r.abort_step is not None or r.abort_mid is not None
 
 
 @settings(max_examples=200, deadline=None)
@@ -198,6 +230,24 @@ def test_random_workloads_keep_invariants_and_finish(engine, reqs, seed):
 def test_random_workloads_with_prefix_caching(engine, reqs, seed):
     config, num_blocks, _ = engine
     sched, seqs, rejected = run_workload(config, num_blocks, 0, reqs, seed)
+    check_outcome(sched, seqs, reqs, rejected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(engine=engines(prefix_caching=True), reqs=batches, seed=st.integers(0, 2**16))
+def test_random_batches_share_blocks_within_a_step(engine, reqs, seed):
+    """Prompts with long shared prefixes arriving together: same-step sharing under preemption,
+    chunked prefill and aborts in flight keeps the invariants and every token."""
+    config, num_blocks, _ = engine
+    sched, seqs, rejected = run_workload(config, num_blocks, 0, reqs, seed)
+    check_outcome(sched, seqs, reqs, rejected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(engine=engines(), reqs=batches, seed=st.integers(0, 2**16))
+def test_random_batches_without_caching_abort_in_flight(engine, reqs, seed):
+    config, num_blocks, num_cpu_blocks = engine
+    sched, seqs, rejected = run_workload(config, num_blocks, num_cpu_blocks, reqs, seed)
     check_outcome(sched, seqs, reqs, rejected)
 
 
