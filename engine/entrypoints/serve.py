@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from engine.async_llm import AsyncLLM, LoggingStatLogger
@@ -80,12 +81,19 @@ def run(args) -> int:
         log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
+    # uvicorn re-raises the signal it stopped on once it is done; a clean stop exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
     try:
         uvicorn.Server(config).run()  # returns after SIGINT/SIGTERM and the grace period
     finally:
         llm.shutdown()
     log.info("server stopped")
     return 0
+
+
+def _stopped(signum, _frame) -> None:
+    log.info("stopped by %s", signal.Signals(signum).name)
 
 
 def main(argv=None) -> int:
