@@ -91,7 +91,7 @@ def _start_server(model_dir) -> tuple[subprocess.Popen, str, list[str]]:
         m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
         if m:
             log: list[str] = []
-            threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+            threading.Thread(target=log.extend, args=(proc.stderr,), daemon=True).start()
             return proc, m.group(1), log
         assert time.monotonic() < deadline, "the server did not start"
     raise AssertionError(f"the server exited: {proc.wait()}")
