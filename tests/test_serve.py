@@ -2,6 +2,8 @@
 completions and chat (streamed and not), n > 1, stop, seeds, logprobs, greedy text equal to
 ``LLM.generate``; bad requests and their error bodies; the API key and the queue bound."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -174,3 +176,18 @@ def test_api_key_and_queue_bound(tiny):
         r = httpx.post(s.url + "/v1/completions", json=GOOD, headers=ok)  # nothing may wait
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == 503
+
+
+def test_a_client_leaving_a_whole_answer_aborts_it(server):
+    slow = lambda _stats: time.sleep(0.02)  # noqa: E731 - every step takes 20 ms or more
+    server.llm.stat_loggers.append(slow)
+    try:
+        body = {**GOOD, "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+        deadline = time.monotonic() + 3
+        while server.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not server.engine.has_unfinished_requests()  # long before its 200 tokens
+    finally:
+        server.llm.stat_loggers.remove(slow)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from engine.async_llm import AsyncLLM, QueueFullError, RequestStream
@@ -96,7 +97,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, aliase
     app = FastAPI(title="pagedllm", version="0.1.0")
     server = app.state.server = Server(llm, model_name, api_key, aliases)
     _add_error_handlers(app)
-    _add_auth(app, server)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     return app
@@ -128,13 +130,20 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"{where or 'body'}: {first.get('msg')}"
 
 
-def _add_auth(app: FastAPI, server: Server) -> None:
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                return ApiError(401, "invalid or missing API key", "AuthenticationError").response()
-        return await call_next(request)
+class ApiKeyMiddleware:
+    """Every /v1/* request without ``Authorization: Bearer <key>`` answers 401. (Plain ASGI:
+    FastAPI's ``@app.middleware`` would hide a client's disconnect from the routes.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if Headers(scope=scope).get("authorization") != self.expected:
+                error = ApiError(401, "invalid or missing API key", "AuthenticationError")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_info_routes(app: FastAPI, server: Server) -> None:
@@ -194,7 +203,7 @@ def _tokenize(server: Server, req: TokenizeRequest) -> list[int]:
 
 def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, raw: Request):
         server.check_model(req.model)
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         params = _params(req, max_tokens, req.logprobs)
@@ -202,10 +211,10 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         fmt = CompletionFormat(server, req)
         if req.stream:
             return _sse(fmt.chunks(streams))
-        return await fmt.response(streams)
+        return await _unless_disconnected(raw, fmt.response(streams))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
         server.check_model(req.model)
         try:
             ids = chat_prompt_ids(server.tokenizer, req.conversation())
@@ -220,7 +229,20 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         fmt = ChatFormat(server, req)
         if req.stream:
             return _sse(fmt.chunks(streams))
-        return await fmt.response(streams)
+        return await _unless_disconnected(raw, fmt.response(streams))
+
+
+async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
+    """Await a whole (non-streamed) answer; if the client hangs up first, cancel it, which
+    aborts its requests. (A streamed answer is cancelled by the server on disconnect.)"""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            raise ApiError(499, "client disconnected", "ClientDisconnected")
 
 
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None):
