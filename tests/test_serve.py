@@ -79,6 +79,14 @@ def test_chat_streamed_and_not_equals_llm_chat(client, llm):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
 
 
+def test_chat_content_parts_are_joined(client):
+    parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body=NO_EOS)
+    a = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **kw)
+    b = client.chat.completions.create(messages=[{"role": "user", "content": "hi there"}], **kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
 def test_n_and_seed(client):
     kw = dict(model=MODEL, prompt="hi my name is", max_tokens=6, temperature=1.0, n=3)
     a = client.completions.create(**kw, seed=7, extra_body=NO_EOS)
@@ -135,6 +143,7 @@ def test_models_tokenize_detokenize(server, client):
 
 GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+IMAGE = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
 BAD = [
     ("/v1/completions", b"{not json", "malformed JSON"),
     ("/v1/completions", {**GOOD, "model": "gpt-5"}, "is not served here"),
@@ -148,6 +157,10 @@ BAD = [
     ("/v1/completions", {**GOOD, "prompt": [10**6]}, "outside"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [IMAGE]}, "not supported"),
+    ("/v1/completions", {**GOOD, "echo": True}, "echo"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "top_k": -3}, "top_k"),
 ]
 

@@ -191,7 +191,7 @@ def _tokenize(server: Server, req: TokenizeRequest) -> list[int]:
         raise ApiError(400, "give exactly one of prompt and messages")
     try:
         if req.messages is not None:
-            conv = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+            conv = [{"role": m.role, "content": m.text()} for m in req.messages]
             return chat_prompt_ids(server.tokenizer, conv, req.add_generation_prompt)
         return server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     except ValueError as e:
@@ -205,6 +205,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         server.check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo is not supported")
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         params = _params(req, max_tokens, req.logprobs)
         streams = await server.start_all(req.prompts(), params)
@@ -220,7 +222,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             ids = chat_prompt_ids(server.tokenizer, req.conversation())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.max_completion_tokens
+        max_tokens = req.max_tokens if max_tokens is None else max_tokens
         if max_tokens is None:  # as much as fits
             max_tokens = max(server.max_model_len - len(ids), 1)
         top = req.top_logprobs or 0

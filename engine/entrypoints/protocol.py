@@ -87,7 +87,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | None = None
+    content: str | list[dict[str, Any]] | None = None  # text, or parts [{"type": "text", ...}]
+
+    def text(self) -> str:
+        """The content as one string; ValueError for a part that is not text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part type {part.get('type')!r} is not supported")
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -97,7 +106,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class TokenizeRequest(BaseModel):
