@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
+from .chat import chat_prompt_ids, is_conversation
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams, is_integer
@@ -53,6 +54,25 @@ class LLM:
                     bar.update(1)
         bar.close()
         return done
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation ([{"role", "content"}, ...], any number of turns, system
+        prompts included) or a list of them, through the model's chat template."""
+        convs = [messages] if is_conversation(messages) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                prompts.append(chat_prompt_ids(tok, conv, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_all(self, prompts, params) -> list[str]:
         """Add every prompt; on any failure (a bad prompt, a tokenizer error, Ctrl-C) abort what

@@ -46,6 +46,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' log-probabilities (only when logprobs were asked for)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs, strict=True)))
+
 
 @dataclass
 class RequestOutput:

@@ -1,0 +1,162 @@
+"""``python -m engine.bench_serve``: throughput and latency of a running server (not a test).
+
+Sends ``--num-requests`` streamed completions (or chat completions with ``--chat``) to ``--url``,
+at most ``--concurrency`` at once, each asking for ``--max-tokens`` tokens with ignore_eos, and
+prints requests/s, output and total tokens/s, time to first token and inter-token latency (the
+gaps between streamed chunks, as a client sees them). Prompts: the seed's three, or a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from .cli_utils import SEED_PROMPTS, CliParser, format_stats, percentiles
+
+
+@dataclass
+class Result:
+    """One request as the client saw it."""
+
+    ok: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None  # seconds to the first text
+    itl: list[float] = field(default_factory=list)  # seconds between chunks with text
+    error: str = ""
+
+
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m engine.bench_serve", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default :8000)")
+    p.add_argument("--model", help="the model name to send (default: the server's first)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests at once (default 16)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    return p
+
+
+def _body(args, model: str, prompt: str) -> tuple[str, dict]:
+    body = dict(model=model, max_tokens=args.max_tokens, stream=True, ignore_eos=True)
+    body["stream_options"] = {"include_usage": True}
+    if args.chat:
+        return "/v1/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", body | {"prompt": prompt}
+
+
+def _text(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Result:
+    res, t0 = Result(), time.perf_counter()
+    last = None
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+            return res
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                res.output_tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and _text(chunk):
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+    res.ok = True
+    return res
+
+
+async def run_load(args, prompts: list[str]) -> tuple[list[Result], float]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, timeout=600, limits=limits
+    ) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def limited(i: int) -> Result:
+            async with sem:
+                return await one_request(client, *_body(args, model, prompts[i % len(prompts)]))
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[limited(i) for i in range(args.num_requests)])
+        return results, time.perf_counter() - t0
+
+
+def summarize_results(results: list[Result], wall: float) -> dict:
+    """The numbers of cli_utils.format_stats, plus failures, from what the client saw."""
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    gen = sum(r.output_tokens for r in ok)
+    return dict(
+        requests=len(ok),
+        failed=len(results) - len(ok),
+        prompt_tokens=prompt,
+        generated_tokens=gen,
+        wall_s=wall,
+        requests_per_s=len(ok) / wall,
+        output_tok_per_s=gen / wall,
+        total_tok_per_s=(prompt + gen) / wall,
+        ttft_ms=percentiles([r.ttft for r in ok if r.ttft is not None]),
+        itl_ms=percentiles([x for r in ok for x in r.itl]),
+    )
+
+
+def read_prompts(path: str | None) -> list[str]:
+    if path is None:
+        return list(SEED_PROMPTS)
+    try:
+        with open(path) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"--prompts-file {path!r}: {e.strerror}") from None
+    if not prompts:
+        raise ValueError(f"--prompts-file {path!r} has no prompts")
+    return prompts
+
+
+def run(args) -> int:
+    for name in ("num_requests", "concurrency", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    prompts = read_prompts(args.prompts_file)
+    try:
+        results, wall = asyncio.run(run_load(args, prompts))
+    except httpx.HTTPError as e:
+        raise ValueError(f"{args.url}: {e}") from None
+    stats = summarize_results(results, wall)
+    print(json.dumps(stats) if args.json else format_stats(stats) + f"\nfailed  {stats['failed']}")
+    for r in [r for r in results if not r.ok][:3]:
+        print(f"error: {r.error}", file=sys.stderr)
+    return 0 if stats["failed"] == 0 else 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``GET /metrics``: the engine's state and latencies in Prometheus text, with vLLM's metric names
+under this project's prefix (``vllm:num_requests_running`` -> ``pagedllm:num_requests_running``).
+
+``PrometheusStatLogger`` is one of ``AsyncLLM``'s stat loggers: it runs on the engine thread
+after every step (prometheus_client's metrics are thread-safe) and owns its own registry, so
+several servers in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.async_llm import StepStats
+
+PREFIX = "pagedllm:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = dict(labelnames=["model_name"], registry=self.registry)
+        gauge = {
+            "num_requests_running": "sequences in the running queue",
+            "num_requests_waiting": "sequences waiting to be scheduled",
+            "num_requests_swapped": "sequences swapped out to CPU blocks",
+            "kv_cache_usage_perc": "fraction of GPU KV blocks in use (1 = full)",
+            "prefix_cache_hit_rate": "prompt tokens found in the prefix cache / looked up",
+        }
+        counter = {
+            "num_preemptions": "preemptions so far",
+            "prompt_tokens": "prompt tokens of requests that started generating",
+            "generation_tokens": "generated tokens",
+            "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
+            "prefix_cache_hits": "prompt tokens found in the prefix cache",
+            "request_success": "requests finished",
+        }
+        hist = {
+            "time_to_first_token_seconds": ("arrival -> first token", LATENCY_BUCKETS),
+            "inter_token_latency_seconds": ("time between tokens", LATENCY_BUCKETS),
+            "e2e_request_latency_seconds": ("arrival -> finish", E2E_BUCKETS),
+        }
+        self.gauges = {k: Gauge(PREFIX + k, h, **labels) for k, h in gauge.items()}
+        self.counters = {k: Counter(PREFIX + k, h, **labels) for k, h in counter.items()}
+        self.hists = {
+            k: Histogram(PREFIX + k, h, buckets=b, **labels) for k, (h, b) in hist.items()
+        }
+        self.model_name = model_name
+        self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+    def __call__(self, s: StepStats) -> None:
+        m = self.model_name
+        self.gauges["num_requests_running"].labels(m).set(s.num_running)
+        self.gauges["num_requests_waiting"].labels(m).set(s.num_waiting)
+        self.gauges["num_requests_swapped"].labels(m).set(s.num_swapped)
+        self.gauges["kv_cache_usage_perc"].labels(m).set(s.kv_cache_usage)
+        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        self.gauges["prefix_cache_hit_rate"].labels(m).set(rate)
+        for name in self._last:  # cumulative engine counters -> increments
+            value = getattr(s, name)
+            self.counters[name].labels(m).inc(max(value - self._last[name], 0))
+            self._last[name] = value
+        self.counters["prompt_tokens"].labels(m).inc(s.prompt_tokens)
+        self.counters["generation_tokens"].labels(m).inc(s.generation_tokens)
+        for out in s.finished:
+            self._observe(out.metrics)
+
+    def _observe(self, metrics) -> None:
+        m = self.model_name
+        self.counters["request_success"].labels(m).inc()
+        if metrics.ttft is not None:
+            self.hists["time_to_first_token_seconds"].labels(m).observe(metrics.ttft)
+        for gap in metrics.itl:
+            self.hists["inter_token_latency_seconds"].labels(m).observe(gap)
+        if metrics.finish_time is not None:
+            e2e = metrics.finish_time - metrics.arrival_time
+            self.hists["e2e_request_latency_seconds"].labels(m).observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""``python -m engine.serve``: the OpenAI-compatible server (FastAPI + uvicorn) over one engine.
+
+    python -m engine.serve --model smollm2 --port 8000
+    python -m engine.serve --model ./my-model --api-key secret --max-waiting-requests 64
+
+SIGINT / SIGTERM: the socket closes, running requests finish (up to --shutdown-timeout seconds),
+then the engine thread stops and the process exits 0. Bad flags are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from engine.async_llm import AsyncLLM, LoggingStatLogger
+from engine.llm_engine import LLMEngine
+
+from .api_server import build_app
+from .cli_utils import CliParser, setup_logging
+from .engine_args import add_engine_args, engine_config, engine_kwargs
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+log = logging.getLogger("engine.serve")
+
+
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m engine.serve", description="Serve the OpenAI API over HTTP.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind; 0 = any free one")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="past this many waiting requests answer 503 with Retry-After (default: no bound)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGINT/SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=5.0,
+        help="seconds between throughput log lines while requests run (default 5)",
+    )
+    p.add_argument("--trace", action="store_true", help="log the life of every request")
+    return add_engine_args(p)
+
+
+def make_async_llm(args) -> tuple[AsyncLLM, str]:
+    """The engine thread and the name it is served under."""
+    engine = LLMEngine(**engine_kwargs(args))
+    name = args.served_model_name or engine.config.model
+    loggers = [LoggingStatLogger(args.log_stats_interval)]
+    llm = AsyncLLM(engine, args.max_waiting_requests, loggers)
+    return llm, name
+
+
+def run(args) -> int:
+    import uvicorn
+
+    setup_logging(args.trace)
+    engine_config(args)  # bad engine values fail before the model loads
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    llm, name = make_async_llm(args)
+    app = build_app(llm, name, args.api_key, aliases=[llm.engine.config.model])
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    # uvicorn re-raises the signal it stopped on once it is done; a clean stop exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
+    try:
+        uvicorn.Server(config).run()  # returns after SIGINT/SIGTERM and the grace period
+    finally:
+        llm.shutdown()
+    log.info("server stopped")
+    return 0
+
+
+def _stopped(signum, _frame) -> None:
+    log.info("stopped by %s", signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

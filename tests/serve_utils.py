@@ -1,0 +1,43 @@
+"""A live server for the tests: uvicorn in a thread on 127.0.0.1 and an ephemeral port, over an
+``AsyncLLM`` on the tiny model. ``LiveServer`` is a context manager; ``url`` ends in the port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from engine.async_llm import AsyncLLM
+from engine.entrypoints.api_server import build_app
+from tests.utils import make_engine
+
+MODEL = "tiny"
+
+
+class LiveServer:
+    def __init__(self, loaded, api_key=None, max_waiting_requests=None, **engine_args):
+        self.engine = make_engine(loaded, **engine_args)
+        self.llm = AsyncLLM(self.engine, max_waiting_requests)
+        self.app = build_app(self.llm, MODEL, api_key)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.llm.shutdown()
+        self.sock.close()

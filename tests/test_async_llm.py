@@ -1,0 +1,81 @@
+"""AsyncLLM: one engine thread, many asyncio callers; cancelling a caller aborts its request."""
+
+import asyncio
+import logging
+
+import pytest
+
+from engine.async_llm import AsyncLLM, LoggingStatLogger, QueueFullError
+from engine.llm import run_to_completion
+from engine.sampling_params import SamplingParams
+from tests.utils import SEED_PROMPTS, make_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def allm(tiny):
+    llm = AsyncLLM(make_engine(tiny))
+    yield llm
+    llm.shutdown()
+
+
+async def _final(llm, prompt, params):
+    last = None
+    async for out in llm.generate(prompt, params):
+        last = out
+    return last
+
+
+def test_concurrent_requests_match_the_sync_engine(tiny, allm):
+    async def main():
+        return await asyncio.gather(*[_final(allm, p, GREEDY) for p in SEED_PROMPTS * 4])
+
+    outs = asyncio.run(main())
+    want = run_to_completion(make_engine(tiny), SEED_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want] * 4
+    assert all(o.finished for o in outs)
+
+
+def test_cancelling_a_consumer_frees_its_blocks(allm):
+    bm = allm.engine.block_manager
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(_final(allm, "hello there", long))
+        while bm.num_free_blocks == bm.num_blocks:  # wait until it holds blocks
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):
+            if bm.num_free_blocks == bm.num_blocks and allm.num_unfinished == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not allm.engine.has_unfinished_requests()
+
+
+def test_bad_input_and_full_queue_raise_at_add(tiny, allm):
+    llm = AsyncLLM(make_engine(tiny), max_waiting_requests=0)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await allm.add_request([1] * 300, GREEDY)
+        with pytest.raises(QueueFullError):
+            await llm.add_request("hi", GREEDY)
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_stats_log_line(allm, caplog):
+    allm.stat_loggers.append(LoggingStatLogger(interval=0.0))
+    with caplog.at_level(logging.INFO, logger="engine.async"):
+        asyncio.run(_final(allm, "hi my name is", GREEDY))
+    line = next(r.message for r in caplog.records if "throughput" in r.message)
+    assert "running" in line and "KV cache usage" in line and "prefix cache hit rate" in line
