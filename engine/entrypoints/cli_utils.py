@@ -1,10 +1,12 @@
-"""What the command lines share: the parser that fails in one line, the seed's prompts, logging,
-and the throughput / latency table."""
+"""What the command lines share: the parser that fails in one line (for bad flags and for a bad
+value found later), UTF-8 checks of text from the command line, the seed's prompts, logging, and
+the throughput / latency table."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 import numpy as np
@@ -20,6 +22,37 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def fail(self, e: ValueError) -> int:
+        """Print a bad value's message as one line, fields written as this CLI's flags: 2."""
+        print(f"error: {self.flag_message(str(e))}", file=sys.stderr)
+        return 2
+
+    def flag_message(self, message: str) -> str:
+        """``max_num_seqs`` -> ``--max-num-seqs`` for every flag of this parser; a message that
+        starts ``EngineConfig: seed must`` (or ``SamplingParams:``) names ``--seed`` instead."""
+        flags = {a.dest: a.option_strings[0] for a in self._actions if a.option_strings}
+        head = re.match(r"^(?:EngineConfig|SamplingParams): (\w+) must ", message)
+        if head and head.group(1) in flags:
+            message = f"{flags[head.group(1)]} {message[head.end(1) + 1 :]}"
+        for dest, flag in flags.items():
+            if "_" in dest:
+                message = re.sub(rf"\b{dest}\b", flag, message)
+        return " ".join(message.split())
+
+
+def check_utf8(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; command-line bytes that are not UTF-8 reach Python as
+    surrogate escapes, a ValueError naming ``what`` here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(
+            f"{what} is not valid UTF-8 ({bad} at character {e.start}); give UTF-8 text"
+        ) from None
+    return text
 
 
 def setup_logging(trace: bool) -> None:
