@@ -12,14 +12,15 @@ from engine.entrypoints.bench import main as bench_main
 from engine.entrypoints.diff import main as diff_main
 from engine.entrypoints.generate import main as generate_main
 
+SWAP = "--swap-space: EngineConfig: swap_space must be a number of GiB in [0, 1024] or None"
 BAD_ENGINE_FLAGS = [
-    ("--swap-space inf", "--swap-space must be a number of GiB in [0, 1024]"),
-    ("--swap-space nan", "--swap-space must be a number of GiB in [0, 1024]"),
-    ("--swap-space 1e30", "--swap-space must be a number of GiB in [0, 1024]"),
-    ("--num-gpu-blocks 100000000", "--num-gpu-blocks=100000000 x --block-size=16 needs"),
-    ("--memory-budget-bytes 100000000000000", "--memory-budget-bytes=100000000000000 less"),
-    ("--block-size 100000000 --num-gpu-blocks 1", "--block-size must be an integer in [1, 1024]"),
-    ("--max-num-seqs 1000000000", "--max-num-seqs must be an integer in [1, 65536]"),
+    ("--swap-space inf", f"{SWAP}, got inf"),
+    ("--swap-space nan", f"{SWAP}, got nan"),
+    ("--swap-space 1e30", f"{SWAP}, got 1e+30"),
+    ("--num-gpu-blocks 100000000", "--num-gpu-blocks: num_gpu_blocks=100000000 x block_size=16"),
+    ("--memory-budget-bytes 100000000000000", "--memory-budget-bytes: memory_budget_bytes=10"),
+    ("--block-size 100000000 --num-gpu-blocks 1", "--block-size: EngineConfig: block_size must"),
+    ("--max-num-seqs 1000000000", "max_num_seqs must be an integer in [1, 65536]"),
 ]
 
 
@@ -87,9 +88,9 @@ def test_diff_bad_prompt_and_bench_bad_workload(tiny_model_dir, capsys):
     rc = diff_main([*model, "--prompt", "\udcff"])
     one_line_error(capsys, rc, "--prompt is not valid UTF-8 (byte 0xff at character 0)")
     rc = bench_main([*model, "--min-prompt", "10", "--max-prompt", "5"])
-    one_line_error(capsys, rc, "--min-prompt (10) is more than --max-prompt")
+    one_line_error(capsys, rc, "--min-prompt: min_prompt (10) is more than max_prompt")
     rc = bench_main([*model, "--num-requests", "0"])
-    one_line_error(capsys, rc, "--num-requests must be at least 1, got 0")
+    one_line_error(capsys, rc, "--num-requests: num_requests must be at least 1, got 0")
 
 
 def test_real_argv_bytes_that_are_not_utf8(tiny_model_dir):

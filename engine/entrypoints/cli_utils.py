@@ -29,16 +29,18 @@ class CliParser(argparse.ArgumentParser):
         return 2
 
     def flag_message(self, message: str) -> str:
-        """``max_num_seqs`` -> ``--max-num-seqs`` for every flag of this parser; a message that
-        starts ``EngineConfig: seed must`` (or ``SamplingParams:``) names ``--seed`` instead."""
+        """The message led by the flag it is about: the field of ``EngineConfig: seed must ...``
+        (or ``SamplingParams:``), else the first flag's field named in it (``max_num_seqs`` ->
+        ``--max-num-seqs``). A message that starts with a flag stays as it is."""
+        message = " ".join(message.split())
         flags = {a.dest: a.option_strings[0] for a in self._actions if a.option_strings}
-        head = re.match(r"^(?:EngineConfig|SamplingParams): (\w+) must ", message)
-        if head and head.group(1) in flags:
-            message = f"{flags[head.group(1)]} {message[head.end(1) + 1 :]}"
-        for dest, flag in flags.items():
-            if "_" in dest:
-                message = re.sub(rf"\b{dest}\b", flag, message)
-        return " ".join(message.split())
+        head = re.match(r"^(?:EngineConfig|SamplingParams): (\w+) ", message)
+        if message.startswith("-") or (head and head.group(1) not in flags):
+            return message
+        if head:
+            return f"{flags[head.group(1)]}: {message}"
+        found = [(m.start(), dest) for dest in flags if (m := re.search(rf"\b{dest}\b", message))]
+        return f"{flags[min(found)[1]]}: {message}" if found else message
 
 
 def check_utf8(text: str, what: str) -> str:
