@@ -9,6 +9,7 @@ the model (``max_model_len``, the default ``max_num_batched_tokens``) are filled
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from reference.config import ModelConfig
@@ -19,10 +20,40 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
+DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
+# sane upper bounds: past them a value is a typo, not a configuration
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_SEQS = 1 << 16
+MAX_TOKENS = 1 << 24  # max_model_len, max_num_batched_tokens
+MAX_BLOCKS = (1 << 31) - 1  # block ids are int32
+MAX_BUDGET_BYTES = 1 << 50
+MAX_SWAP_GIB = 1024
+UPPER_BOUNDS = {
+    "block_size": MAX_BLOCK_SIZE,
+    "max_num_seqs": MAX_NUM_SEQS,
+    "max_num_batched_tokens": MAX_TOKENS,
+    "max_model_len": MAX_TOKENS,
+    "num_gpu_blocks": MAX_BLOCKS,
+    "memory_budget_bytes": MAX_BUDGET_BYTES,
+}
+OPTIONAL_COUNTS = (
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_gpu_blocks",
+    "memory_budget_bytes",
+)
 
 
 def _bad(name: str, value, expected: str) -> ValueError:
     return ValueError(f"EngineConfig: {name} must be {expected}, got {value!r}")
+
+
+def _check_count(name: str, value, top: int, optional: bool) -> None:
+    """An integer in [1, top] (or None when optional), else a ValueError naming the field."""
+    if optional and value is None:
+        return
+    if not is_int(value) or not 1 <= value <= top:
+        raise _bad(name, value, f"an integer in [1, {top}]" + (" or None" if optional else ""))
 
 
 def is_int(value) -> bool:
@@ -51,9 +82,16 @@ class EngineConfig:
     )
     block_size: int = option(16, "tokens per KV-cache block")
     gpu_memory_utilization: float = option(
-        0.90, "fraction of device memory to use (NumPy backends: of available RAM)"
+        0.90,
+        "cuda backend: fraction of device memory for weights, activations and the KV cache "
+        "(the host backends size their pool from max_num_seqs x max_model_len tokens, at most "
+        "half the available RAM)",
     )
-    swap_space: float = option(4, "GiB of host memory for swapped-out blocks")
+    swap_space: float | None = option(
+        None,
+        f"GiB of host memory for swapped-out blocks, at most {MAX_SWAP_GIB}",
+        default_help=f"{DEFAULT_SWAP_GIB} with preemption_mode swap, 0 with recompute",
+    )
     max_num_seqs: int = option(256, "sequences in one step at most")
     max_num_batched_tokens: int | None = option(
         None,
@@ -122,24 +160,15 @@ class EngineConfig:
             raise _bad("seed", self.seed, "an integer")
 
     def _check_ranges(self):
-        for name in ("block_size", "max_num_seqs"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise _bad(name, value, "a positive integer")
-        for name in (
-            "max_num_batched_tokens",
-            "max_model_len",
-            "num_gpu_blocks",
-            "memory_budget_bytes",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise _bad(name, value, "a positive integer or None")
+        for name, top in UPPER_BOUNDS.items():
+            _check_count(name, getattr(self, name), top, optional=name in OPTIONAL_COUNTS)
         util = self.gpu_memory_utilization
         if not is_number(util) or not 0 < util <= 1:
             raise _bad("gpu_memory_utilization", util, "in (0, 1]")
-        if not is_number(self.swap_space) or self.swap_space < 0:
-            raise _bad("swap_space", self.swap_space, "a number of GiB >= 0")
+        swap = self.swap_space
+        finite = is_number(swap) and math.isfinite(swap)
+        if swap is not None and not (finite and 0 <= swap <= MAX_SWAP_GIB):
+            raise _bad("swap_space", swap, f"a number of GiB in [0, {MAX_SWAP_GIB}] or None")
 
     def _check_choices(self):
         for name, choices in (
@@ -151,8 +180,15 @@ class EngineConfig:
                 raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
 
     @property
+    def swap_gib(self) -> float:
+        """swap_space, or its default: DEFAULT_SWAP_GIB when preempting by swap, else 0."""
+        if self.swap_space is not None:
+            return self.swap_space
+        return DEFAULT_SWAP_GIB if self.preemption_mode == "swap" else 0
+
+    @property
     def swap_space_bytes(self) -> int:
-        return int(self.swap_space * GiB)
+        return int(self.swap_gib * GiB)
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """A copy with max_model_len and max_num_batched_tokens filled in and cross-checked."""

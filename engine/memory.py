@@ -1,9 +1,17 @@
-"""How many KV-cache blocks fit: the memory budget minus weights and activations, per block.
+"""How many KV-cache blocks fit, checked against the memory there is before anything is allocated.
 
 ``num_kv_blocks(config, backend)`` asks the backend for its sizes (``bytes_per_block``,
-``weights_bytes``, ``profile_peak_bytes``, and on a GPU ``total_memory_bytes``), does the
-arithmetic, logs it, and returns (device-pool blocks, CPU swap blocks). The engine allocates
+``weights_bytes``, ``profile_peak_bytes``, and on a GPU ``total_memory_bytes``), plans the pools,
+logs the arithmetic, and returns (device-pool blocks, CPU swap blocks). The engine allocates
 exactly that many.
+
+On a GPU (``cuda``) the pool is what ``gpu_memory_utilization`` of device memory leaves after the
+weights and the activation peak; the swap pool lives in host memory. On the host backends
+(``numpy``, ``cuda-cpu``) the pool, the swap pool and the activation peak all come out of host
+RAM (the weights are already loaded): the default pool holds ``max_num_seqs x max_model_len``
+tokens, capped so that the three together take at most ``HOST_RAM_FRACTION`` of the available
+RAM. An explicit ``num_gpu_blocks``, ``memory_budget_bytes`` or ``swap_space`` that does not fit
+the memory there is is a ValueError naming it, never a MemoryError.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from .utils import cdiv, mib
 log = logging.getLogger("engine")
 
 HOST_BACKENDS = ("numpy", "cuda-cpu")  # their "GPU" pool is host memory
+HOST_RAM_FRACTION = 0.5  # of available RAM, for the default host plan: room for other processes
+PEAK_FIX = "lower max_num_batched_tokens or max_num_seqs, or give more memory"
 
 
 def available_ram_bytes() -> int:
@@ -32,19 +42,112 @@ def available_ram_bytes() -> int:
 
 
 def num_kv_blocks(cfg: EngineConfig, backend) -> tuple[int, int]:
-    """(GPU-pool blocks, CPU swap blocks) from the memory budget; logs the arithmetic.
+    """(GPU-pool blocks, CPU swap blocks), checked to fit; logs the arithmetic.
 
-    A pool too small for one ``max_model_len`` sequence is a ValueError saying what it needs."""
+    A pool too small for one ``max_model_len`` sequence, or a plan larger than the memory there
+    is, is a ValueError naming the field to change."""
     per_block = backend.bytes_per_block
-    budget, source = memory_budget(cfg, backend)
-    weights = backend.weights_bytes
-    peak = backend.profile_peak_bytes(
-        cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs
-    )
-    fit = max((budget - weights - peak) // per_block, 0)
-    num_blocks = cfg.num_gpu_blocks or fit
     # no swap with prefix caching (EngineConfig refuses it): no CPU pool either
     num_cpu_blocks = 0 if cfg.enable_prefix_caching else cfg.swap_space_bytes // per_block
+    swap = num_cpu_blocks * per_block
+    ram = available_ram_bytes()
+    _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
+    peak = _activation_peak(cfg, backend)
+    if backend.name in HOST_BACKENDS:
+        num_blocks = _host_pool(cfg, backend, per_block, swap, peak, ram)
+    else:
+        num_blocks = _device_pool(cfg, backend, per_block, peak)
+    log.info(
+        "# GPU blocks: %d, # CPU blocks: %d  (the 'GPU' pool is %s on the %s backend; "
+        "CPU blocks = swap_space %g GiB / block)",
+        num_blocks,
+        num_cpu_blocks,
+        "host memory" if backend.name in HOST_BACKENDS else "device memory",
+        backend.name,
+        cfg.swap_gib,
+    )
+    _check_fits(cfg, num_blocks, per_block)
+    return num_blocks, num_cpu_blocks
+
+
+def _activation_peak(cfg: EngineConfig, backend) -> int:
+    """The backend's activation peak of the largest step; a profile that runs out of memory is a
+    ValueError naming the step's size."""
+    try:
+        return backend.profile_peak_bytes(
+            cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs
+        )
+    except MemoryError:
+        raise ValueError(
+            f"the profile step of max_num_batched_tokens={cfg.max_num_batched_tokens} tokens "
+            f"(max_num_seqs={cfg.max_num_seqs}) ran out of memory; {PEAK_FIX}"
+        ) from None
+
+
+def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int, ram: int) -> int:
+    """Blocks of a pool in host RAM, such that KV pool + swap pool + activation peak fit."""
+    limit, limit_name = _host_limit(cfg, backend, ram)
+    where = f"{limit_name} less the swap pool"
+    _check_below(peak, limit - swap, _peak_name(cfg), where, PEAK_FIX)
+    fit = (limit - swap - peak) // per_block
+    if cfg.num_gpu_blocks:
+        num_blocks, why = cfg.num_gpu_blocks, "num_gpu_blocks"
+        pool = f"num_gpu_blocks={num_blocks} x block_size={cfg.block_size}"
+        room = f"{limit_name} less the swap pool and the activation peak"
+        _check_below(num_blocks * per_block, limit - swap - peak, pool, room)
+    elif cfg.memory_budget_bytes:
+        num_blocks, why = fit, limit_name
+    else:
+        want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size)
+        num_blocks = min(want, fit)
+        why = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {cfg.max_model_len} tokens"
+        why += f", capped at {limit_name}" if fit < want else ""
+    _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why)
+    return num_blocks
+
+
+def _host_limit(cfg: EngineConfig, backend, ram: int) -> tuple[int, str]:
+    """(bytes the KV pool, the swap pool and the activation peak may take together, its name)."""
+    if cfg.num_gpu_blocks:
+        return ram, "the available RAM"
+    if cfg.memory_budget_bytes:
+        room, name = cfg.memory_budget_bytes - backend.weights_bytes, "memory_budget_bytes"
+        _check_below(room, ram, f"{name}={cfg.memory_budget_bytes} less the weights", "the RAM")
+        return room, f"{name} less the weights"
+    return int(HOST_RAM_FRACTION * ram), f"{HOST_RAM_FRACTION:.2f} x available RAM"
+
+
+def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str):
+    log.info(
+        "host memory plan: KV pool %s (%s) + swap %s + activation peak %s (profile: %d tokens) "
+        "= %s of %s available RAM (weights already loaded)",
+        mib(pool),
+        why,
+        mib(swap),
+        mib(peak),
+        cfg.max_num_batched_tokens,
+        mib(pool + swap + peak),
+        mib(ram),
+    )
+
+
+def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int) -> int:
+    """Blocks of a pool in device memory: the budget less weights and the activation peak."""
+    total = backend.total_memory_bytes()
+    budget, source = cfg.memory_budget_bytes, "explicit"
+    if budget:
+        _check_below(budget, total, f"memory_budget_bytes={budget}", "the device memory")
+    else:
+        budget = int(cfg.gpu_memory_utilization * total)
+        source = f"{cfg.gpu_memory_utilization:.2f} x GPU memory"
+    weights = backend.weights_bytes
+    where = "the memory budget less the weights"
+    _check_below(peak, budget - weights, _peak_name(cfg), where, PEAK_FIX)
+    fit = (budget - weights - peak) // per_block
+    num_blocks = cfg.num_gpu_blocks or fit
+    if cfg.num_gpu_blocks:
+        pool = f"num_gpu_blocks={num_blocks} x block_size={cfg.block_size}"
+        _check_below(num_blocks * per_block + weights + peak, total, pool, "the device memory")
     override = f" (overridden: num_gpu_blocks={num_blocks})" if cfg.num_gpu_blocks else ""
     log.info(
         "memory budget %s (%s) - weights %s - activation peak %s (profile: %d tokens) = %s "
@@ -60,28 +163,20 @@ def num_kv_blocks(cfg: EngineConfig, backend) -> tuple[int, int]:
         fit,
         override,
     )
-    where = "host memory" if backend.name in HOST_BACKENDS else "device memory"
-    log.info(
-        "# GPU blocks: %d, # CPU blocks: %d  (the 'GPU' pool is %s on the %s backend; "
-        "CPU blocks = swap_space %s GiB / block)",
-        num_blocks,
-        num_cpu_blocks,
-        where,
-        backend.name,
-        cfg.swap_space,
+    return num_blocks
+
+
+def _peak_name(cfg: EngineConfig) -> str:
+    return (
+        f"the activation peak of max_num_batched_tokens={cfg.max_num_batched_tokens} tokens "
+        f"(max_num_seqs={cfg.max_num_seqs})"
     )
-    _check_fits(cfg, num_blocks, per_block)
-    return num_blocks, num_cpu_blocks
 
 
-def memory_budget(cfg: EngineConfig, backend) -> tuple[int, str]:
-    """(bytes the engine may use, where that number comes from)."""
-    if cfg.memory_budget_bytes:
-        return cfg.memory_budget_bytes, "explicit"
-    on_device = backend.name == "cuda"
-    total = backend.total_memory_bytes() if on_device else available_ram_bytes()
-    memory = "GPU memory" if on_device else "available RAM"
-    return int(cfg.gpu_memory_utilization * total), f"{cfg.gpu_memory_utilization:.2f} x {memory}"
+def _check_below(need: int, have: int, what: str, where: str, fix: str = "lower it") -> None:
+    """A ValueError naming ``what`` when it needs more than ``have`` bytes."""
+    if need > have:
+        raise ValueError(f"{what} needs {mib(need)}, more than {where} ({mib(have)}); {fix}")
 
 
 def _check_fits(cfg: EngineConfig, num_blocks: int, per_block: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from .scheduler import SchedulerOutput
+from .sequence import Sequence
 
 trace = logging.getLogger("engine.trace")
 trace.setLevel(logging.WARNING)  # `--trace` (or a caller) sets it to INFO
@@ -48,17 +49,20 @@ def finished(request_id: str, reason: str, num_tokens: int, num_free: int) -> No
 
 class ScheduleTracer:
     """Logs prefix hits, preemptions, prefills and new blocks of each scheduled step; remembers
-    how much of each block table it has already shown."""
+    how much of each live sequence's block table it has already shown (finished sequences are
+    dropped every step, and everything while tracing is off)."""
 
     def __init__(self, block_manager, block_size: int, preemption_mode: str):
         self.block_manager = block_manager
         self.block_size = block_size
         self.preemption_mode = preemption_mode
-        self.tables: dict[int, int] = {}  # seq_id -> block table length last traced
+        self.tables: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, length last traced)
 
     def __call__(self, out: SchedulerOutput) -> None:
         if not on():
+            self.tables.clear()
             return
+        self._forget_finished()
         for seq, hits in out.prefix_hits:
             tokens = len(hits) * self.block_size
             trace.info("%s: prefix cache hit: %d tokens (blocks %s)", seq.request_id, tokens, hits)
@@ -73,8 +77,14 @@ class ScheduleTracer:
         for seq, n in out.scheduled:
             self._scheduled(seq, n)
 
+    def _forget_finished(self) -> None:
+        """Drop the sequences that finished (or were aborted) since the last step."""
+        done = [sid for sid, (seq, _) in self.tables.items() if seq.is_finished]
+        for sid in done:
+            del self.tables[sid]
+
     def _scheduled(self, seq, n: int) -> None:
-        known = self.tables.get(seq.seq_id)
+        known = self.tables.get(seq.seq_id, (seq, None))[1]
         free = self.block_manager.num_free_blocks
         if known is None:
             kind = "prefill" if seq.num_output_tokens == 0 else "resumed prefill"
@@ -94,4 +104,4 @@ class ScheduleTracer:
                 seq.num_tokens,
                 free,
             )
-        self.tables[seq.seq_id] = len(seq.block_table)
+        self.tables[seq.seq_id] = (seq, len(seq.block_table))

@@ -1,5 +1,7 @@
 """EngineConfig and SamplingParams: defaults, derived values, and one clear error per bad field."""
 
+import re
+
 import pytest
 
 from engine.config import EngineConfig
@@ -22,9 +24,15 @@ def model_config(max_positions: int = 4096) -> ModelConfig:
 
 def test_defaults_match_vllm():
     cfg = EngineConfig()
-    assert (cfg.block_size, cfg.gpu_memory_utilization, cfg.swap_space) == (16, 0.90, 4)
+    assert (cfg.block_size, cfg.gpu_memory_utilization, cfg.swap_space) == (16, 0.90, None)
     assert (cfg.max_num_seqs, cfg.preemption_mode, cfg.dtype) == (256, "recompute", "auto")
-    assert cfg.swap_space_bytes == 4 << 30 and not cfg.is_resolved
+    assert cfg.swap_space_bytes == 0 and not cfg.is_resolved  # recompute: no swap pool
+
+
+def test_swap_space_defaults_to_vllms_4_gib_only_when_preempting_by_swap():
+    assert EngineConfig(preemption_mode="swap").swap_space_bytes == 4 << 30
+    assert EngineConfig(swap_space=0.5).swap_space_bytes == 1 << 29  # asked for: kept
+    assert EngineConfig(preemption_mode="swap", swap_space=0).swap_space_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -35,6 +43,16 @@ def test_defaults_match_vllm():
         ("gpu_memory_utilization", 0.0),
         ("gpu_memory_utilization", 1.5),
         ("swap_space", -1),
+        ("swap_space", float("inf")),
+        ("swap_space", float("nan")),
+        ("swap_space", 1e30),
+        ("swap_space", "4"),
+        ("block_size", 100_000_000),
+        ("max_num_seqs", 1_000_000_000),
+        ("max_num_batched_tokens", 1 << 40),
+        ("max_model_len", 1 << 40),
+        ("num_gpu_blocks", 1 << 31),
+        ("memory_budget_bytes", 1 << 60),
         ("max_num_seqs", 0),
         ("max_num_batched_tokens", 0),
         ("max_model_len", -4),
@@ -51,7 +69,8 @@ def test_defaults_match_vllm():
     ],
 )
 def test_each_bad_engine_field_is_named(field, value):
-    with pytest.raises(ValueError, match=rf"^EngineConfig: {field} must be .*got {value!r}$"):
+    got = re.escape(repr(value))
+    with pytest.raises(ValueError, match=rf"^EngineConfig: {field} must be .*got {got}$"):
         EngineConfig(**{field: value})
 
 

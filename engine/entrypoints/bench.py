@@ -115,13 +115,24 @@ def run_peer(args, prompts, out_lens) -> float:
     return useful / (time.perf_counter() - t0)
 
 
+def check_workload(args) -> None:
+    """The workload flags: counts >= 1, each minimum at most its maximum (ValueError naming)."""
+    for flag in ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {getattr(args, flag)}")
+    for low, high in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
+        if getattr(args, low) > getattr(args, high):
+            raise ValueError(f"{low} ({getattr(args, low)}) is more than {high}")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        check_workload(args)
         engine = make_engine(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return parser.fail(e)
     prompts, out_lens = workload(args, engine.model_config.vocab_size)
     run_engine(engine, [prompts[0][:16]], [4])  # warm-up
     outputs, wall = run_engine(engine, prompts, out_lens)

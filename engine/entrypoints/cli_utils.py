@@ -1,10 +1,12 @@
-"""What the command lines share: the parser that fails in one line, the seed's prompts, logging,
-and the throughput / latency table."""
+"""What the command lines share: the parser that fails in one line (for bad flags and for a bad
+value found later), UTF-8 checks of text from the command line, the seed's prompts, logging, and
+the throughput / latency table."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 import numpy as np
@@ -20,6 +22,39 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def fail(self, e: ValueError) -> int:
+        """Print a bad value's message as one line, fields written as this CLI's flags: 2."""
+        print(f"error: {self.flag_message(str(e))}", file=sys.stderr)
+        return 2
+
+    def flag_message(self, message: str) -> str:
+        """The message led by the flag it is about: the field of ``EngineConfig: seed must ...``
+        (or ``SamplingParams:``), else the first flag's field named in it (``max_num_seqs`` ->
+        ``--max-num-seqs``). A message that starts with a flag stays as it is."""
+        message = " ".join(message.split())
+        flags = {a.dest: a.option_strings[0] for a in self._actions if a.option_strings}
+        head = re.match(r"^(?:EngineConfig|SamplingParams): (\w+) ", message)
+        if message.startswith("-") or (head and head.group(1) not in flags):
+            return message
+        if head:
+            return f"{flags[head.group(1)]}: {message}"
+        found = [(m.start(), dest) for dest in flags if (m := re.search(rf"\b{dest}\b", message))]
+        return f"{flags[min(found)[1]]}: {message}" if found else message
+
+
+def check_utf8(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; command-line bytes that are not UTF-8 reach Python as
+    surrogate escapes, a ValueError naming ``what`` here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(
+            f"{what} is not valid UTF-8 ({bad} at character {e.start}); give UTF-8 text"
+        ) from None
+    return text
 
 
 def setup_logging(trace: bool) -> None:

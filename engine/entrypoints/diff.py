@@ -25,8 +25,8 @@ from engine.sampling_params import SamplingParams
 from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
-from .cli_utils import SEED_PROMPTS, CliParser
-from .engine_args import add_engine_args, engine_kwargs
+from .cli_utils import SEED_PROMPTS, CliParser, check_utf8
+from .engine_args import add_engine_args, engine_config, engine_kwargs
 
 DEFAULT_GOLDEN = {"smollm2": golden_path("smollm2")}
 # engine defaults of this CLI: the NumPy backend in float32, no swap pool
@@ -112,14 +112,15 @@ def compare(prompt: str, eng, cached, recomp, tol: float, golden=None) -> bool:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        prompts = [check_utf8(p, "--prompt") for p in args.prompt or SEED_PROMPTS]
+        engine_config(args)  # bad engine values fail before the model loads
         loaded = load_model(args.model)
-        prompts = args.prompt or list(SEED_PROMPTS)
         engine_out = run_engine(loaded, prompts, args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return parser.fail(e)
     weights = loaded.weights.astype(np.float32)
     golden = load_golden(args)
     ok = True

@@ -16,12 +16,19 @@ import time
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-from .cli_utils import SEED_PROMPTS, CliParser, format_stats, setup_logging, summarize
+from .cli_utils import (
+    SEED_PROMPTS,
+    CliParser,
+    check_utf8,
+    format_stats,
+    setup_logging,
+    summarize,
+)
 from .engine_args import add_engine_args, engine_config, engine_kwargs
 
 # (flag, type, help) for every SamplingParams field the CLI exposes
 SAMPLING_FLAGS = [
-    ("--n", int, "completions per prompt (default 1)"),
+    ("--n", int, "completions per prompt, at most --max-num-seqs (default 1)"),
     ("--temperature", float, "0 = greedy (default 0 here; vLLM's default is 1.0)"),
     ("--top-p", float, "nucleus sampling mass in (0, 1] (default 1)"),
     ("--top-k", int, "keep the k most likely tokens; 0 or -1 = off (default 0)"),
@@ -41,7 +48,9 @@ def build_parser() -> CliParser:
         description="Generate completions with the paged engine (continuous batching).",
     )
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the seed's 3)")
-    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument(
+        "--prompts-file", help="a UTF-8 file with one prompt per line (blank lines skipped)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     for flag, typ, help_ in SAMPLING_FLAGS:
         p.add_argument(flag, type=typ, help=help_)
@@ -63,32 +72,61 @@ def sampling_params(args) -> SamplingParams:
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 32)
+    stop = [check_utf8(s, "--stop") for s in args.stop] if args.stop else args.stop
     return SamplingParams(
-        **kw, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos
+        **kw, stop=stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos
     )
 
 
-def read_prompts(args, tokenizer) -> list[str]:
-    prompts = list(args.prompt or [])
+def check_n(params: SamplingParams, max_num_seqs: int) -> None:
+    """A request's n sequences are scheduled together: n cannot exceed max_num_seqs."""
+    if params.n > max_num_seqs:
+        raise ValueError(f"--n must be at most --max-num-seqs ({max_num_seqs}), got {params.n}")
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt and --prompts-file, in that order; the seed's prompts when neither is given."""
+    if args.prompt is None and not args.prompts_file:
+        return list(SEED_PROMPTS)
+    prompts = [check_utf8(p, "--prompt") for p in args.prompt or []]
     if args.prompts_file:
-        try:
-            with open(args.prompts_file) as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ValueError(f"--prompts-file {args.prompts_file!r}: {e.strerror}") from None
-    prompts = prompts if (args.prompt is not None or args.prompts_file) else list(SEED_PROMPTS)
-    if args.chat:
-        msgs = [[{"role": "user", "content": p}] for p in prompts]
-        prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
+        prompts += read_prompts_file(args.prompts_file)
     return prompts
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 file; an unreadable, non-UTF-8 or empty file is a
+    ValueError naming it."""
+    what = f"--prompts-file {path!r}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read it ({e.strerror}); give a readable file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        bad = f"byte {data[e.start]:#04x} on line {line}"
+        raise ValueError(f"{what} is not valid UTF-8 ({bad}); give a UTF-8 file") from None
+    prompts = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+    if not prompts:
+        raise ValueError(f"{what} has no prompts (empty or blank); give one prompt per line")
+    return prompts
+
+
+def chat_prompts(prompts: list[str], tokenizer) -> list[str]:
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
 
 
 def run(args) -> int:
     setup_logging(args.trace)
     params = sampling_params(args)  # bad values fail before the model loads
-    engine_config(args)  # and bad engine values too
+    check_n(params, engine_config(args).max_num_seqs)  # and bad engine values too
+    prompts = read_prompts(args)  # and bad prompts
     llm = LLM(**engine_kwargs(args))
-    prompts = read_prompts(args, llm.get_tokenizer())
+    prompts = chat_prompts(prompts, llm.get_tokenizer()) if args.chat else prompts
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not (args.no_tqdm or args.json))
     wall = time.perf_counter() - t0
@@ -104,12 +142,12 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return run(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return parser.fail(e)
 
 
 if __name__ == "__main__":
