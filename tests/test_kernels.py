@@ -281,7 +281,8 @@ def test_sample_greedy_ties_pick_the_first_max(order, dtype, rng):
         logits[b, [f] + [f + d for d in others]] = logits[b].max() + 1  # one value, several places
     logits[6] = -np.inf  # nothing finite: no token
     logits[6, rng.integers(0, V, 9)] = np.nan
-    logits[4, rng.integers(0, V, 9)] = np.nan  # NaN beside finite values: never picked
+    below = np.flatnonzero(logits[4] < logits[4].max())  # not a maximum's place
+    logits[4, rng.choice(below, 9)] = np.nan  # NaN beside finite values: never picked
     out = np.full(B, 7, np.int32)
     kern().sample_greedy(out, logits)
     np.testing.assert_array_equal(out[:6], first[:6])
