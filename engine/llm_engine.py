@@ -25,7 +25,7 @@ from .backends import get_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, make_config
 from .input_processor import max_prompt_chars, tokenize_prompt
-from .memory import HOST_BACKENDS, num_kv_blocks
+from .memory import num_kv_blocks
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -102,13 +102,6 @@ class LLMEngine:
             mc.vocab_size,
         )
         self.backend = get_backend(cfg.backend, mc, self.loaded.weights, cfg)
-        if cfg.dtype == "auto" and self.backend.name in HOST_BACKENDS:
-            log.info(
-                "dtype auto -> float32 on the %s backend (the checkpoint is %s; NumPy has no "
-                "fast 16-bit matrix products)",
-                self.backend.name,
-                mc.torch_dtype,
-            )
         num_blocks, num_cpu_blocks = num_kv_blocks(cfg, self.backend)
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(

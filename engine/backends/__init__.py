@@ -35,7 +35,17 @@ def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
     if name == "numpy":
-        return NumpyBackend(model_config, weights, engine_config)
-    from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
+        backend = NumpyBackend(model_config, weights, engine_config)
+    else:
+        from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
 
-    return cuda_backend(model_config, weights, engine_config, emulate=name == "cuda-cpu")
+        backend = cuda_backend(model_config, weights, engine_config, emulate=name == "cuda-cpu")
+    if engine_config.dtype == "auto" and backend.kv_dtype != model_config.torch_dtype:
+        log.info(
+            "dtype auto -> %s on the %s backend (the checkpoint is %s; NumPy has no fast 16-bit "
+            "matrix products)",
+            backend.kv_dtype,
+            backend.name,
+            model_config.torch_dtype,
+        )
+    return backend
