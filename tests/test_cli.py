@@ -52,11 +52,25 @@ def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
 
 
 def test_generate_text_mode_chat(tiny_model_dir, capsys):
+    """--chat shows the user's message as the prompt, not the templated text."""
     flags = "--max-tokens 4 --num-gpu-blocks 32 --swap-space 0 --no-tqdm"
     argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
     assert generate_main(argv) == 0
     out = capsys.readouterr().out
-    assert "<|im_start|>user\\nhello there<|im_end|>" in out and "generated tokens   4" in out
+    assert out.startswith("'hello there' -> ") and "generated tokens   4" in out
+    assert "<|im_start|>" not in out
+
+
+def test_generate_json_chat_prompt_is_the_users_message(tiny_model_dir, tiny, capsys):
+    flags = "--json --max-tokens 3 --num-gpu-blocks 32 --swap-space 0"
+    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
+    assert generate_main(argv) == 0
+    row = json.loads(capsys.readouterr().out)
+    templated = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    assert row["prompt"] == "hello there"
+    assert row["messages"] == [{"role": "user", "content": "hello there"}]
+    assert row["templated_prompt"] == templated
+    assert row["prompt_token_ids"] == tiny.tokenizer.encode(templated)
 
 
 def test_diff_agrees_on_tiny_model(tiny_model_dir, capsys):

@@ -3,6 +3,7 @@
     python -m engine.generate                       # the seed's three prompts, default model
     python -m engine.generate --model smollm2 --prompt "hi my name is" --max-tokens 32 --trace
     python -m engine.generate --json ...            # one JSON object per request on stdout
+    python -m engine.generate --chat --prompt "hello there"   # as a user message, chat template
 
 Logs (the startup block arithmetic, ``--trace``) go to stderr; bad input is one line, exit 2.
 """
@@ -51,7 +52,12 @@ def build_parser() -> CliParser:
     p.add_argument(
         "--prompts-file", help="a UTF-8 file with one prompt per line (blank lines skipped)"
     )
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message in the chat template; the prompt shown stays the "
+        "message (--json adds messages and templated_prompt)",
+    )
     for flag, typ, help_ in SAMPLING_FLAGS:
         p.add_argument(flag, type=typ, help=help_)
     p.add_argument("--stop", action="append", help="a stop string (repeatable; not in the output)")
@@ -116,8 +122,32 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def chat_prompts(prompts: list[str], tokenizer) -> list[str]:
-    msgs = [[{"role": "user", "content": p}] for p in prompts]
-    return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
+    """Each prompt as the one user message of a conversation, in the model's chat template."""
+    return [
+        tokenizer.apply_chat_template(user_messages(p), add_generation_prompt=True) for p in prompts
+    ]
+
+
+def user_messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def json_row(output, prompt: str, chat: bool) -> dict:
+    """One request's JSON: ``prompt`` is what the user gave; with --chat the messages and the
+    templated text (what ``prompt_token_ids`` encode) come beside it."""
+    row = output.as_dict()
+    if chat:
+        row |= dict(prompt=prompt, messages=user_messages(prompt), templated_prompt=output.prompt)
+    return row
+
+
+def print_output(output, prompt: str, args) -> None:
+    """One request on stdout: a JSON line with --json, else a line per completion."""
+    if args.json:
+        print(json.dumps(json_row(output, prompt, args.chat), ensure_ascii=False), flush=True)
+        return
+    for c in output.outputs:
+        print(f"{prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
 
 
 def run(args) -> int:
@@ -126,16 +156,12 @@ def run(args) -> int:
     check_n(params, engine_config(args).max_num_seqs)  # and bad engine values too
     prompts = read_prompts(args)  # and bad prompts
     llm = LLM(**engine_kwargs(args))
-    prompts = chat_prompts(prompts, llm.get_tokenizer()) if args.chat else prompts
+    inputs = chat_prompts(prompts, llm.get_tokenizer()) if args.chat else prompts
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not (args.no_tqdm or args.json))
+    outputs = llm.generate(inputs, params, use_tqdm=not (args.no_tqdm or args.json))
     wall = time.perf_counter() - t0
-    for o in outputs:
-        if args.json:
-            print(json.dumps(o.as_dict(), ensure_ascii=False), flush=True)
-        else:
-            for c in o.outputs:
-                print(f"{o.prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print_output(output, prompt, args)
     stats = format_stats(summarize(outputs, wall))
     print(stats, file=sys.stderr if args.json else sys.stdout)
     return 0
