@@ -26,7 +26,7 @@ from .cli_utils import (
     setup_logging,
     summarize,
 )
-from .engine_args import add_engine_args, engine_config, engine_kwargs
+from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # (flag, type, help) for every SamplingParams field the CLI exposes
 SAMPLING_FLAGS = [
@@ -205,7 +205,7 @@ def print_output(output, prompt: str, args, tokenizer) -> None:
 def run(args) -> int:
     setup_logging(args.trace)
     params = sampling_params(args)  # bad values fail before the model loads
-    check_n(params, engine_config(args).max_num_seqs)  # and bad engine values too
+    check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
     llm = LLM(**engine_kwargs(args))
     tokenizer = llm.get_tokenizer()
