@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+
 from engine.config import EngineConfig
 from engine.entrypoints.bench import build_parser as bench_parser
 from engine.entrypoints.diff import build_parser as diff_parser
@@ -52,11 +54,70 @@ def test_generate_json_on_tiny_model(tiny_model_dir, tmp_path, tiny):
 
 
 def test_generate_text_mode_chat(tiny_model_dir, capsys):
+    """--chat shows the user's message as the prompt, not the templated text."""
     flags = "--max-tokens 4 --num-gpu-blocks 32 --swap-space 0 --no-tqdm"
     argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
     assert generate_main(argv) == 0
     out = capsys.readouterr().out
-    assert "<|im_start|>user\\nhello there<|im_end|>" in out and "generated tokens   4" in out
+    assert out.startswith("'hello there' -> ") and "generated tokens   4" in out
+    assert "<|im_start|>" not in out
+
+
+def test_generate_json_chat_prompt_is_the_users_message(tiny_model_dir, tiny, capsys):
+    flags = "--json --max-tokens 3 --num-gpu-blocks 32 --swap-space 0"
+    argv = ["--model", str(tiny_model_dir), "--chat", "--prompt", "hello there", *flags.split()]
+    assert generate_main(argv) == 0
+    row = json.loads(capsys.readouterr().out)
+    templated = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    assert row["prompt"] == "hello there"
+    assert row["messages"] == [{"role": "user", "content": "hello there"}]
+    assert row["templated_prompt"] == templated
+    assert row["prompt_token_ids"] == tiny.tokenizer.encode(templated)
+
+
+LOGPROB_FLAGS = "--max-tokens 3 --logprobs 2 --num-gpu-blocks 32 --swap-space 0 --no-tqdm"
+
+
+def test_generate_json_logprobs(tiny_model_dir, tiny, capsys):
+    """--json --logprobs: per token the chosen token's logprob and the top 2, decoded, equal to
+    the reference's log-softmax."""
+    argv = ["--model", str(tiny_model_dir), "--prompt", "hello", "--json", *LOGPROB_FLAGS.split()]
+    assert generate_main(argv) == 0
+    row = json.loads(capsys.readouterr().out)
+    ref = reference_generate(tiny.weights, tiny.config, row["prompt_token_ids"], 3)
+    assert len(row["logprobs"]) == 3
+    for step, (token_id, entry) in enumerate(zip(row["token_ids"], row["logprobs"], strict=True)):
+        logits = ref.logits[step].astype(np.float64)
+        want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        assert entry["token_id"] == token_id
+        assert entry["token"] == tiny.tokenizer.decode([token_id], skip_special_tokens=False)
+        assert abs(entry["logprob"] - want[token_id]) < 1e-4
+        top = entry["top_logprobs"]
+        assert [t["token_id"] for t in top] == list(np.argsort(-want)[:2])
+        assert top[0]["token_id"] == token_id  # greedy: the chosen token is the most likely
+    total = sum(e["logprob"] for e in row["logprobs"])
+    assert abs(row["cumulative_logprob"] - total) < 1e-6
+
+
+def test_generate_text_logprobs(tiny_model_dir, capsys):
+    argv = ["--model", str(tiny_model_dir), "--prompt", "hello", *LOGPROB_FLAGS.split()]
+    assert generate_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  logprobs (cumulative -")
+    steps = lines[2:5]
+    for i, line in enumerate(steps):
+        assert line.split()[0] == str(i) and "  top: " in line
+        assert line.split("  top: ")[1].count(", ") == 1  # the top 2
+
+
+def test_generate_json_logprobs_of_each_sample(tiny_model_dir, capsys):
+    flags = "--json --n 2 --temperature 1 --seed 3"
+    argv = ["--model", str(tiny_model_dir), "--prompt", "hi", *flags.split()]
+    assert generate_main([*argv, *LOGPROB_FLAGS.split()]) == 0
+    row = json.loads(capsys.readouterr().out)
+    for sample in row["outputs"]:
+        assert [e["token_id"] for e in sample["logprobs"]] == sample["token_ids"]
+        assert all(len(e["top_logprobs"]) == 2 for e in sample["logprobs"])
 
 
 def test_diff_agrees_on_tiny_model(tiny_model_dir, capsys):

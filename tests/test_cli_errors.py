@@ -10,7 +10,11 @@ import pytest
 
 from engine.entrypoints.bench import main as bench_main
 from engine.entrypoints.diff import main as diff_main
+from engine.entrypoints.engine_args import check_backend
 from engine.entrypoints.generate import main as generate_main
+from engine.entrypoints.serve import main as serve_main
+
+MAINS = {"generate": generate_main, "diff": diff_main, "bench": bench_main, "serve": serve_main}
 
 SWAP = "--swap-space: EngineConfig: swap_space must be a number of GiB in [0, 1024] or None"
 BAD_ENGINE_FLAGS = [
@@ -100,3 +104,64 @@ def test_real_argv_bytes_that_are_not_utf8(tiny_model_dir):
     err = r.stderr.decode()
     assert r.returncode == 2 and err.count("\n") == 1, err
     assert err.startswith("error: --prompt is not valid UTF-8 (byte 0xff"), err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model fails the test: the checks must come before it."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr("engine.llm_engine.load_model", load)
+    monkeypatch.setattr("engine.entrypoints.diff.load_model", load)
+
+
+@pytest.mark.parametrize("cli", sorted(MAINS))
+def test_missing_model_path_before_loading(cli, tmp_path, capsys, no_model_load):
+    rc = MAINS[cli](["--model", str(tmp_path / "nope")])
+    line = one_line_error(capsys, rc, f"--model {str(tmp_path / 'nope')!r}: no such file")
+    assert "a .gguf file, or 'smollm2'" in line
+
+
+@pytest.mark.parametrize("cli", sorted(MAINS))
+def test_model_dir_without_config_before_loading(cli, tmp_path, capsys, no_model_load):
+    rc = MAINS[cli](["--model", str(tmp_path)])
+    one_line_error(capsys, rc, f"--model {str(tmp_path)!r}: directory has no config.json; pass")
+
+
+@pytest.mark.parametrize("cli", sorted(MAINS))
+def test_backend_cuda_without_gpu_before_loading(
+    cli, tiny_model_dir, capsys, monkeypatch, no_model_load
+):
+    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "no driver"))
+    rc = MAINS[cli](["--model", str(tiny_model_dir), "--backend", "cuda"])
+    line = one_line_error(capsys, rc, "--backend cuda needs a GPU that CuPy can see")
+    assert "(no driver); use --backend auto, numpy or cuda-cpu" in line
+
+
+def test_backend_cuda_with_a_gpu_passes_the_check(monkeypatch):
+    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (1, ""))
+    check_backend("cuda")
+    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "none"))
+    for name in ("auto", "numpy", "cuda-cpu"):
+        check_backend(name)  # only cuda asks for a GPU
+
+
+def test_missing_prompts_file_before_loading(tiny_model_dir, tmp_path, capsys, no_model_load):
+    path = tmp_path / "missing.txt"
+    rc = generate_main(["--model", str(tiny_model_dir), "--prompts-file", str(path)])
+    one_line_error(capsys, rc, f"--prompts-file {str(path)!r}: cannot read it")
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        ("--num-requests 0", "--num-requests: num_requests must be at least 1, got 0"),
+        ("--min-prompt 50 --max-prompt 10", "--min-prompt: min_prompt (50) is more than max"),
+        ("--min-output 9 --max-output 3", "--min-output: min_output (9) is more than max_output"),
+    ],
+)
+def test_bench_bad_workload_before_loading(tiny_model_dir, capsys, no_model_load, flags, named):
+    rc = bench_main(["--model", str(tiny_model_dir), *flags.split()])
+    one_line_error(capsys, rc, named)

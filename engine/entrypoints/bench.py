@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 from .cli_utils import CliParser, format_stats, percentiles, summarize
-from .engine_args import add_engine_args, engine_kwargs
+from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
 ENGINE_DEFAULTS = dict(model="smollm2", backend="numpy", max_num_seqs=64, swap_space=0.5)
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_workload(args)
+        check_engine_args(args)  # bad engine values and --model fail before the model loads
         engine = make_engine(args)
     except ValueError as e:
         return parser.fail(e)

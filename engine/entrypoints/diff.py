@@ -26,7 +26,7 @@ from reference.generate import generate as reference_generate
 from reference.loader import load_model
 
 from .cli_utils import SEED_PROMPTS, CliParser, check_utf8
-from .engine_args import add_engine_args, engine_config, engine_kwargs
+from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 DEFAULT_GOLDEN = {"smollm2": golden_path("smollm2")}
 # engine defaults of this CLI: the NumPy backend in float32, no swap pool
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         prompts = [check_utf8(p, "--prompt") for p in args.prompt or SEED_PROMPTS]
-        engine_config(args)  # bad engine values fail before the model loads
+        check_engine_args(args)  # bad engine values and --model fail before the model loads
         loaded = load_model(args.model)
         engine_out = run_engine(loaded, prompts, args)
     except ValueError as e:

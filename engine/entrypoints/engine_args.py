@@ -4,6 +4,7 @@
 help text and choices kept beside the field in engine/config.py; ``engine_kwargs(args)`` turns the
 parsed flags back into keyword arguments for ``LLMEngine`` / ``LLM`` / ``make_config``, holding
 only the flags given (or defaulted by the CLI), so every other field keeps EngineConfig's default.
+``check_engine_args(args)`` checks what can be checked before the model loads.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
+from engine.backends import devices
 from engine.config import EngineConfig, make_config
+from reference.loader import INSTEAD, REPO_ID, SMOLLM2_ALIAS, resolve_model
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TYPES = typing.get_type_hints(EngineConfig)
@@ -75,3 +79,38 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The checked EngineConfig of the parsed flags (a bad value is a ValueError naming it)."""
     return make_config(**engine_kwargs(args))
+
+
+def check_engine_args(args: argparse.Namespace) -> EngineConfig:
+    """The checked EngineConfig, once ``--model`` names something there and ``--backend cuda``
+    has a GPU: everything a CLI checks before the model loads (a ValueError naming the flag)."""
+    config = engine_config(args)
+    check_model(config.model)
+    check_backend(config.backend)
+    return config
+
+
+def check_model(model: str) -> None:
+    """A local path must exist (and be an HF directory or a .gguf file); a Hub id or 'smollm2'
+    is left to the loader, and '' is the default model."""
+    if model in ("", SMOLLM2_ALIAS):
+        return
+    if Path(model).expanduser().exists():
+        try:
+            resolve_model(model)  # a local path resolves without reading the weights
+        except ValueError as e:  # "model '...': directory has no config.json"
+            raise ValueError(f"--{e}; {INSTEAD}") from None
+    elif not REPO_ID.match(model) or model.startswith((".", "~")):
+        raise ValueError(f"--model {model!r}: no such file or directory; {INSTEAD}")
+
+
+def check_backend(backend: str) -> None:
+    """``cuda`` needs a GPU that CuPy can see (``devices.gpu_status``)."""
+    if backend != "cuda":
+        return
+    n, why = devices.gpu_status()
+    if n == 0:
+        raise ValueError(
+            f"--backend cuda needs a GPU that CuPy can see and none was found ({why}); "
+            "use --backend auto, numpy or cuda-cpu"
+        )

@@ -3,6 +3,8 @@
     python -m engine.generate                       # the seed's three prompts, default model
     python -m engine.generate --model smollm2 --prompt "hi my name is" --max-tokens 32 --trace
     python -m engine.generate --json ...            # one JSON object per request on stdout
+    python -m engine.generate --chat --prompt "hello there"   # as a user message, chat template
+    python -m engine.generate --logprobs 3 ...      # each token's logprob and the top 3
 
 Logs (the startup block arithmetic, ``--trace``) go to stderr; bad input is one line, exit 2.
 """
@@ -24,7 +26,7 @@ from .cli_utils import (
     setup_logging,
     summarize,
 )
-from .engine_args import add_engine_args, engine_config, engine_kwargs
+from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # (flag, type, help) for every SamplingParams field the CLI exposes
 SAMPLING_FLAGS = [
@@ -38,7 +40,12 @@ SAMPLING_FLAGS = [
     ("--repetition-penalty", float, "> 1 discourages tokens seen in prompt or output (default 1)"),
     ("--max-tokens", int, "tokens to generate at most (default 32)"),
     ("--min-tokens", int, "tokens before EOS / stop ids may end a sequence (default 0)"),
-    ("--logprobs", int, "return the top-N log-probabilities per token (default off)"),
+    (
+        "--logprobs",
+        int,
+        "print each generated token's log-probability and the top N, decoded: a line per token, "
+        "or logprobs and cumulative_logprob in --json (default off)",
+    ),
 ]
 
 
@@ -51,7 +58,12 @@ def build_parser() -> CliParser:
     p.add_argument(
         "--prompts-file", help="a UTF-8 file with one prompt per line (blank lines skipped)"
     )
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message in the chat template; the prompt shown stays the "
+        "message (--json adds messages and templated_prompt)",
+    )
     for flag, typ, help_ in SAMPLING_FLAGS:
         p.add_argument(flag, type=typ, help=help_)
     p.add_argument("--stop", action="append", help="a stop string (repeatable; not in the output)")
@@ -116,26 +128,93 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def chat_prompts(prompts: list[str], tokenizer) -> list[str]:
-    msgs = [[{"role": "user", "content": p}] for p in prompts]
-    return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
+    """Each prompt as the one user message of a conversation, in the model's chat template."""
+    return [
+        tokenizer.apply_chat_template(user_messages(p), add_generation_prompt=True) for p in prompts
+    ]
+
+
+def user_messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def json_row(output, prompt: str, args, tokenizer) -> dict:
+    """One request's JSON: ``prompt`` is what the user gave; with --chat the messages and the
+    templated text (what ``prompt_token_ids`` encode) come beside it; with --logprobs each
+    completion's ``logprobs`` (see ``logprob_entries``) and ``cumulative_logprob``."""
+    row = output.as_dict()
+    if args.chat:
+        row |= dict(prompt=prompt, messages=user_messages(prompt), templated_prompt=output.prompt)
+    if args.logprobs is not None:
+        row |= logprob_fields(output.outputs[0], args.logprobs, tokenizer)
+        for r, c in zip(row.get("outputs", []), output.outputs, strict=False):  # --n > 1
+            r |= logprob_fields(c, args.logprobs, tokenizer)
+    return row
+
+
+def logprob_fields(completion, n: int, tokenizer) -> dict:
+    return dict(
+        logprobs=logprob_entries(completion, n, tokenizer),
+        cumulative_logprob=completion.cumulative_logprob,
+    )
+
+
+def logprob_entries(completion, n: int, tokenizer) -> list[dict]:
+    """Per generated token, vLLM / OpenAI style: ``token_id``, ``token`` (decoded), ``logprob``,
+    and ``top_logprobs``, the n most likely tokens of that step, most likely first."""
+    steps = zip(completion.token_ids, completion.logprobs, strict=True)
+    return [step_entry(token_id, lps, n, tokenizer) for token_id, lps in steps]
+
+
+def step_entry(token_id: int, lps: dict[int, float], n: int, tokenizer) -> dict:
+    top = sorted(lps.items(), key=lambda kv: -kv[1])[:n]
+    entry = token_logprob(token_id, lps[token_id], tokenizer)
+    return entry | dict(top_logprobs=[token_logprob(t, lp, tokenizer) for t, lp in top])
+
+
+def token_logprob(token_id: int, logprob: float, tokenizer) -> dict:
+    token = tokenizer.decode([token_id], skip_special_tokens=False)
+    return dict(token_id=token_id, token=token, logprob=logprob)
+
+
+def logprob_lines(completion, n: int, tokenizer) -> list[str]:
+    """The text form: one line per generated token, the chosen token and its logprob, then the
+    top-n alternatives."""
+    lines = []
+    for i, e in enumerate(logprob_entries(completion, n, tokenizer)):
+        top = ", ".join(f"{t['token']!r} {t['logprob']:.3f}" for t in e["top_logprobs"])
+        line = f"  {i:>4} {e['token']!r} {e['logprob']:.3f}"
+        lines.append(f"{line}  top: {top}" if top else line)
+    return lines
+
+
+def print_output(output, prompt: str, args, tokenizer) -> None:
+    """One request on stdout: a JSON line with --json, else a line per completion (and with
+    --logprobs a line per generated token)."""
+    if args.json:
+        row = json_row(output, prompt, args, tokenizer)
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+        return
+    for c in output.outputs:
+        print(f"{prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+        if args.logprobs is not None:
+            print(f"  logprobs (cumulative {c.cumulative_logprob:.3f}):")
+            print("\n".join(logprob_lines(c, args.logprobs, tokenizer)))
 
 
 def run(args) -> int:
     setup_logging(args.trace)
     params = sampling_params(args)  # bad values fail before the model loads
-    check_n(params, engine_config(args).max_num_seqs)  # and bad engine values too
+    check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
     llm = LLM(**engine_kwargs(args))
-    prompts = chat_prompts(prompts, llm.get_tokenizer()) if args.chat else prompts
+    tokenizer = llm.get_tokenizer()
+    inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not (args.no_tqdm or args.json))
+    outputs = llm.generate(inputs, params, use_tqdm=not (args.no_tqdm or args.json))
     wall = time.perf_counter() - t0
-    for o in outputs:
-        if args.json:
-            print(json.dumps(o.as_dict(), ensure_ascii=False), flush=True)
-        else:
-            for c in o.outputs:
-                print(f"{o.prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print_output(output, prompt, args, tokenizer)
     stats = format_stats(summarize(outputs, wall))
     print(stats, file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 
 from .api_server import build_app
 from .cli_utils import CliParser, setup_logging
-from .engine_args import add_engine_args, engine_config, engine_kwargs
+from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 log = logging.getLogger("engine.serve")
@@ -69,9 +69,9 @@ def run(args) -> int:
     import uvicorn
 
     setup_logging(args.trace)
-    engine_config(args)  # bad engine values fail before the model loads
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    check_engine_args(args)  # bad engine values and --model fail before the model loads
     llm, name = make_async_llm(args)
     app = build_app(llm, name, args.api_key, aliases=[llm.engine.config.model])
     config = uvicorn.Config(
