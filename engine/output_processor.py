@@ -35,6 +35,7 @@ class SampleState:
         self.step_logits: list[np.ndarray] = []  # (V,) float32 per token, with record_logits
         self.error: str | None = None
         self.truncated = False  # text cut at a stop string
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
         """The CompletionOutput so far, with the text that is new since the previous one."""
@@ -48,6 +49,7 @@ class SampleState:
             text=self.text,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
+            stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if params.logprobs is not None else None,
             text_delta=delta,
             step_logits=list(self.step_logits) if record_logits else None,
@@ -67,7 +69,7 @@ class RequestState:
         self.index = {s.seq.seq_id: s.index for s in samples}  # seq_id -> sample index
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.last_token_time: float | None = None
-        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+        self.hold_back = _hold_back(params)
 
     @property
     def finished(self) -> bool:
@@ -99,11 +101,20 @@ class RequestState:
         )
 
 
-def _first_stop(text: str, stops: list[str], before: int) -> int | None:
-    """Where the earliest stop string in text starts, among matches that end past ``before``
-    (the text checked at earlier tokens); None if none. The list order does not matter."""
-    hits = [text.find(s, max(before - len(s) + 1, 0)) for s in stops]
-    return min((at for at in hits if at >= 0), default=None)
+def _hold_back(params: SamplingParams) -> int:
+    """Characters a running sample keeps back from its stream: a possible stop-string prefix,
+    which may still be cut from the text (none when stop strings stay in the output)."""
+    if params.include_stop_str_in_output:
+        return 0
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def _first_stop(text: str, stops: list[str], before: int) -> tuple[int, str] | None:
+    """Where the earliest stop string in text starts, and which one, among matches that end past
+    ``before`` (the text checked at earlier tokens); None if none. The list order does not
+    matter (at equal starts the first listed wins)."""
+    hits = [(text.find(s, max(before - len(s) + 1, 0)), s) for s in stops]
+    return min(((at, s) for at, s in hits if at >= 0), key=lambda h: h[0], default=None)
 
 
 class OutputProcessor:
@@ -126,11 +137,15 @@ class OutputProcessor:
     def add_request(self, request_id, prompt, prompt_ids, params, seqs, generators, arrival):
         """Start the state of one request: one sample per sequence, each with its detokenizer."""
         samples = [
-            SampleState(i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), gen)
+            SampleState(i, seq, self._detokenizer(prompt_ids, params), gen)
             for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
         ]
         req = RequestState(request_id, prompt, prompt_ids, params, samples, arrival)
         self.requests[request_id] = req
+
+    def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
+        skip = params.skip_special_tokens
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip)
 
     def abort(self, request_id: str) -> bool:
         """Forget a request (no output follows); False if unknown."""
@@ -170,16 +185,23 @@ class OutputProcessor:
 
     def _stop_reason(self, sample: SampleState, before: int) -> str | None:
         """EOS, a stop token id or a stop string once min_tokens are out; else length limits.
-        A stop string ends the text and is not part of it: the text is cut before it."""
+        A stop string ends the text: the text is cut before it (after it with
+        include_stop_str_in_output). The stop token id or string is the sample's stop_reason."""
         seq, p = sample.seq, sample.seq.params
         if seq.num_output_tokens >= p.min_tokens:
             token = seq.last_token_id
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
-            at = _first_stop(sample.text, p.stop, before)
-            if at is not None:
-                sample.text = sample.text[:at]
+            if token in p.stop_token_ids:
+                sample.stop_reason = token
+                return "stop"
+            hit = _first_stop(sample.text, p.stop, before)
+            if hit is not None:
+                at, stop = hit
+                end = at + len(stop) if p.include_stop_str_in_output else at
+                sample.text = sample.text[:end]
                 sample.truncated = True
+                sample.stop_reason = stop
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

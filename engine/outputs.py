@@ -37,6 +37,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # the stop string (str) or stop token id (int) that ended it; None for EOS, length or abort
+    stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
     text_delta: str = ""  # text that is new since the previous output of this request
     step_logits: list[np.ndarray] | None = None  # (V,) per token; only with record_logits
