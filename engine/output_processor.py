@@ -8,7 +8,6 @@ in the step and forgets the finished ones.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -57,18 +56,45 @@ class SampleState:
         )
 
 
+class RequestTimes:
+    """A request's moments on ``time.monotonic()``'s clock; reported on the wall clock."""
+
+    def __init__(self, arrival: float, wall_offset: float):
+        self.arrival = arrival
+        self.wall_offset = wall_offset  # time.time() - time.monotonic(), fixed per engine
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finish: float | None = None
+        self.itl: list[float] = []
+
+    def _wall(self, t: float | None) -> float | None:
+        return None if t is None else t + self.wall_offset
+
+    def _since_arrival(self, t: float | None) -> float | None:
+        return None if t is None else t - self.arrival
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=self.arrival + self.wall_offset,
+            first_token_time=self._wall(self.first_token),
+            finish_time=self._wall(self.finish),
+            itl=list(self.itl),
+            ttft=self._since_arrival(self.first_token),
+            e2e_latency=self._since_arrival(self.finish),
+        )
+
+
 class RequestState:
     """One request: its samples (one per sequence), prompt and latency metrics."""
 
-    def __init__(self, request_id, prompt, prompt_ids, params, samples, arrival: float):
+    def __init__(self, request_id, prompt, prompt_ids, params, samples, times: RequestTimes):
         self.request_id = request_id
         self.prompt: str | None = prompt
         self.prompt_ids: list[int] = prompt_ids
         self.params: SamplingParams = params
         self.samples: list[SampleState] = samples
         self.index = {s.seq.seq_id: s.index for s in samples}  # seq_id -> sample index
-        self.metrics = RequestMetrics(arrival_time=arrival)
-        self.last_token_time: float | None = None
+        self.times = times
         self.hold_back = _hold_back(params)
 
     @property
@@ -80,13 +106,13 @@ class RequestState:
 
     def on_token_time(self, token: int, now: float) -> None:
         """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-            ms = 1e3 * (now - self.metrics.arrival_time)
-            tracing.first_token(self.request_id, token, ms)
+        times = self.times
+        if times.first_token is None:
+            times.first_token = now
+            tracing.first_token(self.request_id, token, 1e3 * (now - times.arrival))
         else:
-            self.metrics.itl.append(now - self.last_token_time)
-        self.last_token_time = now
+            times.itl.append(now - times.last_token)
+        times.last_token = now
 
     def output(self, record_logits: bool) -> RequestOutput:
         outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
@@ -96,7 +122,7 @@ class RequestState:
             prompt_token_ids=list(self.prompt_ids),
             outputs=outs,
             finished=self.finished,
-            metrics=dataclasses.replace(self.metrics, itl=list(self.metrics.itl)),
+            metrics=self.times.metrics(),
             num_cached_tokens=self.samples[0].seq.num_cached_tokens,
         )
 
@@ -125,6 +151,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.record_logits = record_logits
+        self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
         self._touched: dict[str, RequestState] = {}  # requests with news in this step
 
@@ -140,7 +167,8 @@ class OutputProcessor:
             SampleState(i, seq, self._detokenizer(prompt_ids, params), gen)
             for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
         ]
-        req = RequestState(request_id, prompt, prompt_ids, params, samples, arrival)
+        times = RequestTimes(arrival, self.wall_offset)
+        req = RequestState(request_id, prompt, prompt_ids, params, samples, times)
         self.requests[request_id] = req
 
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
@@ -213,8 +241,8 @@ class OutputProcessor:
         outputs = []
         for req in touched.values():
             if req.finished:
-                if req.metrics.finish_time is None:
-                    req.metrics.finish_time = time.monotonic()
+                if req.times.finish is None:
+                    req.times.finish = time.monotonic()
                 self.requests.pop(req.request_id, None)
             outputs.append(req.output(self.record_logits))
         return outputs
