@@ -17,7 +17,8 @@ from reference.config import ModelConfig
 from .utils import GiB
 
 PREEMPTION_MODES = ("recompute", "swap")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
 BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
@@ -115,7 +116,8 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto",
-        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the NumPy backends)",
+        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the NumPy backends); "
+        "half is float16, float is float32",
         choices=DTYPES,
     )
     backend: str = option(
@@ -178,6 +180,7 @@ class EngineConfig:
         ):
             if getattr(self, name) not in choices:
                 raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     @property
     def swap_gib(self) -> float:

@@ -11,6 +11,7 @@ from .chat import chat_prompt_ids, is_conversation
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams, is_integer
+from .tokenizer import HFTokenizerAdapter
 
 
 class LLM:
@@ -20,8 +21,10 @@ class LLM:
         self.engine = LLMEngine(model, **engine_args)
         self._batch = 0
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> HFTokenizerAdapter:
+        """The model's tokenizer with Hugging Face's methods (encode, decode, __call__,
+        apply_chat_template, eos_token_id, vocab_size, len())."""
+        return HFTokenizerAdapter(self.engine.tokenizer)
 
     def generate(
         self,
@@ -65,7 +68,7 @@ class LLM:
         """Answer one conversation ([{"role", "content"}, ...], any number of turns, system
         prompts included) or a list of them, through the model's chat template."""
         convs = [messages] if is_conversation(messages) else list(messages)
-        tok = self.get_tokenizer()
+        tok = self.engine.tokenizer
         prompts = []
         for i, conv in enumerate(convs):
             try:

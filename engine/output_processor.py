@@ -8,7 +8,6 @@ in the step and forgets the finished ones.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -35,6 +34,7 @@ class SampleState:
         self.step_logits: list[np.ndarray] = []  # (V,) float32 per token, with record_logits
         self.error: str | None = None
         self.truncated = False  # text cut at a stop string
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
         """The CompletionOutput so far, with the text that is new since the previous one."""
@@ -48,6 +48,7 @@ class SampleState:
             text=self.text,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
+            stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if params.logprobs is not None else None,
             text_delta=delta,
             step_logits=list(self.step_logits) if record_logits else None,
@@ -55,19 +56,46 @@ class SampleState:
         )
 
 
+class RequestTimes:
+    """A request's moments on ``time.monotonic()``'s clock; reported on the wall clock."""
+
+    def __init__(self, arrival: float, wall_offset: float):
+        self.arrival = arrival
+        self.wall_offset = wall_offset  # time.time() - time.monotonic(), fixed per engine
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finish: float | None = None
+        self.itl: list[float] = []
+
+    def _wall(self, t: float | None) -> float | None:
+        return None if t is None else t + self.wall_offset
+
+    def _since_arrival(self, t: float | None) -> float | None:
+        return None if t is None else t - self.arrival
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=self.arrival + self.wall_offset,
+            first_token_time=self._wall(self.first_token),
+            finish_time=self._wall(self.finish),
+            itl=list(self.itl),
+            ttft=self._since_arrival(self.first_token),
+            e2e_latency=self._since_arrival(self.finish),
+        )
+
+
 class RequestState:
     """One request: its samples (one per sequence), prompt and latency metrics."""
 
-    def __init__(self, request_id, prompt, prompt_ids, params, samples, arrival: float):
+    def __init__(self, request_id, prompt, prompt_ids, params, samples, times: RequestTimes):
         self.request_id = request_id
         self.prompt: str | None = prompt
         self.prompt_ids: list[int] = prompt_ids
         self.params: SamplingParams = params
         self.samples: list[SampleState] = samples
         self.index = {s.seq.seq_id: s.index for s in samples}  # seq_id -> sample index
-        self.metrics = RequestMetrics(arrival_time=arrival)
-        self.last_token_time: float | None = None
-        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+        self.times = times
+        self.hold_back = _hold_back(params)
 
     @property
     def finished(self) -> bool:
@@ -78,13 +106,13 @@ class RequestState:
 
     def on_token_time(self, token: int, now: float) -> None:
         """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-            ms = 1e3 * (now - self.metrics.arrival_time)
-            tracing.first_token(self.request_id, token, ms)
+        times = self.times
+        if times.first_token is None:
+            times.first_token = now
+            tracing.first_token(self.request_id, token, 1e3 * (now - times.arrival))
         else:
-            self.metrics.itl.append(now - self.last_token_time)
-        self.last_token_time = now
+            times.itl.append(now - times.last_token)
+        times.last_token = now
 
     def output(self, record_logits: bool) -> RequestOutput:
         outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
@@ -94,16 +122,25 @@ class RequestState:
             prompt_token_ids=list(self.prompt_ids),
             outputs=outs,
             finished=self.finished,
-            metrics=dataclasses.replace(self.metrics, itl=list(self.metrics.itl)),
+            metrics=self.times.metrics(),
             num_cached_tokens=self.samples[0].seq.num_cached_tokens,
         )
 
 
-def _first_stop(text: str, stops: list[str], before: int) -> int | None:
-    """Where the earliest stop string in text starts, among matches that end past ``before``
-    (the text checked at earlier tokens); None if none. The list order does not matter."""
-    hits = [text.find(s, max(before - len(s) + 1, 0)) for s in stops]
-    return min((at for at in hits if at >= 0), default=None)
+def _hold_back(params: SamplingParams) -> int:
+    """Characters a running sample keeps back from its stream: a possible stop-string prefix,
+    which may still be cut from the text (none when stop strings stay in the output)."""
+    if params.include_stop_str_in_output:
+        return 0
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def _first_stop(text: str, stops: list[str], before: int) -> tuple[int, str] | None:
+    """Where the earliest stop string in text starts, and which one, among matches that end past
+    ``before`` (the text checked at earlier tokens); None if none. The list order does not
+    matter (at equal starts the first listed wins)."""
+    hits = [(text.find(s, max(before - len(s) + 1, 0)), s) for s in stops]
+    return min(((at, s) for at, s in hits if at >= 0), key=lambda h: h[0], default=None)
 
 
 class OutputProcessor:
@@ -114,6 +151,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.record_logits = record_logits
+        self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
         self._touched: dict[str, RequestState] = {}  # requests with news in this step
 
@@ -126,11 +164,16 @@ class OutputProcessor:
     def add_request(self, request_id, prompt, prompt_ids, params, seqs, generators, arrival):
         """Start the state of one request: one sample per sequence, each with its detokenizer."""
         samples = [
-            SampleState(i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), gen)
+            SampleState(i, seq, self._detokenizer(prompt_ids, params), gen)
             for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
         ]
-        req = RequestState(request_id, prompt, prompt_ids, params, samples, arrival)
+        times = RequestTimes(arrival, self.wall_offset)
+        req = RequestState(request_id, prompt, prompt_ids, params, samples, times)
         self.requests[request_id] = req
+
+    def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
+        skip = params.skip_special_tokens
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip)
 
     def abort(self, request_id: str) -> bool:
         """Forget a request (no output follows); False if unknown."""
@@ -170,16 +213,23 @@ class OutputProcessor:
 
     def _stop_reason(self, sample: SampleState, before: int) -> str | None:
         """EOS, a stop token id or a stop string once min_tokens are out; else length limits.
-        A stop string ends the text and is not part of it: the text is cut before it."""
+        A stop string ends the text: the text is cut before it (after it with
+        include_stop_str_in_output). The stop token id or string is the sample's stop_reason."""
         seq, p = sample.seq, sample.seq.params
         if seq.num_output_tokens >= p.min_tokens:
             token = seq.last_token_id
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
-            at = _first_stop(sample.text, p.stop, before)
-            if at is not None:
-                sample.text = sample.text[:at]
+            if token in p.stop_token_ids:
+                sample.stop_reason = token
+                return "stop"
+            hit = _first_stop(sample.text, p.stop, before)
+            if hit is not None:
+                at, stop = hit
+                end = at + len(stop) if p.include_stop_str_in_output else at
+                sample.text = sample.text[:end]
                 sample.truncated = True
+                sample.stop_reason = stop
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -191,8 +241,8 @@ class OutputProcessor:
         outputs = []
         for req in touched.values():
             if req.finished:
-                if req.metrics.finish_time is None:
-                    req.metrics.finish_time = time.monotonic()
+                if req.times.finish is None:
+                    req.times.finish = time.monotonic()
                 self.requests.pop(req.request_id, None)
             outputs.append(req.output(self.record_logits))
         return outputs

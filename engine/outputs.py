@@ -9,17 +9,16 @@ import numpy as np
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float  # time.monotonic() seconds
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    itl: list[float] = field(default_factory=list)  # seconds between successive tokens
+    """Times as vLLM reports them: ``time.time()`` seconds (wall clock). The intervals (ttft,
+    itl, e2e_latency) are measured on ``time.monotonic()``'s clock, so a clock step between two
+    moments never shows in them."""
 
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival -> first generated token."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+    arrival_time: float  # time.time() seconds
+    first_token_time: float | None = None  # time.time() seconds
+    finish_time: float | None = None  # time.time() seconds
+    itl: list[float] = field(default_factory=list)  # seconds between successive tokens
+    ttft: float | None = None  # time to first token: arrival -> first generated token
+    e2e_latency: float | None = None  # arrival -> finish
 
     def as_dict(self) -> dict:
         return dict(
@@ -27,6 +26,7 @@ class RequestMetrics:
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
             ttft=self.ttft,
+            e2e_latency=self.e2e_latency,
             itl=list(self.itl),
         )
 
@@ -37,6 +37,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # the stop string (str) or stop token id (int) that ended it; None for EOS, length or abort
+    stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
     text_delta: str = ""  # text that is new since the previous output of this request
     step_logits: list[np.ndarray] | None = None  # (V,) per token; only with record_logits

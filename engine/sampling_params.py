@@ -100,11 +100,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
     max_tokens: int = 16  # tokens to generate at most
     min_tokens: int = 0  # tokens before EOS / stop_token_ids may end the sequence
-    stop: list[str] | str | None = None  # strings that end generation (not part of the output)
+    stop: list[str] | str | None = None  # strings that end generation (cut from the output)
     stop_token_ids: list[int] | None = None  # token ids that end generation
     ignore_eos: bool = False  # keep generating past EOS
     seed: int | None = None  # per-request seed: same output whatever else is in the batch
     logprobs: int | None = None  # return the top-N log-probabilities per generated token
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
 
     def __post_init__(self):
         for name, value in self._checked().items():
@@ -121,8 +123,9 @@ class SamplingParams:
             out["logprobs"] = as_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
             out["seed"] = as_int("seed", self.seed)
-        if not isinstance(self.ignore_eos, bool):
-            raise _bad("ignore_eos", self.ignore_eos, "True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
         out["stop"] = [] if self.stop is None else _stop_list(self.stop)
         ids = self.stop_token_ids
         out["stop_token_ids"] = [] if ids is None else int_list("stop_token_ids", ids)

@@ -154,6 +154,8 @@ def test_arrival_time_is_on_the_monotonic_clock(engine):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert 2.0 <= outs["past"].metrics.ttft < 60.0
+    arrival = outs["past"].metrics.arrival_time  # reported on the wall clock
+    assert time.time() - 60.0 < arrival <= time.time() - 2.0
     assert_all_free(engine)
 
 

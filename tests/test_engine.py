@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -248,6 +249,14 @@ def test_n_samples_streaming_and_abort(tiny):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_metrics_report_wall_clock_times(tiny):
+    before = time.time()
+    (o,) = run_all(make_engine(tiny), [SEED_PROMPTS[0]], SamplingParams(max_tokens=4))
+    m = o.metrics
+    assert before <= m.arrival_time <= m.first_token_time <= m.finish_time <= time.time()
+    assert 0 < m.ttft <= m.e2e_latency and set(m.as_dict()) >= {"ttft", "e2e_latency", "itl"}
+
+
 def test_metrics_and_max_model_len(tiny):
     engine = make_engine(tiny, max_model_len=32, num_gpu_blocks=4)
     (o,) = run_all(
@@ -256,7 +265,8 @@ def test_metrics_and_max_model_len(tiny):
     assert len(o.prompt_token_ids) + len(o.token_ids) == 32 and o.finish_reason == "length"
     m = o.metrics
     assert m.arrival_time < m.first_token_time <= m.finish_time
-    assert m.ttft == m.first_token_time - m.arrival_time
+    assert m.ttft == pytest.approx(m.first_token_time - m.arrival_time, abs=1e-5)
+    assert m.e2e_latency == pytest.approx(m.finish_time - m.arrival_time, abs=1e-5)
     assert len(m.itl) == len(o.token_ids) - 1 and min(m.itl) > 0
 
 

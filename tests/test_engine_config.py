@@ -153,3 +153,29 @@ def test_each_bad_sampling_field_is_named(field, value):
 def test_bad_stop_entries_are_named(field, value):
     with pytest.raises(ValueError, match=rf"^SamplingParams: {field} must be "):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "given,canonical",
+    [
+        ("auto", "auto"),
+        ("half", "float16"),
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("float", "float32"),
+        ("float32", "float32"),
+    ],
+)
+def test_dtype_takes_vllm_names_and_stores_the_canonical_one(given, canonical):
+    assert EngineConfig(dtype=given).dtype == canonical
+
+
+def test_dtype_flag_lists_vllm_names_and_normalises():
+    import argparse
+
+    from engine.entrypoints.engine_args import add_engine_args, engine_config
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    help_text = " ".join(parser.format_help().split())
+    assert "{auto,half,float16,bfloat16,float,float32}" in help_text
+    assert engine_config(parser.parse_args(["--dtype", "half"])).dtype == "float16"

@@ -111,6 +111,35 @@ def test_stop_string_ends_the_text(client, llm):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_and_include_stop_str(client, llm):
+    prompt = "today is a beautiful summer day"
+    full = _greedy(llm, prompt, 12).text
+    stop = next(ch for ch in full[2:] if ch != "\ufffd")
+    body = {**NO_EOS, "include_stop_str_in_output": True}
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    r = client.completions.create(**kw, extra_body=body)
+    choice = r.choices[0]
+    assert choice.text == full[: full.index(stop) + 1]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
+    chunks = list(client.completions.create(**kw, stream=True, extra_body=body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].stop_reason for c in chunks if c.choices][-1] == stop
+    r = client.completions.create(**{**kw, "stop": None}, extra_body=NO_EOS)
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("length", None)
+    messages = [{"role": "user", "content": "hi"}]
+    c = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=NO_EOS
+    )
+    assert c.choices[0].model_extra["stop_reason"] is None
+
+
+def test_skip_special_tokens_false_is_accepted(client):
+    kw = dict(model=MODEL, prompt="hello there", max_tokens=4, temperature=0)
+    keep = client.completions.create(**kw, extra_body={**NO_EOS, "skip_special_tokens": False})
+    skip = client.completions.create(**kw, extra_body=NO_EOS)
+    assert keep.choices[0].finish_reason == skip.choices[0].finish_reason == "length"
+
+
 def test_logprobs(client):
     r = client.completions.create(
         model=MODEL, prompt="hello there", max_tokens=5, temperature=0, logprobs=2

@@ -300,6 +300,11 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             t.cancel()
 
 
+def _ending(c: CompletionOutput) -> dict:
+    """How a choice ended: finish_reason, and vLLM's stop_reason (the stop string or token id)."""
+    return dict(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
 class _Format:
     """Shared by the two response shapes: usage, choice indices, streamed token counts."""
 
@@ -368,7 +373,7 @@ class CompletionFormat(_Format):
     def choice(self, i: int, c: CompletionOutput) -> dict:
         lps = self.logprobs(c.token_ids, c.logprobs or [], 0)
         index = self.index(i, c)
-        return dict(index=index, text=c.text, logprobs=lps, finish_reason=c.finish_reason)
+        return dict(index=index, text=c.text, logprobs=lps, **_ending(c))
 
     def delta_choice(self, i: int, c: CompletionOutput) -> dict | None:
         index = self.index(i, c)
@@ -377,9 +382,7 @@ class CompletionFormat(_Format):
             return None
         offset = len(c.text) - len(c.text_delta)
         logprobs = self.logprobs(ids, lps, offset)
-        return dict(
-            index=index, text=c.text_delta, logprobs=logprobs, finish_reason=c.finish_reason
-        )
+        return dict(index=index, text=c.text_delta, logprobs=logprobs, **_ending(c))
 
     def body(self, choices, usage) -> dict:
         return dict(
@@ -415,7 +418,7 @@ class ChatFormat(_Format):
         message = {"role": "assistant", "content": c.text}
         lps = self.logprobs(c.token_ids, c.logprobs or [])
         index = self.index(i, c)
-        return dict(index=index, message=message, logprobs=lps, finish_reason=c.finish_reason)
+        return dict(index=index, message=message, logprobs=lps, **_ending(c))
 
     def delta_choice(self, i: int, c: CompletionOutput) -> dict | None:
         index = self.index(i, c)
@@ -427,7 +430,7 @@ class ChatFormat(_Format):
         if not first:
             delta["content"] = c.text_delta
         logprobs = self.logprobs(ids, lps)
-        return dict(index=index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason)
+        return dict(index=index, delta=delta, logprobs=logprobs, **_ending(c))
 
     def body(self, choices, usage) -> dict:
         return dict(

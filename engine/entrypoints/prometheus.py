@@ -73,9 +73,8 @@ class PrometheusStatLogger:
             self.hists["time_to_first_token_seconds"].labels(m).observe(metrics.ttft)
         for gap in metrics.itl:
             self.hists["inter_token_latency_seconds"].labels(m).observe(gap)
-        if metrics.finish_time is not None:
-            e2e = metrics.finish_time - metrics.arrival_time
-            self.hists["e2e_request_latency_seconds"].labels(m).observe(e2e)
+        if metrics.e2e_latency is not None:
+            self.hists["e2e_request_latency_seconds"].labels(m).observe(metrics.e2e_latency)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,6 +44,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError (from SamplingParams) for a value out of range."""
@@ -63,6 +65,8 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             seed=self.seed,
             logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property
@@ -133,6 +137,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -150,6 +155,7 @@ class ChatChoice(BaseModel):
     delta: dict[str, Any] | None = None
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
