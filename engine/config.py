@@ -116,14 +116,15 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto",
-        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the NumPy backends); "
+        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the host backends); "
         "half is float16, float is float32",
         choices=DTYPES,
     )
     backend: str = option(
         "auto",
-        "auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda-cpu: the "
-        "CUDA kernels under the CPU emulation; cuda: the kernels on a GPU through CuPy",
+        "auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda: the "
+        "kernels on a GPU through CuPy; cuda-cpu: the cuda backend on an emulated device (the "
+        "kernels' CPU builds, CUDA's capture rules checked)",
         choices=BACKENDS,
     )
     seed: int = option(0, "engine seed for sampling (a request's own seed overrides it)")
@@ -140,7 +141,7 @@ class EngineConfig:
         "explicit memory budget in bytes, instead of gpu_memory_utilization",
         default_help="off",
     )
-    enforce_eager: bool = option(False, "cuda backend: no CUDA graphs for decode")
+    enforce_eager: bool = option(False, "cuda and cuda-cpu backends: no CUDA graphs for decode")
 
     def __post_init__(self):
         self._check_types()

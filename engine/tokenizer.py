@@ -2,8 +2,8 @@
 
 A thin adapter over ``reference.tokenizer.Tokenizer``: ``encode`` / ``decode`` / ``__call__`` /
 ``apply_chat_template`` with the Hugging Face names and defaults (``decode`` keeps special tokens
-unless asked to skip them), plus ``eos_token_id``, ``bos_token_id``, ``vocab_size`` and ``len()``.
-One difference: ``apply_chat_template`` returns the rendered text unless ``tokenize=True``.
+unless asked to skip them; ``apply_chat_template`` gives token ids unless ``tokenize=False``), plus
+``eos_token_id``, ``bos_token_id``, ``vocab_size`` and ``len()``.
 The engine itself uses the wrapped tokenizer (``.tokenizer``).
 """
 
@@ -101,10 +101,10 @@ class HFTokenizerAdapter:
         return [self.tokenizer.token_to_id(_text("tokens", t)) for t in tokens]
 
     def apply_chat_template(
-        self, conversation, tokenize: bool = False, add_generation_prompt: bool = False, **_
+        self, conversation, tokenize: bool = True, add_generation_prompt: bool = False, **_
     ) -> str | list[int]:
-        """The conversation rendered with the model's chat template: the text, or with
-        tokenize=True its token ids (the template holds its own specials: no BOS is added)."""
+        """The conversation rendered with the model's chat template: its token ids (the template
+        holds its own specials: no BOS is added), or with tokenize=False the text."""
         messages = check_messages(conversation)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text

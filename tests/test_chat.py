@@ -21,7 +21,7 @@ def llm(tiny_model_dir):
 
 def test_chat_is_generate_on_the_rendered_template(llm):
     tok = llm.get_tokenizer()
-    text = tok.apply_chat_template(CONV, add_generation_prompt=True)
+    text = tok.apply_chat_template(CONV, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n") and "you are terse" in text
     want = llm.generate([tok.encode(text, add_special_tokens=False)], GREEDY, use_tqdm=False)
     got = llm.chat(CONV, GREEDY, use_tqdm=False)

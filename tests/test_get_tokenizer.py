@@ -51,7 +51,9 @@ def test_apply_chat_template_text_or_ids(llm, tok):
     assert text == inner.apply_chat_template(CONV, add_generation_prompt=True)
     ids = tok.apply_chat_template(CONV, tokenize=True, add_generation_prompt=True)
     assert ids == inner.encode(text, add_special_tokens=False)
-    assert not tok.apply_chat_template(CONV).endswith("assistant\n")  # HF default: no prompt
+    assert tok.apply_chat_template(CONV) == inner.encode(  # HF defaults: ids, no prompt
+        inner.apply_chat_template(CONV, add_generation_prompt=False), add_special_tokens=False
+    )
 
 
 @pytest.mark.parametrize(

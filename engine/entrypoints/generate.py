@@ -130,7 +130,8 @@ def read_prompts_file(path: str) -> list[str]:
 def chat_prompts(prompts: list[str], tokenizer) -> list[str]:
     """Each prompt as the one user message of a conversation, in the model's chat template."""
     return [
-        tokenizer.apply_chat_template(user_messages(p), add_generation_prompt=True) for p in prompts
+        tokenizer.apply_chat_template(user_messages(p), tokenize=False, add_generation_prompt=True)
+        for p in prompts
     ]
 
 
