@@ -28,7 +28,7 @@ from .input_processor import max_prompt_chars, tokenize_prompt
 from .memory import num_kv_blocks
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
-from .outputs import RequestOutput
+from .outputs import RequestOutput, StreamChunk
 from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
 from .sampling_params import SamplingParams, is_real
 from .scheduler import Scheduler, SchedulerOutput
@@ -222,24 +222,22 @@ class LLMEngine:
         self.output_processor.process_rejected(failed)
 
     # ---- conveniences ----
-    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Add one request and drive the engine until it ends, yielding its new text as it comes.
-        (Other requests in the engine advance too; their outputs are not returned here.)
-        Leaving early (``break``, ``close()``, an exception) aborts the request."""
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Add one request and drive the engine until it ends, yielding each sample's new text
+        as it comes, and its finish reason on its last chunk (other requests in the engine
+        advance too). Leaving early (``break``, ``close()``, an exception) aborts the request."""
         rid = f"stream-{next(self._counter)}"
         self.add_request(rid, prompt, params)
         try:
-            yield from self._stream_deltas(rid)
+            yield from self._stream_chunks(rid)
         finally:
             self.abort(rid)  # False (a no-op) once it finished
 
-    def _stream_deltas(self, rid: str) -> Iterator[str]:
-        done = False
-        while not done:
-            for o in self.step():
-                if o.request_id == rid:
-                    done = o.finished
-                    if o.outputs[0].text_delta:
-                        yield o.outputs[0].text_delta
-            if not self.has_unfinished_requests():
-                break
+    def _stream_chunks(self, rid: str) -> Iterator[StreamChunk]:
+        ended: set[int] = set()  # samples whose last chunk went out
+        while self.has_unfinished_requests() and rid in self.output_processor:
+            for o in (o for o in self.step() if o.request_id == rid):
+                for c in o.outputs:
+                    if c.index not in ended and (c.text_delta or c.finished):
+                        yield StreamChunk(c.index, c.text_delta, c.finish_reason, c.stop_reason)
+                        ended |= {c.index} if c.finished else set()

@@ -96,3 +96,13 @@ class RequestOutput:
                 for o in self.outputs
             ]
         return d
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What ``LLMEngine.stream`` yields: one sample's new text, and how it ended once it did."""
+
+    index: int  # which of the request's n samples
+    text: str  # new since this sample's previous chunk ("" for a last chunk with no new text)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last chunk
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if one

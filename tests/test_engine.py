@@ -235,9 +235,10 @@ def test_n_samples_streaming_and_abort(tiny):
     (o,) = run_all(engine, [SEED_PROMPTS[0]], params)
     assert [c.index for c in o.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in o.outputs}) == 3  # three different samples
-    pieces = list(engine.stream(SEED_PROMPTS[1], SamplingParams(**_greedy())))
+    chunks = list(engine.stream(SEED_PROMPTS[1], SamplingParams(**_greedy())))
     (ref,) = run_all(engine, [SEED_PROMPTS[1]], SamplingParams(**_greedy()))
-    assert "".join(pieces) == ref.text and len(pieces) > 1
+    assert "".join(c.text for c in chunks) == ref.text and len(chunks) > 1
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     engine.add_request("a", SEED_PROMPTS[0], SamplingParams(**_greedy()))
     engine.add_request("b", SEED_PROMPTS[1], SamplingParams(**_greedy()))
     engine.step()
@@ -290,4 +291,17 @@ def test_a_greedy_row_with_no_token_ends_that_request_with_an_error(tiny):
     (ok,) = [o for o in outs if not o.outputs[0].error]
     assert len(failed) == 1 and "sampling failed" in failed[0].error
     assert failed[0].finish_reason == "abort" and len(ok.token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stream_serves_each_of_n_samples_with_its_finish_reason(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True, seed=11)
+    chunks = list(engine.stream(SEED_PROMPTS[0], params))
+    (ref,) = run_all(engine, [SEED_PROMPTS[0]], params)  # the same seed: the same samples
+    for c in ref.outputs:
+        mine = [k for k in chunks if k.index == c.index]
+        assert "".join(k.text for k in mine) == c.text
+        assert [k.finish_reason for k in mine][-1] == "length"
+        assert all(k.finish_reason is None for k in mine[:-1])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -59,8 +59,9 @@ def test_include_stop_str_in_output_in_text_and_stream(tiny, include):
     end = full.index(stop) + (len(stop) if include else 0)
     params = _greedy(stop=[stop], include_stop_str_in_output=include)
     assert _run(engine, params).text == full[:end]
-    pieces = list(engine.stream(PROMPT, params))
-    assert "".join(pieces) == full[:end]
+    chunks = list(engine.stream(PROMPT, params))
+    assert "".join(c.text for c in chunks) == full[:end]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
 
 
 def _processor(tok, params: SamplingParams, ids: list[int]) -> list:
