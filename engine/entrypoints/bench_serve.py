@@ -1,20 +1,24 @@
 """``python -m engine.bench_serve``: throughput and latency of a running server (not a test).
 
 Sends ``--num-requests`` streamed completions (or chat completions with ``--chat``) to ``--url``,
-at most ``--concurrency`` at once, each asking for ``--max-tokens`` tokens with ignore_eos, and
-prints requests/s, output and total tokens/s, time to first token and inter-token latency (the
-gaps between streamed chunks, as a client sees them). Prompts: the seed's three, or a file.
+at most ``--concurrency`` at once, all at the start or, with ``--request-rate R``, as a Poisson
+process of R requests per second (exponential gaps, seeded by ``--seed``). Each asks for
+``--max-tokens`` tokens with ignore_eos. It prints requests/s, output and total tokens/s, time to
+first token and inter-token latency (the gaps between streamed chunks, as a client sees them).
+Prompts: the seed's three, or a file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 
 from .cli_utils import SEED_PROMPTS, CliParser, format_stats, percentiles
 
@@ -39,6 +43,13 @@ def build_parser() -> CliParser:
     p.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
     p.add_argument("--concurrency", type=int, default=16, help="requests at once (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at the start)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
@@ -91,14 +102,25 @@ async def run_load(args, prompts: list[str]) -> tuple[list[Result], float]:
     ) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         sem = asyncio.Semaphore(args.concurrency)
+        starts = arrival_times(args.num_requests, args.request_rate, args.seed)  # (N,) seconds
 
         async def limited(i: int) -> Result:
+            await asyncio.sleep(starts[i])
             async with sem:
                 return await one_request(client, *_body(args, model, prompts[i % len(prompts)]))
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*[limited(i) for i in range(args.num_requests)])
         return results, time.perf_counter() - t0
+
+
+def arrival_times(n: int, rate: float, seed: int) -> np.ndarray:
+    """(n,) seconds after the start at which each request is sent: all at 0 for an infinite
+    rate, else a Poisson process (exponential gaps of mean 1 / rate)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.cumsum(gaps) - gaps[0]
 
 
 def summarize_results(results: list[Result], wall: float) -> dict:
@@ -137,6 +159,8 @@ def run(args) -> int:
     for name in ("num_requests", "concurrency", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     prompts = read_prompts(args.prompts_file)
     try:
         results, wall = asyncio.run(run_load(args, prompts))
