@@ -23,6 +23,14 @@ class CliParser(argparse.ArgumentParser):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
+    def run(self, run, argv=None) -> int:
+        """Parse ``argv`` and call ``run(args)``; a bad value (ValueError) is one line: exit 2."""
+        args = self.parse_args(argv)
+        try:
+            return run(args)
+        except ValueError as e:
+            return self.fail(e)
+
     def fail(self, e: ValueError) -> int:
         """Print a bad value's message as one line, fields written as this CLI's flags: 2."""
         print(f"error: {self.flag_message(str(e))}", file=sys.stderr)

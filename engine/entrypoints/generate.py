@@ -222,12 +222,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        return parser.fail(e)
+    return build_parser().run(run, argv)
 
 
 if __name__ == "__main__":

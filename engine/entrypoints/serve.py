@@ -97,12 +97,7 @@ def _stopped(signum, _frame) -> None:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        return parser.fail(e)
+    return build_parser().run(run, argv)
 
 
 if __name__ == "__main__":
