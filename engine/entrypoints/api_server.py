@@ -315,6 +315,23 @@ class _Format:
         self.id = uuid.uuid4().hex
         self.sent: dict[int, int] = {}  # choice index -> tokens already streamed
 
+    ID_PREFIX: str  # the response id's prefix
+    OBJECT: str  # "object" of a whole response
+    CHUNK_OBJECT: str  # "object" of a streamed chunk
+
+    def body(self, choices, usage) -> dict:
+        """A whole response: the envelope around its choices."""
+        return self._envelope(self.OBJECT, choices, usage)
+
+    def chunk_body(self, choices, usage=None) -> dict:
+        """One server-sent event's data."""
+        return self._envelope(self.CHUNK_OBJECT, choices, usage)
+
+    def _envelope(self, obj: str, choices, usage) -> dict:
+        id_ = f"{self.ID_PREFIX}-{self.id}"
+        created, model = self.created, self.model
+        return dict(id=id_, object=obj, created=created, model=model, choices=choices, usage=usage)
+
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.req.n + c.index
 
@@ -354,6 +371,8 @@ class _Format:
 class CompletionFormat(_Format):
     """``text_completion`` bodies and chunks."""
 
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
+
     def logprobs(self, ids: list[int], lps: list[dict], offset: int) -> dict | None:
         if self.req.logprobs is None:
             return None
@@ -384,22 +403,11 @@ class CompletionFormat(_Format):
         logprobs = self.logprobs(ids, lps, offset)
         return dict(index=index, text=c.text_delta, logprobs=logprobs, **_ending(c))
 
-    def body(self, choices, usage) -> dict:
-        return dict(
-            id=f"cmpl-{self.id}",
-            object="text_completion",
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-
-    def chunk_body(self, choices, usage=None) -> dict:
-        return self.body(choices, usage)
-
 
 class ChatFormat(_Format):
     """``chat.completion`` bodies and ``chat.completion.chunk`` chunks."""
+
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def logprobs(self, ids: list[int], lps: list[dict]) -> dict | None:
         if not self.req.logprobs:
@@ -431,16 +439,3 @@ class ChatFormat(_Format):
             delta["content"] = c.text_delta
         logprobs = self.logprobs(ids, lps)
         return dict(index=index, delta=delta, logprobs=logprobs, **_ending(c))
-
-    def body(self, choices, usage) -> dict:
-        return dict(
-            id=f"chatcmpl-{self.id}",
-            object="chat.completion",
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-
-    def chunk_body(self, choices, usage=None) -> dict:
-        return self.body(choices, usage) | {"object": "chat.completion.chunk"}

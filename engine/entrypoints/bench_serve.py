@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from .cli_utils import SEED_PROMPTS, CliParser, format_stats, percentiles
+from .cli_utils import SEED_PROMPTS, CliParser, format_stats, run_stats
 
 
 @dataclass
@@ -128,18 +128,9 @@ def summarize_results(results: list[Result], wall: float) -> dict:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     gen = sum(r.output_tokens for r in ok)
-    return dict(
-        requests=len(ok),
-        failed=len(results) - len(ok),
-        prompt_tokens=prompt,
-        generated_tokens=gen,
-        wall_s=wall,
-        requests_per_s=len(ok) / wall,
-        output_tok_per_s=gen / wall,
-        total_tok_per_s=(prompt + gen) / wall,
-        ttft_ms=percentiles([r.ttft for r in ok if r.ttft is not None]),
-        itl_ms=percentiles([x for r in ok for x in r.itl]),
-    )
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itl]
+    return run_stats(len(ok), prompt, gen, wall, ttft, itl) | {"failed": len(results) - len(ok)}
 
 
 def read_prompts(path: str | None) -> list[str]:

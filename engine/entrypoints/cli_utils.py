@@ -87,18 +87,23 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
     itl = [x for o in outputs for x in o.metrics.itl]
-    stats = dict(
-        requests=len(outputs),
+    return run_stats(len(outputs), prompt, gen, wall, ttft, itl) | _prefix_cache_stats(outputs)
+
+
+def run_stats(requests: int, prompt: int, gen: int, wall: float, ttft: list, itl: list) -> dict:
+    """The numbers format_stats prints: counts, rates over ``wall`` seconds, TTFT and ITL
+    (mean, p50, p99 in ms) from seconds."""
+    return dict(
+        requests=requests,
         prompt_tokens=prompt,
         generated_tokens=gen,
         wall_s=wall,
-        requests_per_s=len(outputs) / wall,
+        requests_per_s=requests / wall,
         output_tok_per_s=gen / wall,
         total_tok_per_s=(prompt + gen) / wall,
         ttft_ms=percentiles(ttft),
         itl_ms=percentiles(itl),
     )
-    return stats | _prefix_cache_stats(outputs)
 
 
 def _prefix_cache_stats(outputs: list[RequestOutput]) -> dict:
