@@ -81,26 +81,6 @@ def test_engine_greedy_equals_reference(tiny, eager):
         assert {g: c.calls for g, c in be.graphs.items()} == {4: 5, 2: 4, 1: 4}
 
 
-def test_engine_swap_preemption_greedy_equals_reference(tiny):
-    engine = emulated_engine(
-        tiny,
-        num_gpu_blocks=5,
-        max_model_len=64,
-        preemption_mode="swap",
-        swap_space=0.001,
-        max_num_seqs=4,
-    )
-    swapped = []
-    swap_out = engine.backend.swap_out
-    engine.backend.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
-    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
-    assert swapped  # blocks went to the CPU pool and came back
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = tiny.tokenizer.encode(prompt)
-        assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, 24).token_ids
-
-
 # ---- the padded graph path ----
 
 

@@ -16,6 +16,7 @@ from engine import LLMEngine, SamplingParams
 from engine import gemm as G
 from engine.forward_batch import ForwardBatch
 from engine.kernels import PARTITION_SIZE
+from engine.llm import run_to_completion
 from engine.utils import cdiv
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
@@ -318,16 +319,15 @@ def test_engine_swap_preemption(tiny):
         swap_space=0.001,
         max_num_seqs=4,
     )
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, prompt in enumerate(PROMPTS):
+    swapped = []
+    swap_out = engine.backend.swap_out
+    engine.backend.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
+    outs = run_to_completion(engine, PROMPTS, params, check_invariants=True)
+    assert swapped  # blocks went to the CPU pool and came back
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tiny.tokenizer.encode(prompt)
-        ref = reference_generate(tiny.weights, tiny.config, ids, 24).token_ids
-        assert done[str(i)].token_ids == ref
+        assert out.token_ids == reference_generate(tiny.weights, tiny.config, ids, 24).token_ids
 
 
 def test_bf16_backend_logits_close_to_reference(tiny):
