@@ -6,7 +6,6 @@ on and off."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -14,50 +13,14 @@ import pytest
 from engine import SamplingParams
 from engine.llm import run_to_completion
 from engine.recorder import DATA_MARK, Recorder, replay_tables
-from tests.utils import make_engine
+from tests.spies import ScheduleSpy
+from tests.utils import make_engine, shared_prefix_workload
 
 WORKLOADS = {  # engine args: a pool small enough to preempt
     "recompute": dict(preemption_mode="recompute"),
     "swap": dict(preemption_mode="swap", swap_space=0.00002),  # 10 CPU blocks
     "prefix": dict(preemption_mode="recompute", enable_prefix_caching=True),
 }
-
-
-def workload(seed: int, n: int = 12) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n prompts that share prefixes of two base prompts, greedy or seeded sampling."""
-    rng = random.Random(seed)
-    bases = [[rng.randrange(1, 250) for _ in range(24)] for _ in range(2)]
-    prompts, params = [], []
-    for i in range(n):
-        shared = bases[i % 2][: rng.randint(0, 24)]
-        prompts.append(shared + [rng.randrange(1, 250) for _ in range(rng.randint(1, 12))])
-        temp = rng.choice([0.0, 0.9])
-        params.append(SamplingParams(max_tokens=rng.randint(4, 20), temperature=temp, seed=i))
-    return prompts, params
-
-
-class ScheduleSpy:
-    """Wraps ``Scheduler.schedule``: after each call, the block manager's state (every live
-    sequence's GPU and CPU table, the free queue) and what the step scheduled."""
-
-    def __init__(self, engine):
-        self.engine, self.schedule = engine, engine.scheduler.schedule
-        self.steps: list[dict] = []
-        engine.scheduler.schedule = self
-
-    def __call__(self):
-        out = self.schedule()
-        self.steps.append(self.snapshot() | {"run": [(s.seq_id, n) for s, n in out.scheduled]})
-        self.steps[-1]["pre"] = [s.seq_id for s in out.preempted]
-        return out
-
-    def snapshot(self) -> dict:
-        live = self.engine.scheduler.live_seqs()
-        return {
-            "tab": {s.seq_id: list(s.block_table) for s in live if s.block_table},
-            "cpu": {s.seq_id: list(s.cpu_block_table) for s in live if s.cpu_block_table},
-            "free": list(self.engine.block_manager.free_blocks),
-        }
 
 
 def by_seq_id(data: dict, tables: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -81,7 +44,7 @@ def check_frames(data: dict, spy: ScheduleSpy, num_blocks: int) -> None:
 
 @pytest.mark.parametrize("mode", list(WORKLOADS))
 def test_recorded_tables_are_the_block_managers_and_outputs_unchanged(tiny, mode):
-    prompts, params = workload(seed=len(mode))
+    prompts, params = shared_prefix_workload(seed=len(mode))
     kw = dict(num_gpu_blocks=14, block_size=4, max_model_len=56, max_num_seqs=6, **WORKLOADS[mode])
     plain = run_to_completion(make_engine(tiny, **kw), prompts, params)
     engine = make_engine(tiny, **kw)
