@@ -101,3 +101,13 @@ def test_generate_cli_trace_html(tiny_model_dir, tmp_path, capsys):
     assert main([*argv, "--trace-html", str(path), *sizes]) == 0
     assert '"num_blocks":12' in path.read_text("utf-8")
     assert f"replay: {path}" in capsys.readouterr().err
+
+
+def test_generate_cli_trace_html_in_a_missing_directory_is_one_line(tmp_path, capsys):
+    from engine.entrypoints.generate import main
+
+    path = tmp_path / "nowhere" / "run.html"
+    assert main(["--prompt", "hi", "--trace-html", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --trace-html {str(path)!r}: not a file in an existing directory"
+    ]

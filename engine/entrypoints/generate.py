@@ -13,6 +13,7 @@ Logs (the startup block arithmetic, ``--trace``) go to stderr; bad input is one 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -103,6 +104,15 @@ def check_n(params: SamplingParams, max_num_seqs: int) -> None:
     """A request's n sequences are scheduled together: n cannot exceed max_num_seqs."""
     if params.n > max_num_seqs:
         raise ValueError(f"--n must be at most --max-num-seqs ({max_num_seqs}), got {params.n}")
+
+
+def check_trace_html(path: str | None) -> None:
+    """--trace-html must name a file in an existing directory (checked before the run)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise ValueError(f"--trace-html {path!r}: not a file in an existing directory")
 
 
 def read_prompts(args) -> list[str]:
@@ -217,6 +227,7 @@ def run(args) -> int:
     params = sampling_params(args)  # bad values fail before the model loads
     check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
+    check_trace_html(args.trace_html)
     llm = LLM(trace_html=args.trace_html, **engine_kwargs(args))
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
