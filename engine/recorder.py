@@ -42,8 +42,7 @@ class _Track:
     index: int  # in Recorder.seqs
     seq: Sequence
     state: str = ""
-    table: list[int] = dataclasses.field(default_factory=list)
-    cpu: list[int] = dataclasses.field(default_factory=list)
+    tables: dict[str, list[int]] = dataclasses.field(default_factory=lambda: {"tab": [], "cpu": []})
     num_output: int = 0
 
 
@@ -131,18 +130,23 @@ class Recorder:
         if seq.request_id not in self.prompts:
             self.prompts[seq.request_id] = self._texts(seq.prompt_token_ids)
         arrival = round(1e3 * (seq.arrival_time - self.t0), 3)
-        row = {"req": seq.request_id, "sid": seq.seq_id, "arr": arrival, "join": f}
-        row |= {"out": [], "ts": []}
+        row = {
+            "req": seq.request_id,
+            "sid": seq.seq_id,
+            "arr": arrival,
+            "join": f,
+            "out": [],
+            "ts": [],
+        }
         self._live[seq.seq_id] = _Track(len(self.seqs), seq)
         self.seqs.append(row)
 
     def _changes(self, track: _Track, changes: dict, f: int) -> None:
         seq, i = track.seq, track.index
-        for key, attr in (("tab", "table"), ("cpu", "cpu")):
-            now = seq.block_table if key == "tab" else seq.cpu_block_table
-            if now != getattr(track, attr):
-                changes[key].append([i, *table_diff(getattr(track, attr), now)])
-                setattr(track, attr, list(now))
+        for key, now in (("tab", seq.block_table), ("cpu", seq.cpu_block_table)):
+            if now != track.tables[key]:
+                changes[key].append([i, *table_diff(track.tables[key], now)])
+                track.tables[key] = list(now)
         state = STATE_LETTER[seq.status]
         if state != track.state:
             changes["st"].append([i, state])
