@@ -11,11 +11,13 @@ import io
 import random
 import shutil
 import tempfile
+import time
 
 import pytest
 from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.wait import WebDriverWait
 
 from engine.llm import run_to_completion
 from engine.recorder import Recorder
@@ -115,3 +117,16 @@ def test_clicking_a_block_shows_its_page_table(browser, replay):
     png = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
     colours = png.getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50, "the screenshot is nearly blank"
+
+
+def test_play_button_steps_through_the_run(browser, replay):
+    path, spy, _ = replay
+    browser.get(path.as_uri())
+    browser.execute_script(SCRUB_JS, 0)
+    browser.find_element("id", "play").click()
+    frame = "return +document.body.dataset.frame;"
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script(frame) >= 3)
+    browser.find_element("id", "play").click()  # pause
+    paused = browser.execute_script(frame)
+    time.sleep(0.5)  # a few play ticks (at most 200 ms each)
+    assert 3 <= paused <= len(spy.steps) and browser.execute_script(frame) == paused
