@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run replay test lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 run: setup
 	$(PY) -m engine.generate
 
+# a replay of a small run with prefix caching and preemption: open replay.html in a browser
+replay: setup
+	$(PY) -m engine.generate --model smollm2 --prompts-file docs/replay_prompts.txt \
+		--max-tokens 40 --enable-prefix-caching --block-size 4 --num-gpu-blocks 48 \
+		--max-model-len 96 --no-tqdm --trace-html replay.html
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -27,4 +33,4 @@ test: lint
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache
+	rm -rf $(VENV) build .pytest_cache .ruff_cache replay.html

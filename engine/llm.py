@@ -10,16 +10,22 @@ from tqdm.auto import tqdm
 from .chat import chat_prompt_ids, is_conversation
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .recorder import Recorder
 from .sampling_params import SamplingParams, is_integer
 from .tokenizer import HFTokenizerAdapter
 
 
 class LLM:
-    """``LLM(model=..., **engine_args)``; engine_args are ``EngineConfig`` fields."""
+    """``LLM(model=..., **engine_args)``; engine_args are ``EngineConfig`` fields.
 
-    def __init__(self, model: str | None = None, **engine_args):
+    ``trace_html="run.html"`` records every step (engine/recorder.py) and, after each
+    ``generate`` or ``chat``, writes the run so far there as a self-contained HTML replay."""
+
+    def __init__(self, model: str | None = None, trace_html: str | None = None, **engine_args):
         self.engine = LLMEngine(model, **engine_args)
         self._batch = 0
+        self.trace_html = trace_html
+        self.recorder = Recorder(self.engine) if trace_html else None
 
     def get_tokenizer(self) -> HFTokenizerAdapter:
         """The model's tokenizer with Hugging Face's methods (encode, decode, __call__,
@@ -44,6 +50,8 @@ class LLM:
         except BaseException:  # Ctrl-C or an engine error: nothing of this call keeps running
             self._abort_all(ids)
             raise
+        if self.recorder is not None:
+            self.recorder.write_html(self.trace_html)
         return [done[r] for r in ids]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -25,7 +25,7 @@ from .backends import get_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, make_config
 from .input_processor import max_prompt_chars, tokenize_prompt
-from .memory import num_kv_blocks
+from .memory import plan_kv_cache
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
@@ -102,7 +102,8 @@ class LLMEngine:
             mc.vocab_size,
         )
         self.backend = get_backend(cfg.backend, mc, self.loaded.weights, cfg)
-        num_blocks, num_cpu_blocks = num_kv_blocks(cfg, self.backend)
+        self.kv_plan = plan_kv_cache(cfg, self.backend)
+        num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(
             num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
@@ -118,6 +119,7 @@ class LLMEngine:
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
         self._counter = itertools.count()
+        self.recorder = None  # engine/recorder.py's Recorder attaches itself here
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, cfg.max_model_len)
 
     # ---- requests ----
@@ -181,6 +183,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
         self.trace_schedule(out)
+        if self.recorder is not None:
+            self.recorder.on_schedule(out)
         if not out.is_empty:
             # 2. execute and 3. sample: one token for every sequence whose last token ran
             seqs, ids, extras = self._execute_and_sample(out)

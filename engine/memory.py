@@ -1,9 +1,9 @@
 """How many KV-cache blocks fit, checked against the memory there is before anything is allocated.
 
-``num_kv_blocks(config, backend)`` asks the backend for its sizes (``bytes_per_block``,
+``plan_kv_cache(config, backend)`` asks the backend for its sizes (``bytes_per_block``,
 ``weights_bytes``, ``profile_peak_bytes``, and on a GPU ``total_memory_bytes``), plans the pools,
-logs the arithmetic, and returns (device-pool blocks, CPU swap blocks). The engine allocates
-exactly that many.
+logs the arithmetic, and returns it as a ``KVPlan``. The engine allocates exactly that many
+blocks and keeps the plan (``LLMEngine.kv_plan``).
 
 On a GPU (``cuda``) the pool is what ``gpu_memory_utilization`` of device memory leaves after the
 weights and the activation peak; the swap pool lives in host memory. On the host backends
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 from .config import EngineConfig
 from .utils import cdiv, mib
@@ -41,8 +42,28 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_kv_blocks(cfg: EngineConfig, backend) -> tuple[int, int]:
-    """(GPU-pool blocks, CPU swap blocks), checked to fit; logs the arithmetic.
+@dataclass(frozen=True)
+class KVPlan:
+    """The startup arithmetic: how many blocks of how many bytes, out of which memory."""
+
+    block_size: int  # tokens per block
+    bytes_per_block: int  # K and V of block_size tokens, every layer
+    num_blocks: int  # the (GPU) pool
+    num_cpu_blocks: int  # the swap pool
+    weights_bytes: int
+    peak_bytes: int  # the activation peak of the largest step
+    swap_bytes: int
+    room_bytes: int  # what the pool may take: the memory left after weights, peak and swap
+    room: str  # where room_bytes comes from
+    why: str  # why num_blocks is what it is
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+
+def plan_kv_cache(cfg: EngineConfig, backend) -> KVPlan:
+    """The pools (GPU blocks, CPU swap blocks), checked to fit; logs the arithmetic.
 
     A pool too small for one ``max_model_len`` sequence, or a plan larger than the memory there
     is, is a ValueError naming the field to change."""
@@ -54,9 +75,9 @@ def num_kv_blocks(cfg: EngineConfig, backend) -> tuple[int, int]:
     _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
     peak = _activation_peak(cfg, backend)
     if backend.name in HOST_BACKENDS:
-        num_blocks = _host_pool(cfg, backend, per_block, swap, peak, ram)
+        num_blocks, room_bytes, room, why = _host_pool(cfg, backend, per_block, swap, peak, ram)
     else:
-        num_blocks = _device_pool(cfg, backend, per_block, peak)
+        num_blocks, room_bytes, room, why = _device_pool(cfg, backend, per_block, peak)
     log.info(
         "# GPU blocks: %d, # CPU blocks: %d  (the 'GPU' pool is %s on the %s backend; "
         "CPU blocks = swap_space %g GiB / block)",
@@ -67,7 +88,8 @@ def num_kv_blocks(cfg: EngineConfig, backend) -> tuple[int, int]:
         cfg.swap_gib,
     )
     _check_fits(cfg, num_blocks, per_block)
-    return num_blocks, num_cpu_blocks
+    sizes = (cfg.block_size, per_block, num_blocks, num_cpu_blocks, backend.weights_bytes, peak)
+    return KVPlan(*sizes, swap, room_bytes, room, why)
 
 
 def _activation_peak(cfg: EngineConfig, backend) -> int:
@@ -84,8 +106,9 @@ def _activation_peak(cfg: EngineConfig, backend) -> int:
         ) from None
 
 
-def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int, ram: int) -> int:
-    """Blocks of a pool in host RAM, such that KV pool + swap pool + activation peak fit."""
+def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int, ram: int):
+    """(blocks, room bytes, room, why) of a pool in host RAM, such that KV pool + swap pool +
+    activation peak fit."""
     limit, limit_name = _host_limit(cfg, backend, ram)
     where = f"{limit_name} less the swap pool"
     _check_below(peak, limit - swap, _peak_name(cfg), where, PEAK_FIX)
@@ -103,7 +126,8 @@ def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int,
         why = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {cfg.max_model_len} tokens"
         why += f", capped at {limit_name}" if fit < want else ""
     _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why)
-    return num_blocks
+    room = f"{limit_name} less the swap pool and the activation peak"
+    return num_blocks, limit - swap - peak, room, why
 
 
 def _host_limit(cfg: EngineConfig, backend, ram: int) -> tuple[int, str]:
@@ -131,8 +155,9 @@ def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int,
     )
 
 
-def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int) -> int:
-    """Blocks of a pool in device memory: the budget less weights and the activation peak."""
+def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int):
+    """(blocks, room bytes, room, why) of a pool in device memory: the budget less weights and
+    the activation peak."""
     total = backend.total_memory_bytes()
     budget, source = cfg.memory_budget_bytes, "explicit"
     if budget:
@@ -163,7 +188,9 @@ def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int) -> int:
         fit,
         override,
     )
-    return num_blocks
+    room = f"memory budget ({source}) less the weights and the activation peak"
+    why = "num_gpu_blocks" if cfg.num_gpu_blocks else "as many as fit"
+    return num_blocks, budget - weights - peak, room, why
 
 
 def _peak_name(cfg: EngineConfig) -> str:

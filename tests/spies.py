@@ -19,3 +19,27 @@ def count_forwards(backend) -> tuple[CallCounter, CallCounter]:
     backend.forward = CallCounter(backend.forward)
     backend.forward_greedy = CallCounter(backend.forward_greedy)
     return backend.forward, backend.forward_greedy
+
+
+class ScheduleSpy:
+    """Wraps ``Scheduler.schedule``: after each call, the block manager's state (every live
+    sequence's GPU and CPU table, the free queue) and what the step scheduled."""
+
+    def __init__(self, engine):
+        self.engine, self.schedule = engine, engine.scheduler.schedule
+        self.steps: list[dict] = []
+        engine.scheduler.schedule = self
+
+    def __call__(self):
+        out = self.schedule()
+        self.steps.append(self.snapshot() | {"run": [(s.seq_id, n) for s, n in out.scheduled]})
+        self.steps[-1]["pre"] = [s.seq_id for s in out.preempted]
+        return out
+
+    def snapshot(self) -> dict:
+        live = self.engine.scheduler.live_seqs()
+        return {
+            "tab": {s.seq_id: list(s.block_table) for s in live if s.block_table},
+            "cpu": {s.seq_id: list(s.cpu_block_table) for s in live if s.cpu_block_table},
+            "free": list(self.engine.block_manager.free_blocks),
+        }

@@ -73,3 +73,16 @@ def step(sched: Scheduler) -> SchedulerOutput:
 def scheduled_ids(out: SchedulerOutput) -> list[tuple[int, int]]:
     """The step's (seq_id, num_new_tokens) pairs, decodes first."""
     return [(seq.seq_id, n) for seq, n in out.scheduled]
+
+
+def shared_prefix_workload(seed: int, n: int = 12) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n prompts that share prefixes of two base prompts, greedy or seeded sampling."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(1, 250) for _ in range(24)] for _ in range(2)]
+    prompts, params = [], []
+    for i in range(n):
+        shared = bases[i % 2][: rng.randint(0, 24)]
+        prompts.append(shared + [rng.randrange(1, 250) for _ in range(rng.randint(1, 12))])
+        temp = rng.choice([0.0, 0.9])
+        params.append(SamplingParams(max_tokens=rng.randint(4, 20), temperature=temp, seed=i))
+    return prompts, params

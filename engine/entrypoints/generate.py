@@ -5,6 +5,7 @@
     python -m engine.generate --json ...            # one JSON object per request on stdout
     python -m engine.generate --chat --prompt "hello there"   # as a user message, chat template
     python -m engine.generate --logprobs 3 ...      # each token's logprob and the top 3
+    python -m engine.generate --trace-html run.html # a replay of the run, to open in a browser
 
 Logs (the startup block arithmetic, ``--trace``) go to stderr; bad input is one line, exit 2.
 """
@@ -12,6 +13,7 @@ Logs (the startup block arithmetic, ``--trace``) go to stderr; bad input is one 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -71,6 +73,14 @@ def build_parser() -> CliParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     p.add_argument("--trace", action="store_true", help="log the life of every request")
+    p.add_argument(
+        "--trace-html",
+        metavar="PATH",
+        help="write a replay of the run to PATH: one self-contained HTML file (no network) with "
+        "a timeline of the steps, the KV block pool at every step (a slider and a play button), "
+        "each request's tokens, page table, states, TTFT and ITL, and the startup block "
+        "arithmetic",
+    )
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     return add_engine_args(p)
 
@@ -94,6 +104,15 @@ def check_n(params: SamplingParams, max_num_seqs: int) -> None:
     """A request's n sequences are scheduled together: n cannot exceed max_num_seqs."""
     if params.n > max_num_seqs:
         raise ValueError(f"--n must be at most --max-num-seqs ({max_num_seqs}), got {params.n}")
+
+
+def check_trace_html(path: str | None) -> None:
+    """--trace-html must name a file in an existing directory (checked before the run)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise ValueError(f"--trace-html {path!r}: not a file in an existing directory")
 
 
 def read_prompts(args) -> list[str]:
@@ -208,7 +227,8 @@ def run(args) -> int:
     params = sampling_params(args)  # bad values fail before the model loads
     check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
-    llm = LLM(**engine_kwargs(args))
+    check_trace_html(args.trace_html)
+    llm = LLM(trace_html=args.trace_html, **engine_kwargs(args))
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
     t0 = time.perf_counter()
@@ -218,6 +238,8 @@ def run(args) -> int:
         print_output(output, prompt, args, tokenizer)
     stats = format_stats(summarize(outputs, wall))
     print(stats, file=sys.stderr if args.json else sys.stdout)
+    if args.trace_html:
+        print(f"replay: {args.trace_html}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,132 @@
+"""The HTML replay (engine/replay.html) in a real headless Chromium, opened from a file:// URL
+with the network off: no console errors, one grid cell per block, and scrubbing to a step shows
+exactly the blocks each sequence held then (the block manager's tables, captured by a spy).
+
+Needs /usr/bin/chromium and /usr/bin/chromedriver (Debian's chromium, chromium-driver; .ci/run
+installs them): without them this test fails, it does not skip."""
+
+from __future__ import annotations
+
+import io
+import random
+import shutil
+import tempfile
+import time
+
+import pytest
+from PIL import Image
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.wait import WebDriverWait
+
+from engine.llm import run_to_completion
+from engine.recorder import Recorder
+from tests.spies import ScheduleSpy
+from tests.utils import make_engine, shared_prefix_workload
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = (
+    "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+    "--disable-background-networking --disable-component-update --disable-sync "
+    "--window-size=1400,1100"
+).split()
+OWNERS_JS = """return Array.from(document.querySelectorAll(arguments[0] + ' .block'),
+    (d) => [+d.dataset.block, d.dataset.owner]);"""
+SCRUB_JS = """const s = document.getElementById('slider'); s.value = arguments[0];
+    s.dispatchEvent(new Event('input'));"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    for path in (CHROMIUM, CHROMEDRIVER):
+        assert shutil.which(path), f"{path} missing: apt-get install -y chromium chromium-driver"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in [*FLAGS, f"--user-data-dir={tempfile.mkdtemp(prefix='replay-chromium-')}"]:
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+    driver.execute_cdp_cmd("Network.enable", {})
+    offline = dict(offline=True, latency=0, downloadThroughput=-1, uploadThroughput=-1)
+    driver.execute_cdp_cmd("Network.emulateNetworkConditions", offline)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def replay(tiny, tmp_path_factory):
+    """A swap-mode run with preemptions: (html path, spy, block manager)."""
+    kw = dict(num_gpu_blocks=14, block_size=4, max_model_len=56, max_num_seqs=6)
+    engine = make_engine(tiny, preemption_mode="swap", swap_space=0.00002, **kw)
+    recorder, spy = Recorder(engine), ScheduleSpy(engine)
+    run_to_completion(engine, *shared_prefix_workload(seed=7))
+    assert engine.scheduler.num_preemptions > 0
+    path = tmp_path_factory.mktemp("replay") / "run.html"
+    recorder.write_html(str(path))
+    return path, spy, engine.block_manager
+
+
+def owners_want(tables: dict[int, list[int]], sids: list[int], n: int) -> list[list[int]]:
+    """Per block, the recorder's indices of the sequences whose table holds it."""
+    index = {sid: i for i, sid in enumerate(sids)}
+    own = [[] for _ in range(n)]
+    for sid, table in tables.items():
+        for b in table:
+            own[b].append(index[sid])
+    return [sorted(o) for o in own]
+
+
+def owners_shown(driver, grid: str) -> list[list[int]]:
+    cells = driver.execute_script(OWNERS_JS, grid)
+    assert [b for b, _ in cells] == list(range(len(cells)))
+    return [sorted(int(i) for i in o.split(",")) if o else [] for _, o in cells]
+
+
+def test_replay_in_chromium_shows_the_block_managers_tables(browser, replay):
+    path, spy, bm = replay
+    browser.get(path.as_uri())
+    errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+    assert not errors, errors
+    assert len(browser.find_elements("css selector", "#pool .block")) == bm.num_blocks
+    assert len(browser.find_elements("css selector", "#cpupool .block")) == bm.num_cpu_blocks
+    sids = browser.execute_script("return D.seqs.map((s) => s.sid);")
+    rng = random.Random(0)
+    swapped = [f for f, s in enumerate(spy.steps) if s["cpu"]]
+    assert swapped, "the run swaps"
+    for f in sorted({0, len(spy.steps) - 1, swapped[0], *rng.sample(range(len(spy.steps)), 6)}):
+        browser.execute_script(SCRUB_JS, f)
+        assert browser.execute_script("return +document.body.dataset.frame;") == f
+        want = spy.steps[f]
+        assert owners_shown(browser, "#pool") == owners_want(want["tab"], sids, bm.num_blocks)
+        cpu = owners_want(want["cpu"], sids, bm.num_cpu_blocks)
+        assert owners_shown(browser, "#cpupool") == cpu, f"step {f}: CPU pool"
+    assert not browser.get_log("browser")
+
+
+def test_clicking_a_block_shows_its_page_table(browser, replay):
+    path, spy, bm = replay
+    browser.get(path.as_uri())
+    f = max(range(len(spy.steps)), key=lambda k: len(spy.steps[k]["tab"]))
+    browser.execute_script(SCRUB_JS, f)
+    sid, table = next(iter(spy.steps[f]["tab"].items()))
+    browser.find_element("css selector", f'#pool .block[data-block="{table[-1]}"]').click()
+    rows = browser.find_elements("css selector", "#pagetable tr")[1:]
+    shown = [[int(c.text) for c in r.find_elements("tag name", "td")[:2]] for r in rows]
+    assert shown == [[i, b] for i, b in enumerate(table)]
+    assert f"(seq {sid})" in browser.find_element("id", "dname").text.lower()
+    png = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
+    colours = png.getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 50, "the screenshot is nearly blank"
+
+
+def test_play_button_steps_through_the_run(browser, replay):
+    path, spy, _ = replay
+    browser.get(path.as_uri())
+    browser.execute_script(SCRUB_JS, 0)
+    browser.find_element("id", "play").click()
+    frame = "return +document.body.dataset.frame;"
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script(frame) >= 3)
+    browser.find_element("id", "play").click()  # pause
+    paused = browser.execute_script(frame)
+    time.sleep(0.5)  # a few play ticks (at most 200 ms each)
+    assert 3 <= paused <= len(spy.steps) and browser.execute_script(frame) == paused
