@@ -53,9 +53,12 @@ from .launch import (
     MAX_HEAD_DIM,
     NORM_THREADS,
     PARTITION_SIZE,
+    ROTARY_TOKENS_PER_BLOCK,
+    ROW_CACHE,
     SAMPLE_THREADS,
     Kernels,
     cpu_kernels,
+    row_launch,
 )
 
 __all__ = [
@@ -70,6 +73,8 @@ __all__ = [
     "ORDERS",
     "PARTITION_SIZE",
     "REPO",
+    "ROTARY_TOKENS_PER_BLOCK",
+    "ROW_CACHE",
     "SAMPLE_THREADS",
     "SRC_DIR",
     "CpuKernel",
@@ -96,6 +101,7 @@ __all__ = [
     "kernel_names",
     "nvrtc_options",
     "read_source",
+    "row_launch",
     "set_thread_order",
     "thread_order",
 ]
