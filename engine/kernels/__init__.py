@@ -8,7 +8,8 @@ One source, three compilers:
   ``cupy.RawModule``             the GPU backend, on ``read_source(name)`` with the same names.
 
   build.py     sources, entry points, the NVRTC and g++ builds
-  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order
+  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order; the
+               counting builds' global memory traffic (``memory_traffic``)
   launch.py    ``Kernels``: one checked launch per operation; block sizes
 """
 
@@ -42,8 +43,11 @@ from .emulator import (
     CpuKernel,
     CpuModule,
     KernelLaunchError,
+    Traffic,
     cpu_module,
     cpu_module_from_source,
+    memory_traffic,
+    merged_ranges,
     set_thread_order,
     thread_order,
 )
@@ -57,6 +61,7 @@ from .launch import (
     ROW_CACHE,
     SAMPLE_THREADS,
     Kernels,
+    counting_kernels,
     cpu_kernels,
     row_launch,
 )
@@ -82,6 +87,7 @@ __all__ = [
     "KernelBuildError",
     "KernelLaunchError",
     "Kernels",
+    "Traffic",
     "NvrtcResult",
     "asan_enabled",
     "asan_env",
@@ -91,6 +97,7 @@ __all__ = [
     "compile_cpu",
     "compile_cpu_source",
     "compile_nvrtc",
+    "counting_kernels",
     "cpu_kernels",
     "cpu_module",
     "cpu_module_from_source",
@@ -99,6 +106,8 @@ __all__ = [
     "gxx_flags",
     "include_options",
     "kernel_names",
+    "memory_traffic",
+    "merged_ranges",
     "nvrtc_options",
     "read_source",
     "row_launch",
