@@ -7,6 +7,7 @@ kernels mirror. Scalars are numpy scalars of the parameter's exact type (np.int3
 from __future__ import annotations
 
 import functools
+import math
 
 import ml_dtypes
 import numpy as np
@@ -30,11 +31,12 @@ PARTITION_SIZE = 512  # decode: tokens per partition
 
 
 def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]:
-    """(grid, block, row_threads) of a row kernel over (rows, width) elements in vectors of 16
-    bytes: a row of up to 32 * ROW_CACHE vectors gets a group of lanes (a power of two, about
-    ROW_CACHE / 2 vectors each) and NORM_THREADS / group rows share a block; a longer row gets
-    a block of its own, one to two vectors per thread (at most 1024 threads)."""
-    vectors = cdiv(width, max(1, 16 // itemsize))
+    """(grid, block, row_threads) of a row kernel over (rows, width) elements in vectors of the
+    kernels' width (common.cuh vec_width: the widest power of two up to 16 bytes that divides
+    the width): a row of up to 32 * ROW_CACHE vectors gets a group of lanes (a power of two,
+    about ROW_CACHE / 2 vectors each) and NORM_THREADS / group rows share a block; a longer row
+    gets a block of its own, one to two vectors per thread (at most 1024 threads)."""
+    vectors = width // math.gcd(width, max(1, 16 // itemsize))
     if vectors <= 32 * ROW_CACHE:
         group = min(32, 1 << max(0, cdiv(vectors, ROW_CACHE // 2) - 1).bit_length())
         per_block = NORM_THREADS // group
