@@ -80,6 +80,15 @@ __device__ __forceinline__ float block_max(float v) {
   return total;
 }
 
+// Sum over a row's threads, returned to each of them: a group of `row_threads` lanes (a power
+// of two <= 32, aligned within its warp) or, when row_threads == blockDim.x, the whole block.
+// Every thread of the warp (block) must call it, threads of rows past the end included.
+__device__ __forceinline__ float row_sum(float v, int row_threads) {
+  if (row_threads > kWarpSize) return block_sum(v);
+  for (int m = row_threads / 2; m > 0; m /= 2) v += __shfl_xor_sync(kFullMask, v, m);
+  return v;
+}
+
 // The larger (value, index) pair; equal values go to the lower index (numpy's argmax).
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi) {
   if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
@@ -109,6 +118,54 @@ __device__ __forceinline__ int block_argmax(float v, int i) {
   }
   __syncthreads();
   return winner;
+}
+
+// ---- vector access: W elements in one load or store of W * sizeof(T) <= 16 bytes ------------
+#if defined(CUDA_EMU)  // may_alias: g++ -O2 would otherwise assume T and Vec never alias
+#define VEC_ATTRIBUTES(bytes) __attribute__((may_alias, aligned(bytes)))
+#else
+#define VEC_ATTRIBUTES(bytes) __align__(bytes)
+#endif
+
+template <typename T, int W>
+struct VEC_ATTRIBUTES(sizeof(T) * W) Vec {
+  T v[W];
+};
+
+template <int W>
+struct VecWidth {
+  static constexpr int value = W;
+};
+
+template <int W, typename T>
+__device__ __forceinline__ Vec<T, W> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, W>*>(p);
+}
+
+template <int W, typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, W>& v) {
+  *reinterpret_cast<Vec<T, W>*>(p) = v;
+}
+
+// The widest W (a power of two, W * sizeof(T) <= 16) that divides n, with every pointer
+// aligned to W * sizeof(T): rows of n elements then split into whole, aligned vectors.
+template <typename T, typename... P>
+__device__ __forceinline__ int vec_width(int n, const P*... ptrs) {
+  const size_t address_bits = (size_t(0) | ... | reinterpret_cast<size_t>(ptrs));
+  int w = 16 / int(sizeof(T));
+  while (w > 1 && (n % w != 0 || address_bits % (size_t(w) * sizeof(T)) != 0)) w /= 2;
+  return w;
+}
+
+// f(VecWidth<w>()) for a w from vec_width<T>: one instantiation of f per possible width.
+template <typename T, typename F>
+__device__ __forceinline__ void with_vec_width(int w, F&& f) {
+  if constexpr (sizeof(T) <= 2) {
+    if (w == 8) return f(VecWidth<8>());
+  }
+  if (w == 4) return f(VecWidth<4>());
+  if (w == 2) return f(VecWidth<2>());
+  f(VecWidth<1>());
 }
 
 // ---- counter-based random numbers: Philox4x32-10, keyed by (seed), counter (i, step) ---------

@@ -1,18 +1,32 @@
-// embedding.cu: out[t] = table[token_ids[t]], one token per block; an id outside [0, V)
-// writes zeros (the Python wrapper rejects such ids before launching).
+// embedding.cu: out[t] = table[token_ids[t]], rows split as in rms_norm.cu, in vectors of up to
+// 16 bytes; an id outside [0, V) writes zeros (the Python wrapper rejects such ids before
+// launching).
 #include "common.cuh"
 
-// Grid: (T,)  Block: (any, e.g. 256)
+// Grid: (cdiv(T, R),)  Block: (R * row_threads,), as rms_norm
 template <typename T>
 __device__ __forceinline__ void embedding(T* __restrict__ out,                // (T, D)
                                           const int* __restrict__ token_ids,  // (T,)
                                           const T* __restrict__ table,        // (V, D)
-                                          int vocab, int dim) {
-  const int id = token_ids[blockIdx.x];
+                                          int rows, int vocab, int dim, int row_threads) {
+  const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
+  const int lane = threadIdx.x % row_threads, group = row_threads < kWarpSize ? row_threads : kWarpSize;
+  // the id read once per lane group (per warp of a longer row), then shared by a shuffle
+  int id = lane % group == 0 && row < rows ? token_ids[row] : 0;
+  id = __shfl_sync(kFullMask, id, 0, group);
+  if (row >= rows) return;
   const bool valid = id >= 0 && id < vocab;
   const T* src = table + size_t(valid ? id : 0) * dim;
-  T* dst = out + size_t(blockIdx.x) * dim;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = valid ? src[i] : from_float<T>(0.f);
+  T* dst = out + size_t(row) * dim;
+  with_vec_width<T>(vec_width<T>(dim, src, dst), [&](auto vec) {
+    constexpr int W = decltype(vec)::value;
+    Vec<T, W> zero;
+#pragma unroll
+    for (int e = 0; e < W; ++e) zero.v[e] = from_float<T>(0.0f);
+    for (int i = lane; i < dim / W; i += row_threads) {
+      store_vec<W>(dst + i * W, valid ? load_vec<W>(src + i * W) : zero);
+    }
+  });
 }
 
-DTYPE_ENTRY_POINTS(embedding, 5)
+DTYPE_ENTRY_POINTS(embedding, 7)

@@ -1,22 +1,25 @@
-// rms_norm.cu: out = x / sqrt(mean(x^2) + eps) * weight, one row per block.
-#include "common.cuh"
+// rms_norm.cu: out = x / sqrt(mean(x^2) + eps) * weight. Each row is split among row_threads
+// threads (a group of lanes, or the whole block for long rows) in vectors of up to 16 bytes;
+// x is read once (norm.cuh).
+#include "norm.cuh"
 
-// Grid: (T,)  Block: (multiple of 32, <= 1024)
+// R rows per block: row_threads a power of two <= 32 (R = blockDim.x / row_threads), or
+// row_threads == blockDim.x (R = 1); engine/kernels/launch.py row_launch picks them.
+// Grid: (cdiv(T, R),)  Block: (R * row_threads,)
 template <typename T>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out,           // (T, D)
                                          const T* __restrict__ x,       // (T, D)
                                          const T* __restrict__ weight,  // (D,)
-                                         int dim, float eps) {
-  const size_t row = size_t(blockIdx.x) * dim;
-  float squares = 0.0f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = to_float(x[row + i]);
-    squares += v * v;
-  }
-  const float inv_rms = rsqrtf(block_sum(squares) / float(dim) + eps);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    out[row + i] = from_float<T>(to_float(x[row + i]) * inv_rms * to_float(weight[i]));
-  }
+                                         int rows, int dim, int row_threads, float eps) {
+  const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
+  const int lane = threadIdx.x % row_threads;
+  const bool valid = row < rows;
+  const size_t base = size_t(valid ? row : 0) * dim;
+  with_vec_width<T>(vec_width<T>(dim, out, x, weight), [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    auto load = [&](int i) { return load_vec<W>(x + base + i * W); };
+    normalize_row<T, W>(out + base, weight, dim, lane, row_threads, valid, eps, load, load);
+  });
 }
 
-DTYPE_ENTRY_POINTS(rms_norm, 5)
+DTYPE_ENTRY_POINTS(rms_norm, 7)

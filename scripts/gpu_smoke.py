@@ -77,15 +77,6 @@ def check_kernels(dev, rng) -> dict:
     gu, out = rng.standard_normal((T, 2 * F), np.float32), poisoned(dev, (T, F))
     k.silu_and_mul(out, up(gu))
     errors["silu_and_mul"] = close(down(out), N.silu_and_mul(gu), 1e-5)
-    q, kk = (
-        rng.standard_normal((T, H, hd), np.float32),
-        rng.standard_normal((T, Hkv, hd), np.float32),
-    )
-    pos = rng.integers(0, 500, T).astype(np.int32)
-    q_d, k_d = up(q), up(kk)
-    k.rotary(q_d, k_d, up(pos), up(C.rope_table(512, hd, 1e4)))
-    want_q, want_k = N.rotary(q, kk, pos, 1e4)
-    errors["rotary"] = max(close(down(q_d), want_q, 1e-4), close(down(k_d), want_k, 1e-4))
     errors |= check_paged(dev, rng, H, Hkv, hd, bs)
     logits = rng.standard_normal((5, V), np.float32) * 3
     ids = up(np.full(5, -1, np.int32))
@@ -106,19 +97,23 @@ def check_kernels(dev, rng) -> dict:
 
 
 def check_paged(dev, rng, H, Hkv, hd, bs) -> dict:
-    """reshape_and_cache, decode attention (one and two partitions), prefill, copy_blocks."""
+    """rotary_cache, decode attention (one and two partitions), prefill, copy_blocks."""
     k, up, down = dev.kernels, dev.upload, dev.download
     nb, lens = 24, np.array([1, 17, 40, 90], np.int32)
     kc, vc = (rng.standard_normal((nb, bs, Hkv, hd), np.float32) for _ in range(2))
     tables = rng.permutation(nb)[:24].astype(np.int32).reshape(4, 6)  # (B, M) distinct blocks
     errors = {}
     T = 20
-    kn, vn = rng.standard_normal((2, T, Hkv, hd), np.float32)
+    qkv = rng.standard_normal((T, (H + 2 * Hkv) * hd), np.float32)
+    pos = rng.integers(0, 500, T).astype(np.int32)
     slots = rng.permutation(nb * bs)[:T].astype(np.int32)
-    kc_d, vc_d = up(kc), up(vc)
-    k.reshape_and_cache(up(kn), up(vn), kc_d, vc_d, up(slots))
-    N.reshape_and_cache(kn, vn, kc, vc, slots)
-    errors["reshape_and_cache"] = max(close(down(kc_d), kc, 0), close(down(vc_d), vc, 0))
+    slots[::7] = -1  # padding rows: no K/V written
+    kc_d, vc_d, q_d = up(kc), up(vc), poisoned(dev, (T, H, hd))
+    k.rotary_cache(q_d, kc_d, vc_d, up(qkv), up(pos), up(slots), up(C.rope_table(512, hd, 1e4)))
+    want_q = N.rotary_cache(qkv, pos, 1e4, kc, vc, slots, H)
+    errors["rotary_cache"] = max(
+        close(down(q_d), want_q, 1e-4), close(down(kc_d), kc, 1e-4), close(down(vc_d), vc, 0)
+    )
     q = rng.standard_normal((4, H, hd), np.float32)
     want = N.paged_attention_decode(q, kc, vc, tables, lens, hd**-0.5)
     for partition in (512, 64):  # 64: two partitions and the reduce kernel

@@ -138,11 +138,19 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, graphs):
     assert sorted(be.graphs) == ([1, 2, 4, 8] if graphs else [])
     if graphs:
         be.graphs[8] = CallCounter(be.graphs[8])
+    argmax_launches = []  # the stream's state at each sample_greedy launch
+    sample_greedy = be.k.sample_greedy
+    be.k.sample_greedy = lambda *a: (
+        argmax_launches.append(be.device.stream.status),
+        sample_greedy(*a),
+    )
     ids = be.forward_greedy(batch)  # (B,) int32
     logits = be.forward(batch)  # (B, V): the same step again, same cache writes
     assert ids.dtype == np.int32 and ids.shape == (5,)
     np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
     assert not graphs or be.graphs[8].calls == 2
+    # with graphs the argmax is part of the replay (both steps), with no launch after it
+    assert argmax_launches == (["replaying"] * 2 if graphs else [None])
 
 
 def test_graph_batch_sizes():

@@ -64,8 +64,9 @@ def poisoned(dev, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_row_kernels(dev, dtype, rng):
-    T, D, F, V = 17, 256, 320, 1000
+@pytest.mark.parametrize("shape", [(17, 256, 320), (1100, 100, 37)], ids=["vec", "odd"])
+def test_row_kernels(dev, dtype, shape, rng):
+    (T, D, F), V = shape, 1000
     x, res, w = randn(rng, (T, D), dtype), randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
     k, up = dev.kernels, dev.upload
     out = poisoned(dev, (T, D), dtype)
@@ -87,15 +88,24 @@ def test_row_kernels(dev, dtype, rng):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_rotary(dev, dtype, head_dim, rng):
-    T, H, Hkv = 130, 8, 2
-    q, kk = randn(rng, (T, H, head_dim), dtype), randn(rng, (T, Hkv, head_dim), dtype)
+def test_rotary_cache(dev, dtype, head_dim, rng):
+    T, H, Hkv, blocks, bs = 130, 8, 2, 20, 16
+    qkv = randn(rng, (T, (H + 2 * Hkv) * head_dim), dtype)
     pos = rng.integers(0, 2000, T).astype(np.int32)
-    q_d, k_d = dev.upload(q), dev.upload(kk)
-    dev.kernels.rotary(q_d, k_d, dev.upload(pos), dev.upload(C.rope_table(2048, head_dim, 1e4)))
-    want_q, want_k = N.rotary(q, kk, pos, 1e4)
+    slots = rng.permutation(blocks * bs)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.2] = -1  # padding rows
+    kc, vc = (randn(rng, (blocks, bs, Hkv, head_dim), dtype) for _ in range(2))
+    up, q_d, kc_d, vc_d = (
+        dev.upload,
+        poisoned(dev, (T, H, head_dim), dtype),
+        *map(dev.upload, (kc, vc)),
+    )
+    table = up(C.rope_table(2048, head_dim, 1e4))
+    dev.kernels.rotary_cache(q_d, kc_d, vc_d, up(qkv), up(pos), up(slots), table)
+    want_q = N.rotary_cache(qkv, pos, 1e4, kc, vc, slots, H)
     close(dev.download(q_d), want_q, dtype)
-    close(dev.download(k_d), want_k, dtype)
+    close(dev.download(kc_d), kc, dtype)
+    np.testing.assert_array_equal(dev.download(vc_d), vc)
 
 
 def paged_case(rng, dtype, lengths, H, Hkv, hd, bs=16, num_blocks=80):
@@ -135,17 +145,7 @@ def test_paged_attention(dev, dtype, heads, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_cache_writes_and_block_copies(dev, dtype, rng):
-    (kc, vc), _, _ = paged_case(rng, dtype, [16], 4, 2, 64, num_blocks=20)
-    T = 130
-    k, v = randn(rng, (T, 2, 64), dtype), randn(rng, (T, 2, 64), dtype)
-    slots = rng.permutation(20 * 16)[:T].astype(np.int32)
-    slots[rng.random(T) < 0.2] = -1
-    kc_d, vc_d = dev.upload(kc), dev.upload(vc)
-    dev.kernels.reshape_and_cache(dev.upload(k), dev.upload(v), kc_d, vc_d, dev.upload(slots))
-    N.reshape_and_cache(k, v, kc, vc, slots)
-    np.testing.assert_array_equal(dev.download(kc_d), kc)
-    np.testing.assert_array_equal(dev.download(vc_d), vc)
+def test_block_copies(dev, dtype, rng):
     pool = randn(rng, (3, 2, 12, 16, 2, 32), dtype)
     blocks = rng.permutation(12)
     pairs = np.stack([blocks[:4], blocks[4:8]], axis=1).astype(np.int32)

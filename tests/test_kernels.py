@@ -72,9 +72,15 @@ def built_kernels():
 # ---- row-wise kernels -------------------------------------------------------------------------
 
 
+# (T, D): rows around a lane group and a block of rows, over 1,000 rows; widths that split into
+# 16-byte vectors and widths that do not (37, 4097: scalar; 100: 8-byte), a row longer than the
+# registers hold (4097), rows one warp, a block and over 1,000 threads wide (576, 2050, 4097)
+ROW_SHAPES = [(1, 64), (15, 37), (16, 100), (17, 576), (1100, 64), (3, 2050), (2, 4097)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rms_norm(order, dtype, rng):
-    for T, D in [(1, 64), (17, 200), (130, 576)]:
+    for T, D in ROW_SHAPES:
         x, w = randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
         out = poisoned((T, D), dtype)
         kern().rms_norm(out, x, w, 1e-5)
@@ -83,7 +89,7 @@ def test_rms_norm(order, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_fused_add_rms_norm(order, dtype, rng):
-    for T, D in [(1, 64), (16, 200), (130, 576)]:
+    for T, D in ROW_SHAPES:
         x, res, w = randn(rng, (T, D), dtype), randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
         out, residual = poisoned((T, D), dtype), res.copy()
         kern().fused_add_rms_norm(out, residual, x, w, 1e-6)
@@ -94,36 +100,29 @@ def test_fused_add_rms_norm(order, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_embedding(order, dtype, rng):
-    table = randn(rng, (300, 96), dtype)
-    for T in LENGTHS:
+    for T, D in ROW_SHAPES:
+        table = randn(rng, (300, D), dtype)
         ids = rng.integers(0, 300, T).astype(np.int32)
-        out = poisoned((T, 96), dtype)
+        out = poisoned((T, D), dtype)
         kern().embedding(out, ids, table)
         np.testing.assert_array_equal(out, N.embedding(ids, table))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_silu_and_mul(order, dtype, rng):
-    for T, F in [(1, 32), (17, 100), (130, 384)]:
+    for T, F in ROW_SHAPES:
         gate_up = randn(rng, (T, 2 * F), dtype, scale=3.0)
         out = poisoned((T, F), dtype)
         kern().silu_and_mul(out, gate_up)
         assert_close(out, N.silu_and_mul(gate_up), dtype)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rotary(order, dtype, head_dim, rng):
-    theta = float(rng.choice([10000.0, 500000.0]))
-    for T in LENGTHS:
-        q, k = randn(rng, (T, 6, head_dim), dtype), randn(rng, (T, 2, head_dim), dtype)
-        positions = rng.integers(0, 4000, T).astype(np.int32)
-        q_out, k_out = q.copy(), k.copy()
-        table = C.rope_table(4096, head_dim, theta)
-        kern().rotary(q_out, k_out, positions, table)
-        want_q, want_k = N.rotary(q, k, positions, theta)
-        assert_close(q_out, want_q, dtype)
-        assert_close(k_out, want_k, dtype)
+def test_row_launch_shapes():
+    """Short rows share a block in lane groups, long ones get a block each, <= 1024 threads."""
+    assert K.row_launch(1100, 64, 2) == ((35,), (128,), 4)  # 8 vectors: 4 lanes, 32 rows/block
+    assert K.row_launch(17, 576, 2) == ((5,), (128,), 32)  # 72 vectors: a warp per row
+    assert K.row_launch(3, 4096, 2) == ((3,), (256,), 256)  # 512 vectors: a block per row
+    assert K.row_launch(2, 65536, 4) == ((2,), (1024,), 1024)
 
 
 # ---- the paged cache ----------------------------------------------------------------------
@@ -146,18 +145,43 @@ def block_tables_for(rng, lengths, block_size, num_blocks) -> np.ndarray:
     return table
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_reshape_and_cache_skips_negative_slots(order, dtype, rng):
-    k_cache, v_cache = make_cache(rng, 20, 16, 2, 64, dtype)
+def test_rotary_cache(order, dtype, heads, head_dim, rng):
+    """q rotated into its buffer, k rotated and v copied into their slots; slot -1 rows write
+    no K/V; every other slot keeps its (random) contents."""
+    (H, Hkv), bs, blocks = heads, 16, 12
+    theta = float(rng.choice([10000.0, 500000.0]))
     for T in LENGTHS:
-        k, v = randn(rng, (T, 2, 64), dtype), randn(rng, (T, 2, 64), dtype)
-        slots = rng.permutation(20 * 16)[:T].astype(np.int32)
-        slots[rng.random(T) < 0.2] = -1  # padding tokens
+        qkv = randn(rng, (T, (H + 2 * Hkv) * head_dim), dtype)
+        positions = rng.integers(0, 4000, T).astype(np.int32)
+        slots = rng.permutation(blocks * bs)[:T].astype(np.int32)
+        slots[rng.random(T) < 0.2] = -1  # padding rows
+        k_cache, v_cache = make_cache(rng, blocks, bs, Hkv, head_dim, dtype)
         want_k, want_v = k_cache.copy(), v_cache.copy()
-        N.reshape_and_cache(k, v, want_k, want_v, slots)
-        kern().reshape_and_cache(k, v, k_cache, v_cache, slots)
-        np.testing.assert_array_equal(k_cache, want_k)
+        want_q = N.rotary_cache(qkv, positions, theta, want_k, want_v, slots, H)
+        table = C.rope_table(4096, head_dim, theta)
+        q = poisoned((T, H, head_dim), dtype)
+        kern().rotary_cache(q, k_cache, v_cache, qkv, positions, slots, table)
+        assert_close(q, want_q, dtype)
+        assert_close(k_cache, want_k, dtype)
         np.testing.assert_array_equal(v_cache, want_v)
+        untouched = np.setdiff1d(np.arange(blocks * bs), slots)
+        flat_k, flat_want = k_cache.reshape(blocks * bs, -1), want_k.reshape(blocks * bs, -1)
+        np.testing.assert_array_equal(flat_k[untouched], flat_want[untouched])
+
+
+def test_rotary_cache_rejects_bad_shapes():
+    k_cache = np.zeros((4, 16, 2, 64), np.float32)
+    q = np.empty((3, 4, 64), np.float32)
+    table, ids = C.rope_table(64, 64, 1e4), np.zeros(3, np.int32)
+    with pytest.raises(ValueError, match=r"rotary_cache: qkv must have shape \(3, 512\)"):
+        kern().rotary_cache(q, k_cache, k_cache, np.empty((3, 500), np.float32), ids, ids, table)
+    odd = np.zeros((4, 16, 2, 63), np.float32)
+    q63, qkv = np.empty((3, 4, 63), np.float32), np.empty((3, 8 * 63), np.float32)
+    with pytest.raises(ValueError, match=r"head_dim must be even"):
+        kern().rotary_cache(q63, odd, odd, qkv, ids, ids, np.zeros((64, 63), np.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -366,9 +390,14 @@ def test_cuda_cpu_ops_match_numpy_ops(rng):
         C.fused_add_rms_norm(x, r, w, 1e-5), N.fused_add_rms_norm(x, r, w, 1e-5), strict=True
     ):
         assert_close(a, b, np.float32)
-    q, k = randn(rng, (T, H, hd), np.float32), randn(rng, (T, Hkv, hd), np.float32)
+    qkv = randn(rng, (T, (H + 2 * Hkv) * hd), np.float32)
     pos = np.arange(T) + 5000  # past the first table size
-    for a, b in zip(C.rotary(q, k, pos, 1e4), N.rotary(q, k, pos, 1e4), strict=True):
+    caches = [randn(rng, (3, 4, Hkv, hd), np.float32) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    slots = np.array([0, 5, -1, 7, 2, 11, 3, -1, 9], np.int32)
+    q = C.rotary_cache(qkv, pos, 1e4, *caches, slots, H)
+    assert_close(q, N.rotary_cache(qkv, pos, 1e4, *twins, slots, H), np.float32)
+    for a, b in zip(caches, twins, strict=True):
         assert_close(a, b, np.float32)
     ids = rng.integers(0, 50, T)
     table = randn(rng, (50, D), np.float32)
@@ -391,3 +420,59 @@ def test_kernels_under_address_sanitizer():
     result = subprocess.run(cmd, env=env, cwd=K.REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "AddressSanitizer" not in result.stderr
+
+
+# ---- global memory traffic (counting builds) ---------------------------------------------------
+
+
+def counted(op: str, *args):
+    """The traffic of one checked launch through the counting builds (memory_traffic)."""
+    with K.memory_traffic() as t:
+        getattr(K.counting_kernels(), op)(*args)
+    return t
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_row_kernels_read_each_input_byte_once_and_write_exactly_their_outputs(dtype, rng):
+    """x, residual and gate_up read once (a row kept in registers between the two passes of
+    the norms), weight once per row, embedding's table once per row taken; outputs written
+    exactly once, inputs never."""
+    for T, D in ROW_SHAPES[:-1]:  # rows that fit the registers (4097 is read twice)
+        x, r, w = randn(rng, (T, D), dtype), randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
+        out, e = poisoned((T, D), dtype), np.dtype(dtype).itemsize
+        t = counted("rms_norm", out, x, w, 1e-5)
+        assert (t.read(x), t.read(w), t.written(out)) == (x.nbytes, T * w.nbytes, out.nbytes)
+        assert t.written(x) == t.written(w) == t.read(out) == 0
+        t = counted("fused_add_rms_norm", out, r, x, w, 1e-5)
+        assert (t.read(x), t.read(r)) == (x.nbytes, r.nbytes)
+        # <=: g++'s sanopt pass drops the hook of a store to an address whose load it has just
+        # checked, so a read-modify-write's store may go uncounted (its values: test above)
+        assert t.written(r) <= r.nbytes
+        assert (t.read(w), t.written(out), t.read(out)) == (T * w.nbytes, out.nbytes, 0)
+        gate_up, act = randn(rng, (T, 2 * D), dtype), poisoned((T, D), dtype)
+        t = counted("silu_and_mul", act, gate_up)
+        assert (t.read(gate_up), t.written(act), t.read(act)) == (gate_up.nbytes, act.nbytes, 0)
+        table, ids = randn(rng, (300, D), dtype), rng.integers(0, 300, T).astype(np.int32)
+        t = counted("embedding", out, ids, table)
+        assert (t.read(table), t.written(out), t.written(table)) == (T * D * e, out.nbytes, 0)
+        assert t.read(ids) <= ids.nbytes * max(1, K.row_launch(T, D, e)[2] // 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_cache_reads_each_input_byte_once(dtype, rng):
+    """qkv's q rows, and k and v rows of tokens with a slot, read once; one cos/sin row per
+    token; q written once, the caches exactly at the slots; nothing read from the outputs."""
+    H, Hkv, hd, T, blocks, bs = 8, 2, 64, 37, 8, 16
+    qkv = randn(rng, (T, (H + 2 * Hkv) * hd), dtype)
+    pos = rng.integers(0, 4000, T).astype(np.int32)
+    slots = rng.permutation(blocks * bs)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.3] = -1
+    kc, vc = make_cache(rng, blocks, bs, Hkv, hd, dtype)
+    q, table = poisoned((T, H, hd), dtype), C.rope_table(4096, hd, 1e4)
+    t = counted("rotary_cache", q, kc, vc, qkv, pos, slots, table)
+    e, cached = np.dtype(dtype).itemsize, int((slots >= 0).sum())
+    assert t.read(qkv) == (T * H + cached * 2 * Hkv) * hd * e
+    assert (t.read(table), t.read(pos), t.read(slots)) == (T * hd * 4, pos.nbytes, slots.nbytes)
+    assert (t.written(q), t.read(q)) == (q.nbytes, 0)
+    for cache in (kc, vc):
+        assert (t.written(cache), t.read(cache)) == (cached * Hkv * hd * e, 0)

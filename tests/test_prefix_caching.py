@@ -443,7 +443,7 @@ def test_tiny_batch_under_preemption_same_tokens(tiny, chunked):
 
 
 def test_cuda_cpu_kernels_read_blocks_written_in_the_same_step(tiny):
-    """reshape_and_cache runs before both attention kernels: a same-step hit reads the K/V
+    """rotary_cache writes the cache before both attention kernels: a same-step hit reads the K/V
     the step's first request writes."""
     prompts = chat_prompts(tiny.tokenizer, SYSTEM, BATCH_QUESTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -11,8 +11,14 @@ One class, written over a device (``engine.backends.devices``) and its array mod
 A step uploads its metadata in one copy, runs the layers into a workspace allocated once per
 step (reused by every layer), and downloads float32 logits (B, V) (``forward``), or only the
 (B,) greedy ids, argmax on the device (``forward_greedy``). Pure-decode steps of up to
-``max_num_seqs`` sequences replay a graph captured for the next batch size up; the padding rows
-write no KV (slot -1) and read one cached token (context length 1).
+``max_num_seqs`` sequences replay a graph captured for the next batch size up, argmax included
+(the ids in a buffer of the graphs', so a greedy step launches nothing after the replay); the
+padding rows write no KV (slot -1) and read one cached token (context length 1).
+
+Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
+the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
+the output product, ``fused_add_rms_norm``, one gate-up product, ``silu_and_mul``, the down
+product, ``fused_add_rms_norm``.
 """
 
 from __future__ import annotations
@@ -70,9 +76,8 @@ class Workspace:
     residual: object  # (T, D)
     x: object  # (T, D) each block's output
     h: object  # (T, D) normalized
-    q: object  # (T, H, hd)
-    k: object  # (T, Hkv, hd)
-    v: object  # (T, Hkv, hd)
+    qkv: object  # (T, H*hd + 2*Hkv*hd): q | k | v rows of the QKV product
+    q: object  # (T, H, hd) rotated
     attn: object  # (T, H, hd)
     gate_up: object  # (T, 2F)
     act: object  # (T, F)
@@ -198,7 +203,7 @@ class CupyBackend(Backend):
         c, e = self.cfg, self.dtype.itemsize
         M = cdiv(self.max_model_len, self.block_size)
         inputs = 4 * (4 * T + 3 * B + 1 + B * M)
-        per_token = 3 * c.hidden_size + 2 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
+        per_token = 3 * c.hidden_size + 3 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
         last = B * 3 * c.hidden_size * e + B * c.vocab_size * 4
         partials = B * c.num_attention_heads * partitions * (c.head_dim + 2) * 4
         partials = partials if partitions > 1 else 0
@@ -302,19 +307,25 @@ class CupyBackend(Backend):
     @on_device
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (B,) int32 argmax of each row (first maximum), by the ``sample_greedy``
-        kernel on the device's logits: only the B ids come to the host."""
-        logits = self._logits(batch)  # (B, V) on the device
-        ids = self.device.empty(batch.num_seqs, np.int32)  # (B,)
+        kernel on the device's logits (inside the graph on a replay): only the B ids come to
+        the host."""
+        B = batch.num_seqs
+        if self._fits_graph(batch):
+            self._replay(batch)
+            return self.device.download(self._graph_ids[:B])
+        logits = self._run_eager(batch)  # (B, V) on the device
+        ids = self.device.empty(B, np.int32)  # (B,)
         self.k.sample_greedy(ids, logits)
         return self.device.download(ids)
+
+    def _fits_graph(self, batch: ForwardBatch) -> bool:
+        B = batch.num_seqs
+        return bool(self.graphs) and batch.num_decodes == B and B <= max(self.graphs)
 
     def _logits(self, batch: ForwardBatch):
         """(B, V) float32 logits on the device: a graph replay for a pure-decode step that fits
         one, else the eager step."""
-        B = batch.num_seqs
-        if self.graphs and batch.num_decodes == B and B <= max(self.graphs):
-            return self._replay(batch)
-        return self._run_eager(batch)
+        return self._replay(batch) if self._fits_graph(batch) else self._run_eager(batch)
 
     def _run_eager(self, batch: ForwardBatch):
         T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
@@ -335,9 +346,8 @@ class CupyBackend(Backend):
             residual=empty(T, D),
             x=empty(T, D),
             h=empty(T, D),
+            qkv=empty(T, (H + 2 * Hkv) * hd),
             q=empty(T, H, hd),
-            k=empty(T, Hkv, hd),
-            v=empty(T, Hkv, hd),
             attn=empty(T, H, hd),
             gate_up=empty(T, 2 * F),
             act=empty(T, F),
@@ -372,14 +382,12 @@ class CupyBackend(Backend):
 
     def _attention(self, ws: Workspace, lw: DeviceLayer, layer: int, inp, nd: int, max_ctx):
         # ws.h (T, D) normalized -> ws.x (T, D)
-        c, k, T = self.cfg, self.k, ws.h.shape[0]
-        qd, kvd = c.q_dim, c.kv_dim
-        self.gemm(ws.h, lw.w_qkv[:qd], ws.q.reshape(T, qd))  # (T, H*hd)
-        self.gemm(ws.h, lw.w_qkv[qd : qd + kvd], ws.k.reshape(T, kvd))  # (T, Hkv*hd)
-        self.gemm(ws.h, lw.w_qkv[qd + kvd :], ws.v.reshape(T, kvd))
-        k.rotary(ws.q, ws.k, inp.positions, self.cos_sin)
+        k, T, qd = self.k, ws.h.shape[0], self.cfg.q_dim
+        self.gemm(ws.h, lw.w_qkv, ws.qkv)  # (T, H*hd + 2*Hkv*hd)
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
-        k.reshape_and_cache(ws.k, ws.v, k_cache, v_cache, inp.slot_mapping)
+        k.rotary_cache(
+            ws.q, k_cache, v_cache, ws.qkv, inp.positions, inp.slot_mapping, self.cos_sin
+        )
         B = inp.context_lens.shape[0]
         if nd:  # decodes: rows 0..nd-1, one per sequence
             k.paged_attention_decode(
@@ -430,15 +438,14 @@ class CupyBackend(Backend):
         M = cdiv(self.max_model_len, self.block_size)
         self._host_flat, self._host = self._graph_buffers(self._pinned_zeros, sizes[-1], M)
         self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
+        self._graph_ids = self.device.zeros((sizes[-1],), np.int32)  # (Bmax,) greedy ids out
         fill_padding(self._host, 0, sizes[-1])
         self.device.copy_to(self._dev_flat, self._host_flat)
         t0 = time.perf_counter()
         for G in reversed(sizes):  # largest first: it sizes the shared pool
             tok, pos, slots, lens, tables = (a[:G] for a in dev)
             inp = StepInputs(tok, pos, slots, lens, tables, None, None)
-            self.graphs[G] = self.device.capture(
-                lambda inp=inp, G=G: self._step(inp, G, G, G, self.max_model_len)
-            )
+            self.graphs[G] = self.device.capture(lambda inp=inp, G=G: self._graph_step(inp, G))
         self.device.synchronize()
         log.info(
             "CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, graph pool %.1f MiB",
@@ -448,6 +455,12 @@ class CupyBackend(Backend):
             self.device.graph_pool_bytes() / MiB,
         )
 
+    def _graph_step(self, inp: StepInputs, G: int):
+        """A graph's step: (G, V) logits, and their argmax in ``_graph_ids[:G]``."""
+        logits = self._step(inp, G, G, G, self.max_model_len)  # (G, V)
+        self.k.sample_greedy(self._graph_ids[:G], logits)
+        return logits
+
     def _pinned_zeros(self, shape, dtype) -> np.ndarray:
         a = self.device.pinned_empty(shape, dtype)
         a[...] = 0
@@ -455,7 +468,8 @@ class CupyBackend(Backend):
 
     def _replay(self, batch: ForwardBatch):
         """A pure-decode step through the graph of the next batch size up (padded rows) ->
-        (B, V) float32 logits on the device (the real rows of the graph's output)."""
+        (B, V) float32 logits on the device (the real rows of the graph's output); the argmax
+        of each row is in ``_graph_ids[:B]``."""
         B = batch.num_seqs
         G = min(g for g in self.graphs if g >= B)
         tok, pos, slots, lens, tables = self._host

@@ -57,10 +57,13 @@ from .launch import (
     MAX_HEAD_DIM,
     NORM_THREADS,
     PARTITION_SIZE,
+    ROTARY_TOKENS_PER_BLOCK,
+    ROW_CACHE,
     SAMPLE_THREADS,
     Kernels,
     counting_kernels,
     cpu_kernels,
+    row_launch,
 )
 
 __all__ = [
@@ -75,6 +78,8 @@ __all__ = [
     "ORDERS",
     "PARTITION_SIZE",
     "REPO",
+    "ROTARY_TOKENS_PER_BLOCK",
+    "ROW_CACHE",
     "SAMPLE_THREADS",
     "SRC_DIR",
     "CpuKernel",
@@ -105,6 +110,7 @@ __all__ = [
     "merged_ranges",
     "nvrtc_options",
     "read_source",
+    "row_launch",
     "set_thread_order",
     "thread_order",
 ]

@@ -7,6 +7,7 @@ kernels mirror. Scalars are numpy scalars of the parameter's exact type (np.int3
 from __future__ import annotations
 
 import functools
+import math
 
 import ml_dtypes
 import numpy as np
@@ -20,11 +21,28 @@ DTYPE_SUFFIX = {
     np.dtype(np.float16): "f16",
     np.dtype(ml_dtypes.bfloat16): "bf16",
 }
-NORM_THREADS = 128  # rows: rms_norm, fused_add_rms_norm, embedding, silu_and_mul, ...
+NORM_THREADS = 128  # row kernels: the block of rows that share one, and the least per long row
+ROW_CACHE = 4  # norm.cuh kRowCache: vectors per thread a row kernel holds in registers
+ROTARY_TOKENS_PER_BLOCK = 4  # rotary_cache.cu kRotaryWarps: one warp per token
 ATTN_THREADS = 128  # attention kernels: four warps (attention.cuh)
 SAMPLE_THREADS = 256
 MAX_HEAD_DIM = 256  # attention.cuh kMaxHeadDim
 PARTITION_SIZE = 512  # decode: tokens per partition
+
+
+def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]:
+    """(grid, block, row_threads) of a row kernel over (rows, width) elements in vectors of the
+    kernels' width (common.cuh vec_width: the widest power of two up to 16 bytes that divides
+    the width): a row of up to 32 * ROW_CACHE vectors gets a group of lanes (a power of two,
+    about ROW_CACHE / 2 vectors each) and NORM_THREADS / group rows share a block; a longer row
+    gets a block of its own, one to two vectors per thread (at most 1024 threads)."""
+    vectors = width // math.gcd(width, max(1, 16 // itemsize))
+    if vectors <= 32 * ROW_CACHE:
+        group = min(32, 1 << max(0, cdiv(vectors, ROW_CACHE // 2) - 1).bit_length())
+        per_block = NORM_THREADS // group
+        return (cdiv(rows, per_block),), (NORM_THREADS,), group
+    threads = min(1024, max(NORM_THREADS, 32 * cdiv(vectors, 64)))
+    return (rows,), (threads,), threads
 
 
 def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
@@ -74,6 +92,14 @@ class Kernels:
             self._fns[entry] = self._load(file).get_function(entry)
         return self._fns[entry]
 
+    def _rows(self, op: str, a, args: tuple, *tail) -> None:
+        """Launch row kernel ``op`` over a's (T, D) rows: args, T, D, threads per row, tail."""
+        T, D = a.shape
+        if T:
+            grid, block, row_threads = row_launch(T, D, np.dtype(a.dtype).itemsize)
+            fn = self._fn(op, f"{op}_{_suffix(op, a)}")
+            fn(grid, block, args + (i32(T), i32(D), i32(row_threads), *tail))
+
     def embedding(self, out, token_ids, table) -> None:
         V, D = table.shape
         T = token_ids.shape[0]
@@ -81,17 +107,16 @@ class Kernels:
         _check("embedding", "table", table, (V, D))
         _check("embedding", "out", out, (T, D), table.dtype)
         if T:
+            grid, block, row_threads = row_launch(T, D, np.dtype(table.dtype).itemsize)
             fn = self._fn("embedding", f"embedding_{_suffix('embedding', table)}")
-            fn((T,), (NORM_THREADS,), (out, token_ids, table, i32(V), i32(D)))
+            fn(grid, block, (out, token_ids, table, i32(T), i32(V), i32(D), i32(row_threads)))
 
     def rms_norm(self, out, x, weight, eps: float) -> None:
         T, D = x.shape
         _check("rms_norm", "x", x, (T, D))
         _check("rms_norm", "weight", weight, (D,), x.dtype)
         _check("rms_norm", "out", out, (T, D), x.dtype)
-        if T:
-            fn = self._fn("rms_norm", f"rms_norm_{_suffix('rms_norm', x)}")
-            fn((T,), (NORM_THREADS,), (out, x, weight, i32(D), f32(eps)))
+        self._rows("rms_norm", x, (out, x, weight), f32(eps))
 
     def fused_add_rms_norm(self, out, residual, x, weight, eps: float) -> None:
         """residual += x in place; out = rms_norm(residual) * weight."""
@@ -101,23 +126,7 @@ class Kernels:
         _check(op, "residual", residual, (T, D), x.dtype)
         _check(op, "weight", weight, (D,), x.dtype)
         _check(op, "out", out, (T, D), x.dtype)
-        if T:
-            fn = self._fn(op, f"{op}_{_suffix(op, x)}")
-            fn((T,), (NORM_THREADS,), (out, residual, x, weight, i32(D), f32(eps)))
-
-    def rotary(self, q, k, positions, cos_sin) -> None:
-        """Rotate q (T, H, hd) and k (T, Hkv, hd) in place; cos_sin: (max_pos, hd) float32."""
-        T, H, hd = q.shape
-        _check("rotary", "q", q, (T, H, hd))
-        _check("rotary", "k", k, (T, None, hd), q.dtype)
-        _check("rotary", "positions", positions, (T,), np.int32)
-        _check("rotary", "cos_sin", cos_sin, (None, hd), np.float32)
-        if hd % 2:
-            raise ValueError(f"rotary: head_dim must be even, got {hd}")
-        if T:
-            fn = self._fn("rotary", f"rotary_{_suffix('rotary', q)}")
-            args = (q, k, positions, cos_sin, i32(H), i32(k.shape[1]), i32(hd))
-            fn((T,), (NORM_THREADS,), args + (i32(cos_sin.shape[0]),))
+        self._rows(op, x, (out, residual, x, weight), f32(eps))
 
     def silu_and_mul(self, out, gate_up) -> None:
         T, F2 = gate_up.shape
@@ -125,23 +134,29 @@ class Kernels:
         if F2 % 2:
             raise ValueError(f"silu_and_mul: gate_up width must be even, got {F2}")
         _check("silu_and_mul", "out", out, (T, F2 // 2), gate_up.dtype)
-        if T:
-            fn = self._fn("silu_and_mul", f"silu_and_mul_{_suffix('silu_and_mul', gate_up)}")
-            fn((T,), (NORM_THREADS,), (out, gate_up, i32(F2 // 2)))
+        self._rows("silu_and_mul", out, (out, gate_up))
 
-    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def rotary_cache(self, q, k_cache, v_cache, qkv, positions, slot_mapping, cos_sin) -> None:
+        """From qkv (T, (H + 2 Hkv) hd) rows q | k | v: q rotated into q (T, H, hd); k rotated
+        and v copied into the caches (N, bs, Hkv, hd) at slot_mapping (slot < 0: no write).
+        cos_sin: (max_pos, hd) float32."""
+        op = "rotary_cache"
         N, bs, Hkv, hd = k_cache.shape
-        T = k.shape[0]
-        op = "reshape_and_cache"
+        T, H = q.shape[0], q.shape[1] if q.ndim == 3 else 0
         _check(op, "k_cache", k_cache, (N, bs, Hkv, hd))
         _check(op, "v_cache", v_cache, (N, bs, Hkv, hd), k_cache.dtype)
-        _check(op, "k", k, (T, Hkv, hd), k_cache.dtype)
-        _check(op, "v", v, (T, Hkv, hd), k_cache.dtype)
+        _check(op, "q", q, (T, H, hd), k_cache.dtype)
+        _check(op, "qkv", qkv, (T, (H + 2 * Hkv) * hd), k_cache.dtype)
+        _check(op, "positions", positions, (T,), np.int32)
         _check(op, "slot_mapping", slot_mapping, (T,), np.int32)
+        _check(op, "cos_sin", cos_sin, (None, hd), np.float32)
+        if hd % 2 or hd > MAX_HEAD_DIM:
+            raise ValueError(f"{op}: head_dim must be even and <= {MAX_HEAD_DIM}, got {hd}")
         if T:
-            fn = self._fn(op, f"{op}_{_suffix(op, k_cache)}")
-            args = (k_cache, v_cache, k, v, slot_mapping, i32(Hkv * hd), np.int64(N * bs))
-            fn((T,), (NORM_THREADS,), args)
+            fn = self._fn(op, f"{op}_{_suffix(op, q)}")
+            args = (q, k_cache, v_cache, qkv, positions, slot_mapping, cos_sin, i32(T), i32(H))
+            args += (i32(Hkv), i32(hd), i32(cos_sin.shape[0]), np.int64(N * bs))
+            fn((cdiv(T, ROTARY_TOKENS_PER_BLOCK),), (32 * ROTARY_TOKENS_PER_BLOCK,), args)
 
     def _check_paged(self, op, q, k_cache, v_cache, block_tables, context_lens):
         N, bs, Hkv, hd = k_cache.shape

@@ -3,7 +3,7 @@
 Same names, arguments and results as ``tests.oracles.numpy_ops`` (its twin): each call
 launches the kernel through ``engine.kernels`` on the CUDA emulator. Inputs may be float32,
 float16 or bfloat16 (ml_dtypes); metadata arrays are converted to int32. Operations that the
-kernels do in place (rotary, fused_add_rms_norm) work on copies, as the NumPy twins return new
+kernels do in place (fused_add_rms_norm) work on copies, as the NumPy twins return new
 arrays. Sampling: ``sample_greedy`` and ``sample`` launch the sampling kernels;
 ``sample_numpy`` is their NumPy twin (same filters, same Philox draws).
 """
@@ -60,15 +60,18 @@ def _table_rows(max_position: int) -> int:
     return max(1024, 1 << int(max_position).bit_length())
 
 
-def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, theta: float):
-    # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,) -> rotated copies (q, k)
+def rotary_cache(qkv, positions, theta, k_cache, v_cache, slot_mapping, num_heads: int):
+    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: rotate q and k, write k and v into their slots of
+    the (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd)."""
     pos = _i32(positions)
     if pos.size and pos.min() < 0:
         raise ValueError(f"positions must be >= 0, got {pos.min()}")
-    table = rope_table(_table_rows(pos.max() if pos.size else 0), q.shape[-1], float(theta))
-    q_out, k_out = np.array(q, order="C"), np.array(k, order="C")  # rotated in place
-    cpu_kernels().rotary(q_out, k_out, pos, table)
-    return q_out, k_out
+    hd = k_cache.shape[-1]
+    table = rope_table(_table_rows(pos.max() if pos.size else 0), hd, float(theta))
+    q = np.empty((qkv.shape[0], num_heads, hd), k_cache.dtype)  # (T, H, hd)
+    args = (_as(qkv, k_cache.dtype), pos, _i32(slot_mapping), table)
+    cpu_kernels().rotary_cache(q, k_cache, v_cache, *args)
+    return q
 
 
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
@@ -83,14 +86,6 @@ def _as(a: np.ndarray, dtype) -> np.ndarray:
     """Contiguous in ``dtype`` (float32 activations meet a 16-bit cache: rounded, as NumPy's
     assignment into the cache rounds)."""
     return np.ascontiguousarray(a, dtype=dtype)
-
-
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches."""
-    kc = cpu_kernels()
-    kc.reshape_and_cache(
-        _as(k, k_cache.dtype), _as(v, k_cache.dtype), k_cache, v_cache, _i32(slot_mapping)
-    )
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -60,6 +60,19 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache[slots // block_size, slots % block_size] = v[keep]
 
 
+def rotary_cache(qkv, positions, theta, k_cache, v_cache, slot_mapping, num_heads: int):
+    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: rotate q and k, write k and v into their slots of
+    the (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd)."""
+    T, (Hkv, hd) = qkv.shape[0], k_cache.shape[2:]
+    q_dim, kv_dim = num_heads * hd, Hkv * hd
+    q = qkv[:, :q_dim].reshape(T, num_heads, hd)
+    k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, Hkv, hd)
+    v = qkv[:, q_dim + kv_dim :].reshape(T, Hkv, hd)
+    q, k = rotary(q, k, positions, theta)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:
     """One sequence's first ``length`` rows, read through its page table -> (length, Hkv, hd)."""
     block_size = cache.shape[1]
