@@ -158,9 +158,9 @@ __device__ __forceinline__ void prefill_attention(
   __shared__ __align__(16) float probs[kTileKeys * kProbStride];  // (32 keys, 36) per row
   __shared__ size_t rows[kTileKeys];                // cache offset of each key's row
   const int h = blockIdx.x, num_heads = gridDim.x, kv_head = h / (num_heads / num_kv_heads);
-  const int b = sequence_of_slot(query_start_loc, num_seqs, blockIdx.y);
-  const int row0 = query_start_loc[b] +
-                   (blockIdx.y - b - query_start_loc[b] / kTileRows) * kTileRows;
+  const int slot = gridDim.y - 1 - blockIdx.y;  // last tiles (the most keys) launch first
+  const int b = sequence_of_slot(query_start_loc, num_seqs, slot);
+  const int row0 = query_start_loc[b] + (slot - b - query_start_loc[b] / kTileRows) * kTileRows;
   const int row_end = query_start_loc[b + 1];
   if (row0 >= row_end) return;  // a spare slot: the whole block, before any barrier
   const int q_len = row_end - query_start_loc[b];

@@ -246,7 +246,7 @@ def test_paged_attention_prefill(order, dtype, shape, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_paged_attention_prefill_long_prompt(dtype, rng):
+def test_paged_attention_prefill_long_context(dtype, rng):
     """A 1,100-token query run (35 tiles) after a 30-token cached prefix, then a 3-token run."""
     run_prefill(rng, dtype, (2, 1, 64, 16), [1100, 3], [1130, 3])
 
