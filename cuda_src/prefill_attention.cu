@@ -21,6 +21,7 @@ constexpr int kSlices = kMaxDim / kDimTile;       // dim slices of the largest h
 constexpr int kDimsPerLane = kMaxDim / kWarpSize; // output dims a lane owns
 constexpr int kKvStride = kDimTile + 4;           // padded row: 16-byte reads hit 8 banks apart
 constexpr int kProbStride = kTileRows + 4;
+static_assert(kRowsPerWarp == 8, "a lane writes and reads its rows' probabilities as two Float4");
 
 struct __align__(16) Vec16 {  // one 16-byte load or store
   unsigned w[4];
