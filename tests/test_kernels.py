@@ -239,24 +239,61 @@ def test_paged_attention_decode_long_context_default_partitions(dtype, rng):
     assert_close(out, N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa3", "gqa8"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_paged_attention_prefill(order, dtype, heads, head_dim, rng):
-    """Query runs of 1, 15, 16, 17 and 110 tokens; some start after a cached prefix."""
-    (H, Hkv), bs = heads, 16
-    q_lens = [1, 15, 16, 17, 110]
-    ctx_lens = [1, 15, 40, 17, 130]  # 25 and 20 tokens already cached before the queries
-    k_cache, v_cache = make_cache(rng, 30, bs, Hkv, head_dim, dtype)
-    tables = block_tables_for(rng, ctx_lens, bs, 30)
+# (H, Hkv, head_dim, block_size): GQA groups 1, 4, 8 and 1; the tiny model's head_dim 16, 64,
+# 128 and the largest, 256 (four 64-dim slices); blocks smaller and larger than a key chunk.
+PREFILL_SHAPES = [(2, 2, 64, 16), (8, 2, 128, 8), (8, 1, 16, 32), (2, 2, 256, 16)]
+
+
+def run_prefill(rng, dtype, shape, q_lens, ctx_lens):
+    """Prefill attention over a fresh random cache against the NumPy twin."""
+    H, Hkv, hd, bs = shape
+    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
+    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     lens = np.array(ctx_lens, np.int32)
-    q = randn(rng, (int(qsl[-1]), H, head_dim), dtype)
+    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
     out = poisoned(q.shape, dtype)
-    scale = head_dim**-0.5
+    scale = hd**-0.5
     kern().paged_attention_prefill(out, q, k_cache, v_cache, tables, qsl, lens, scale)
-    want = N.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, scale)
-    assert_close(out, want, dtype)
+    assert_close(
+        out, N.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, scale), dtype
+    )
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_prefill(order, dtype, shape, rng):
+    """Query runs of 1, 15, 16, 17, 33 and 70 tokens; the 15, 17, 33 and 70 start after a
+    cached prefix (25, 20, 5 and 64 tokens), so tiles start off a 32-key boundary."""
+    run_prefill(rng, dtype, shape, [1, 15, 16, 17, 33, 70], [1, 40, 16, 37, 38, 134])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_prefill_long_context(dtype, rng):
+    """A 1,100-token query run (35 tiles) after a 30-token cached prefix, then a 3-token run."""
+    run_prefill(rng, dtype, (2, 1, 64, 16), [1100, 3], [1130, 3])
+
+
+def test_paged_attention_prefill_rejects_bad_arguments(rng):
+    qsl, lens, tables = (
+        np.array([0, 3], np.int32),
+        np.array([3], np.int32),
+        np.zeros((1, 1), np.int32),
+    )
+    k_cache, v_cache = make_cache(rng, 2, 16, 1, 12, np.float32)
+    q = randn(rng, (3, 2, 12), np.float32)
+    with pytest.raises(ValueError, match=r"head_dim must be a multiple of 8, got 12"):
+        kern().paged_attention_prefill(
+            np.empty_like(q), q, k_cache, v_cache, tables, qsl, lens, 1.0
+        )
+    k_cache, v_cache = make_cache(rng, 2, 16, 1, 16, np.float32)
+    raw = np.empty(k_cache.nbytes + 32, np.uint8)
+    skew = (-raw.ctypes.data) % 16 + 4  # 4 bytes past a 16-byte boundary
+    k_off = raw[skew : skew + k_cache.nbytes].view(np.float32).reshape(k_cache.shape)
+    q = randn(rng, (3, 2, 16), np.float32)
+    with pytest.raises(ValueError, match=r"k_cache must start on a 16-byte boundary"):
+        kern().paged_attention_prefill(np.empty_like(q), q, k_off, v_cache, tables, qsl, lens, 1.0)
 
 
 def test_attention_rejects_bad_arguments(rng):

@@ -28,6 +28,8 @@ ATTN_THREADS = 128  # attention kernels: four warps (attention.cuh)
 SAMPLE_THREADS = 256
 MAX_HEAD_DIM = 256  # attention.cuh kMaxHeadDim
 PARTITION_SIZE = 512  # decode: tokens per partition
+PREFILL_TILE = 32  # prefill: query rows per block (prefill_attention.cu kTileRows)
+PREFILL_DIM_MULTIPLE = 8  # prefill: K/V rows are read 16 bytes at a time
 
 
 def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]:
@@ -60,6 +62,12 @@ def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
 
 def _desc(a) -> str:
     return f"shape {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__
+
+
+def _address(a) -> int:
+    """The device (CuPy) or host (NumPy) address of an array's first element."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(iface["data"][0])
 
 
 def _suffix(op: str, a) -> str:
@@ -219,12 +227,18 @@ class Kernels:
         B, T = context_lens.shape[0], q.shape[0]
         _check(op, "query_start_loc", query_start_loc, (B + 1,), np.int32)
         _check(op, "out", out, (T, H, hd), q.dtype)
+        if hd % PREFILL_DIM_MULTIPLE:
+            raise ValueError(f"{op}: head_dim must be a multiple of 8, got {hd}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _address(cache) % 16:
+                raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
         if T == 0:
             return
         fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
         args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
-        fn((H, cdiv(T, 4)), (ATTN_THREADS,), args + (f32(scale),))
+        grid = (H, B + cdiv(T, PREFILL_TILE) - 1)  # spare slots between sequences exit at once
+        fn(grid, (ATTN_THREADS,), args + (f32(scale),), shared_mem=PREFILL_TILE * hd * 4)
 
     def copy_blocks(self, src, dst, pairs) -> None:
         """dst[:, :, d] = src[:, :, s] for each row (s, d) of pairs (P, 2) int32."""
