@@ -16,7 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import KernelBuildError, asan_enabled, compile_cpu, compile_cpu_source
+from .build import (
+    KernelBuildError,
+    asan_enabled,
+    compile_cpu,
+    compile_cpu_source,
+    normalize_defines,
+)
 
 ORDERS = ("forward", "reversed", "shuffled")
 
@@ -114,14 +120,15 @@ class CpuModule:
         return self._kernels[name]
 
 
-_cpu_modules: dict[tuple[str, bool], CpuModule] = {}
+_cpu_modules: dict[tuple[str, bool, tuple], CpuModule] = {}
 
 
-def cpu_module(name: str) -> CpuModule:
-    """The (cached) CPU build of cuda_src/<name>.cu; ASan when PAGEDLLM_EMU_ASAN=1."""
-    key = (name, asan_enabled())
+def cpu_module(name: str, defines=None) -> CpuModule:
+    """The (cached) CPU build of cuda_src/<name>.cu with ``defines`` (e.g. {"HEAD_DIM": 64});
+    ASan when PAGEDLLM_EMU_ASAN=1."""
+    key = (name, asan_enabled(), normalize_defines(name, defines))
     if key not in _cpu_modules:
-        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1]))
+        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], key[2]))
     return _cpu_modules[key]
 
 
