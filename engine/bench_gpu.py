@@ -2,10 +2,14 @@
 
     copy        device-to-device copy: bytes read + written per second (ceiling 1)
     gemm        one large bfloat16 product on the engine's cuBLAS handle (ceiling 2)
-    itl         batch-1 inter-token latency, graphs and eager, vs reading the weights once
+    itl         batch-1 inter-token latency, graphs and eager, vs reading the weights once at
+                the measured copy bandwidth (target: at most 1.3x)
     throughput  output tokens/s of N concurrent requests, graphs and eager, vs the roofline
-                of their decode step; and one decode step's time at batch N
-    hf          Hugging Face ``generate`` on the same model and workload (torch only there)
+                of their decode step: the larger of its bytes / copy bandwidth and its FLOPs /
+                the measured bf16 matmul rate (target: at least 0.5x); and one decode step's
+                time at batch N
+    hf          Hugging Face ``generate`` on the same model and workload (torch only there);
+                the engine's throughput over it (target: at least 3x)
 
 ``python -m engine.bench_gpu --model DIR --json FILE`` runs them in that order. Each figure is
 guarded on its own (an exception is recorded as that figure's ``error`` and the next one runs)
@@ -28,6 +32,7 @@ import numpy as np
 from engine.utils import cdiv
 
 GiB = 1 << 30
+TARGETS = dict(itl=1.3, throughput=0.5, hf=3.0)  # ITL/floor at most; others at least
 FULL = dict(requests=256, prompt_len=128, output_len=128, copy_bytes=2 * GiB, gemm_n=8192)
 SMALL = dict(requests=4, prompt_len=16, output_len=8, copy_bytes=1 << 24, gemm_n=256)
 
@@ -155,9 +160,33 @@ def decode_step_ms(engine, batch: int) -> dict:
     return res
 
 
-def throughput(loaded, backend: str, eager: bool, bandwidth_gbs: float | None, w: dict) -> dict:
+def decode_step_flops(config, batch: int, context: float) -> float:
+    """FLOPs of one decode step of ``batch`` sequences at a mean ``context``: two per weight of
+    every matrix product (QKV, O, gate-up, down, LM head) per token, plus attention's QK^T and
+    PV (two each per query head, head dim and context token)."""
+    c = config
+    D, F, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    per_layer = D * (c.q_dim + 2 * c.kv_dim) + c.q_dim * D + 3 * D * F
+    matmul = 2 * batch * (L * per_layer + c.vocab_size * D)
+    attention = 4 * batch * L * c.num_attention_heads * c.head_dim * context
+    return float(matmul + attention)
+
+
+def roofline(engine, config, n: int, context: float, bandwidth_gbs, tflops) -> dict:
+    """Tokens/s if a decode step of ``n`` sequences took its longer floor: the weights and every
+    sequence's KV read once at the copy bandwidth, or its FLOPs at the matmul rate."""
+    kv = n * context * config.kv_bytes_per_token(engine.backend.kv_dtype)
+    memory_s = (engine.backend.weights_bytes + kv) / (bandwidth_gbs * 1e9)
+    compute_s = decode_step_flops(config, n, context) / (tflops * 1e12) if tflops else 0.0
+    bound = "memory" if memory_s >= compute_s else "compute"
+    return {"roofline": n / max(memory_s, compute_s), "bound": bound}
+
+
+def throughput(
+    loaded, backend: str, eager: bool, bandwidth_gbs: float | None, tflops, w: dict
+) -> dict:
     """Output tokens/s of ``requests`` concurrent requests vs the roofline of their decode step
-    (weights plus every sequence's KV read once per step, at the measured bandwidth)."""
+    (``roofline``)."""
     n = w["requests"]
     engine = make_engine(loaded, backend, eager, max_num_seqs=n, max_num_batched_tokens=4096)
     prompts = random_prompts(loaded, n, w["prompt_len"], 1)
@@ -167,9 +196,8 @@ def throughput(loaded, backend: str, eager: bool, bandwidth_gbs: float | None, w
     res = {"tokens_per_s": rate, "seconds": seconds, **decode_step_ms(engine, n)}
     if bandwidth_gbs:
         mean_ctx = w["prompt_len"] + w["output_len"] / 2
-        kv = n * mean_ctx * loaded.config.kv_bytes_per_token(engine.backend.kv_dtype)
-        roofline = n * bandwidth_gbs * 1e9 / (engine.backend.weights_bytes + kv)
-        res |= {"roofline": roofline, "ratio": rate / roofline}
+        res |= roofline(engine, loaded.config, n, mean_ctx, bandwidth_gbs, tflops)
+        res["ratio"] = rate / res["roofline"]
     return res
 
 
@@ -205,16 +233,21 @@ def summary(name: str, r: dict) -> str:
         ratio = ""
         if "ratio" in r:
             ratio = f" vs weights/bandwidth {r['floor_ms']:.2f} ms = {r['ratio']:.2f}x"
+            ratio += f" (target <= {TARGETS['itl']}x)"
         return f"{name}: {r['itl_ms']:.2f} ms batch-1 ITL{ratio}"
     if name.startswith("throughput"):
-        roof = f" vs roofline {r['roofline']:,.0f} = {r['ratio']:.2f}" if "ratio" in r else ""
+        roof = ""
+        if "ratio" in r:
+            roof = f" vs {r['bound']}-bound roofline {r['roofline']:,.0f} = {r['ratio']:.2f}x"
+            roof += f" (target >= {TARGETS['throughput']}x)"
         replay = f", graph replay {r['replay_ms']:.2f} ms" if "replay_ms" in r else ""
         return (
             f"{name}: {r['tokens_per_s']:,.0f} tok/s{roof}; decode step at {r['batch']}: "
             f"{r['step_ms']:.2f} ms{replay}"
         )
     if name == "hf":
-        return f"hf: transformers generate {r['tokens_per_s']:,.0f} tok/s"
+        over = f"; engine {r['engine_over_hf']:.2f}x" if "engine_over_hf" in r else ""
+        return f"hf: transformers generate {r['tokens_per_s']:,.0f} tok/s{over} (target >= 3x)"
     return f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items())
 
 
@@ -251,16 +284,22 @@ def run_all(model_dir: str, out_json: str | None, emulate: bool, with_hf: bool) 
     figure("gemm", lambda: gemm_tflops(dev, w["gemm_n"]))
     figure("load", lambda: {"source": state.setdefault("loaded", load_model(model_dir)).source})
     loaded, bw = state.get("loaded"), None if emulate else res["copy"].get("gbs")
+    tflops = res["gemm"].get("tflops")
     for eager in (False, True):
         tag = "eager" if eager else "graphs"
         figure(f"itl_{tag}", lambda e=eager: decode_itl(loaded, backend, e, bw, w))
-        figure(f"throughput_{tag}", lambda e=eager: throughput(loaded, backend, e, bw, w))
+        figure(f"throughput_{tag}", lambda e=eager: throughput(loaded, backend, e, bw, tflops, w))
     if with_hf and not emulate:
-        figure("hf", lambda: hf_generate(model_dir, w))
-        ours, theirs = res["throughput_graphs"], res["hf"]
-        if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-            res["engine_over_hf"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        figure("hf", lambda: hf_vs_engine(model_dir, w, res["throughput_graphs"]))
     return res
+
+
+def hf_vs_engine(model_dir: str, w: dict, ours: dict) -> dict:
+    """``hf_generate`` and the engine's graphs throughput over it."""
+    theirs = hf_generate(model_dir, w)
+    if "tokens_per_s" in ours:
+        theirs["engine_over_hf"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    return theirs
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,8 @@
 //   - missing barriers: emu_set_order() runs threads (and blocks) forward, reversed or
 //     shuffled, so a read that needs another thread's earlier write sees NaN in some order;
 //   - out-of-bounds accesses: build with -fsanitize=address (fibers are annotated for ASan).
+// A counting build (-DEMU_COUNT_BYTES, emu_traffic.h) counts each array argument's global
+// memory traffic instead.
 // What it cannot model: see docs/kernels.md (weak memory ordering, spin-waits between threads,
 // tensor cores, warp-synchronous code without *_sync, timing).
 #pragma once
@@ -39,7 +41,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(EMU_COUNT_BYTES)
+#include "emu_traffic.h"  // a counting build: -fsanitize=kernel-address hooks, not ASan
+#define EMU_ASAN 0
+#elif defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
 #define EMU_ASAN 1
 #else
@@ -69,6 +74,18 @@ struct dim3 {
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 constexpr int warpSize = 32;
+
+// CUDA's vector types, with their alignment (a float4 or uint4 access is one 16-byte load).
+struct __attribute__((aligned(8))) float2 { float x, y; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+struct __attribute__((aligned(8))) int2 { int x, y; };
+struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+struct __attribute__((aligned(8))) uint2 { unsigned x, y; };
+struct __attribute__((aligned(16))) uint4 { unsigned x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 namespace emu {
 

@@ -10,7 +10,8 @@ Each takes ``defines`` too: a file built per set of compile-time constants (the 
 attention's head dim and block size) gets them as ``-D`` options, one build per set.
 
   build.py     sources, entry points, the NVRTC and g++ builds
-  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order
+  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order; the
+               counting builds' global memory traffic (``memory_traffic``)
   launch.py    ``Kernels``: one checked launch per operation; block sizes
 """
 
@@ -47,8 +48,11 @@ from .emulator import (
     CpuKernel,
     CpuModule,
     KernelLaunchError,
+    Traffic,
     cpu_module,
     cpu_module_from_source,
+    memory_traffic,
+    merged_ranges,
     set_thread_order,
     thread_order,
 )
@@ -62,6 +66,7 @@ from .launch import (
     PARTITION_SIZE,
     SAMPLE_THREADS,
     Kernels,
+    counting_kernels,
     cpu_kernels,
     decode_split,
 )
@@ -87,6 +92,7 @@ __all__ = [
     "KernelBuildError",
     "KernelLaunchError",
     "Kernels",
+    "Traffic",
     "NvrtcResult",
     "asan_enabled",
     "asan_env",
@@ -96,6 +102,7 @@ __all__ = [
     "compile_cpu",
     "compile_cpu_source",
     "compile_nvrtc",
+    "counting_kernels",
     "cpu_kernels",
     "cpu_module",
     "cpu_module_from_source",
@@ -107,6 +114,8 @@ __all__ = [
     "gxx_flags",
     "include_options",
     "kernel_names",
+    "memory_traffic",
+    "merged_ranges",
     "normalize_defines",
     "nvrtc_options",
     "read_source",

@@ -176,13 +176,25 @@ def build_dir() -> Path:
     return Path(os.environ.get(BUILD_ENV, REPO / "build" / "cuda_cpu"))
 
 
-def gxx_flags(asan: bool) -> list[str]:
+# A counting build: every load and store calls a hook of cuda_src/cpu/emu_traffic.h.
+COUNTING_FLAGS = [
+    "-DEMU_COUNT_BYTES",
+    "-fsanitize=kernel-address",
+    "--param=asan-instrumentation-with-call-threshold=0",
+    "--param=asan-stack=0",
+    "--param=asan-globals=0",
+]
+
+
+def gxx_flags(asan: bool, counting: bool = False) -> list[str]:
     base = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Werror"]
     base += ["-Wno-unknown-pragmas", "-include", str(EMU_DIR / "cuda_emu.h")]
     base += [f"-I{EMU_DIR / 'shim'}", f"-I{SRC_DIR}"]
+    if asan and counting:
+        raise ValueError("a CPU build is either ASan or counting, not both")
     if asan:
         return base + ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
-    return base + ["-O2"]
+    return base + ["-O2"] + (COUNTING_FLAGS if counting else [])
 
 
 def _with_exports(source: str) -> str:
@@ -199,24 +211,29 @@ def _dependencies_digest() -> str:
     return h.hexdigest()
 
 
-def compile_cpu(name: str, asan: bool | None = None, defines=None) -> Path:
-    """Build cuda_src/<name>.cu into a shared library (cached by content hash and defines)."""
+def compile_cpu(name: str, asan: bool | None = None, counting: bool = False, defines=None) -> Path:
+    """Build cuda_src/<name>.cu into a shared library (cached by content hash and defines);
+    its path. ``counting``: the build that counts each array argument's global memory
+    traffic."""
     defs = normalize_defines(name, defines)
     tag = f"{name}-{define_tag(defs)}" if defs else name
-    return build_cpu_library(_with_exports(read_source(name)), tag, asan, defs)
+    return build_cpu_library(_with_exports(read_source(name)), tag, asan, counting, defs)
 
 
-def compile_cpu_source(source: str, tag: str) -> Path:
+def compile_cpu_source(source: str, tag: str, counting: bool = False) -> Path:
     """Build kernel source text, not a file (tests of the emulator), as ``compile_cpu`` does."""
-    return build_cpu_library(_with_exports(f'#line 1 "{tag}.cu"\n{source}'), tag)
+    return build_cpu_library(_with_exports(f'#line 1 "{tag}.cu"\n{source}'), tag, None, counting)
 
 
-def build_cpu_library(source: str, tag: str, asan: bool | None = None, defines=()) -> Path:
+def build_cpu_library(
+    source: str, tag: str, asan: bool | None = None, counting: bool = False, defines=()
+) -> Path:
     """Compile kernel ``source`` (ending with its EMU_EXPORT lines) with g++, cached by hash."""
-    asan = asan_enabled() if asan is None else asan
-    flags = gxx_flags(asan) + define_options(defines)
+    asan = False if counting else asan_enabled() if asan is None else asan
+    flags = gxx_flags(asan, counting) + define_options(defines)
     key = hashlib.sha256((source + _dependencies_digest() + " ".join(flags)).encode()).hexdigest()
-    out = build_dir() / f"{tag}-{key[:16]}{'-asan' if asan else ''}.so"
+    variant = "-asan" if asan else "-count" if counting else ""
+    out = build_dir() / f"{tag}-{key[:16]}{variant}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

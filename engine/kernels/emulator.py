@@ -6,12 +6,22 @@ like ``cupy.RawModule``; its ``get_function(entry)`` is a ``CpuKernel`` called l
 the parameter's exact type (np.int32, np.float32, ...), checked against the signature the
 library reports. ``set_thread_order`` orders each block's threads (and the blocks) to expose
 missing barriers.
+
+Counting builds (``cpu_module(name, counting=True)``) count the bytes each launch loads from
+and stores to each array argument (cuda_src/cpu/emu_traffic.h); ``memory_traffic()`` collects
+them::
+
+    with memory_traffic() as t:
+        counting_kernels().rms_norm(out, x, weight, 1e-5)
+    t.read(x), t.written(out)  # bytes
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +47,55 @@ _CTYPES = {"i": ctypes.c_int32, "u": ctypes.c_uint32, "l": ctypes.c_int64}
 _CTYPES |= {"L": ctypes.c_uint64, "f": ctypes.c_float, "d": ctypes.c_double}
 _lock = threading.Lock()
 _order = {"order": 0, "seed": 1}
+
+
+@dataclass
+class Traffic:
+    """Global memory traffic of the counting launches made inside ``memory_traffic()``: for
+    each launch, its kernel's name and (begin, end, read, written) per argument range (array
+    arguments that overlap are merged into one range)."""
+
+    launches: list[tuple[str, list[tuple[int, int, int, int]]]] = field(default_factory=list)
+
+    def _sum(self, a, column: int) -> int:
+        lo = a.ctypes.data
+        hi = lo + a.nbytes
+        rows = (r for _, ranges in self.launches for r in ranges)
+        return sum(r[column] for r in rows if r[0] < hi and lo < r[1])
+
+    def read(self, a: np.ndarray) -> int:
+        """Bytes loaded from argument ranges that overlap ``a``, over every launch."""
+        return self._sum(a, 2)
+
+    def written(self, a: np.ndarray) -> int:
+        """Bytes stored to argument ranges that overlap ``a``, over every launch."""
+        return self._sum(a, 3)
+
+
+_traffic: list[Traffic] = []  # the innermost memory_traffic() is the last
+
+
+@contextmanager
+def memory_traffic():
+    """Collect the traffic of every counting launch made inside the block."""
+    t = Traffic()
+    _traffic.append(t)
+    try:
+        yield t
+    finally:
+        _traffic.remove(t)
+
+
+def merged_ranges(arrays) -> list[tuple[int, int]]:
+    """The address ranges of ``arrays`` (empty ones dropped), overlapping ones merged, sorted."""
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.nbytes)
+    out: list[list[int]] = []
+    for lo, hi in spans:
+        if out and lo < out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
 
 
 def set_thread_order(order: str, seed: int = 1) -> None:
@@ -67,6 +126,7 @@ class CpuKernel:
         sig.restype = ctypes.c_char_p
         self.signature = sig().decode()
         self._lib = lib
+        self._counting = hasattr(lib, "emu_traffic_set")  # a counting build
 
     def _pack(self, args) -> tuple[list, ctypes.Array]:
         if len(args) != len(self.signature):
@@ -90,12 +150,33 @@ class CpuKernel:
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         values, ptrs = self._pack(args)
         cfg = (ctypes.c_uint * 7)(*_dims(grid), *_dims(block), int(shared_mem))
+        counting = self._counting
         with _lock:
             self._lib.emu_set_order(_order["order"], ctypes.c_uint64(_order["seed"]))
+            ranges = self._count_ranges(args) if counting else []
             rc = self._launch(cfg, ptrs)
             if rc != 0:
                 raise KernelLaunchError(f"{self.name}: {self._lib.emu_last_error().decode()}")
+            if counting:
+                self._collect(ranges)
         del values
+
+    def _count_ranges(self, args) -> list[tuple[int, int]]:
+        ranges = merged_ranges(a for a in args if isinstance(a, np.ndarray))
+        n = len(ranges)
+        lo = (ctypes.c_uint64 * max(n, 1))(*(r[0] for r in ranges))
+        hi = (ctypes.c_uint64 * max(n, 1))(*(r[1] for r in ranges))
+        if self._lib.emu_traffic_set(ctypes.c_int(n), lo, hi) != 0:
+            raise KernelLaunchError(f"{self.name}: too many array arguments to count ({n})")
+        return ranges
+
+    def _collect(self, ranges) -> None:
+        n = max(len(ranges), 1)
+        read, written = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)()
+        self._lib.emu_traffic_get(read, written)
+        rows = [(lo, hi, read[i], written[i]) for i, (lo, hi) in enumerate(ranges)]
+        for t in _traffic:
+            t.launches.append((self.name, rows))
 
 
 class CpuModule:
@@ -120,18 +201,19 @@ class CpuModule:
         return self._kernels[name]
 
 
-_cpu_modules: dict[tuple[str, bool, tuple], CpuModule] = {}
+_cpu_modules: dict[tuple[str, bool, bool, tuple], CpuModule] = {}
 
 
-def cpu_module(name: str, defines=None) -> CpuModule:
+def cpu_module(name: str, defines=None, counting: bool = False) -> CpuModule:
     """The (cached) CPU build of cuda_src/<name>.cu with ``defines`` (e.g. {"HEAD_DIM": 64});
-    ASan when PAGEDLLM_EMU_ASAN=1."""
-    key = (name, asan_enabled(), normalize_defines(name, defines))
+    ASan when PAGEDLLM_EMU_ASAN=1; with ``counting``, the build that counts global memory
+    traffic (see ``memory_traffic``)."""
+    key = (name, asan_enabled() and not counting, counting, normalize_defines(name, defines))
     if key not in _cpu_modules:
-        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], key[2]))
+        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], counting, key[3]))
     return _cpu_modules[key]
 
 
-def cpu_module_from_source(source: str, tag: str = "snippet") -> CpuModule:
+def cpu_module_from_source(source: str, tag: str = "snippet", counting: bool = False) -> CpuModule:
     """A CPU build of kernel source text (tests of the emulator); kernels found as in .cu files."""
-    return CpuModule(compile_cpu_source(source, tag))
+    return CpuModule(compile_cpu_source(source, tag, counting))

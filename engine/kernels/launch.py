@@ -6,6 +6,8 @@ kernels mirror. Scalars are numpy scalars of the parameter's exact type (np.int3
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -300,3 +302,14 @@ def cpu_kernels() -> Kernels:
     if _cpu_kernels is None:
         _cpu_kernels = Kernels(cpu_module)
     return _cpu_kernels
+
+
+_counting_kernels: Kernels | None = None
+
+
+def counting_kernels() -> Kernels:
+    """The checked launches over the counting CPU builds: use inside ``memory_traffic()``."""
+    global _counting_kernels
+    if _counting_kernels is None:
+        _counting_kernels = Kernels(functools.partial(cpu_module, counting=True))
+    return _counting_kernels
