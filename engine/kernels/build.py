@@ -249,11 +249,17 @@ def build_cpu_library(
     return out
 
 
-def build_all_cpu(names: list[str] | None = None, workers: int = 2) -> None:
-    """Compile several kernel files, each for its ``define_sets``, in parallel (g++ runs as
-    separate processes)."""
+def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None) -> None:
+    """Compile several kernel files in parallel (g++ runs as separate processes): a file that
+    needs compile-time constants with ``defines`` if given, else with each of its
+    ``define_sets``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(n, d) for n in names or kernel_names() for d in define_sets(n)]
+    def sets(name: str) -> list[Defines]:
+        if name in REQUIRED_DEFINES and defines is not None:
+            return [normalize_defines(name, defines)]
+        return define_sets(name)
+
+    jobs = [(n, d) for n in names or kernel_names() for d in sets(n)]
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda job: compile_cpu(job[0], defines=job[1]), jobs))
