@@ -62,9 +62,10 @@ class CaptureAllocationError(RuntimeError):
     """Device memory asked for while a stream captures, outside the warm-up's blocks."""
 
 
-def rawmodule_options() -> tuple[str, ...]:
-    """The options ``cupy.RawModule`` compiles every cuda_src file with."""
-    return ("-std=c++17", *include_options())
+def rawmodule_options(defines=()) -> tuple[str, ...]:
+    """The options ``cupy.RawModule`` compiles a cuda_src file with: ``defines`` (sorted pairs)
+    for a file built per set of compile-time constants."""
+    return ("-std=c++17", *include_options(), *define_options(defines))
 
 
 def gpu_status() -> tuple[int, str]:
@@ -205,7 +206,7 @@ class CupyDevice(Device):
         """cuda_src/<name>.cu as a RawModule, built with ``defines`` (sorted pairs)."""
         key = (name, tuple(defines))
         if key not in self._modules:
-            options = rawmodule_options() + tuple(define_options(defines))
+            options = rawmodule_options(defines)
             self._modules[key] = self.xp.RawModule(code=read_source(name), options=options)
         return self._modules[key]
 
