@@ -81,10 +81,10 @@ i32, f32 = np.int32, np.float32
 class Kernels:
     """Every kernel behind a method that checks its arguments first.
 
-    ``load(name)`` returns a module for cuda_src/<name>.cu with ``get_function(entry)``:
-    ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend. Outputs are written in place.
-    ``load(name, defines)`` builds a file per set of compile-time constants (``defines``:
-    sorted (name, value) pairs, empty for most files).
+    ``load(name, defines)`` returns a module for cuda_src/<name>.cu built with ``defines``
+    (sorted (name, value) pairs; empty but for the decode attention's head dim and block size)
+    with ``get_function(entry)``: ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend.
+    Outputs are written in place.
     ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
     allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
     ``sm_count``: the device's multiprocessors, which the decode split fills.
