@@ -34,7 +34,7 @@ from engine.gemm import (
     check_gemm,
     gemm_plan,
 )
-from engine.kernels import KernelBuildError, kernel_names, read_source
+from engine.kernels import KernelBuildError, define_sets, kernel_names, read_source
 from engine.llm import run_to_completion
 from engine.utils import cdiv
 from reference.generate import generate as reference_generate
@@ -335,20 +335,22 @@ def test_block_replay_hands_the_capture_the_warm_up_blocks_in_order():
 # ---- the GPU path's pieces that a CPU can check ----
 
 
-def cupy_assembled_options() -> tuple[str, ...]:
+def cupy_assembled_options(defines=()) -> tuple[str, ...]:
     """Our options as CuPy's RawModule hands them to NVRTC: CuPy puts its bundled CCCL include
     folders first and appends its own headers and CUDA's (the same call CuPy makes)."""
     from cupy._core import core
 
     assemble = getattr(core, "assemble_cupy_compiler_options", None)
-    return assemble(rawmodule_options()) if assemble else rawmodule_options()
+    options = rawmodule_options(defines)
+    return assemble(options) if assemble else options
 
 
-def nvrtc_compile(name: str) -> None:
+def nvrtc_compile(build: tuple) -> None:
     """cuda_src/<name>.cu with exactly the options the RawModule path uses, for sm_90."""
     from cupy.cuda import nvrtc
 
-    options = [*cupy_assembled_options(), *CUPY_ADDED_OPTIONS, "-arch=sm_90"]
+    name, defines = build
+    options = [*cupy_assembled_options(defines), *CUPY_ADDED_OPTIONS, "-arch=sm_90"]
     prog = nvrtc.createProgram(read_source(name), f"{name}.cu", [], [])
     try:
         nvrtc.compileProgram(prog, options)
@@ -359,8 +361,11 @@ def nvrtc_compile(name: str) -> None:
 
 
 def test_rawmodule_options_compile_every_kernel_with_nvrtc():
+    """Every file, a file with compile-time constants with one of its define sets (the
+    per-set builds are checked in test_kernels_compile.py)."""
+    builds = [(name, define_sets(name)[0]) for name in kernel_names()]
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(nvrtc_compile, kernel_names()))
+        list(pool.map(nvrtc_compile, builds))
 
 
 def test_import_needs_no_gpu_and_cuda_backend_says_so():

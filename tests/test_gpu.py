@@ -127,7 +127,7 @@ def test_paged_attention(dev, dtype, heads, rng):
     (kc, vc), tables, lens = paged_case(rng, dtype, lengths, H, Hkv, hd, num_blocks=120)
     up, scale = dev.upload, hd**-0.5
     q = randn(rng, (len(lengths), H, hd), dtype)
-    for partition in (64, PARTITION_SIZE):
+    for partition in (None, 64, PARTITION_SIZE):  # None: split for the device's SM count
         out = poisoned(dev, q.shape, dtype)
         dev.kernels.paged_attention_decode(
             out, up(q), up(kc), up(vc), up(tables), up(lens), scale, 600, partition

@@ -206,20 +206,30 @@ def test_copy_blocks_within_and_between_pools(order, dtype, rng):
 GQA = [(2, 2), (6, 2), (8, 1)]  # (H, Hkv): ratios 1, 3, 8
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa3", "gqa8"])
+DECODE_GQA = [(2, 2), (8, 2), (8, 1)]  # (H, Hkv): query heads per KV head 1, 4, 8
+DECODE_LENGTHS = [1, 15, 16, 17, 1030]  # around a block of 16, and over 1,000
+
+
+def decode_case(rng, lengths, heads, head_dim, dtype, bs=16):
+    """q (B, H, hd), caches, block tables and lengths for one decode step."""
+    (H, Hkv), num_blocks = heads, sum(cdiv(n, bs) for n in lengths) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, head_dim, dtype)
+    tables = block_tables_for(rng, lengths, bs, num_blocks)
+    q = randn(rng, (len(lengths), H, head_dim), dtype)
+    return q, k_cache, v_cache, tables, np.array(lengths, np.int32)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads", DECODE_GQA, ids=["gqa1", "gqa4", "gqa8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_paged_attention_decode(order, dtype, heads, head_dim, rng):
-    """Contexts of 1..200 tokens, partitions of 64 so long ones take the partitioned path."""
-    (H, Hkv), bs = heads, 16
-    lengths = LENGTHS + [64, 65, 200]
-    k_cache, v_cache = make_cache(rng, 40, bs, Hkv, head_dim, dtype)
-    tables = block_tables_for(rng, lengths, bs, 40)
-    lens = np.array(lengths, np.int32)
-    q = randn(rng, (len(lengths), H, head_dim), dtype)
+    """Ragged contexts in one batch, split as the SM count asks (several partitions), into
+    partitions of 64 (17 for the longest), and into one partition (no reduce)."""
+    q, k_cache, v_cache, tables, lens = decode_case(rng, DECODE_LENGTHS, heads, head_dim, dtype)
     scale = head_dim**-0.5
     want = N.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
-    for partition in (64, K.PARTITION_SIZE):
+    assert kern().decode_split(int(lens.max()), len(lens), *heads)[0] > 1
+    for partition in (None, 64, 1088):
         out = poisoned(q.shape, dtype)
         args = (out, q, k_cache, v_cache, tables, lens, scale, int(lens.max()), partition)
         kern().paged_attention_decode(*args)
@@ -227,16 +237,84 @@ def test_paged_attention_decode(order, dtype, heads, head_dim, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_paged_attention_decode_long_context_default_partitions(dtype, rng):
-    """Over 512 tokens: three partitions of the default size, combined by the reduce kernel."""
-    lengths, bs = [1100, 513, 7], 32
-    k_cache, v_cache = make_cache(rng, 60, bs, 1, 64, dtype)
-    tables = block_tables_for(rng, lengths, bs, 60)
-    lens = np.array(lengths, np.int32)
-    q = randn(rng, (3, 3, 64), dtype)
+def test_paged_attention_decode_other_block_size_and_head_tiles(dtype, rng):
+    """Blocks of 32 tokens (another build) and 16 query heads per KV head (two blocks of
+    eight heads each); a max_context_len past every context, as a CUDA graph passes."""
+    lengths = [700, 3, 64, 65]
+    q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (16, 1), 64, dtype, bs=32)
     out = poisoned(q.shape, dtype)
-    kern().paged_attention_decode(out, q, k_cache, v_cache, tables, lens, 0.125, 1100)
+    kern().paged_attention_decode(out, q, k_cache, v_cache, tables, lens, 0.125, 4096)
     assert_close(out, N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
+
+
+class LaunchLog:
+    """A ``Kernels`` load over the CPU builds that records each launch's entry and grid."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple]] = []
+
+    def load(self, name, defines=()):
+        module, log = K.cpu_module(name, defines), self.launches
+
+        class Logged:
+            def get_function(self, entry):
+                fn = module.get_function(entry)
+
+                def launch(grid, block, args, shared_mem=0):
+                    log.append((entry, tuple(grid)))
+                    fn(grid, block, args, shared_mem=shared_mem)
+
+                return launch
+
+        return Logged()
+
+
+def test_decode_grid_serves_a_kv_heads_query_heads_and_reduces_only_partitions(rng):
+    """One block per (KV head, up to 8 of its query heads, sequence, partition); the reduce
+    runs only when the split made several partitions."""
+    spy = LaunchLog()
+    kernels = K.Kernels(spy.load)
+    for lengths, P in (([100, 7], 1), ([1030, 7], 5)):
+        q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (12, 2), 16, np.float32)
+        out = poisoned(q.shape, np.float32)
+        spy.launches.clear()
+        kernels.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, 0.25, max(lengths))
+        want = N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.25)
+        assert_close(out, want, np.float32)
+        entries = [("paged_attention_decode_f32", (2, 2, P))]  # 6 query heads per KV head
+        entries += [("paged_attention_reduce_f32", (12, 2))] if P > 1 else []
+        assert spy.launches == entries
+
+
+def test_decode_split_fills_the_sms_within_partition_bounds():
+    assert K.decode_split(100, 4, 132) == (1, 128)  # one partition: short context
+    assert K.decode_split(1030, 4, 132) == (5, 256)  # 4 blocks: partitions of the 256 minimum
+    assert K.decode_split(1030, 64, 132) == (3, 384)  # 64 blocks: 3 partitions fill 132 SMs
+    assert K.decode_split(1030, 512, 132) == (3, 384)  # no partition over 512 tokens
+    assert K.decode_split(4096, 4, 132) == (16, 256)
+    for n, blocks in ((1, 1), (513, 7), (20000, 3), (999, 200)):
+        P, size = K.decode_split(n, blocks, 132)
+        assert size % K.DECODE_CHUNK == 0 and size <= K.PARTITION_SIZE
+        assert (P - 1) * size < n <= P * size
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_reads_each_kv_byte_once(group, rng):
+    """The K and V bytes the step needs (each sequence's context rows, for every KV head):
+    read at most 1.25 times over, with 1, 4 and 8 query heads per KV head."""
+    dtype, Hkv, hd = ml_dtypes.bfloat16, 2, 64
+    lengths = [1, 15, 16, 17, 300]
+    q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (group * Hkv, Hkv), hd, dtype)
+    out = poisoned(q.shape, dtype)
+    with K.memory_traffic() as t:
+        K.counting_kernels().paged_attention_decode(
+            out, q, k_cache, v_cache, tables, lens, 0.125, 300, 128
+        )
+    assert_close(out, N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
+    need = int(lens.sum()) * Hkv * hd * k_cache.itemsize
+    assert need <= t.read(k_cache) <= 1.25 * need
+    assert need <= t.read(v_cache) <= 1.25 * need
+    assert t.written(k_cache) == t.written(v_cache) == 0
 
 
 # (H, Hkv, head_dim, block_size): GQA groups 1, 4, 8 and 1; the tiny model's head_dim 16, 64,

@@ -34,14 +34,33 @@ def assert_no_local_memory(name: str, log: str, entries: list[str]) -> None:
     assert not any(lmem), f"{name}: local memory {lmem}\n{log}"
 
 
+# Every build: each file once, a file with compile-time constants once per define set.
+BUILDS = [(name, defs) for name in K.kernel_names() for defs in K.define_sets(name)]
+BUILD_IDS = [f"{n}-" + "-".join(f"{k}{v}" for k, v in d) if d else n for n, d in BUILDS]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", K.kernel_names())
-def test_nvrtc_compiles_without_spills(name, arch):
-    result = K.compile_nvrtc(name, arch)
+@pytest.mark.parametrize(("name", "defines"), BUILDS, ids=BUILD_IDS)
+def test_nvrtc_compiles_without_spills(name, defines, arch):
+    result = K.compile_nvrtc(name, arch, defines)
     assert result.cubin[:4] == b"\x7fELF"  # a cubin, not PTX
     entries = K.entry_points(K.read_source(name))
     assert entries, f'{name}.cu defines no extern "C" __global__ kernel'
     assert_no_local_memory(name, result.log, entries)
+
+
+def test_decode_builds_need_their_defines():
+    """The decode file is built per (head dim, block size); without them, one clear error."""
+    assert len(K.define_sets("paged_attention_decode")) > 1
+    with pytest.raises(ValueError, match=r"needs defines \['BLOCK_SIZE', 'HEAD_DIM'\], got \[\]"):
+        K.compile_cpu("paged_attention_decode")
+    with pytest.raises(ValueError, match=r"define HEAD_DIM must be a positive int, got 0"):
+        K.compile_nvrtc("paged_attention_decode", "sm_90", {"HEAD_DIM": 0, "BLOCK_SIZE": 16})
+    with pytest.raises(ValueError, match=r"rms_norm.cu needs defines \[\], got \['HEAD_DIM'\]"):
+        K.cpu_module("rms_norm", {"HEAD_DIM": 64})
+    a = K.compile_cpu("paged_attention_decode", defines={"HEAD_DIM": 16, "BLOCK_SIZE": 16})
+    b = K.compile_cpu("paged_attention_decode", defines={"BLOCK_SIZE": 16, "HEAD_DIM": 64})
+    assert a != b and "HEAD_DIM16" in a.name and "HEAD_DIM64" in b.name
 
 
 def test_every_kernel_is_a_template_with_grid_comment_and_three_dtypes():
@@ -87,14 +106,18 @@ def test_compile_errors_point_at_the_cu_line(tmp_path, monkeypatch):
 def test_nvcc_second_opinion(tmp_path):
     """nvcc -arch=sm_90 -c on every file (two nvcc processes, one per core): no errors,
     warnings, spills or stack."""
-    files = [str(K.SRC_DIR / f"{n}.cu") for n in K.kernel_names()]
     cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{K.SRC_DIR}", "-Xptxas", "-v", "-c"]
-    procs = [
-        subprocess.Popen(cmd + files[i::2], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
-    stderr = "".join(p.communicate()[1] for p in procs)
-    assert all(p.returncode == 0 for p in procs), stderr
+    jobs = []  # (command, folder): one folder per define set, so the .o names do not clash
+    for i, (name, defines) in enumerate(BUILDS):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        jobs.append((cmd + K.define_options(defines) + [str(K.SRC_DIR / f"{name}.cu")], folder))
+    stderr, ok = "", True
+    for pair in (jobs[i : i + 2] for i in range(0, len(jobs), 2)):
+        procs = [subprocess.Popen(c, cwd=f, stderr=subprocess.PIPE, text=True) for c, f in pair]
+        stderr += "".join(p.communicate()[1] for p in procs)
+        ok = ok and all(p.returncode == 0 for p in procs)
+    assert ok, stderr
     assert "warning" not in stderr.lower(), stderr
-    entries = [e for n in K.kernel_names() for e in K.entry_points(K.read_source(n))]
+    entries = [e for n, _ in BUILDS for e in K.entry_points(K.read_source(n))]
     assert_no_local_memory("nvcc", stderr, entries)

@@ -142,7 +142,7 @@ class CupyBackend(Backend):
     @on_device
     def _startup(self, weights: ModelWeights) -> None:
         t0 = time.perf_counter()
-        self.device.compile_kernels()
+        self.device.compile_kernels({"HEAD_DIM": self.cfg.head_dim, "BLOCK_SIZE": self.block_size})
         t1 = time.perf_counter()
         log.info("backend %s: CupyBackend on %s", self.name, self.device.name)
         log.info("kernels for %s compiled in %.2f s", self.device.name, t1 - t0)
@@ -192,10 +192,18 @@ class CupyBackend(Backend):
         """The device's memory (the budget is this times gpu_memory_utilization)."""
         return self.device.total_memory_bytes()
 
-    def _partitions(self, max_context_len: int) -> int:
-        from engine.kernels import PARTITION_SIZE
-
-        return max(1, cdiv(max_context_len, PARTITION_SIZE))
+    def _partitions(self, max_context_len: int, B: int) -> int:
+        """Decode partitions per sequence to budget for a batch of up to ``B`` sequences: fewer
+        sequences get more partitions each (the split fills the SMs), so this covers the most
+        partial rows (b sequences x their partitions, when over one) that any b <= B asks for;
+        1 when no such batch splits its contexts."""
+        H, Hkv = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+        B = max(1, B)
+        rows = 0
+        for b in set(range(1, min(B, self.k.sm_count) + 1)) | {B}:
+            P = self.k.decode_split(max_context_len, b, H, Hkv)[0]
+            rows = max(rows, b * P if P > 1 else 0)
+        return max(2, cdiv(rows, B)) if rows else 1
 
     def step_bytes(self, T: int, B: int, partitions: int, layers_with_partials: int = 1) -> int:
         """Device bytes one step allocates: inputs, workspace, logits, attention partials (the
@@ -214,15 +222,16 @@ class CupyBackend(Backend):
         """The graphs share one pool sized by the largest capture (every layer's partials live)."""
         if not self.use_graphs:
             return 0
-        B, P = self.max_graph_batch, self._partitions(self.max_model_len)
+        B = self.max_graph_batch
+        P = self._partitions(self.max_model_len, B)
         return self.step_bytes(B, B, P, self.cfg.num_hidden_layers)
 
     @on_device
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         """Activation peak of a step of ``num_tokens`` tokens (computed; on a GPU also measured by
         a profile forward, the larger kept) plus the CUDA graphs' pool."""
-        P = self._partitions(max_seq_len)
-        computed = self.step_bytes(num_tokens, min(num_seqs, num_tokens), P)
+        B = min(num_seqs, num_tokens)
+        computed = self.step_bytes(num_tokens, B, self._partitions(max_seq_len, B))
         measured = None
         if self.device.profiles_memory:
             measured = self.device.measure_peak(

@@ -39,9 +39,12 @@ from engine.kernels import (
     Kernels,
     build_all_cpu,
     cpu_module,
+    define_options,
+    define_sets,
     entry_points,
     include_options,
     kernel_names,
+    normalize_defines,
     read_source,
 )
 
@@ -59,9 +62,10 @@ class CaptureAllocationError(RuntimeError):
     """Device memory asked for while a stream captures, outside the warm-up's blocks."""
 
 
-def rawmodule_options() -> tuple[str, ...]:
-    """The options ``cupy.RawModule`` compiles every cuda_src file with."""
-    return ("-std=c++17", *include_options())
+def rawmodule_options(defines=()) -> tuple[str, ...]:
+    """The options ``cupy.RawModule`` compiles a cuda_src file with: ``defines`` (sorted pairs)
+    for a file built per set of compile-time constants."""
+    return ("-std=c++17", *include_options(), *define_options(defines))
 
 
 def gpu_status() -> tuple[int, str]:
@@ -173,8 +177,9 @@ class CupyDevice(Device):
         # capture the legacy stream 0, and a non-blocking stream does not wait for it).
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
-        self.kernels = Kernels(self._load, self.empty)
-        self._modules: dict[str, object] = {}
+        sm_count = cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+        self.kernels = Kernels(self._load, self.empty, sm_count)
+        self._modules: dict[tuple, object] = {}
         self._graph_pool = cupy.cuda.MemoryPool()
         with self.stream:
             self._cublas_workspace = cupy.empty(WORKSPACE_BYTES, np.uint8)
@@ -197,18 +202,26 @@ class CupyDevice(Device):
     def cupy_cublas_handle(self) -> int:
         return self.xp.cuda.device.get_cublas_handle()
 
-    def _load(self, name: str):
-        if name not in self._modules:
-            source = read_source(name)
-            self._modules[name] = self.xp.RawModule(code=source, options=rawmodule_options())
-        return self._modules[name]
+    def _load(self, name: str, defines=()):
+        """cuda_src/<name>.cu as a RawModule, built with ``defines`` (sorted pairs)."""
+        key = (name, tuple(defines))
+        if key not in self._modules:
+            options = rawmodule_options(defines)
+            self._modules[key] = self.xp.RawModule(code=read_source(name), options=options)
+        return self._modules[key]
 
-    def compile_kernels(self) -> None:
-        """Compile every kernel now (CuPy caches the cubins on disk across runs)."""
+    def compile_kernels(self, defines: dict | None = None) -> None:
+        """Compile every kernel now (CuPy caches the cubins on disk across runs); a file that
+        needs compile-time constants is built with ``defines`` (the model's), else with each
+        of its ``define_sets``."""
         for name in kernel_names():
-            module = self._load(name)
-            for entry in entry_points(read_source(name)):
-                module.get_function(entry)
+            sets = define_sets(name)
+            if sets != [()] and defines is not None:
+                sets = [normalize_defines(name, defines)]
+            for defs in sets:
+                module = self._load(name, defs)
+                for entry in entry_points(read_source(name)):
+                    module.get_function(entry)
 
     def empty(self, shape, dtype):
         """Uninitialised device memory from the current allocator (a graph's, while capturing)."""
@@ -338,11 +351,11 @@ class EmulatedDevice(Device):
     def cupy_cublas_handle(self) -> int:
         return self.cupy_cublas.handle
 
-    def _load(self, name: str):
-        return emulated.LoggedModule(cpu_module(name), self.stream)
+    def _load(self, name: str, defines=()):
+        return emulated.LoggedModule(cpu_module(name, defines), self.stream)
 
-    def compile_kernels(self) -> None:
-        build_all_cpu()
+    def compile_kernels(self, defines: dict | None = None) -> None:
+        build_all_cpu(defines=defines)
 
     # ---- memory ----
     def _fresh(self, size: int) -> np.ndarray:

@@ -6,6 +6,8 @@ One source, three compilers:
   ``cpu_module(name)``           g++ with ``cuda_src/cpu/cuda_emu.h``: a shared library whose
                                  kernels run on the CPU, one fiber per CUDA thread.
   ``cupy.RawModule``             the GPU backend, on ``read_source(name)`` with the same names.
+Each takes ``defines`` too: a file built per set of compile-time constants (the decode
+attention's head dim and block size) gets them as ``-D`` options, one build per set.
 
   build.py     sources, entry points, the NVRTC and g++ builds
   emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order; the
@@ -31,10 +33,13 @@ from .build import (
     compile_cpu_source,
     compile_nvrtc,
     cuda_include_dirs,
+    define_options,
+    define_sets,
     entry_points,
     gxx_flags,
     include_options,
     kernel_names,
+    normalize_defines,
     nvrtc_options,
     read_source,
 )
@@ -53,7 +58,9 @@ from .emulator import (
 )
 from .launch import (
     ATTN_THREADS,
+    DECODE_CHUNK,
     DTYPE_SUFFIX,
+    EMULATED_SM_COUNT,
     MAX_HEAD_DIM,
     NORM_THREADS,
     PARTITION_SIZE,
@@ -63,6 +70,7 @@ from .launch import (
     Kernels,
     counting_kernels,
     cpu_kernels,
+    decode_split,
     row_launch,
 )
 
@@ -70,9 +78,11 @@ __all__ = [
     "ASAN_ENV",
     "ATTN_THREADS",
     "BUILD_ENV",
+    "DECODE_CHUNK",
     "DTYPE_SUFFIX",
     "EMU_DIR",
     "ENTRY_SUFFIXES",
+    "EMULATED_SM_COUNT",
     "MAX_HEAD_DIM",
     "NORM_THREADS",
     "ORDERS",
@@ -102,12 +112,16 @@ __all__ = [
     "cpu_module",
     "cpu_module_from_source",
     "cuda_include_dirs",
+    "decode_split",
+    "define_options",
+    "define_sets",
     "entry_points",
     "gxx_flags",
     "include_options",
     "kernel_names",
     "memory_traffic",
     "merged_ranges",
+    "normalize_defines",
     "nvrtc_options",
     "read_source",
     "row_launch",

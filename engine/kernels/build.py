@@ -2,12 +2,17 @@
 
 ``read_source(name)`` is cuda_src/<name>.cu after a ``#line`` directive, so compiler errors
 point at the ``.cu`` line; ``entry_points(source)`` lists its ``extern "C"`` kernel names.
-  ``compile_nvrtc(name, arch)``  NVRTC through ``cupy.cuda.nvrtc`` (no device needed): a cubin
-                                 and the ptxas report; the production compiler.
-  ``compile_cpu(name)``          g++ with ``cuda_src/cpu/cuda_emu.h``: a shared library, cached
-                                 by content hash, exporting each kernel for ``emulator.py``.
-The GPU backend hands the same ``read_source(name)`` and ``include_options()`` to
-``cupy.RawModule``.
+  ``compile_nvrtc(name, arch, defines)``  NVRTC through ``cupy.cuda.nvrtc`` (no device
+                                 needed): a cubin and the ptxas report; the production compiler.
+  ``compile_cpu(name, defines=defines)``  g++ with ``cuda_src/cpu/cuda_emu.h``: a shared
+                                 library, cached by content hash and defines, exporting each
+                                 kernel for ``emulator.py``.
+The GPU backend hands the same ``read_source(name)``, ``include_options()`` and
+``define_options(defines)`` to ``cupy.RawModule``.
+
+Defines: a file may need compile-time constants (``{"HEAD_DIM": 64, "BLOCK_SIZE": 16}``), one
+build per set; ``REQUIRED_DEFINES`` names them per file and ``define_sets(name)`` lists the
+sets that the compile checks and ``build_all_cpu`` build.
 """
 
 from __future__ import annotations
@@ -35,6 +40,18 @@ _ENTRY_RE = re.compile(
 )
 
 
+# Files built once per set of compile-time constants: file -> the names each build must define.
+REQUIRED_DEFINES = {"paged_attention_decode": ("HEAD_DIM", "BLOCK_SIZE")}
+# The sets built ahead (compile checks, build_all_cpu): every head dim the tests and the bundled
+# models use, and the largest, at the default block size (another block size is another build
+# of the same code).
+_PREBUILT = {
+    "paged_attention_decode": [{"HEAD_DIM": hd, "BLOCK_SIZE": 16} for hd in (16, 64, 128, 256)]
+}
+
+Defines = tuple[tuple[str, int], ...]  # sorted (name, value) pairs: hashable, one per build
+
+
 class KernelBuildError(RuntimeError):
     """A compiler rejected a kernel source; the message holds its log."""
 
@@ -45,6 +62,34 @@ class KernelBuildError(RuntimeError):
 def kernel_names() -> list[str]:
     """Every kernel file's stem: cuda_src/<name>.cu."""
     return sorted(p.stem for p in SRC_DIR.glob("*.cu"))
+
+
+def normalize_defines(name: str, defines=None) -> Defines:
+    """``defines`` (a dict or pairs) as sorted pairs, checked against what ``name`` needs."""
+    pairs = tuple(sorted(dict(defines or {}).items()))
+    need = REQUIRED_DEFINES.get(name, ())
+    if sorted(need) != [k for k, _ in pairs]:
+        got = [k for k, _ in pairs]
+        raise ValueError(f"{name}.cu needs defines {sorted(need)}, got {got}")
+    for key, value in pairs:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}.cu: define {key} must be a positive int, got {value!r}")
+    return pairs
+
+
+def define_sets(name: str) -> list[Defines]:
+    """The define sets of ``name`` built ahead: ``[()]`` for a file that needs none."""
+    return [normalize_defines(name, d) for d in _PREBUILT.get(name, [{}])]
+
+
+def define_options(defines: Defines) -> list[str]:
+    """``-DNAME=value`` for each define (g++, NVRTC and CuPy alike)."""
+    return [f"-D{k}={v}" for k, v in defines]
+
+
+def define_tag(defines: Defines) -> str:
+    """A file-name-safe label of a define set: ``HEAD_DIM64-BLOCK_SIZE16``."""
+    return "-".join(f"{k}{v}" for k, v in defines)
 
 
 def read_source(name: str) -> str:
@@ -94,16 +139,18 @@ def nvrtc_options(arch: str) -> list[str]:
     return [f"-arch={arch}", "--ptxas-options=-v", "-std=c++17", *include_options()]
 
 
-def compile_nvrtc(name: str, arch: str = "sm_90") -> NvrtcResult:
+def compile_nvrtc(name: str, arch: str = "sm_90", defines=None) -> NvrtcResult:
     """Compile cuda_src/<name>.cu with NVRTC for a real architecture (sm_80, sm_90)."""
     from cupy.cuda import nvrtc
 
+    defs = normalize_defines(name, defines)
     prog = nvrtc.createProgram(read_source(name), f"{name}.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, nvrtc_options(arch))
+            nvrtc.compileProgram(prog, nvrtc_options(arch) + define_options(defs))
         except nvrtc.NVRTCError as exc:
-            raise KernelBuildError(f"{name}.cu ({arch}):\n{nvrtc.getProgramLog(prog)}") from exc
+            where = f"{arch} {define_tag(defs)}".strip()
+            raise KernelBuildError(f"{name}.cu ({where}):\n{nvrtc.getProgramLog(prog)}") from exc
         return NvrtcResult(nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
@@ -164,10 +211,13 @@ def _dependencies_digest() -> str:
     return h.hexdigest()
 
 
-def compile_cpu(name: str, asan: bool | None = None, counting: bool = False) -> Path:
-    """Build cuda_src/<name>.cu into a shared library (cached by content hash); its path.
-    ``counting``: the build that counts each array argument's global memory traffic."""
-    return build_cpu_library(_with_exports(read_source(name)), name, asan, counting)
+def compile_cpu(name: str, asan: bool | None = None, counting: bool = False, defines=None) -> Path:
+    """Build cuda_src/<name>.cu into a shared library (cached by content hash and defines);
+    its path. ``counting``: the build that counts each array argument's global memory
+    traffic."""
+    defs = normalize_defines(name, defines)
+    tag = f"{name}-{define_tag(defs)}" if defs else name
+    return build_cpu_library(_with_exports(read_source(name)), tag, asan, counting, defs)
 
 
 def compile_cpu_source(source: str, tag: str, counting: bool = False) -> Path:
@@ -176,11 +226,11 @@ def compile_cpu_source(source: str, tag: str, counting: bool = False) -> Path:
 
 
 def build_cpu_library(
-    source: str, tag: str, asan: bool | None = None, counting: bool = False
+    source: str, tag: str, asan: bool | None = None, counting: bool = False, defines=()
 ) -> Path:
     """Compile kernel ``source`` (ending with its EMU_EXPORT lines) with g++, cached by hash."""
     asan = False if counting else asan_enabled() if asan is None else asan
-    flags = gxx_flags(asan, counting)
+    flags = gxx_flags(asan, counting) + define_options(defines)
     key = hashlib.sha256((source + _dependencies_digest() + " ".join(flags)).encode()).hexdigest()
     variant = "-asan" if asan else "-count" if counting else ""
     out = build_dir() / f"{tag}-{key[:16]}{variant}.so"
@@ -199,9 +249,17 @@ def build_cpu_library(
     return out
 
 
-def build_all_cpu(names: list[str] | None = None, workers: int = 2) -> None:
-    """Compile several kernel files in parallel (g++ runs as separate processes)."""
+def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None) -> None:
+    """Compile several kernel files in parallel (g++ runs as separate processes): a file that
+    needs compile-time constants with ``defines`` if given, else with each of its
+    ``define_sets``."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def sets(name: str) -> list[Defines]:
+        if name in REQUIRED_DEFINES and defines is not None:
+            return [normalize_defines(name, defines)]
+        return define_sets(name)
+
+    jobs = [(n, d) for n in names or kernel_names() for d in sets(n)]
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(compile_cpu, names or kernel_names()))
+        list(pool.map(lambda job: compile_cpu(job[0], defines=job[1]), jobs))

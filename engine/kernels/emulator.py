@@ -26,7 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import KernelBuildError, asan_enabled, compile_cpu, compile_cpu_source
+from .build import (
+    KernelBuildError,
+    asan_enabled,
+    compile_cpu,
+    compile_cpu_source,
+    normalize_defines,
+)
 
 ORDERS = ("forward", "reversed", "shuffled")
 
@@ -195,15 +201,16 @@ class CpuModule:
         return self._kernels[name]
 
 
-_cpu_modules: dict[tuple[str, bool, bool], CpuModule] = {}
+_cpu_modules: dict[tuple[str, bool, bool, tuple], CpuModule] = {}
 
 
-def cpu_module(name: str, counting: bool = False) -> CpuModule:
-    """The (cached) CPU build of cuda_src/<name>.cu; ASan when PAGEDLLM_EMU_ASAN=1; with
-    ``counting``, the build that counts global memory traffic (see ``memory_traffic``)."""
-    key = (name, asan_enabled() and not counting, counting)
+def cpu_module(name: str, defines=None, counting: bool = False) -> CpuModule:
+    """The (cached) CPU build of cuda_src/<name>.cu with ``defines`` (e.g. {"HEAD_DIM": 64});
+    ASan when PAGEDLLM_EMU_ASAN=1; with ``counting``, the build that counts global memory
+    traffic (see ``memory_traffic``)."""
+    key = (name, asan_enabled() and not counting, counting, normalize_defines(name, defines))
     if key not in _cpu_modules:
-        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], counting))
+        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], counting, key[3]))
     return _cpu_modules[key]
 
 

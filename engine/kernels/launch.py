@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.utils import cdiv
 
+from .build import normalize_defines
 from .emulator import cpu_module
 
 DTYPE_SUFFIX = {
@@ -24,10 +25,14 @@ DTYPE_SUFFIX = {
 NORM_THREADS = 128  # row kernels: the block of rows that share one, and the least per long row
 ROW_CACHE = 4  # norm.cuh kRowCache: vectors per thread a row kernel holds in registers
 ROTARY_TOKENS_PER_BLOCK = 4  # rotary_cache.cu kRotaryWarps: one warp per token
-ATTN_THREADS = 128  # attention kernels: four warps (attention.cuh)
+ATTN_THREADS = 128  # attention kernels: four warps (prefill_attention.cu, paged_attention_decode.cu)
 SAMPLE_THREADS = 256
-MAX_HEAD_DIM = 256  # attention.cuh kMaxHeadDim
-PARTITION_SIZE = 512  # decode: tokens per partition
+MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
+PARTITION_SIZE = 512  # decode: tokens per partition, the largest the split picks
+DECODE_CHUNK = 64  # decode: tokens scored per round (kChunk); partition sizes are multiples
+DECODE_MIN_PARTITION = 256  # decode: no shorter partitions, whatever the SM count
+DECODE_GROUP = 8  # decode: query heads per block (kMaxGroup)
+EMULATED_SM_COUNT = 132  # what the emulated device reports: an H100/H200's SM count
 PREFILL_TILE = 32  # prefill: query rows per block (prefill_attention.cu kTileRows)
 PREFILL_DIM_MULTIPLE = 8  # prefill: K/V rows are read 16 bytes at a time
 
@@ -45,6 +50,19 @@ def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]
         return (cdiv(rows, per_block),), (NORM_THREADS,), group
     threads = min(1024, max(NORM_THREADS, 32 * cdiv(vectors, 64)))
     return (rows,), (threads,), threads
+
+
+def decode_split(max_context_len: int, blocks: int, sm_count: int) -> tuple[int, int]:
+    """(partitions, partition size) for a decode step whose longest context is
+    ``max_context_len`` and that has ``blocks`` thread blocks per partition: enough partitions
+    that the grid covers every SM once, none shorter than DECODE_MIN_PARTITION tokens, none
+    longer than PARTITION_SIZE; the size a multiple of DECODE_CHUNK."""
+    n = max(1, int(max_context_len))
+    fill = cdiv(sm_count, max(1, blocks))
+    parts = max(cdiv(n, PARTITION_SIZE), min(fill, cdiv(n, DECODE_MIN_PARTITION)))
+    size = cdiv(cdiv(n, parts), DECODE_CHUNK) * DECODE_CHUNK
+    return cdiv(n, size), size
+
 
 
 def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
@@ -84,21 +102,26 @@ i32, f32 = np.int32, np.float32
 class Kernels:
     """Every kernel behind a method that checks its arguments first.
 
-    ``load(name)`` returns a module for cuda_src/<name>.cu with ``get_function(entry)``:
-    ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend. Outputs are written in place.
+    ``load(name, defines)`` returns a module for cuda_src/<name>.cu built with ``defines``
+    (sorted (name, value) pairs; empty but for the decode attention's head dim and block size)
+    with ``get_function(entry)``: ``cpu_module`` here, a ``cupy.RawModule`` in the GPU backend.
+    Outputs are written in place.
     ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
     allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
+    ``sm_count``: the device's multiprocessors, which the decode split fills.
     """
 
-    def __init__(self, load, empty=np.empty):
+    def __init__(self, load, empty=np.empty, sm_count: int = EMULATED_SM_COUNT):
         self._load = load
         self._empty = empty
-        self._fns: dict[str, object] = {}
+        self.sm_count = sm_count
+        self._fns: dict[tuple, object] = {}
 
-    def _fn(self, file: str, entry: str):
-        if entry not in self._fns:
-            self._fns[entry] = self._load(file).get_function(entry)
-        return self._fns[entry]
+    def _fn(self, file: str, entry: str, defines: dict | None = None):
+        key = (entry, normalize_defines(file, defines))
+        if key not in self._fns:
+            self._fns[key] = self._load(file, key[1]).get_function(entry)
+        return self._fns[key]
 
     def _rows(self, op: str, a, args: tuple, *tail) -> None:
         """Launch row kernel ``op`` over a's (T, D) rows: args, T, D, threads per row, tail."""
@@ -181,6 +204,11 @@ class Kernels:
             raise ValueError(f"{op}: head_dim must be <= {MAX_HEAD_DIM}, got {hd}")
         return H, Hkv, hd, bs
 
+    def decode_split(self, max_context_len: int, num_seqs: int, H: int, Hkv: int):
+        """(partitions, partition size) the decode kernel uses on this device."""
+        blocks = num_seqs * Hkv * cdiv(H // Hkv, DECODE_GROUP)
+        return decode_split(max_context_len, blocks, self.sm_count)
+
     def paged_attention_decode(
         self,
         out,
@@ -191,28 +219,38 @@ class Kernels:
         context_lens,
         scale: float,
         max_context_len: int,
-        partition_size: int = PARTITION_SIZE,
+        partition_size: int | None = None,
     ) -> None:
-        """One query per sequence, q: (B, H, hd); contexts over ``partition_size`` tokens
-        are split into partitions and combined by the reduce kernel."""
+        """One query per sequence, q: (B, H, hd). The context is split into partitions (by
+        default as ``decode_split`` picks from ``max_context_len`` and the SM count), combined
+        by the reduce kernel when there are several. ``max_context_len`` must be at least
+        every context length (longer is fine: the extra partitions' blocks exit at once)."""
         op = "paged_attention_decode"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B = context_lens.shape[0]
         _check(op, "q", q, (B, H, hd))
         _check(op, "out", out, (B, H, hd), q.dtype)
-        if partition_size <= 0 or partition_size % 32:
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _address(a) % 16:
+                raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
+        if partition_size is None:
+            P, partition_size = self.decode_split(max_context_len, B, H, Hkv)
+        elif partition_size <= 0 or partition_size % DECODE_CHUNK:
             raise ValueError(
-                f"{op}: partition_size must be a positive multiple of 32, got {partition_size}"
+                f"{op}: partition_size must be a positive multiple of {DECODE_CHUNK}, "
+                f"got {partition_size}"
             )
+        else:
+            P = max(1, cdiv(int(max_context_len), partition_size))
         if B == 0:
             return
-        P = max(1, cdiv(int(max_context_len), partition_size))
-        sfx = _suffix(op, q)
+        sfx, G = _suffix(op, q), H // Hkv
         parts = self._empty((B, H, P, hd) if P > 1 else (1,), np.float32)  # (B, H, P, hd)
         stats = self._empty((2, B, H, P) if P > 1 else (2, 1), np.float32)  # max, sum
         args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
-        args += (i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]), f32(scale))
-        self._fn(op, f"{op}_{sfx}")((H, B, P), (ATTN_THREADS,), args + (i32(partition_size),))
+        args += (i32(Hkv), i32(G), i32(block_tables.shape[1]), f32(scale), i32(partition_size))
+        fn = self._fn(op, f"{op}_{sfx}", {"HEAD_DIM": hd, "BLOCK_SIZE": bs})
+        fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args)
         if P > 1:
             red = "paged_attention_reduce"
             args = (out, parts, stats[0], stats[1], context_lens, i32(hd), i32(P))
