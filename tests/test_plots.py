@@ -117,3 +117,5 @@ def test_bench_serve_sweeps_concurrency_and_plots(tiny, tmp_path, capsys):
 def test_bench_serve_sweeps_one_list_at_a_time(capsys):
     assert bench_serve.main(["--concurrency", "1,2", "--request-rate", "1,2"]) == 2
     assert "sweep one of them at a time" in capsys.readouterr().err
+    assert bench_serve.main(["--request-rate", "2,inf"]) == 2
+    assert "a sweep takes finite rates" in capsys.readouterr().err

@@ -86,8 +86,12 @@ def run_extras(args, engine, run_engine, outputs, workload, floor_ms: float) -> 
         ttft_ms=[1e3 * o.metrics.ttft for o in outputs if o.metrics.ttft is not None],
         itl_ms=[1e3 * x for o in outputs for x in o.metrics.itl],
     )
-    name = f"{engine.backend.name}, {len(outputs)} requests"
-    for path in write_plots(plots.plot_dir(args.plot), lists, split, floor_ms, rows, name):
+    names = dict(
+        latency=f"{engine.backend.name}, {len(outputs)} requests",
+        split=f"{engine.backend.name}, mean of {args.batch1_tokens - 1} steps",
+        sweep=f"{engine.backend.name}, {len(outputs)} requests each",
+    )
+    for path in write_plots(plots.plot_dir(args.plot), lists, split, floor_ms, rows, names):
         print(f"wrote {path}")
 
 
@@ -186,20 +190,21 @@ def format_split(parts: dict[str, float], floor_ms: float) -> str:
     return f"batch-1 decode step {total:.1f} ms ({floor_ms:.1f} ms matrix products alone): {items}"
 
 
-def write_plots(d, stats_lists: dict, split: dict, floor_ms: float, rows, name: str) -> list:
-    """The bench's charts in folder ``d``: latency CDFs, the decode-step split, the sweep."""
+def write_plots(d, stats_lists: dict, split: dict, floor_ms: float, rows, names: dict) -> list:
+    """The bench's charts in folder ``d``: latency CDFs, the decode-step split, the sweep;
+    ``names``: each chart's title suffix (latency, split, sweep)."""
     paths = [
         plots.latency_cdfs(
             d / "bench_latency.png",
             stats_lists["ttft_ms"],
             stats_lists["itl_ms"],
-            f"engine.bench latency ({name})",
+            f"engine.bench latency ({names['latency']})",
         ),
         plots.step_split(
             d / "bench_decode_step.png",
             split,
             floor_ms,
-            f"batch-1 decode step by part vs its matrix products alone ({name})",
+            f"batch-1 decode step by part vs its matrix products alone ({names['split']})",
         ),
     ]
     if rows:
@@ -209,7 +214,7 @@ def write_plots(d, stats_lists: dict, split: dict, floor_ms: float, rows, name: 
                 [r["concurrency"] for r in rows],
                 [r["output_tok_per_s"] for r in rows],
                 "concurrency (max_num_seqs, requests decoding at once)",
-                f"engine.bench throughput vs concurrency ({name})",
+                f"engine.bench throughput vs concurrency ({names['sweep']})",
             )
         )
     return paths

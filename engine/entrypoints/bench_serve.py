@@ -187,6 +187,8 @@ def check_args(args) -> list[tuple[int, float]]:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     if len(args.concurrency) > 1 and len(args.request_rate) > 1:
         raise ValueError("--concurrency and --request-rate: sweep one of them at a time")
+    if len(args.request_rate) > 1 and math.isinf(max(args.request_rate)):
+        raise ValueError("--request-rate: a sweep takes finite rates (inf is a single run)")
     if args.plot:
         plots.plot_dir(args.plot)
         plots._pyplot()
@@ -209,7 +211,9 @@ def run(args) -> int:
             print(f"error: {r.error}", file=sys.stderr)
         done.append((stats, results))
     if args.plot:
-        for path in write_plots(plots.plot_dir(args.plot), done, len(args.request_rate) > 1):
+        workload = f"{args.num_requests} requests of {args.max_tokens} tokens"
+        by_rate = len(args.request_rate) > 1
+        for path in write_plots(plots.plot_dir(args.plot), done, by_rate, workload):
             print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0 if all(stats["failed"] == 0 for stats, _ in done) else 1
 
@@ -219,29 +223,31 @@ def print_stats(stats: dict, heading: bool, as_json: bool) -> None:
         print(json.dumps(stats))
         return
     if heading:
-        rate = stats["request_rate"] or math.inf
-        print(f"concurrency {stats['concurrency']}, request rate {rate:g}/s:")
+        print(f"concurrency {stats['concurrency']}, {_rate_text(stats['request_rate'])}:")
     print(format_stats(stats) + f"\nfailed  {stats['failed']}")
 
 
-def write_plots(d, done: list[tuple[dict, list[Result]]], by_rate: bool) -> list:
+def _rate_text(rate: float | None) -> str:
+    return "all sent at the start" if rate is None else f"{rate:g} req/s"
+
+
+def write_plots(d, done: list[tuple[dict, list[Result]]], by_rate: bool, workload: str) -> list:
     """TTFT/ITL CDFs of each run (one file per swept value) and, for a sweep, throughput
-    against the swept value."""
+    against the swept value; ``workload`` goes in the titles."""
     key, what = ("request_rate", "rate") if by_rate else ("concurrency", "c")
     paths = []
     for stats, results in done:
         ok = [r for r in results if r.ok]
         ttft = [1e3 * r.ttft for r in ok if r.ttft is not None]
         itl = [1e3 * x for r in ok for x in r.itl]
-        rate = stats["request_rate"] or math.inf
-        name = f"concurrency {stats['concurrency']}, {rate:g} req/s, {len(ok)} requests"
+        name = f"concurrency {stats['concurrency']}, {_rate_text(stats['request_rate'])}"
         suffix = f"_{what}{stats[key]:g}" if len(done) > 1 else ""
-        title = f"engine.bench_serve latency as the client sees it ({name})"
+        title = f"engine.bench_serve latency as the client sees it\n({workload}, {name})"
         paths.append(plots.latency_cdfs(d / f"serve_latency{suffix}.png", ttft, itl, title))
     if len(done) > 1:
         xs = [stats[key] for stats, _ in done]
         label = "request rate (requests/s)" if by_rate else "concurrency (requests in flight)"
-        title = f"engine.bench_serve throughput vs {label.split(' (')[0]}"
+        title = f"engine.bench_serve throughput vs {label.split(' (')[0]} ({workload})"
         tok = [stats["output_tok_per_s"] for stats, _ in done]
         paths.append(plots.throughput_sweep(d / "serve_throughput.png", xs, tok, label, title))
     return paths

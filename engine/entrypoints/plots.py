@@ -55,13 +55,24 @@ def _cdf(ax, values_ms: list[float], name: str) -> None:
         v = float(np.percentile(xs, q))
         ax.axvline(v, color=color, ls="--", lw=1.2, label=f"p{q} {v:.1f} ms")
     if xs[0] > 0 and xs[-1] / xs[0] > 30:  # a long tail: log scale keeps the bulk readable
-        ax.set_xscale("log")
+        _log_axis(ax, np.log10(xs[-1] / xs[0]))
     ax.set_xlabel(f"{name} (ms{', log scale' if ax.get_xscale() == 'log' else ''})")
     ax.set_ylabel("fraction of samples")
     ax.set_title(f"{name}: {len(xs)} samples")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+
+
+def _log_axis(ax, decades: float) -> None:
+    """A log x axis written as plain numbers, ticks at 1, 2 and 5 of each decade when there
+    are room for them (under 2.5 decades), else at the powers of ten."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def latency_cdfs(path: Path, ttft_ms: list[float], itl_ms: list[float], title: str) -> Path:
