@@ -92,6 +92,19 @@ def test_bench_plots_and_sweep(tiny_model_dir, tmp_path, capsys):
         assert_png(tmp_path / "out" / name)
 
 
+def test_sweep_runs_the_whole_workload_at_each_concurrency(tiny):
+    engine = make_engine(tiny)
+    args = bench.build_parser().parse_args([*TINY_WORKLOAD, "--seed", "5"])
+    prompts, out_lens = bench.workload(args, engine.model_config.vocab_size)
+    rows = bench_plot.sweep(engine, bench.run_engine, prompts, out_lens, [2, 5])
+    assert [r["concurrency"] for r in rows] == [2, 5]
+    for r in rows:
+        assert r["requests"] == 5 and r["generated_tokens"] == sum(out_lens)
+        assert r["prompt_tokens"] == sum(map(len, prompts))
+    table = bench_plot.format_sweep(rows).splitlines()
+    assert len(table) == 3 and table[2].split()[0] == "5"
+
+
 def test_bench_plot_flags_fail_in_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert bench.main(["--plot", str(tmp_path / "file" / "sub")]) == 2

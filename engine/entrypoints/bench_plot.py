@@ -57,7 +57,7 @@ def check_args(args) -> None:
     """Before the model loads: the --plot folder exists (made) and matplotlib imports."""
     if args.plot:
         plots.plot_dir(args.plot)
-        plots._pyplot()
+        plots.pyplot()
 
 
 def int_list(text: str) -> list[int]:

@@ -191,7 +191,7 @@ def check_args(args) -> list[tuple[int, float]]:
         raise ValueError("--request-rate: a sweep takes finite rates (inf is a single run)")
     if args.plot:
         plots.plot_dir(args.plot)
-        plots._pyplot()
+        plots.pyplot()
     return [(c, r) for c in args.concurrency for r in args.request_rate]
 
 

@@ -15,7 +15,8 @@ DPI = 100
 SIZE = (8, 3.6)  # inches: 800 x 360 pixels at DPI
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; a ValueError saying how to install it if missing."""
     try:
         import matplotlib
     except ImportError:
@@ -39,7 +40,7 @@ def plot_dir(path: str) -> Path:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -77,7 +78,7 @@ def _log_axis(ax, decades: float) -> None:
 
 def latency_cdfs(path: Path, ttft_ms: list[float], itl_ms: list[float], title: str) -> Path:
     """Time to first token and inter-token latency, each as a CDF with p50 / p99 marked."""
-    fig, axes = _pyplot().subplots(1, 2, figsize=SIZE)
+    fig, axes = pyplot().subplots(1, 2, figsize=SIZE)
     _cdf(axes[0], ttft_ms, "TTFT")
     _cdf(axes[1], itl_ms, "ITL")
     fig.suptitle(title, fontsize=10)
@@ -87,9 +88,9 @@ def latency_cdfs(path: Path, ttft_ms: list[float], itl_ms: list[float], title: s
 def step_split(path: Path, parts_ms: dict[str, float], floor_ms: float, title: str) -> Path:
     """One decode step's mean time as a stacked bar of its parts (label -> ms), above a bar of
     the matrix products alone: how far the step is from its matmul floor."""
-    fig, ax = _pyplot().subplots(figsize=(9, 3.6))
+    fig, ax = pyplot().subplots(figsize=(9, 3.6))
     left = 0.0
-    colors = _pyplot().get_cmap("tab10").colors
+    colors = pyplot().get_cmap("tab10").colors
     for i, (label, ms) in enumerate(parts_ms.items()):
         ax.barh(1, ms, left=left, color=colors[i % 10], label=f"{label} {ms:.1f} ms")
         left += ms
@@ -108,7 +109,7 @@ def step_split(path: Path, parts_ms: dict[str, float], floor_ms: float, title: s
 
 def throughput_sweep(path: Path, xs: list[float], tok_per_s: list[float], xlabel: str, title: str):
     """Output tokens/s against the swept value (concurrency or request rate), points labelled."""
-    fig, ax = _pyplot().subplots(figsize=SIZE)
+    fig, ax = pyplot().subplots(figsize=SIZE)
     ax.plot(xs, tok_per_s, "o-", color="tab:blue", lw=1.8)
     for x, y in zip(xs, tok_per_s, strict=True):
         ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center")
