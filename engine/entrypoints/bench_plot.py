@@ -21,7 +21,7 @@ from collections import defaultdict
 from engine.llm_engine import LLMEngine
 
 from . import plots
-from .cli_utils import summarize
+from .cli_utils import int_list, summarize
 
 OP_LABELS = {
     "paged_attention_decode": "attention",
@@ -58,17 +58,6 @@ def check_args(args) -> None:
     if args.plot:
         plots.plot_dir(args.plot)
         plots.pyplot()
-
-
-def int_list(text: str) -> list[int]:
-    """``"1,8,32"`` -> [1, 8, 32] (an argparse type); each at least 1."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
-    return values
 
 
 def run_extras(args, engine, run_engine, outputs, workload, floor_ms: float) -> None:

@@ -11,7 +11,6 @@ Prompts: the seed's three, or a file. A comma list for ``--concurrency`` or ``--
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -23,8 +22,7 @@ import httpx
 import numpy as np
 
 from . import plots
-from .bench_plot import int_list
-from .cli_utils import SEED_PROMPTS, CliParser, format_stats, run_stats
+from .cli_utils import SEED_PROMPTS, CliParser, float_list, format_stats, int_list, run_stats
 
 
 @dataclass
@@ -74,14 +72,6 @@ def build_parser() -> CliParser:
         "value (needs matplotlib: pip install '.[plot]')",
     )
     return p
-
-
-def float_list(text: str) -> list[float]:
-    """``"1,2.5,inf"`` -> [1.0, 2.5, inf] (an argparse type)."""
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of numbers") from None
 
 
 def _body(args, model: str, prompt: str) -> tuple[str, dict]:
@@ -184,7 +174,8 @@ def check_args(args) -> list[tuple[int, float]]:
     if min(args.concurrency) < 1:
         raise ValueError(f"--concurrency must be >= 1, got {min(args.concurrency)}")
     if not min(args.request_rate) > 0:
-        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+        rate = min(args.request_rate)
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {rate}")
     if len(args.concurrency) > 1 and len(args.request_rate) > 1:
         raise ValueError("--concurrency and --request-rate: sweep one of them at a time")
     if len(args.request_rate) > 1 and math.isinf(max(args.request_rate)):
