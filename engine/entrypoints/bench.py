@@ -6,6 +6,7 @@ ignore_eos, all from ``--seed``. Prints requests/s, output and total tokens/s, T
 percentiles; then batch-1 decode ITL next to the time the step's matrix products alone take.
 With ``--peer transformers`` the same workload runs through Hugging Face ``generate`` in
 static batches (torch and transformers are imported only there) and the ratio is printed.
+``--sweep-concurrency`` and ``--plot DIR`` are engine/entrypoints/bench_plot.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
+from . import bench_plot
 from .cli_utils import CliParser, format_stats, percentiles, summarize
 from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
@@ -37,6 +39,7 @@ def build_parser() -> CliParser:
     p.add_argument("--batch1-tokens", type=int, default=32, help="batch-1 decode steps timed")
     p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
     p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
+    bench_plot.add_args(p)
     return add_engine_args(p, defaults=ENGINE_DEFAULTS, exclude=("seed",))
 
 
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     try:
         check_workload(args)
         check_engine_args(args)  # bad engine values and --model fail before the model loads
+        bench_plot.check_args(args)
         engine = make_engine(args)
     except ValueError as e:
         return parser.fail(e)
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     print(f"{itl_line}; matrix products alone {mm:.1f} ms per step -> {ratio}")
     batch_mm = matmul_only_ms(engine.backend, args.max_num_seqs, 3)
     print(f"matrix products alone at batch {args.max_num_seqs}: {batch_mm:.1f} ms per step")
+    bench_plot.run_extras(args, engine, run_engine, outputs, (prompts, out_lens), mm)
     if args.peer:
         try:
             peer = run_peer(args, prompts, out_lens)

@@ -1,6 +1,6 @@
 """What the command lines share: the parser that fails in one line (for bad flags and for a bad
-value found later), UTF-8 checks of text from the command line, the seed's prompts, logging, and
-the throughput / latency table."""
+value found later), comma lists as flag types, UTF-8 checks of text from the command line, the
+seed's prompts, logging, and the throughput / latency table."""
 
 from __future__ import annotations
 
@@ -63,6 +63,25 @@ def check_utf8(text: str, what: str) -> str:
             f"{what} is not valid UTF-8 ({bad} at character {e.start}); give UTF-8 text"
         ) from None
     return text
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32] (an argparse type); each at least 1."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """``"1,2.5,inf"`` -> [1.0, 2.5, inf] (an argparse type)."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of numbers") from None
 
 
 def setup_logging(trace: bool) -> None:
