@@ -25,6 +25,9 @@ extern "C" __global__ void twice(float* __restrict__ out, const float* __restric
 extern "C" __global__ void vec(float* __restrict__ out, const float* __restrict__ x) {
   reinterpret_cast<float4*>(out)[threadIdx.x] = reinterpret_cast<const float4*>(x)[threadIdx.x];
 }
+extern "C" __global__ void bump(float* __restrict__ x) {
+  x[threadIdx.x] = x[threadIdx.x] + 1.0f;
+}
 extern "C" __global__ void shared(float* __restrict__ out, const float* __restrict__ x, int n) {
   __shared__ float buf[256];
   buf[threadIdx.x] = x[threadIdx.x];
@@ -61,6 +64,15 @@ def test_each_access_is_counted_once_with_its_width(mod):
     t = launch(mod, "vec", n // 4, out, x)
     assert (t.read(x), t.written(out)) == (x.nbytes, x.nbytes)
     assert [r[1] - r[0] for r in t.launches[0][1]] == [x.nbytes, x.nbytes]
+
+
+def test_an_in_place_update_counts_its_load_and_its_store_and_runs_once(mod):
+    n = 96
+    x = np.random.default_rng().standard_normal(n).astype(np.float32)
+    want = x + 1.0
+    t = launch(mod, "bump", n, x)
+    assert (t.read(x), t.written(x)) == (x.nbytes, x.nbytes)
+    np.testing.assert_array_equal(x, want)  # the loads-counting run's result was undone
 
 
 def test_shared_memory_and_locals_are_not_global_traffic(mod):

@@ -1,9 +1,12 @@
 // emu_traffic.h: count the bytes a kernel loads from and stores to global memory.
 //
-// A counting build (engine/kernels/build.py, counting=True) compiles the kernel with
+// A counting build (engine/kernels/build.py COUNTING_KINDS) compiles the kernel with
 // -fsanitize=kernel-address and outline instrumentation: g++ then calls
 // __asan_load<n>_noabort(addr) before every load of n bytes and __asan_store<n>_noabort(addr)
-// before every store, and this file defines those hooks. Before a launch the emulator
+// before every store, and this file defines those hooks. Loads and stores are counted by two
+// builds ("reads", "writes"): g++ drops a check that an earlier check of the same address
+// covers, and a load's check would hide the store after it (x[i] += 1). The emulator runs
+// both on the same inputs (engine/kernels/emulator.py CountingKernel). Before a launch the emulator
 // registers the address range of each array argument (emu_traffic_set); a hook adds n to the
 // range's read or written count when addr falls inside it. Shared memory, locals and the
 // emulator's own data lie outside every range and are not counted.

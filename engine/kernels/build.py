@@ -176,7 +176,9 @@ def build_dir() -> Path:
     return Path(os.environ.get(BUILD_ENV, REPO / "build" / "cuda_cpu"))
 
 
-# A counting build: every load and store calls a hook of cuda_src/cpu/emu_traffic.h.
+# A counting build: every load ("reads") or every store ("writes") calls a hook of
+# cuda_src/cpu/emu_traffic.h. Loads and stores get separate builds because g++ drops a check
+# that an earlier check of the same address covers, and a load's check covers a later store.
 COUNTING_FLAGS = [
     "-DEMU_COUNT_BYTES",
     "-fsanitize=kernel-address",
@@ -184,9 +186,13 @@ COUNTING_FLAGS = [
     "--param=asan-stack=0",
     "--param=asan-globals=0",
 ]
+COUNTING_KINDS = {
+    "reads": ["--param=asan-instrument-writes=0"],
+    "writes": ["--param=asan-instrument-reads=0"],
+}
 
 
-def gxx_flags(asan: bool, counting: bool = False) -> list[str]:
+def gxx_flags(asan: bool, counting: str | None = None) -> list[str]:
     base = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Werror"]
     base += ["-Wno-unknown-pragmas", "-include", str(EMU_DIR / "cuda_emu.h")]
     base += [f"-I{EMU_DIR / 'shim'}", f"-I{SRC_DIR}"]
@@ -194,7 +200,9 @@ def gxx_flags(asan: bool, counting: bool = False) -> list[str]:
         raise ValueError("a CPU build is either ASan or counting, not both")
     if asan:
         return base + ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
-    return base + ["-O2"] + (COUNTING_FLAGS if counting else [])
+    if counting and counting not in COUNTING_KINDS:
+        raise ValueError(f"counting must be one of {sorted(COUNTING_KINDS)}, got {counting!r}")
+    return base + ["-O2"] + (COUNTING_FLAGS + COUNTING_KINDS[counting] if counting else [])
 
 
 def _with_exports(source: str) -> str:
@@ -211,7 +219,9 @@ def _dependencies_digest() -> str:
     return h.hexdigest()
 
 
-def compile_cpu(name: str, asan: bool | None = None, counting: bool = False, defines=None) -> Path:
+def compile_cpu(
+    name: str, asan: bool | None = None, counting: str | None = None, defines=None
+) -> Path:
     """Build cuda_src/<name>.cu into a shared library (cached by content hash and defines);
     its path. ``counting``: the build that counts each array argument's global memory
     traffic."""
@@ -220,19 +230,19 @@ def compile_cpu(name: str, asan: bool | None = None, counting: bool = False, def
     return build_cpu_library(_with_exports(read_source(name)), tag, asan, counting, defs)
 
 
-def compile_cpu_source(source: str, tag: str, counting: bool = False) -> Path:
+def compile_cpu_source(source: str, tag: str, counting: str | None = None) -> Path:
     """Build kernel source text, not a file (tests of the emulator), as ``compile_cpu`` does."""
     return build_cpu_library(_with_exports(f'#line 1 "{tag}.cu"\n{source}'), tag, None, counting)
 
 
 def build_cpu_library(
-    source: str, tag: str, asan: bool | None = None, counting: bool = False, defines=()
+    source: str, tag: str, asan: bool | None = None, counting: str | None = None, defines=()
 ) -> Path:
     """Compile kernel ``source`` (ending with its EMU_EXPORT lines) with g++, cached by hash."""
     asan = False if counting else asan_enabled() if asan is None else asan
     flags = gxx_flags(asan, counting) + define_options(defines)
     key = hashlib.sha256((source + _dependencies_digest() + " ".join(flags)).encode()).hexdigest()
-    variant = "-asan" if asan else "-count" if counting else ""
+    variant = "-asan" if asan else f"-count-{counting}" if counting else ""
     out = build_dir() / f"{tag}-{key[:16]}{variant}.so"
     if out.exists():
         return out

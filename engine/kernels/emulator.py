@@ -45,6 +45,7 @@ _SCALARS = {"i": np.int32, "u": np.uint32, "l": np.int64, "L": np.uint64}
 _SCALARS |= {"f": np.float32, "d": np.float64}
 _CTYPES = {"i": ctypes.c_int32, "u": ctypes.c_uint32, "l": ctypes.c_int64}
 _CTYPES |= {"L": ctypes.c_uint64, "f": ctypes.c_float, "d": ctypes.c_double}
+COUNTING = ("reads", "writes")  # the two counting builds (build.COUNTING_KINDS)
 _lock = threading.Lock()
 _order = {"order": 0, "seed": 1}
 
@@ -148,18 +149,21 @@ class CpuKernel:
         return values, ptrs
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        self.run(grid, block, args, shared_mem)
+
+    def run(self, grid, block, args, shared_mem: int = 0) -> list[tuple[int, int, int, int]]:
+        """Launch; in a counting build, return (begin, end, read, written) per argument range."""
         values, ptrs = self._pack(args)
         cfg = (ctypes.c_uint * 7)(*_dims(grid), *_dims(block), int(shared_mem))
-        counting = self._counting
         with _lock:
             self._lib.emu_set_order(_order["order"], ctypes.c_uint64(_order["seed"]))
-            ranges = self._count_ranges(args) if counting else []
+            ranges = self._count_ranges(args) if self._counting else []
             rc = self._launch(cfg, ptrs)
             if rc != 0:
                 raise KernelLaunchError(f"{self.name}: {self._lib.emu_last_error().decode()}")
-            if counting:
-                self._collect(ranges)
+            rows = self._collect(ranges) if self._counting else []
         del values
+        return rows
 
     def _count_ranges(self, args) -> list[tuple[int, int]]:
         ranges = merged_ranges(a for a in args if isinstance(a, np.ndarray))
@@ -170,11 +174,30 @@ class CpuKernel:
             raise KernelLaunchError(f"{self.name}: too many array arguments to count ({n})")
         return ranges
 
-    def _collect(self, ranges) -> None:
+    def _collect(self, ranges) -> list[tuple[int, int, int, int]]:
         n = max(len(ranges), 1)
         read, written = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)()
         self._lib.emu_traffic_get(read, written)
-        rows = [(lo, hi, read[i], written[i]) for i, (lo, hi) in enumerate(ranges)]
+        return [(lo, hi, read[i], written[i]) for i, (lo, hi) in enumerate(ranges)]
+
+
+class CountingKernel:
+    """One kernel of the two counting builds: a launch runs the loads-counting build, puts every
+    array argument's bytes back, then runs the stores-counting build (whose results stay), and
+    adds the launch's traffic to every open ``memory_traffic()``."""
+
+    def __init__(self, reads: CpuKernel, writes: CpuKernel):
+        self.name, self.signature = reads.name, reads.signature
+        self._reads, self._writes = reads, writes
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        ranges = merged_ranges(a for a in args if isinstance(a, np.ndarray))
+        saved = [ctypes.string_at(lo, hi - lo) for lo, hi in ranges]
+        loads = self._reads.run(grid, block, args, shared_mem)
+        for (lo, hi), data in zip(ranges, saved, strict=True):
+            ctypes.memmove(lo, data, hi - lo)
+        stores = self._writes.run(grid, block, args, shared_mem)
+        rows = [(r[0], r[1], r[2], w[3]) for r, w in zip(loads, stores, strict=True)]
         for t in _traffic:
             t.launches.append((self.name, rows))
 
@@ -201,19 +224,38 @@ class CpuModule:
         return self._kernels[name]
 
 
-_cpu_modules: dict[tuple[str, bool, bool, tuple], CpuModule] = {}
+class CountingModule:
+    """The loads- and stores-counting builds of one source, used like ``cupy.RawModule``."""
+
+    def __init__(self, reads: CpuModule, writes: CpuModule):
+        self._reads, self._writes = reads, writes
+
+    def get_function(self, name: str) -> CountingKernel:
+        return CountingKernel(self._reads.get_function(name), self._writes.get_function(name))
 
 
-def cpu_module(name: str, defines=None, counting: bool = False) -> CpuModule:
+_cpu_modules: dict[tuple, CpuModule | CountingModule] = {}
+
+
+def cpu_module(name: str, defines=None, counting: bool = False) -> CpuModule | CountingModule:
     """The (cached) CPU build of cuda_src/<name>.cu with ``defines`` (e.g. {"HEAD_DIM": 64});
-    ASan when PAGEDLLM_EMU_ASAN=1; with ``counting``, the build that counts global memory
+    ASan when PAGEDLLM_EMU_ASAN=1; with ``counting``, the builds that count global memory
     traffic (see ``memory_traffic``)."""
-    key = (name, asan_enabled() and not counting, counting, normalize_defines(name, defines))
+    defs = normalize_defines(name, defines)
+    key = (name, asan_enabled() and not counting, counting, defs)
     if key not in _cpu_modules:
-        _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], counting, key[3]))
+        if counting:
+            builds = (CpuModule(compile_cpu(name, False, kind, defs)) for kind in COUNTING)
+            _cpu_modules[key] = CountingModule(*builds)
+        else:
+            _cpu_modules[key] = CpuModule(compile_cpu(name, key[1], None, defs))
     return _cpu_modules[key]
 
 
-def cpu_module_from_source(source: str, tag: str = "snippet", counting: bool = False) -> CpuModule:
+def cpu_module_from_source(
+    source: str, tag: str = "snippet", counting: bool = False
+) -> CpuModule | CountingModule:
     """A CPU build of kernel source text (tests of the emulator); kernels found as in .cu files."""
-    return CpuModule(compile_cpu_source(source, tag, counting))
+    if counting:
+        return CountingModule(*(CpuModule(compile_cpu_source(source, tag, k)) for k in COUNTING))
+    return CpuModule(compile_cpu_source(source, tag))

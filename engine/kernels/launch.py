@@ -64,7 +64,6 @@ def decode_split(max_context_len: int, blocks: int, sm_count: int) -> tuple[int,
     return cdiv(n, size), size
 
 
-
 def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
     """``a`` must be a C-contiguous array of ``shape`` (None: any size) and ``dtype``."""
     want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
