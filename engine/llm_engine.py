@@ -56,11 +56,17 @@ def check_arrival_time(arrival_time) -> float:
     return float(arrival_time)
 
 
+def _configured_backend(model_config, weights, config: EngineConfig):
+    return get_backend(config.backend, model_config, weights, config)
+
+
 class LLMEngine:
     """``LLMEngine(model, **engine_args)``: engine_args are ``EngineConfig`` fields.
 
     ``record_logits=True`` keeps every sampled row of logits (for ``engine.diff``); ``loaded``
-    reuses an already loaded model (tests share one between engines).
+    reuses an already loaded model (tests share one between engines); ``backend_factory``
+    ``(model_config, weights, config) -> Backend`` replaces the configured backend (the host
+    benchmark's ``StubBackend``).
     """
 
     def __init__(
@@ -70,6 +76,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         record_logits: bool = False,
+        backend_factory=None,
         **engine_args,
     ):
         if config is None:
@@ -83,13 +90,13 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)
         self.record_logits = record_logits
-        self._setup()
+        self._setup(backend_factory or _configured_backend)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
         return cls(config=config, **kwargs)
 
-    def _setup(self) -> None:
+    def _setup(self, backend_factory) -> None:
         cfg, mc = self.config, self.model_config
         log.info(
             "model %s: %d layers, hidden %d, %d heads (%d KV), head dim %d, vocab %d",
@@ -101,7 +108,7 @@ class LLMEngine:
             mc.head_dim,
             mc.vocab_size,
         )
-        self.backend = get_backend(cfg.backend, mc, self.loaded.weights, cfg)
+        self.backend = backend_factory(mc, self.loaded.weights, cfg)
         num_blocks, num_cpu_blocks = num_kv_blocks(cfg, self.backend)
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(

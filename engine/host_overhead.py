@@ -1,0 +1,176 @@
+"""The host's cost per decode step: the engine loop around a ``StubBackend``, whose forward
+returns token ids at once, so everything timed is scheduling, batch preparation, token appends,
+detokenizing and outputs (``python -m engine.bench --host-overhead``).
+
+A run adds ``batch`` requests of random prompts (greedy, ignore_eos), steps until every one has
+its first token, warms up, then times ``steps`` decode steps one by one, and finally steps the
+requests to their end and checks each got exactly its tokens: those of ``stub_next_token``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backends.stub import StubBackend, stub_next_token
+from .llm_engine import LLMEngine
+from .sampling_params import SamplingParams
+from .utils import cdiv
+
+# the parts of a step, as (name, attribute path on the engine) of the method that does each
+PARTS = (
+    ("schedule", "scheduler.schedule"),
+    ("prepare", "runner.prepare"),
+    ("forward", "backend.forward_greedy"),
+    ("update+detok", "_update"),
+    ("outputs", "output_processor.outputs"),
+)
+
+
+def stub_backend(model_config, weights, config) -> StubBackend:
+    return StubBackend(model_config, config)
+
+
+def stub_engine(loaded, batch: int, prompt_len: int, max_model_len: int, **engine_args):
+    """An engine of ``batch`` sequences over the stub backend, its pool sized to hold them."""
+    blocks = batch * cdiv(max_model_len, engine_args.get("block_size", 16)) + 1
+    kw = dict(max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, max_model_len))
+    kw.update(num_gpu_blocks=blocks, max_model_len=max_model_len, **engine_args)
+    return LLMEngine(loaded.source, loaded=loaded, backend_factory=stub_backend, **kw)
+
+
+@dataclass
+class HostRun:
+    batch: int
+    step_ms: list[float] = field(default_factory=list)  # whole steps
+    part_ms: dict[str, list[float]] = field(default_factory=dict)  # per part, per step
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.step_ms))
+
+    def part_median_ms(self, name: str) -> float:
+        return float(np.median(self.part_ms[name])) if self.part_ms.get(name) else 0.0
+
+
+def add_requests(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int, seed: int):
+    """``batch`` random prompts of prompt_len ids: {request id: prompt ids}."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = {}
+    for i in range(batch):
+        prompts[str(i)] = rng.integers(100, vocab - 100, prompt_len).tolist()
+        engine.add_request(str(i), prompts[str(i)], params)
+    return prompts
+
+
+def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
+    """The n tokens the stub generates after prompt, one at a time (the independent replay)."""
+    ids = list(prompt)
+    for _ in range(n):
+        pos = len(ids) - 1
+        ids.append(int(stub_next_token(np.array([ids[-1]]), np.array([pos]), vocab)[0]))
+    return ids[len(prompt) :]
+
+
+def _step_all(engine: LLMEngine, stream: bool) -> list:
+    return engine.step() if stream else engine.step(stream=False)
+
+
+class _PartTimer:
+    """Times the methods of PARTS on one engine (instance attributes that wrap them)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.spent = {name: 0.0 for name, _ in PARTS}
+        for name, path in PARTS:
+            *owner_path, attr = path.split(".")
+            owner = engine
+            for a in owner_path:
+                owner = getattr(owner, a)
+            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+
+    def _wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, {name: 0.0 for name, _ in PARTS}
+        return spent
+
+
+def _timed_steps(engine, steps: int, stream: bool, parts: _PartTimer | None, run: HostRun):
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        _step_all(engine, stream)
+        run.step_ms.append(1e3 * (time.perf_counter() - t0))
+        if parts is not None:
+            for name, s in parts.take().items():
+                run.part_ms.setdefault(name, []).append(1e3 * s)
+
+
+def measure(
+    loaded,
+    batch: int,
+    *,
+    steps: int = 50,
+    warmup: int = 10,
+    prompt_len: int = 64,
+    stream: bool = True,
+    split: bool = False,
+    seed: int = 0,
+) -> HostRun:
+    """Median host cost of ``steps`` decode steps at ``batch``; with ``split``, per part too
+    (a second pass, so the wrappers' cost stays out of the whole-step figure). Every request is
+    then run to its end and checked (AssertionError if a token or a count is wrong)."""
+    max_tokens = warmup + 2 * steps + 4
+    engine = stub_engine(loaded, batch, prompt_len, prompt_len + max_tokens)
+    prompts = add_requests(engine, batch, prompt_len, max_tokens, seed)
+    outputs = {}
+    while any(len(s.output_token_ids) == 0 for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        outputs.update({o.request_id: o for o in _step_all(engine, stream) if o.finished})
+    run = HostRun(batch)
+    for _ in range(warmup):
+        _step_all(engine, stream)
+    _timed_steps(engine, steps, stream, None, run)
+    _timed_steps(engine, steps, stream, _PartTimer(engine), run_split := HostRun(batch))
+    if split:
+        run.part_ms = run_split.part_ms
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in _step_all(engine, stream) if o.finished})
+    check_outputs(outputs, prompts, max_tokens, engine.model_config.vocab_size)
+    return run
+
+
+def check_outputs(outputs: dict, prompts: dict, max_tokens: int, vocab: int) -> None:
+    """Every request finished by length with exactly the stub's tokens (AssertionError)."""
+    assert outputs.keys() == prompts.keys(), f"{len(outputs)} of {len(prompts)} requests finished"
+    for rid, prompt in prompts.items():
+        out = outputs[rid]
+        assert out.finish_reason == "length", f"request {rid}: {out.finish_reason}"
+        want = expected_tokens(prompt, max_tokens, vocab)
+        assert out.token_ids == want, f"request {rid}: tokens differ from the stub's"
+
+
+def format_table(runs: list[HostRun]) -> str:
+    """A markdown table: batch, ms/step (median) and each part's median."""
+    names = [name for name, _ in PARTS]
+    head = "| batch | ms/step | " + " | ".join(names) + " |"
+    rule = "|" + "---|" * (2 + len(names))
+    rows = [
+        f"| {r.batch} | {r.median_ms:.3f} | "
+        + " | ".join(f"{r.part_median_ms(n):.3f}" for n in names)
+        + " |"
+        for r in runs
+    ]
+    return "\n".join([head, rule, *rows])
