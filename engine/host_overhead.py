@@ -44,6 +44,7 @@ def stub_engine(loaded, batch: int, prompt_len: int, max_model_len: int, **engin
 @dataclass
 class HostRun:
     batch: int
+    stream: bool  # step() (an output per request per step) or step(stream=False)
     step_ms: list[float] = field(default_factory=list)  # whole steps
     part_ms: dict[str, list[float]] = field(default_factory=dict)  # per part, per step
 
@@ -67,13 +68,15 @@ def add_requests(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int
     return prompts
 
 
-def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
-    """The n tokens the stub generates after prompt, one at a time (the independent replay)."""
-    ids = list(prompt)
-    for _ in range(n):
-        pos = len(ids) - 1
-        ids.append(int(stub_next_token(np.array([ids[-1]]), np.array([pos]), vocab)[0]))
-    return ids[len(prompt) :]
+def expected_tokens(prompts: list[list[int]], n: int, vocab: int) -> np.ndarray:
+    """(R, n) the tokens the stub generates after each prompt, one step at a time for all of
+    them together (the independent replay of what the engine should produce)."""
+    last = np.array([p[-1] for p in prompts])  # (R,)
+    pos = np.array([len(p) - 1 for p in prompts])  # (R,)
+    out = np.empty((len(prompts), n), dtype=np.int64)  # (R, n)
+    for i in range(n):
+        last = out[:, i] = stub_next_token(last, pos + i, vocab)
+    return out
 
 
 def _step_all(engine: LLMEngine, stream: bool) -> list:
@@ -139,11 +142,11 @@ def measure(
         engine.scheduler.waiting
     ):
         outputs.update({o.request_id: o for o in _step_all(engine, stream) if o.finished})
-    run = HostRun(batch)
+    run = HostRun(batch, stream)
     for _ in range(warmup):
         _step_all(engine, stream)
     _timed_steps(engine, steps, stream, None, run)
-    _timed_steps(engine, steps, stream, _PartTimer(engine), run_split := HostRun(batch))
+    _timed_steps(engine, steps, stream, _PartTimer(engine), run_split := HostRun(batch, stream))
     if split:
         run.part_ms = run_split.part_ms
     while engine.has_unfinished_requests():
@@ -155,20 +158,21 @@ def measure(
 def check_outputs(outputs: dict, prompts: dict, max_tokens: int, vocab: int) -> None:
     """Every request finished by length with exactly the stub's tokens (AssertionError)."""
     assert outputs.keys() == prompts.keys(), f"{len(outputs)} of {len(prompts)} requests finished"
-    for rid, prompt in prompts.items():
+    want = expected_tokens(list(prompts.values()), max_tokens, vocab)  # (R, max_tokens)
+    for rid, row in zip(prompts, want, strict=True):
         out = outputs[rid]
         assert out.finish_reason == "length", f"request {rid}: {out.finish_reason}"
-        want = expected_tokens(prompt, max_tokens, vocab)
-        assert out.token_ids == want, f"request {rid}: tokens differ from the stub's"
+        assert out.token_ids == row.tolist(), f"request {rid}: tokens differ from the stub's"
 
 
 def format_table(runs: list[HostRun]) -> str:
-    """A markdown table: batch, ms/step (median) and each part's median."""
+    """A markdown table: batch, outputs (every step or final only), ms/step (median) and each
+    part's median."""
     names = [name for name, _ in PARTS]
-    head = "| batch | ms/step | " + " | ".join(names) + " |"
-    rule = "|" + "---|" * (2 + len(names))
+    head = "| batch | outputs of | ms/step | " + " | ".join(names) + " |"
+    rule = "|" + "---|" * (3 + len(names))
     rows = [
-        f"| {r.batch} | {r.median_ms:.3f} | "
+        f"| {r.batch} | {'every step' if r.stream else 'final only'} | {r.median_ms:.3f} | "
         + " | ".join(f"{r.part_median_ms(n):.3f}" for n in names)
         + " |"
         for r in runs

@@ -181,9 +181,11 @@ class LLMEngine:
         self.scheduler.check_invariants()
 
     # ---- the loop ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """One scheduled forward. Returns an output for every request that got a token, finished
-        or was rejected in this step (finished requests are then forgotten)."""
+        or was rejected in this step (finished requests are then forgotten). ``stream=False``:
+        only for the requests that finished, for a caller that reads final outputs alone (no
+        per-step outputs are built, and text is detokenized once, at the end)."""
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
@@ -191,30 +193,32 @@ class LLMEngine:
         if not out.is_empty:
             # 2. execute and 3. sample: one token for every sequence whose last token ran
             seqs, ids, extras = self._execute_and_sample(out)
-            # 4. update: append the tokens, detokenize, stop checks, free finished sequences
+            # 4. update: append the tokens, stop checks, free finished sequences
             self._update(out, seqs, ids, extras)
         # 5. process outputs
-        return self.output_processor.outputs()
+        return self.output_processor.outputs(stream)
 
     def _execute_and_sample(self, out: SchedulerOutput):
-        """(sequences, their sampled ids, [(logprobs, logits row)] per sequence)."""
+        """(sequences, their sampled ids, [(logprobs, logits row)] per sequence or None)."""
         rows, seqs = rows_to_sample(out.scheduled)
         if not self.record_logits and all(plain_greedy(s) for s in seqs):
             # the argmax where the logits are; only ids come back
-            ids = self.runner.execute(out, greedy=True)[rows].tolist()  # (R,)
-            return seqs, ids, [(None, None)] * len(seqs)
+            greedy = self.runner.execute(out, greedy=True)  # (B,)
+            ids = (greedy if len(rows) == len(greedy) else greedy[rows]).tolist()  # (R,)
+            return seqs, ids, None
         logits = self.runner.execute(out)  # (B, V)
         gens = [self.output_processor.generator(s) for s in seqs]
         ids, lps = self.sampler.sample(logits[rows], seqs, gens)
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
 
     def _update(self, out: SchedulerOutput, seqs, ids, extras) -> None:
-        self._abort_unsampled(seqs, ids)
+        if NO_TOKEN in ids:
+            self._abort_unsampled(seqs, ids)
         sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
-        extra = {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
-        now = time.monotonic()
+        extra = {} if extras is None else {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
+        now, op = time.monotonic(), self.output_processor
         for seq in self.scheduler.update(out, sampled):
-            reason = self.output_processor.process_token(seq, *extra[seq.seq_id], now)
+            reason = op.process_token(seq, *extra.get(seq.seq_id, (None, None)), now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
                 free = self.block_manager.num_free_blocks
