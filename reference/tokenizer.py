@@ -204,8 +204,10 @@ class IncrementalDetokenizer:
     def _in_byte_run(self) -> bool:
         """Whether the last id the decoder sees (skipped specials aside) is a byte token."""
         skipped = self.tokenizer.special_token_ids if self.skip_special_tokens else frozenset()
-        last = next((i for i in reversed(self.output_ids) if i not in skipped), None)
-        return last in self.tokenizer.byte_token_ids
+        for i in reversed(self.output_ids):
+            if i not in skipped:
+                return i in self.tokenizer.byte_token_ids
+        return False
 
     def _emit(self, final: bool) -> str:
         before = self._decode(self.output_ids[self._prefix : self._read])

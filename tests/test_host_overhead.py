@@ -30,7 +30,7 @@ def test_host_overhead_run_prints_its_figures(smollm2):
     ]
     print("\n" + host_overhead.format_table(runs))
     for run in runs:
-        assert len(run.step_ms) == 8 and min(run.step_ms) > 0
+        assert len(run.step_ms) == len(run.cpu_ms) == 8 and min(run.step_ms) > 0
         assert all(len(run.part_ms[name]) == 8 for name, _ in host_overhead.PARTS)
         assert run.part_median_ms("forward") > 0
 

@@ -9,7 +9,9 @@ static batches (torch and transformers are imported only there) and the ratio is
 
 With ``--host-overhead`` it measures the host instead: the engine loop at batch 1, 64 and 256
 around a stub backend whose forward returns token ids at once (``engine.host_overhead``), and
-prints the median ms per decode step, split into its parts.
+prints the median ms per decode step, split into its parts, for ``step(stream=False)`` (outputs
+of finished requests only, as ``LLM.generate`` steps) and ``step()`` (an output per request per
+step, as the server streams).
 """
 
 from __future__ import annotations
@@ -145,11 +147,14 @@ def check_workload(args) -> None:
 def run_host_overhead(args) -> int:
     """The host-overhead table (``--host-overhead``)."""
     loaded = load_model(args.model)
+    steps, seed = args.host_steps, args.seed
     runs = [
-        host_overhead.measure(loaded, b, steps=args.host_steps, split=True, seed=args.seed)
+        host_overhead.measure(loaded, b, steps=steps, split=True, stream=stream, seed=seed)
         for b in HOST_BATCHES
+        for stream in (False, True)
     ]
-    print(f"host cost per decode step, stub forward, {loaded.source} tokenizer (ms, median):")
+    print(f"host ms per decode step (median of {steps}), stub forward, {args.model} tokenizer")
+    print("outputs of 'final only': step(stream=False); 'every step': step()")
     print(host_overhead.format_table(runs))
     return 0
 
