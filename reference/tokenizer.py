@@ -128,7 +128,8 @@ class Tokenizer:
         """Ids of the byte-fallback tokens (``<0xNN>``)."""
         hexes = "0123456789ABCDEFabcdef"  # every spelling BYTE_TOKEN matches
         names = (f"<0x{a}{b}>" for a in hexes for b in hexes)
-        return frozenset(filter(None.__ne__, map(self.backend.token_to_id, names)))
+        ids = map(self.backend.token_to_id, names)
+        return frozenset(i for i in ids if i is not None)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
