@@ -2,8 +2,9 @@
 
 add_request -> tokenize, validate, one Sequence per sample -> Scheduler.add (waiting queue)
 step        -> 1. Scheduler.schedule  2. ModelRunner.execute (swaps, forward)  3. Sampler.sample
-            -> 4. Scheduler.update (append tokens; OutputProcessor: detokenize, stop checks)
-            -> 5. OutputProcessor.outputs
+            -> 4. Scheduler.update (append tokens; OutputProcessor: stop checks)
+            -> 5. OutputProcessor.outputs (every request with news; with ``stream=False`` only
+               the finished ones; text is detokenized as it is read)
             (a step whose rows are all plain greedy asks the backend for argmax ids instead of
             logits, so no (B, V) array reaches the host: ``sampler.plain_greedy``)
 """
