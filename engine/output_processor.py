@@ -43,7 +43,7 @@ class SampleState:
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def sync_text(self) -> None:
-        """Detokenize the output ids not yet in text (the end of stream once finished)."""
+        """Detokenize the output ids not yet in text."""
         ids = self.seq.output_token_ids
         if self.detokenized < len(ids):
             self.text += "".join(map(self.detok.add, ids[self.detokenized :]))
