@@ -88,7 +88,7 @@ def expected_tokens(prompts: list[list[int]], n: int, vocab: int) -> np.ndarray:
     return out
 
 
-def _step_all(engine: LLMEngine, stream: bool) -> list:
+def _step(engine: LLMEngine, stream: bool) -> list:
     return engine.step() if stream else engine.step(stream=False)
 
 
@@ -122,7 +122,7 @@ class _PartTimer:
 def _timed_steps(engine, steps: int, stream: bool, parts: _PartTimer | None, run: HostRun):
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.thread_time()
-        _step_all(engine, stream)
+        _step(engine, stream)
         run.cpu_ms.append(1e3 * (time.thread_time() - c0))
         run.step_ms.append(1e3 * (time.perf_counter() - t0))
         if parts is not None:
@@ -144,23 +144,23 @@ def measure(
     """Median host cost of ``steps`` decode steps at ``batch``; with ``split``, per part too
     (a second pass, so the wrappers' cost stays out of the whole-step figure). Every request is
     then run to its end and checked (AssertionError if a token or a count is wrong)."""
-    max_tokens = warmup + 2 * steps + 4
+    max_tokens = warmup + 2 * steps + 4  # nobody finishes before the timed steps are over
     engine = stub_engine(loaded, batch, prompt_len, prompt_len + max_tokens)
     prompts = add_requests(engine, batch, prompt_len, max_tokens, seed)
-    outputs = {}
-    while any(len(s.output_token_ids) == 0 for s in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
-        outputs.update({o.request_id: o for o in _step_all(engine, stream) if o.finished})
-    run = HostRun(batch, stream)
+    sched = engine.scheduler
+    while sched.waiting or any(not s.output_token_ids for s in sched.running):  # prefills
+        _step(engine, stream)
     for _ in range(warmup):
-        _step_all(engine, stream)
+        _step(engine, stream)
+    run = HostRun(batch, stream)
     _timed_steps(engine, steps, stream, None, run)
-    _timed_steps(engine, steps, stream, _PartTimer(engine), run_split := HostRun(batch, stream))
     if split:
-        run.part_ms = run_split.part_ms
+        parts = HostRun(batch, stream)
+        _timed_steps(engine, steps, stream, _PartTimer(engine), parts)
+        run.part_ms = parts.part_ms
+    outputs = {}
     while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in _step_all(engine, stream) if o.finished})
+        outputs.update({o.request_id: o for o in _step(engine, stream) if o.finished})
     check_outputs(outputs, prompts, max_tokens, engine.model_config.vocab_size)
     return run
 
