@@ -57,10 +57,11 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until every request of ids finished: request id -> its final output."""
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while len(done) < len(ids) and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in ids:
+            for out in self.engine.step(stream=False):  # finished outputs only
+                if out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
@@ -120,7 +121,7 @@ def run_to_completion(
         engine.add_request(str(i), prompt, p)
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in engine.step(stream=False)})
         if check_invariants:
             engine.check_invariants()
     return [done[str(i)] for i in range(len(prompts))]

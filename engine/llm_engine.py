@@ -2,8 +2,9 @@
 
 add_request -> tokenize, validate, one Sequence per sample -> Scheduler.add (waiting queue)
 step        -> 1. Scheduler.schedule  2. ModelRunner.execute (swaps, forward)  3. Sampler.sample
-            -> 4. Scheduler.update (append tokens; OutputProcessor: detokenize, stop checks)
-            -> 5. OutputProcessor.outputs
+            -> 4. Scheduler.update (append tokens; OutputProcessor: stop checks)
+            -> 5. OutputProcessor.outputs (every request with news; with ``stream=False`` only
+               the finished ones; text is detokenized as it is read)
             (a step whose rows are all plain greedy asks the backend for argmax ids instead of
             logits, so no (B, V) array reaches the host: ``sampler.plain_greedy``)
 """
@@ -56,11 +57,17 @@ def check_arrival_time(arrival_time) -> float:
     return float(arrival_time)
 
 
+def _configured_backend(model_config, weights, config: EngineConfig):
+    return get_backend(config.backend, model_config, weights, config)
+
+
 class LLMEngine:
     """``LLMEngine(model, **engine_args)``: engine_args are ``EngineConfig`` fields.
 
     ``record_logits=True`` keeps every sampled row of logits (for ``engine.diff``); ``loaded``
-    reuses an already loaded model (tests share one between engines).
+    reuses an already loaded model (tests share one between engines); ``backend_factory``
+    ``(model_config, weights, config) -> Backend`` replaces the configured backend (the host
+    benchmark's ``StubBackend``).
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         record_logits: bool = False,
+        backend_factory=None,
         **engine_args,
     ):
         if config is None:
@@ -83,13 +91,13 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)
         self.record_logits = record_logits
-        self._setup()
+        self._setup(backend_factory or _configured_backend)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
         return cls(config=config, **kwargs)
 
-    def _setup(self) -> None:
+    def _setup(self, backend_factory) -> None:
         cfg, mc = self.config, self.model_config
         log.info(
             "model %s: %d layers, hidden %d, %d heads (%d KV), head dim %d, vocab %d",
@@ -101,7 +109,7 @@ class LLMEngine:
             mc.head_dim,
             mc.vocab_size,
         )
-        self.backend = get_backend(cfg.backend, mc, self.loaded.weights, cfg)
+        self.backend = backend_factory(mc, self.loaded.weights, cfg)
         self.kv_plan = plan_kv_cache(cfg, self.backend)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
@@ -176,9 +184,11 @@ class LLMEngine:
         self.scheduler.check_invariants()
 
     # ---- the loop ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """One scheduled forward. Returns an output for every request that got a token, finished
-        or was rejected in this step (finished requests are then forgotten)."""
+        or was rejected in this step (finished requests are then forgotten). ``stream=False``:
+        only for the requests that finished, for a caller that reads final outputs alone (no
+        per-step outputs are built, and text is detokenized once, at the end)."""
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
@@ -188,30 +198,32 @@ class LLMEngine:
         if not out.is_empty:
             # 2. execute and 3. sample: one token for every sequence whose last token ran
             seqs, ids, extras = self._execute_and_sample(out)
-            # 4. update: append the tokens, detokenize, stop checks, free finished sequences
+            # 4. update: append the tokens, stop checks, free finished sequences
             self._update(out, seqs, ids, extras)
         # 5. process outputs
-        return self.output_processor.outputs()
+        return self.output_processor.outputs(stream)
 
     def _execute_and_sample(self, out: SchedulerOutput):
-        """(sequences, their sampled ids, [(logprobs, logits row)] per sequence)."""
+        """(sequences, their sampled ids, [(logprobs, logits row)] per sequence or None)."""
         rows, seqs = rows_to_sample(out.scheduled)
         if not self.record_logits and all(plain_greedy(s) for s in seqs):
             # the argmax where the logits are; only ids come back
-            ids = self.runner.execute(out, greedy=True)[rows].tolist()  # (R,)
-            return seqs, ids, [(None, None)] * len(seqs)
+            greedy = self.runner.execute(out, greedy=True)  # (B,)
+            ids = (greedy if len(rows) == len(greedy) else greedy[rows]).tolist()  # (R,)
+            return seqs, ids, None
         logits = self.runner.execute(out)  # (B, V)
         gens = [self.output_processor.generator(s) for s in seqs]
         ids, lps = self.sampler.sample(logits[rows], seqs, gens)
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
 
     def _update(self, out: SchedulerOutput, seqs, ids, extras) -> None:
-        self._abort_unsampled(seqs, ids)
+        if NO_TOKEN in ids:
+            self._abort_unsampled(seqs, ids)
         sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
-        extra = {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
-        now = time.monotonic()
+        extra = {} if extras is None else {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
+        now, op = time.monotonic(), self.output_processor
         for seq in self.scheduler.update(out, sampled):
-            reason = self.output_processor.process_token(seq, *extra[seq.seq_id], now)
+            reason = op.process_token(seq, *extra.get(seq.seq_id, (None, None)), now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
                 free = self.block_manager.num_free_blocks

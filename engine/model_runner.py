@@ -1,5 +1,9 @@
 """One scheduler step -> the flat arrays of ``ForwardBatch`` -> the backend's forward -> logits
-(or, for an all-greedy step, the backend's greedy ids)."""
+(or, for an all-greedy step, the backend's greedy ids).
+
+The page tables persist between steps (``BlockTables``): each sequence keeps a row of one array,
+written only when its table grows or is replaced, so a decode step costs O(batch), not O(blocks).
+"""
 
 from __future__ import annotations
 
@@ -12,37 +16,78 @@ from .scheduler import SchedulerOutput
 from .utils import cdiv
 
 
+class BlockTables:
+    """Page tables as rows of one (rows, max_blocks) int32 array, -1 padded. A sequence keeps its
+    row while it runs; a row is rewritten only where its sequence's table grew (blocks are only
+    appended) or was replaced (freed, swapped, taken from the prefix cache). When every row is
+    taken, the rows of sequences no longer scheduled are dropped."""
+
+    def __init__(self, num_rows: int, max_blocks: int):
+        self.table = np.full((num_rows, max_blocks), -1, dtype=np.int32)  # (R, max_blocks)
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.src: list[list[int] | None] = [None] * num_rows  # the table each row copies
+        self.lens = [0] * num_rows  # blocks of src in the row
+
+    def rows(self, seqs) -> np.ndarray:
+        """(B,) the row of each sequence, its page table synced into it."""
+        if len(self.row_of) + len(seqs) > len(self.src):
+            self._drop_all_but(seqs)
+        rows = [self._sync(seq) for seq in seqs]
+        return np.asarray(rows, dtype=np.intp)
+
+    def _sync(self, seq) -> int:
+        row = self.row_of.get(seq.seq_id)
+        if row is None:
+            row = self.row_of[seq.seq_id] = len(self.row_of)
+        table, done = seq.block_table, self.lens[row]
+        if self.src[row] is not table or done > len(table):  # replaced: the whole row again
+            self.src[row], done = table, 0
+            self.table[row] = -1
+        if done < len(table):
+            self.table[row, done : len(table)] = table[done:]
+            self.lens[row] = len(table)
+        return row
+
+    def _drop_all_but(self, seqs) -> None:
+        """Keep only the rows of ``seqs`` (renumbered), so the next ones fit."""
+        keep = [s.seq_id for s in seqs if s.seq_id in self.row_of]
+        old = [self.row_of[k] for k in keep]
+        self.table[: len(old)] = self.table[old]
+        self.src = [self.src[r] for r in old] + [None] * (len(self.src) - len(old))
+        self.lens = [self.lens[r] for r in old] + [0] * (len(self.lens) - len(old))
+        self.row_of = {k: i for i, k in enumerate(keep)}
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config, backend):
         self.model_config = model_config
         self.block_size = engine_config.block_size
         self.backend = backend
+        max_blocks = cdiv(engine_config.max_model_len, self.block_size)
+        self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
     def prepare(self, output: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled (seq, num_new_tokens) pairs, decodes first, into one batch."""
-        bs = self.block_size
-        tokens, starts, q_lens, tables = [], [], [], []
-        for seq, n in output.scheduled:
-            start = seq.num_computed_tokens  # tokens already in the cache
-            if n == 1 and start == seq.num_tokens - 1:
-                tokens.append(seq.last_token_id)  # decode: no copy of the whole sequence
-            else:
-                tokens.extend(seq.token_ids[start : start + n])
-            starts.append(start)
-            q_lens.append(n)
-            tables.append(seq.block_table[: cdiv(start + n, bs)])
-        q_lens_a = np.asarray(q_lens, dtype=np.int32)  # (B,)
-        context_lens = np.asarray(starts, dtype=np.int32) + q_lens_a  # (B,)
-        qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)  # (B+1,)
-        np.cumsum(q_lens_a, out=qsl[1:])
-        block_tables = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
-        for b, table in enumerate(tables):
-            block_tables[b, : len(table)] = table  # (B, max_blocks), -1 padded
+        bs, nd = self.block_size, output.num_decodes
+        seqs = [seq for seq, _ in output.scheduled]
+        starts = [seq.num_computed_tokens for seq in seqs]  # tokens already in the cache
+        tokens = [seq.last_token_id for seq in seqs[:nd]]  # decode: its last token alone
+        for (seq, n), start in zip(output.scheduled[nd:], starts[nd:], strict=True):
+            tokens.extend(seq.token_ids[start : start + n])
+        q_lens = np.ones(len(seqs), dtype=np.int32)  # (B,)
+        q_lens[nd:] = [n for _, n in output.scheduled[nd:]]
+        context_lens = np.asarray(starts, dtype=np.int32) + q_lens  # (B,)
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int32)  # (B+1,)
+        np.cumsum(q_lens, out=qsl[1:])
+        block_tables = self._block_tables(seqs, context_lens)  # (B, max_blocks)
         # position of each token: its sequence's start + its index within the run
-        positions = (np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1], q_lens_a)) + (
-            np.repeat(context_lens - q_lens_a, q_lens_a)
-        )  # (T,)
-        rows = np.repeat(np.arange(len(tables)), q_lens_a)  # (T,) sequence of each token
+        if len(tokens) == len(seqs):
+            positions = context_lens - 1  # (T,) one token per sequence
+        else:
+            positions = (np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1], q_lens)) + (
+                np.repeat(context_lens - q_lens, q_lens)
+            )  # (T,)
+        rows = np.repeat(np.arange(len(seqs)), q_lens)  # (T,) sequence of each token
         slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs  # (T,)
         return ForwardBatch(
             token_ids=np.asarray(tokens, dtype=np.int32),
@@ -51,8 +96,16 @@ class ModelRunner:
             block_tables=block_tables,
             context_lens=context_lens,
             query_start_loc=qsl,
-            num_decodes=output.num_decodes,
+            num_decodes=nd,
         )
+
+    def _block_tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:
+        """(B, max_blocks) each sequence's blocks that hold its first context_lens tokens, -1
+        padded; max_blocks is the most any of them needs."""
+        needed = (context_lens + self.block_size - 1) // self.block_size  # (B,)
+        tables = self.block_tables.table[self.block_tables.rows(seqs), : needed.max()]
+        tables[np.arange(tables.shape[1]) >= needed[:, None]] = -1
+        return tables
 
     def execute(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
         """Swaps and copies first, then the forward: (B, V) float32 logits (B = scheduled), or

@@ -1,9 +1,14 @@
 """Per-request state after the forward: detokenizing, stop checks, and the ``RequestOutput``s.
 
-The engine hands each sampled token here (``process_token``), which appends it to its sample's
-text and says whether the sequence stops ("stop": EOS, a stop token id or a stop string; "length":
-max_tokens or max_model_len). ``outputs()`` then builds one ``RequestOutput`` per request touched
-in the step and forgets the finished ones.
+The engine hands each sampled token here (``process_token``), which says whether the sequence
+stops ("stop": EOS, a stop token id or a stop string; "length": max_tokens or max_model_len).
+``outputs()`` then builds one ``RequestOutput`` per request touched in the step, or with
+``stream=False`` per request finished in it, and forgets the finished ones.
+
+Text is detokenized when it is read: every token at once for a sample with stop strings (they are
+looked for in the text), otherwise when an output is built. Either way the detokenizer sees the
+same ids in the same order, so the text and the streamed deltas are the same; a caller that does
+not stream pays for detokenizing once per request, not once per step.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ class SampleState:
         self.seq = seq
         self.detok: IncrementalDetokenizer = detok
         self.generator = generator
-        self.text = ""
+        self.text = ""  # of the first ``detokenized`` output ids (``sync_text`` catches up)
+        self.detokenized = 0
         self.emitted = 0  # characters of text already streamed
         self.logprobs: list[dict[int, float]] = []
         self.step_logits: list[np.ndarray] = []  # (V,) float32 per token, with record_logits
@@ -36,9 +42,25 @@ class SampleState:
         self.truncated = False  # text cut at a stop string
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
+    def sync_text(self) -> None:
+        """Detokenize the output ids not yet in text."""
+        ids = self.seq.output_token_ids
+        if self.detokenized < len(ids):
+            self.text += "".join(map(self.detok.add, ids[self.detokenized :]))
+            self.detokenized = len(ids)
+
+    def flush_text(self) -> None:
+        """The sample ended: every id into text, then what the detokenizer still holds back."""
+        if self.truncated:  # cut at a stop string: every id is in, nothing more to add
+            return
+        ids = self.seq.output_token_ids
+        self.text += self.detok.add_last(ids[self.detokenized :])
+        self.detokenized = len(ids)
+
     def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
         """The CompletionOutput so far, with the text that is new since the previous one."""
         seq = self.seq
+        self.sync_text()
         # while running, hold back a possible stop-string prefix so no emitted text is retracted
         ready = len(self.text) if seq.is_finished else max(len(self.text) - hold_back, 0)
         delta = self.text[self.emitted : ready]
@@ -114,14 +136,14 @@ class RequestState:
             times.itl.append(now - times.last_token)
         times.last_token = now
 
-    def output(self, record_logits: bool) -> RequestOutput:
+    def output(self, record_logits: bool, finished: bool) -> RequestOutput:
         outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=list(self.prompt_ids),
             outputs=outs,
-            finished=self.finished,
+            finished=finished,
             metrics=self.times.metrics(),
             num_cached_tokens=self.samples[0].seq.num_cached_tokens,
         )
@@ -154,6 +176,7 @@ class OutputProcessor:
         self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
         self._touched: dict[str, RequestState] = {}  # requests with news in this step
+        self._ended: dict[str, RequestState] = {}  # requests with a sample that ended in it
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -178,6 +201,7 @@ class OutputProcessor:
     def abort(self, request_id: str) -> bool:
         """Forget a request (no output follows); False if unknown."""
         self._touched.pop(request_id, None)
+        self._ended.pop(request_id, None)
         return self.requests.pop(request_id, None) is not None
 
     def generator(self, seq: Sequence) -> np.random.Generator:
@@ -190,6 +214,7 @@ class OutputProcessor:
             if req is None:
                 continue
             self._touched[req.request_id] = req
+            self._ended[req.request_id] = req
             if seq.finish_reason == "abort":
                 req.sample(seq).error = reason
 
@@ -205,10 +230,12 @@ class OutputProcessor:
         if self.record_logits:
             sample.step_logits.append(np.array(logits_row, dtype=np.float32))
         before = len(sample.text)
-        sample.text += sample.detok.add(seq.last_token_id)
+        if seq.params.stop:  # stop strings are looked for in the text: it is needed now
+            sample.sync_text()
         reason = self._stop_reason(sample, before)
-        if reason is not None and not sample.truncated:
-            sample.text += sample.detok.finish()  # flush a held-back partial character
+        if reason is not None:
+            sample.flush_text()
+            self._ended[req.request_id] = req
         return reason
 
     def _stop_reason(self, sample: SampleState, before: int) -> str | None:
@@ -223,7 +250,7 @@ class OutputProcessor:
             if token in p.stop_token_ids:
                 sample.stop_reason = token
                 return "stop"
-            hit = _first_stop(sample.text, p.stop, before)
+            hit = _first_stop(sample.text, p.stop, before) if p.stop else None
             if hit is not None:
                 at, stop = hit
                 end = at + len(stop) if p.include_stop_str_in_output else at
@@ -235,14 +262,18 @@ class OutputProcessor:
             return "length"
         return None
 
-    def outputs(self) -> list[RequestOutput]:
-        """One output per request touched since the last call; finished requests are forgotten."""
+    def outputs(self, stream: bool = True) -> list[RequestOutput]:
+        """One output per request touched since the last call (``stream=False``: per request
+        that finished since then); finished requests are forgotten."""
         touched, self._touched = self._touched, {}
+        ended, self._ended = self._ended, {}
         outputs = []
-        for req in touched.values():
-            if req.finished:
+        for req in (touched if stream else ended).values():
+            finished = req.finished
+            if finished:
                 if req.times.finish is None:
                     req.times.finish = time.monotonic()
                 self.requests.pop(req.request_id, None)
-            outputs.append(req.output(self.record_logits))
+            if finished or stream:
+                outputs.append(req.output(self.record_logits, finished))
         return outputs

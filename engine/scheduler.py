@@ -180,6 +180,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if self._plain_decode(seq, step):
+                i += 1
+                continue
             is_decode = seq.num_uncomputed_tokens == 1
             if self._reject_if_hopeless(seq):
                 continue
@@ -197,6 +200,22 @@ class Scheduler:
             self._allocate(seq, n)
             step.add(seq, n, is_decode)
             i += 1
+
+    def _plain_decode(self, seq: Sequence, step: _StepBuilder) -> bool:
+        """Schedule seq's decode token if it needs nothing else: a budget token, no new block,
+        no length limit reached (what the full path decides for it then); else False."""
+        n = seq.num_tokens
+        if (
+            n - seq.num_computed_tokens != 1
+            or n > self.config.max_model_len
+            or step.budget < 1
+            or len(seq.block_table) * self.block_manager.block_size < n
+        ):
+            return False
+        self.block_manager.cache_full_blocks(seq, n)
+        step.decodes.append((seq, 1))
+        step.budget -= 1
+        return True
 
     def _schedule_swapped(self, step: _StepBuilder, out: SchedulerOutput) -> None:
         """Swap preempted seqs back in, oldest first, before any new prefill."""

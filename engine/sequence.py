@@ -37,6 +37,11 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # prompt + output, kept in step with append_token (read every step: never rebuilt)
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.last_token_id = self.token_ids[-1] if self.token_ids else None
         self.params = params if params is not None else SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
@@ -59,20 +64,8 @@ class Sequence:
         )
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -80,12 +73,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(int(token_id))
+        token_id = int(token_id)
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+        self.last_token_id = token_id

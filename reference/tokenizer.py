@@ -9,6 +9,7 @@ text piece by piece.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -49,6 +50,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
         self._template: jinja2.Template | None = None
+        self._one: dict[tuple[int, bool], str] = {}  # (id, skip_special_tokens) -> its text
 
     # --- constructors -------------------------------------------------------------------------
 
@@ -113,6 +115,22 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered (a detokenizer decodes one id at every token)."""
+        key = (token_id, skip_special_tokens)
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self.decode([token_id], skip_special_tokens)
+        return text
+
+    @functools.cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of the byte-fallback tokens (``<0xNN>``)."""
+        hexes = "0123456789ABCDEFabcdef"  # every spelling BYTE_TOKEN matches
+        names = (f"<0x{a}{b}>" for a in hexes for b in hexes)
+        ids = map(self.backend.token_to_id, names)
+        return frozenset(i for i in ids if i is not None)
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -160,12 +178,25 @@ class IncrementalDetokenizer:
         self._read = 0  # output_ids[_read:] have not been emitted yet
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            return self.tokenizer.decode_one(ids[0], self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated id; return the newly completed text ("" while holding back)."""
         self.output_ids.append(int(token_id))
         return self._emit(final=False)
+
+    def add_last(self, token_ids: list[int]) -> str:
+        """Append the stream's last ids and end it: the text ``add`` for each then ``finish``
+        would return; one decode when nothing was added before."""
+        if self.output_ids:
+            return "".join(map(self.add, token_ids)) + self.finish()
+        self.output_ids = [int(t) for t in token_ids]
+        self._prefix = self._read = len(self.output_ids)
+        piece = self._decode(self.output_ids)
+        self.text += piece
+        return piece
 
     def finish(self) -> str:
         """Whatever is still held back (an incomplete or invalid UTF-8 tail), at end of stream."""
@@ -174,9 +205,10 @@ class IncrementalDetokenizer:
     def _in_byte_run(self) -> bool:
         """Whether the last id the decoder sees (skipped specials aside) is a byte token."""
         skipped = self.tokenizer.special_token_ids if self.skip_special_tokens else frozenset()
-        last = next((i for i in reversed(self.output_ids) if i not in skipped), None)
-        token = None if last is None else self.tokenizer.id_to_token(last)
-        return token is not None and BYTE_TOKEN.fullmatch(token) is not None
+        for i in reversed(self.output_ids):
+            if i not in skipped:
+                return i in self.tokenizer.byte_token_ids
+        return False
 
     def _emit(self, final: bool) -> str:
         before = self._decode(self.output_ids[self._prefix : self._read])

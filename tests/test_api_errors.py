@@ -277,11 +277,11 @@ def test_generate_cleans_up_after_ctrl_c_while_adding(llm, monkeypatch):
 def test_generate_cleans_up_after_ctrl_c_while_stepping(llm, monkeypatch):
     step, calls = llm.engine.step, []
 
-    def step_then_interrupt():
+    def step_then_interrupt(**kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return step()
+        return step(**kwargs)
 
     monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
     with pytest.raises(KeyboardInterrupt):

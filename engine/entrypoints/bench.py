@@ -7,6 +7,12 @@ percentiles; then batch-1 decode ITL next to the time the step's matrix products
 With ``--peer transformers`` the same workload runs through Hugging Face ``generate`` in
 static batches (torch and transformers are imported only there) and the ratio is printed.
 ``--sweep-concurrency`` and ``--plot DIR`` are engine/entrypoints/bench_plot.py's.
+
+With ``--host-overhead`` it measures the host instead: the engine loop at batch 1, 64 and 256
+around a stub backend whose forward returns token ids at once (``engine.host_overhead``), and
+prints the median ms per decode step, split into its parts, for ``step(stream=False)`` (outputs
+of finished requests only, as ``LLM.generate`` steps) and ``step()`` (an output per request per
+step, as the server streams).
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ import time
 
 import numpy as np
 
+from engine import host_overhead
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from reference.loader import load_model
 
 from . import bench_plot
 from .cli_utils import CliParser, format_stats, percentiles, summarize
 from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
+HOST_BATCHES = (1, 64, 256)  # --host-overhead
 ENGINE_DEFAULTS = dict(model="smollm2", backend="numpy", max_num_seqs=64, swap_space=0.5)
 
 
@@ -40,6 +49,15 @@ def build_parser() -> CliParser:
     p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
     p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
     bench_plot.add_args(p)
+    p.add_argument(
+        "--host-overhead",
+        action="store_true",
+        help="measure the host's cost per decode step instead (batch 1, 64, 256; the model's "
+        "forward replaced by a stub that returns token ids at once; the real tokenizer)",
+    )
+    p.add_argument(
+        "--host-steps", type=int, default=50, help="decode steps timed per batch (default 50)"
+    )
     return add_engine_args(p, defaults=ENGINE_DEFAULTS, exclude=("seed",))
 
 
@@ -120,12 +138,28 @@ def run_peer(args, prompts, out_lens) -> float:
 
 def check_workload(args) -> None:
     """The workload flags: counts >= 1, each minimum at most its maximum (ValueError naming)."""
-    for flag in ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch"):
+    counts = ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch")
+    for flag in (*counts, "host_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"{flag} must be at least 1, got {getattr(args, flag)}")
     for low, high in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
         if getattr(args, low) > getattr(args, high):
             raise ValueError(f"{low} ({getattr(args, low)}) is more than {high}")
+
+
+def run_host_overhead(args) -> int:
+    """The host-overhead table (``--host-overhead``)."""
+    loaded = load_model(args.model)
+    steps, seed = args.host_steps, args.seed
+    runs = [
+        host_overhead.measure(loaded, b, steps=steps, split=True, stream=stream, seed=seed)
+        for b in HOST_BATCHES
+        for stream in (False, True)
+    ]
+    print(f"host ms per decode step (median of {steps}), stub forward, {args.model} tokenizer")
+    print("outputs of 'final only': step(stream=False); 'every step': step()")
+    print(host_overhead.format_table(runs))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -135,6 +169,8 @@ def main(argv=None) -> int:
         check_workload(args)
         check_engine_args(args)  # bad engine values and --model fail before the model loads
         bench_plot.check_args(args)
+        if args.host_overhead:
+            return run_host_overhead(args)
         engine = make_engine(args)
     except ValueError as e:
         return parser.fail(e)
