@@ -22,6 +22,7 @@ import dataclasses
 import json
 import time
 from importlib import resources
+from pathlib import Path
 
 from .scheduler import SchedulerOutput
 from .sequence import Sequence, SequenceStatus
@@ -189,7 +190,7 @@ class Recorder:
         meta = {f: getattr(cfg, f) for f in fields}
         bm = e.block_manager
         return meta | {
-            "model": str(e.loaded.source),
+            "model": f"{cfg.model} ({Path(str(e.loaded.source)).name})",
             "backend": e.backend.name,
             "num_blocks": bm.num_blocks,
             "num_cpu_blocks": bm.num_cpu_blocks,
