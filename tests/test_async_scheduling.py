@@ -49,13 +49,17 @@ def count_overlaps(engine) -> list[int]:
     return counter
 
 
-def run(engine, reqs, aborts=()):
+def run(engine, reqs, aborts=(), late: int = 0):
     """Drive the engine to the end, checking invariants every step; ``aborts``: (step, request
-    index) pairs. -> {request id: (token ids, text, finish reason)} of the requests not aborted."""
-    for i, (prompt, params) in enumerate(reqs):
+    index) pairs; the ``late`` last requests arrive at step 4. -> {request id: (token ids, text,
+    finish reason)} of the requests not aborted."""
+    for i, (prompt, params) in enumerate(reqs[: len(reqs) - late]):
         engine.add_request(str(i), prompt, params)
     done, steps, aborted = {}, 0, set()
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or steps <= 4:
+        if steps == 4:
+            for i in range(len(reqs) - late, len(reqs)):
+                engine.add_request(str(i), *reqs[i])
         for at, i in aborts:
             if at == steps and engine.abort(str(i)):
                 aborted.add(str(i))
@@ -72,12 +76,12 @@ def run(engine, reqs, aborts=()):
     return done
 
 
-def both(tiny, reqs, aborts=(), **engine_args):
+def both(tiny, reqs, aborts=(), late: int = 0, **engine_args):
     """(outputs without, outputs with async scheduling, overlapped launches with it)."""
-    off = run(make_engine(tiny, **engine_args), reqs, aborts)
+    off = run(make_engine(tiny, **engine_args), reqs, aborts, late)
     engine = make_engine(tiny, async_scheduling=True, **engine_args)
     overlaps = count_overlaps(engine)
-    on = run(engine, reqs, aborts)
+    on = run(engine, reqs, aborts, late)
     return off, on, overlaps[0]
 
 
@@ -143,3 +147,24 @@ def test_stub_device_step_overlaps_the_host(tiny):
     overlapped = measure(tiny, 16, steps=6, warmup=2, device_step_s=0.02, async_scheduling=True)
     assert sync.median_ms >= 20.0
     assert overlapped.median_ms < sync.median_ms
+
+
+@pytest.mark.parametrize(
+    "seed, engine_args",
+    [
+        (11, dict(enable_prefix_caching=True)),
+        (12, dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=10)),
+        (13, dict(preemption_mode="swap", swap_space=0.05)),
+    ],
+    ids=["prefix-caching", "chunked-prefill", "swap"],
+)
+def test_many_requests_small_pool(tiny, seed, engine_args):
+    """Thirty requests (a tenth sampled) in a pool that preempts, arriving in two waves, some
+    aborted mid-run: the same outputs with async scheduling on and off, no block leaked."""
+    rng = random.Random(seed)
+    reqs = workload(seed=seed, n=30, sampled=0.1)
+    aborts = [(rng.randint(2, 30), rng.randrange(30)) for _ in range(4)]
+    kw = dict(num_gpu_blocks=20, block_size=4, max_model_len=64, **engine_args)
+    off, on, overlaps = both(tiny, reqs, aborts=aborts, late=10, **kw)
+    assert len(off) >= 26 and on == off
+    assert overlaps >= 10
