@@ -13,6 +13,12 @@ an earlier one computes in it. Such blocks are always computed by that step's fo
 is preempted only inside ``schedule()``, before any prompt is admitted and never once it is
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
+
+Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
+tables included, are on the device). It leaves each sampling sequence a pending last token, so
+``schedule()`` plans the next step before the last one's ids are known; from then on the launched
+step's sequences may be preempted or freed, since every later use of their blocks is queued on the
+device after that step.
 """
 
 from __future__ import annotations
