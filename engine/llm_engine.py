@@ -220,13 +220,12 @@ class LLMEngine:
             outputs = self.output_processor.outputs(stream)  # 5.
             self.scheduler.advance(out)  # then its sequences take their pending tokens
             return outputs
-        else:
-            self._drain()
-            if not out.is_empty:
-                # 2. execute and 3. sample: one token for every sequence whose last token ran
-                seqs, ids, extras = self._execute_and_sample(out)
-                # 4. update: append the tokens, stop checks, free finished sequences
-                self._update(out, seqs, ids, extras)
+        self._drain()  # async scheduling: the step in flight is read and processed first
+        if not out.is_empty:
+            # 2. execute and 3. sample: one token for every sequence whose last token ran
+            seqs, ids, extras = self._execute_and_sample(out)
+            # 4. update: append the tokens, stop checks, free finished sequences
+            self._update(out, seqs, ids, extras)
         # 5. process outputs
         return self.output_processor.outputs(stream)
 

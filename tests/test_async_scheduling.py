@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from engine.backends.stub import StubBackend
 from engine.host_overhead import measure
 from engine.sampling_params import SamplingParams
 from engine.sequence import PENDING_TOKEN
@@ -168,3 +169,25 @@ def test_many_requests_small_pool(tiny, seed, engine_args):
     off, on, overlaps = both(tiny, reqs, aborts=aborts, late=10, **kw)
     assert len(off) >= 26 and on == off
     assert overlaps >= 10
+
+
+class FailingStub(StubBackend):
+    """The stub, but a row at position 20 has no token to pick (-1, as a row of NaN logits)."""
+
+    def _ids(self, batch):
+        ids = super()._ids(batch)  # (B,)
+        ids[batch.positions[batch.logits_indices] == 20] = -1
+        return ids
+
+
+def test_a_failed_row_ends_its_request_as_without_async(tiny):
+    """A step whose row has no token: that request ends with an error, and the token the next
+    step (already launched) computed for it is dropped; the others run on."""
+    reqs = [
+        ([7 + i] * n, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        for i, n in enumerate([12, 15, 18, 24])
+    ]
+    factory = lambda mc, weights, cfg: FailingStub(mc, cfg)  # noqa: E731
+    off, on, overlaps = both(tiny, reqs, backend_factory=factory)
+    assert on == off and overlaps >= 8
+    assert [off[str(i)][2] for i in range(4)] == ["abort", "abort", "abort", "length"]

@@ -78,7 +78,8 @@ def take_prev_ids(batch: ForwardBatch, prev_ids: np.ndarray) -> ForwardBatch:
     rows = batch.prev_rows  # (T,)
     tokens = batch.token_ids.copy()  # (T,)
     mask = rows >= 0
-    tokens[mask] = prev_ids[rows[mask]]
+    # a failed row's -1 becomes 0: its sequence is ended when the ids are read, its row dropped
+    tokens[mask] = np.maximum(prev_ids[rows[mask]], 0)
     assert (tokens >= 0).all(), "a placeholder token has no row of the previous step's ids"
     return replace(batch, token_ids=tokens, prev_rows=None)
 

@@ -352,12 +352,13 @@ class CupyBackend(Backend):
         return DeviceIds(ids, self.device.download_async(ids))
 
     def _take_prev(self, rows: np.ndarray, prev_ids, tokens) -> None:
-        """tokens[i] = prev_ids[rows[i]] on the device, for each rows[i] >= 0."""
+        """tokens[i] = prev_ids[rows[i]] (at least 0) on the device, for each rows[i] >= 0."""
         rows = np.asarray(rows, np.int32)  # (T,)
         at = np.flatnonzero(rows >= 0).astype(np.int32)  # (n,)
         if len(at):
             pairs = self.device.upload(np.stack([at, rows[at]]))  # (2, n)
-            tokens[pairs[0]] = prev_ids[pairs[1]]
+            # a failed row's -1 becomes 0: its sequence ends when the ids are read
+            tokens[pairs[0]] = self.xp.maximum(prev_ids[pairs[1]], 0)
 
     def _fits_graph(self, batch: ForwardBatch) -> bool:
         B = batch.num_seqs
