@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from engine.utils import cdiv
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
@@ -159,9 +159,10 @@ class BlockManager:
     # -- prefix caching -------------------------------------------------------------------------
 
     def block_hashes(self, seq: Sequence) -> list[int]:
-        """The chained hashes of seq's full blocks of tokens (extends seq.block_hashes)."""
+        """The chained hashes of seq's full blocks of tokens (extends seq.block_hashes); a block
+        that ends in a pending token (async scheduling) is hashed once its id is known."""
         bs, hashes = self.block_size, seq.block_hashes
-        full = seq.num_tokens // bs
+        full = (seq.num_tokens - (seq.last_token_id == PENDING_TOKEN)) // bs
         if len(hashes) < full:
             ids = seq.token_ids
             for i in range(len(hashes), full):
@@ -204,6 +205,7 @@ class BlockManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = self.block_hashes(seq)
+        full = min(full, len(hashes))  # a block that ends in a pending token waits for its id
         for i in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[i], hashes[i]
             if h not in self.cached and block not in self.block_hash:

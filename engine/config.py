@@ -142,6 +142,13 @@ class EngineConfig:
         default_help="off",
     )
     enforce_eager: bool = option(False, "cuda and cuda-cpu backends: no CUDA graphs for decode")
+    async_scheduling: bool = option(
+        False,
+        "schedule and launch the next decode step before the current one's token ids are read "
+        "back, so the host's bookkeeping (appends, stop checks, detokenizing, outputs) overlaps "
+        "the device's forward; only steps of plain-greedy decodes are overlapped, outputs are "
+        "identical",
+    )
 
     def __post_init__(self):
         self._check_types()
@@ -156,7 +163,13 @@ class EngineConfig:
     def _check_types(self):
         if not isinstance(self.model, str):
             raise _bad("model", self.model, "a string")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+        bools = (
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "async_scheduling",
+        )
+        for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if not is_int(self.seed):

@@ -28,6 +28,9 @@ class ForwardBatch:
     context_lens: np.ndarray  # (B,) int32: tokens in the cache once this step's are written
     query_start_loc: np.ndarray  # (B+1,) int32: sequence b's tokens are [qsl[b], qsl[b+1])
     num_decodes: int  # sequences 0..num_decodes-1 are single-token decodes
+    # async scheduling: (T,) int32 row of the previous step's greedy ids that holds each token
+    # (its token_ids entry is a placeholder); -1: token_ids holds the token. None: no such rows
+    prev_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ be interrupted than a short one; the CPU time is the host's own cost. The parts 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -33,16 +34,20 @@ PARTS = (
 )
 
 
-def stub_backend(model_config, weights, config) -> StubBackend:
-    return StubBackend(model_config, config)
+def stub_backend(model_config, weights, config, device_step_s: float = 0.0) -> StubBackend:
+    return StubBackend(model_config, config, device_step_s)
 
 
-def stub_engine(loaded, batch: int, prompt_len: int, max_model_len: int, **engine_args):
-    """An engine of ``batch`` sequences over the stub backend, its pool sized to hold them."""
+def stub_engine(
+    loaded, batch: int, prompt_len: int, max_model_len: int, device_step_s=0.0, **engine_args
+):
+    """An engine of ``batch`` sequences over the stub backend, its pool sized to hold them;
+    ``device_step_s``: the stub's modelled device step."""
     blocks = batch * cdiv(max_model_len, engine_args.get("block_size", 16)) + 1
     kw = dict(max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, max_model_len))
     kw.update(num_gpu_blocks=blocks, max_model_len=max_model_len, **engine_args)
-    return LLMEngine(loaded.source, loaded=loaded, backend_factory=stub_backend, **kw)
+    factory = functools.partial(stub_backend, device_step_s=device_step_s)
+    return LLMEngine(loaded.source, loaded=loaded, backend_factory=factory, **kw)
 
 
 @dataclass
@@ -140,12 +145,24 @@ def measure(
     stream: bool = True,
     split: bool = False,
     seed: int = 0,
+    device_step_s: float = 0.0,
+    async_scheduling: bool = False,
 ) -> HostRun:
     """Median host cost of ``steps`` decode steps at ``batch``; with ``split``, per part too
     (a second pass, so the wrappers' cost stays out of the whole-step figure). Every request is
-    then run to its end and checked (AssertionError if a token or a count is wrong)."""
+    then run to its end and checked (AssertionError if a token or a count is wrong).
+    ``device_step_s``: each step also takes that long on the stub's modelled device (the
+    figure is then the step's period, device and host); ``async_scheduling``: the engine
+    option, which overlaps the two."""
     max_tokens = warmup + 2 * steps + 4  # nobody finishes before the timed steps are over
-    engine = stub_engine(loaded, batch, prompt_len, prompt_len + max_tokens)
+    engine = stub_engine(
+        loaded,
+        batch,
+        prompt_len,
+        prompt_len + max_tokens,
+        device_step_s,
+        async_scheduling=async_scheduling,
+    )
     prompts = add_requests(engine, batch, prompt_len, max_tokens, seed)
     sched = engine.scheduler
     while sched.waiting or any(not s.output_token_ids for s in sched.running):  # prefills

@@ -7,6 +7,12 @@ step        -> 1. Scheduler.schedule  2. ModelRunner.execute (swaps, forward)  3
                the finished ones; text is detokenized as it is read)
             (a step whose rows are all plain greedy asks the backend for argmax ids instead of
             logits, so no (B, V) array reaches the host: ``sampler.plain_greedy``)
+
+``async_scheduling``: a step of plain-greedy decodes alone is launched, not waited for. The next
+``step()`` schedules as if each of its sequences had its token (a ``PENDING_TOKEN``), launches the
+next such step (the device takes those tokens from the ids of the step before), and only then
+reads the launched step's ids and runs 4. and 5. for them while the device computes: outputs lag
+one step. Any other step first reads back the step in flight, then runs as above.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from .outputs import RequestOutput, StreamChunk
 from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
 from .sampling_params import SamplingParams, is_real
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
+from .sequence import PENDING_TOKEN, Sequence
 
 log = logging.getLogger("engine")
 
@@ -55,6 +61,15 @@ def check_arrival_time(arrival_time) -> float:
             f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
         )
     return float(arrival_time)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step of decodes (async scheduling) whose ids are not read yet."""
+
+    seqs: list[Sequence]  # row b of the step's ids is seqs[b]'s token
+    handle: object  # the backend's GreedyIds
+    rows: dict[int, int]  # seq_id -> its row
 
 
 def _configured_backend(model_config, weights, config: EngineConfig):
@@ -127,6 +142,9 @@ class LLMEngine:
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
         self._counter = itertools.count()
+        self.in_flight: InFlight | None = None  # async scheduling: the step launched last
+        # a sequence this long would be rejected by the scheduler: read its pending token first
+        self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/recorder.py's Recorder attaches itself here
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, cfg.max_model_len)
 
@@ -189,12 +207,20 @@ class LLMEngine:
         or was rejected in this step (finished requests are then forgotten). ``stream=False``:
         only for the requests that finished, for a caller that reads final outputs alone (no
         per-step outputs are built, and text is detokenized once, at the end)."""
+        if self.in_flight is not None and self._would_reject(self.in_flight):
+            self._drain()
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
         self.trace_schedule(out)
         if self.recorder is not None:
             self.recorder.on_schedule(out)
+        if self._can_overlap(out):
+            self._launch(out)  # 2.-4. for the step before, while this one runs
+            outputs = self.output_processor.outputs(stream)  # 5.
+            self.scheduler.advance(out)  # then its sequences take their pending tokens
+            return outputs
+        self._drain()  # async scheduling: the step in flight is read and processed first
         if not out.is_empty:
             # 2. execute and 3. sample: one token for every sequence whose last token ran
             seqs, ids, extras = self._execute_and_sample(out)
@@ -202,6 +228,66 @@ class LLMEngine:
             self._update(out, seqs, ids, extras)
         # 5. process outputs
         return self.output_processor.outputs(stream)
+
+    # ---- async scheduling ----
+    def _can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether the step can be launched without waiting: decodes alone, every one plain
+        greedy, no blocks to move, nobody preempted, no logits to record."""
+        return (
+            self.config.async_scheduling
+            and not self.record_logits
+            and bool(out.scheduled)
+            and out.num_decodes == len(out.scheduled)
+            and not (out.preempted or out.blocks_to_swap_out or out.blocks_to_swap_in)
+            and not out.blocks_to_copy
+            and all(plain_greedy(seq) for seq, _ in out.scheduled)
+        )
+
+    def _would_reject(self, flight: InFlight) -> bool:
+        """Whether a sequence of the step in flight would be rejected by the next schedule (its
+        length): its token is read first, so the outputs come in the order they do without
+        async scheduling."""
+        return max(seq.num_tokens for seq in flight.seqs) > self._longest_ok
+
+    def _launch(self, out: SchedulerOutput) -> None:
+        """Launch the decodes of ``out``; then read the step before and process its tokens
+        (``Scheduler.advance(out)`` follows once the outputs are built)."""
+        prev, batch = self.in_flight, self.runner.prepare(out)
+        seqs = [seq for seq, _ in out.scheduled]
+        if prev is not None:
+            batch.prev_rows = np.fromiter(  # (B,) each decode's row in prev's ids, or -1
+                (prev.rows.get(s.seq_id, -1) for s in seqs), np.int32, len(seqs)
+            )
+        handle = self.backend.launch_greedy(batch, None if prev is None else prev.handle)
+        self.in_flight = None
+        if prev is not None:
+            self._collect(prev)
+        self.in_flight = InFlight(seqs, handle, {s.seq_id: b for b, s in enumerate(seqs)})
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any, and process its tokens."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self._collect(flight)
+
+    def _collect(self, flight: InFlight) -> None:
+        """The step's ids in place of the pending tokens; stop checks and text for each. A
+        sequence finished since (stopped at the step before, aborted) takes nothing: its row
+        was an extra token, dropped here."""
+        ids = flight.handle.result().tolist()  # (B,)
+        grown, failed = [], []
+        for seq, t in zip(flight.seqs, ids, strict=True):
+            if seq.is_finished or seq.last_token_id != PENDING_TOKEN:
+                continue
+            if t == NO_TOKEN:
+                seq.drop_pending()
+                failed.append(seq)
+            else:
+                seq.resolve_pending(t)
+                grown.append(seq)
+        if failed:
+            self._abort_unsampled(failed, [NO_TOKEN] * len(failed))
+        self._process_tokens(grown, {})
 
     def _execute_and_sample(self, out: SchedulerOutput):
         """(sequences, their sampled ids, [(logprobs, logits row)] per sequence or None)."""
@@ -221,8 +307,12 @@ class LLMEngine:
             self._abort_unsampled(seqs, ids)
         sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
         extra = {} if extras is None else {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
+        self._process_tokens(self.scheduler.update(out, sampled), extra)
+
+    def _process_tokens(self, grown: list[Sequence], extra: dict) -> None:
+        """Stop checks (and text) for each sequence's new last token; the stopped ones finish."""
         now, op = time.monotonic(), self.output_processor
-        for seq in self.scheduler.update(out, sampled):
+        for seq in grown:
             reason = op.process_token(seq, *extra.get(seq.seq_id, (None, None)), now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from .scheduler import SchedulerOutput
-from .sequence import Sequence, SequenceStatus
+from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 STATE_LETTER = {
     SequenceStatus.WAITING: "W",
@@ -152,11 +152,12 @@ class Recorder:
         if state != track.state:
             changes["st"].append([i, state])
             track.state = state
-        new = seq.output_token_ids[track.num_output :]
+        known = seq.num_output_tokens - (seq.last_token_id == PENDING_TOKEN)  # async scheduling
+        new = seq.output_token_ids[track.num_output : known]
         if new:  # made by the step before this frame
             self.seqs[i]["out"] += self._texts(new)
             self.seqs[i]["ts"] += [f - 1] * len(new)
-            track.num_output = seq.num_output_tokens
+            track.num_output = known
         if seq.is_finished:
             self.seqs[i] |= {"end": f, "fin": seq.finish_reason}
             del self._live[seq.seq_id]

@@ -13,6 +13,12 @@ an earlier one computes in it. Such blocks are always computed by that step's fo
 is preempted only inside ``schedule()``, before any prompt is admitted and never once it is
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
+
+Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
+tables included, are on the device). It leaves each sampling sequence a pending last token, so
+``schedule()`` plans the next step before the last one's ids are known; from then on the launched
+step's sequences may be preempted or freed, since every later use of their blocks is queued on the
+device after that step.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger("engine.scheduler")
 
@@ -163,6 +169,20 @@ class Scheduler:
                 grown.append(seq)
         self._end_step()
         return grown
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Async scheduling, once the step is launched (its inputs are on the device): count the
+        computed tokens and give each sequence that samples a PENDING_TOKEN, resolved when the
+        step's ids are read (``Sequence.resolve_pending``). The next step is scheduled as if
+        every such sequence had its token."""
+        for seq, n in output.scheduled:
+            if seq.status != SequenceStatus.RUNNING:  # finished since schedule()
+                continue
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(PENDING_TOKEN)
+        self._end_step()
 
     def _end_step(self) -> None:
         """The step has run: sequences finished while it was in flight give their blocks back."""

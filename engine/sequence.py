@@ -10,6 +10,9 @@ from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
 
+# async scheduling: the last token of a sequence whose step is launched but not yet read back
+PENDING_TOKEN = -2
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()  # in the waiting queue: nothing (or nothing any more) in the cache
@@ -82,3 +85,17 @@ class Sequence:
         self.token_ids.append(token_id)
         self.num_tokens += 1
         self.last_token_id = token_id
+
+    def resolve_pending(self, token_id: int) -> None:
+        """Async scheduling: the id the step produced, in place of the PENDING_TOKEN last."""
+        assert self.last_token_id == PENDING_TOKEN, f"{self} has no pending token"
+        token_id = int(token_id)
+        self.output_token_ids[-1] = self.token_ids[-1] = self.last_token_id = token_id
+
+    def drop_pending(self) -> None:
+        """Async scheduling: the step produced no token (a failed sample): forget the slot."""
+        assert self.last_token_id == PENDING_TOKEN, f"{self} has no pending token"
+        self.output_token_ids.pop()
+        self.token_ids.pop()
+        self.num_tokens -= 1
+        self.last_token_id = self.token_ids[-1] if self.token_ids else None

@@ -64,6 +64,7 @@ def test_swap_space_defaults_to_vllms_4_gib_only_when_preempting_by_swap():
         ("seed", "seven"),
         ("enable_chunked_prefill", "yes"),
         ("enforce_eager", 1),
+        ("async_scheduling", "on"),
         ("model", None),
         ("max_num_seqs", True),
     ],

@@ -263,6 +263,32 @@ def test_engine_greedy_equals_reference(tiny, eager):
     assert (be.forward.calls, be.forward_greedy.calls) == (0, 14)
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_async_scheduling_greedy_equals_reference(tiny, eager):
+    """Async scheduling: each decode step is queued before the last one's ids are read, its
+    tokens gathered on the device from them; the tokens are still the reference's, and a
+    request that stops (its stop token) drops the extra token computed after it."""
+    engine = gpu_engine(tiny, max_num_seqs=4, enforce_eager=eager, async_scheduling=True)
+    be, launches = engine.backend, []
+    launch = be.launch_greedy
+    be.launch_greedy = lambda batch, prev=None: launches.append(prev) or launch(batch, prev)
+    lengths = [6, 10, 14]
+    want = [
+        reference_generate(tiny.weights, tiny.config, tiny.tokenizer.encode(p), n).token_ids
+        for p, n in zip(PROMPTS, lengths, strict=True)
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params[2] = SamplingParams(
+        temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[want[2][8]]
+    )
+    outs = run_engine(engine, params)
+    stop = want[2].index(want[2][8]) + 1
+    assert [o.token_ids for o in outs] == [want[0], want[1], want[2][:stop]]
+    assert outs[2].finish_reason == "stop"
+    assert sum(p is not None for p in launches) >= 8  # steps that took the last step's ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_engine_mixed_batch_device_greedy_and_host_sampling(tiny):
     """Greedy next to a seeded draw and a logprobs row: the tokens of an engine that samples
     every step on the host (record_logits); the device path once those rows end."""

@@ -20,6 +20,7 @@ WORKLOADS = {  # engine args: a pool small enough to preempt
     "recompute": dict(preemption_mode="recompute"),
     "swap": dict(preemption_mode="swap", swap_space=0.00002),  # 10 CPU blocks
     "prefix": dict(preemption_mode="recompute", enable_prefix_caching=True),
+    "async": dict(preemption_mode="recompute", async_scheduling=True),  # tokens seen when read
 }
 
 

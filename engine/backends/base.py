@@ -3,14 +3,16 @@
 The engine talks to a backend through these methods alone: it sizes the pool from
 ``weights_bytes``, ``bytes_per_block`` and ``profile_peak_bytes``, allocates it once, moves
 blocks (``swap_out``, ``swap_in``, ``copy_blocks``) as the scheduler says, and runs one step with
-``forward`` (logits) or ``forward_greedy`` (argmax ids only). The KV cache of every backend has
-the shape ``cache_shape``: (L, 2, num_blocks, block_size, Hkv, hd), K and V of a layer side by
-side, so a block id names the same rows in every layer.
+``forward`` (logits) or ``forward_greedy`` (argmax ids only), or, with async scheduling, starts
+one with ``launch_greedy`` and reads its ids later from the handle it returns. The KV cache of
+every backend has the shape ``cache_shape``: (L, 2, num_blocks, block_size, Hkv, hd), K and V of
+a layer side by side, so a block id names the same rows in every layer.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 import numpy as np
 
@@ -57,6 +59,29 @@ def copy_host_blocks(dst: np.ndarray, src: np.ndarray, pairs) -> None:
     s, d = block_pairs(pairs)
     if len(s):
         dst[:, :, d] = src[:, :, s]
+
+
+class GreedyIds:
+    """A launched greedy step: ``result()`` -> its (B,) int32 ids on the host (waiting for the
+    device where it still runs). This one holds ids already computed."""
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids  # (B,)
+
+    def result(self) -> np.ndarray:
+        return self.ids
+
+
+def take_prev_ids(batch: ForwardBatch, prev_ids: np.ndarray) -> ForwardBatch:
+    """The batch with each token that ``prev_rows`` names taken from the previous step's (B',)
+    ids (on the host: what a device backend does with a gather)."""
+    rows = batch.prev_rows  # (T,)
+    tokens = batch.token_ids.copy()  # (T,)
+    mask = rows >= 0
+    # a failed row's -1 becomes 0: its sequence is ended when the ids are read, its row dropped
+    tokens[mask] = np.maximum(prev_ids[rows[mask]], 0)
+    assert (tokens >= 0).all(), "a placeholder token has no row of the previous step's ids"
+    return replace(batch, token_ids=tokens, prev_rows=None)
 
 
 class Backend(ABC):
@@ -111,3 +136,11 @@ class Backend(ABC):
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (B,) int32 argmax of each row's logits (the first maximum; NaN never
         wins; -1 for a row with nothing above -inf, which the engine ends as a failed sample)."""
+
+    def launch_greedy(self, batch: ForwardBatch, prev: GreedyIds | None = None) -> GreedyIds:
+        """Start one greedy step; its ids come from the handle's ``result()``. Tokens that
+        ``batch.prev_rows`` names are the ids of ``prev``, the step launched before. This
+        default runs the step now (a device backend returns before the step has run)."""
+        if batch.prev_rows is not None:
+            batch = take_prev_ids(batch, prev.result())
+        return GreedyIds(self.forward_greedy(batch))

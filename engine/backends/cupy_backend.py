@@ -15,6 +15,12 @@ step (reused by every layer), and downloads float32 logits (B, V) (``forward``),
 (the ids in a buffer of the graphs', so a greedy step launches nothing after the replay); the
 padding rows write no KV (slot -1) and read one cached token (context length 1).
 
+``launch_greedy`` (async scheduling) queues the same step without waiting: the tokens the batch
+takes from the step before are gathered on the device from that step's ids, and the ids are
+copied to pinned host memory behind an event that the handle's ``result()`` waits for. The graph
+inputs' pinned staging buffer alternates between two, so the next step's inputs are written while
+the last one's copy may still be queued.
+
 Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
 the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
 the output product, ``fused_add_rms_norm``, one gate-up product, ``silu_and_mul``, the down
@@ -34,8 +40,8 @@ from engine.utils import MiB, cdiv
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
-from .base import Backend, block_pairs, numpy_dtype, resolve_kv_dtype
-from .devices import CupyDevice, EmulatedDevice, raw_view
+from .base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
+from .devices import CupyDevice, EmulatedDevice, PendingDownload, raw_view
 from .rope import rope_table
 
 log = logging.getLogger("engine.backend")
@@ -327,6 +333,33 @@ class CupyBackend(Backend):
         self.k.sample_greedy(ids, logits)
         return self.device.download(ids)
 
+    @on_device
+    def launch_greedy(self, batch: ForwardBatch, prev: GreedyIds | None = None) -> DeviceIds:
+        """Queue one greedy step on the stream and return at once: a handle whose ``result()``
+        waits for the (B,) ids. Tokens that ``batch.prev_rows`` names come from ``prev``'s ids,
+        on the device."""
+        B = batch.num_seqs
+        take = None
+        if batch.prev_rows is not None:
+            take = functools.partial(self._take_prev, batch.prev_rows, prev.device_ids)
+        if self._fits_graph(batch):
+            self._replay(batch, take)
+            ids = self._graph_ids[:B]  # (B,) read by the copy below, before the next replay
+        else:
+            logits = self._run_eager(batch, take)  # (B, V)
+            ids = self.device.empty(B, np.int32)  # (B,)
+            self.k.sample_greedy(ids, logits)
+        return DeviceIds(ids, self.device.download_async(ids))
+
+    def _take_prev(self, rows: np.ndarray, prev_ids, tokens) -> None:
+        """tokens[i] = prev_ids[rows[i]] (at least 0) on the device, for each rows[i] >= 0."""
+        rows = np.asarray(rows, np.int32)  # (T,)
+        at = np.flatnonzero(rows >= 0).astype(np.int32)  # (n,)
+        if len(at):
+            pairs = self.device.upload(np.stack([at, rows[at]]))  # (2, n)
+            # a failed row's -1 becomes 0: its sequence ends when the ids are read
+            tokens[pairs[0]] = self.xp.maximum(prev_ids[pairs[1]], 0)
+
     def _fits_graph(self, batch: ForwardBatch) -> bool:
         B = batch.num_seqs
         return bool(self.graphs) and batch.num_decodes == B and B <= max(self.graphs)
@@ -336,10 +369,13 @@ class CupyBackend(Backend):
         one, else the eager step."""
         return self._replay(batch) if self._fits_graph(batch) else self._run_eager(batch)
 
-    def _run_eager(self, batch: ForwardBatch):
+    def _run_eager(self, batch: ForwardBatch, take=None):
+        """``take(tokens)``: fills the uploaded token ids that come from the step before."""
         T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
         flat = self.device.upload(pack_inputs(batch))
         inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1])
+        if take is not None:
+            take(inputs.token_ids)
         max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
         return self._step(inputs, T, B, nd, max_ctx)
 
@@ -445,8 +481,11 @@ class CupyBackend(Backend):
     def _capture_all(self) -> None:
         sizes = graph_batch_sizes(self.max_graph_batch)
         M = cdiv(self.max_model_len, self.block_size)
-        self._host_flat, self._host = self._graph_buffers(self._pinned_zeros, sizes[-1], M)
+        self._staging = [self._graph_buffers(self._pinned_zeros, sizes[-1], M) for _ in "ab"]
+        self._stage = 0
+        self._host_flat, self._host = self._staging[0]
         self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
+        self._dev_tokens = dev[0]  # (Bmax,)
         self._graph_ids = self.device.zeros((sizes[-1],), np.int32)  # (Bmax,) greedy ids out
         fill_padding(self._host, 0, sizes[-1])
         self.device.copy_to(self._dev_flat, self._host_flat)
@@ -475,12 +514,14 @@ class CupyBackend(Backend):
         a[...] = 0
         return a
 
-    def _replay(self, batch: ForwardBatch):
+    def _replay(self, batch: ForwardBatch, take=None):
         """A pure-decode step through the graph of the next batch size up (padded rows) ->
         (B, V) float32 logits on the device (the real rows of the graph's output); the argmax
-        of each row is in ``_graph_ids[:B]``."""
+        of each row is in ``_graph_ids[:B]``. ``take(tokens)``: as in ``_run_eager``."""
         B = batch.num_seqs
         G = min(g for g in self.graphs if g >= B)
+        self._stage ^= 1
+        self._host_flat, self._host = self._staging[self._stage]
         tok, pos, slots, lens, tables = self._host
         tok[:B], pos[:B], slots[:B] = batch.token_ids, batch.positions, batch.slot_mapping
         lens[:B] = batch.context_lens
@@ -488,8 +529,25 @@ class CupyBackend(Backend):
         tables[:B, :m], tables[:B, m:] = batch.block_tables, -1
         fill_padding(self._host, B, G)
         self.device.copy_to(self._dev_flat, self._host_flat)
+        if take is not None:
+            take(self._dev_tokens[:B])
         logits = self.graphs[G]()  # (G, V) on the device
         return logits[:B]  # (B, V) a contiguous view; padding rows dropped
+
+
+class DeviceIds(GreedyIds):
+    """A queued greedy step: its ids on the device (for the next step's tokens) and their copy
+    to the host in flight."""
+
+    def __init__(self, device_ids, download: PendingDownload):
+        self.device_ids = device_ids  # (B,) on the device
+        self.download = download
+        self.ids = None
+
+    def result(self) -> np.ndarray:
+        if self.ids is None:
+            self.ids = self.download.wait()
+        return self.ids
 
 
 def fill_padding(fields, lo: int, hi: int) -> None:

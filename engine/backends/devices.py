@@ -5,7 +5,7 @@ A device hands ``CupyBackend`` everything that differs between the two:
     xp             the array module (numpy or cupy)
     kernels        ``engine.kernels.Kernels`` over ``cupy.RawModule`` or the kernels' CPU builds
     gemm           ``out = x @ w.T`` through the device's own cuBLAS handle (``engine.gemm``)
-    empty, zeros, upload, download, pinned_empty, copy_to, synchronize
+    empty, zeros, upload, download, download_async, pinned_empty, copy_to, synchronize
     active()       a context in which the device's work runs (its stream made current)
     capture(fn)    a CUDA graph of ``fn``; calling the result replays it
     measure_peak   peak device memory held while a call runs
@@ -81,6 +81,19 @@ def gpu_status() -> tuple[int, str]:
 
 def gpu_count() -> int:
     return gpu_status()[0]
+
+
+class PendingDownload:
+    """A device -> host copy in flight: ``wait()`` -> the host array once the copy is done."""
+
+    def __init__(self, host: np.ndarray, event):
+        self.host, self.event = host, event  # event: recorded after the copy (None: done)
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
 
 
 def raw_view(a):
@@ -261,6 +274,19 @@ class CupyDevice(Device):
         """Host (pinned) -> device, asynchronous on the stream."""
         raw_view(dst).set(raw_view(src), stream=self.stream)
 
+    def download_async(self, a) -> PendingDownload:
+        """Start a copy of the contiguous ``a`` into pinned host memory, behind the work queued
+        on the stream so far; ``wait()`` on the result waits for that copy alone."""
+        import cupy
+
+        host = self.pinned_empty(a.shape, a.dtype)
+        if host.size:
+            rt = cupy.cuda.runtime
+            rt.memcpyAsync(
+                host.ctypes.data, a.data.ptr, a.nbytes, rt.memcpyDeviceToHost, self.stream.ptr
+            )
+        return PendingDownload(host, self.stream.record())
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
@@ -404,6 +430,10 @@ class EmulatedDevice(Device):
     def copy_to(self, dst: np.ndarray, src: np.ndarray) -> None:
         self._no_transfer("H2D")
         np.copyto(raw_view(dst), raw_view(src))
+
+    def download_async(self, a: np.ndarray) -> PendingDownload:
+        """The emulated stream has run everything queued: the copy is done at once."""
+        return PendingDownload(self.download(a), None)
 
     def _no_transfer(self, kind: str) -> None:
         if self.stream.is_capturing():  # CuPy's check in copy_{from,to}_host_async

@@ -12,7 +12,8 @@ With ``--host-overhead`` it measures the host instead: the engine loop at batch 
 around a stub backend whose forward returns token ids at once (``engine.host_overhead``), and
 prints the median ms per decode step, split into its parts, for ``step(stream=False)`` (outputs
 of finished requests only, as ``LLM.generate`` steps) and ``step()`` (an output per request per
-step, as the server streams).
+step, as the server streams). ``--device-step-ms MS`` adds the overlap figure: batch 256 with
+a stub that models a device step of MS ms, ms per step with ``async_scheduling`` off and on.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def build_parser() -> CliParser:
     )
     p.add_argument(
         "--host-steps", type=int, default=50, help="decode steps timed per batch (default 50)"
+    )
+    p.add_argument(
+        "--device-step-ms",
+        type=float,
+        default=0.0,
+        help="with --host-overhead: also time batch 256 with a stub device step of this many ms, "
+        "async scheduling off and on (default 0: not run)",
     )
     return add_engine_args(p, defaults=ENGINE_DEFAULTS, exclude=("seed",))
 
@@ -139,6 +147,8 @@ def run_peer(args, prompts, out_lens) -> float:
 def check_workload(args) -> None:
     """The workload flags: counts >= 1, each minimum at most its maximum (ValueError naming)."""
     counts = ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch")
+    if args.device_step_ms < 0:
+        raise ValueError(f"device_step_ms must be at least 0, got {args.device_step_ms}")
     for flag in (*counts, "host_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"{flag} must be at least 1, got {getattr(args, flag)}")
@@ -159,7 +169,31 @@ def run_host_overhead(args) -> int:
     print(f"host ms per decode step (median of {steps}), stub forward, {args.model} tokenizer")
     print("outputs of 'final only': step(stream=False); 'every step': step()")
     print(host_overhead.format_table(runs))
+    if args.device_step_ms > 0:
+        print(f"\nms per decode step at batch 256, stub device step {args.device_step_ms:g} ms")
+        print(overlap_table(loaded, args.device_step_ms / 1e3, steps, seed))
     return 0
+
+
+def overlap_table(loaded, device_step_s: float, steps: int, seed: int) -> str:
+    """Batch 256, a modelled device step: median ms per step (wall clock), async off and on."""
+    rows = ["| outputs of | async off | async on |", "|---|---|---|"]
+    for stream in (False, True):
+        ms = [
+            host_overhead.measure(
+                loaded,
+                256,
+                steps=steps,
+                stream=stream,
+                seed=seed,
+                device_step_s=device_step_s,
+                async_scheduling=on,
+            ).median_ms
+            for on in (False, True)
+        ]
+        kind = "every step" if stream else "final only"
+        rows.append(f"| {kind} | {ms[0]:.2f} | {ms[1]:.2f} |")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
