@@ -13,9 +13,9 @@ from tests.utils import SEED_PROMPTS, make_engine
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture
-def allm(tiny):
-    llm = AsyncLLM(make_engine(tiny))
+@pytest.fixture(params=[False, True], ids=["sync-steps", "async-scheduling"])
+def allm(tiny, request):
+    llm = AsyncLLM(make_engine(tiny, async_scheduling=request.param))
     yield llm
     llm.shutdown()
 
