@@ -323,15 +323,8 @@ class CupyBackend(Backend):
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (B,) int32 argmax of each row (first maximum), by the ``sample_greedy``
         kernel on the device's logits (inside the graph on a replay): only the B ids come to
-        the host."""
-        B = batch.num_seqs
-        if self._fits_graph(batch):
-            self._replay(batch)
-            return self.device.download(self._graph_ids[:B])
-        logits = self._run_eager(batch)  # (B, V) on the device
-        ids = self.device.empty(B, np.int32)  # (B,)
-        self.k.sample_greedy(ids, logits)
-        return self.device.download(ids)
+        the host. ``launch_greedy``, waited for."""
+        return self.launch_greedy(batch).result()
 
     @on_device
     def launch_greedy(self, batch: ForwardBatch, prev: GreedyIds | None = None) -> DeviceIds:
