@@ -201,6 +201,9 @@ class Kernels:
             raise ValueError(f"{op}: query heads ({H}) must be a multiple of KV heads ({Hkv})")
         if hd > MAX_HEAD_DIM:
             raise ValueError(f"{op}: head_dim must be <= {MAX_HEAD_DIM}, got {hd}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _address(cache) % 16:  # K/V rows are read 16 bytes at a time
+                raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
         return H, Hkv, hd, bs
 
     def decode_split(self, max_context_len: int, num_seqs: int, H: int, Hkv: int):
@@ -229,9 +232,6 @@ class Kernels:
         B = context_lens.shape[0]
         _check(op, "q", q, (B, H, hd))
         _check(op, "out", out, (B, H, hd), q.dtype)
-        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _address(a) % 16:
-                raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
         if partition_size is None:
             P, partition_size = self.decode_split(max_context_len, B, H, Hkv)
         elif partition_size <= 0 or partition_size % DECODE_CHUNK:
@@ -266,9 +266,6 @@ class Kernels:
         _check(op, "out", out, (T, H, hd), q.dtype)
         if hd % PREFILL_DIM_MULTIPLE:
             raise ValueError(f"{op}: head_dim must be a multiple of 8, got {hd}")
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _address(cache) % 16:
-                raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
         if T == 0:
             return
         fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
