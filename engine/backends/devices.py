@@ -44,7 +44,6 @@ from engine.kernels import (
     entry_points,
     include_options,
     kernel_names,
-    normalize_defines,
     read_source,
 )
 
@@ -228,10 +227,7 @@ class CupyDevice(Device):
         needs compile-time constants is built with ``defines`` (the model's), else with each
         of its ``define_sets``."""
         for name in kernel_names():
-            sets = define_sets(name)
-            if sets != [()] and defines is not None:
-                sets = [normalize_defines(name, defines)]
-            for defs in sets:
+            for defs in define_sets(name, defines):
                 module = self._load(name, defs)
                 for entry in entry_points(read_source(name)):
                     module.get_function(entry)

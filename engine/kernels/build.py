@@ -77,8 +77,11 @@ def normalize_defines(name: str, defines=None) -> Defines:
     return pairs
 
 
-def define_sets(name: str) -> list[Defines]:
-    """The define sets of ``name`` built ahead: ``[()]`` for a file that needs none."""
+def define_sets(name: str, defines=None) -> list[Defines]:
+    """The define sets to build ``name`` with: ``[()]`` for a file that needs none; for one that
+    needs some, ``defines`` if given (a model's), else every set built ahead."""
+    if name in REQUIRED_DEFINES and defines is not None:
+        return [normalize_defines(name, defines)]
     return [normalize_defines(name, d) for d in _PREBUILT.get(name, [{}])]
 
 
@@ -265,11 +268,6 @@ def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None
     ``define_sets``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def sets(name: str) -> list[Defines]:
-        if name in REQUIRED_DEFINES and defines is not None:
-            return [normalize_defines(name, defines)]
-        return define_sets(name)
-
-    jobs = [(n, d) for n in names or kernel_names() for d in sets(n)]
+    jobs = [(n, d) for n in names or kernel_names() for d in define_sets(n, defines)]
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda job: compile_cpu(job[0], defines=job[1]), jobs))
