@@ -117,10 +117,12 @@ class Kernels:
         self._fns: dict[tuple, object] = {}
 
     def _fn(self, file: str, entry: str, defines: dict | None = None):
-        key = (entry, normalize_defines(file, defines))
-        if key not in self._fns:
-            self._fns[key] = self._load(file, key[1]).get_function(entry)
-        return self._fns[key]
+        key = (entry, tuple(defines.items()) if defines else ())  # checked once, on a miss
+        fn = self._fns.get(key)
+        if fn is None:
+            module = self._load(file, normalize_defines(file, defines))
+            fn = self._fns[key] = module.get_function(entry)
+        return fn
 
     def _rows(self, op: str, a, args: tuple, *tail) -> None:
         """Launch row kernel ``op`` over a's (T, D) rows: args, T, D, threads per row, tail."""
