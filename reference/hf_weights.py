@@ -38,6 +38,22 @@ HF_LAYER_NAMES = {
     "w_down": "model.layers.{i}.mlp.down_proj.weight",
 }
 
+# Family extras: LayerWeights field -> tensor name, for the families that have them.
+HF_BIAS_NAMES = {
+    "bq": "model.layers.{i}.self_attn.q_proj.bias",
+    "bk": "model.layers.{i}.self_attn.k_proj.bias",
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",
+}
+HF_QK_NORM_NAMES = {
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+}
+# Phi-3's fused projections, split at load into the names above: fused -> its parts.
+HF_FUSED = {
+    "model.layers.{i}.self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
+    "model.layers.{i}.mlp.gate_up_proj.weight": ("w_gate", "w_up"),
+}
+
 # Buffers some checkpoints carry that the forward recomputes instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -58,7 +74,41 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w_gate": (f, d),
         "w_up": (f, d),
         "w_down": (d, f),
+        "bq": (cfg.q_dim,),
+        "bk": (cfg.kv_dim,),
+        "bv": (cfg.kv_dim,),
+        "q_norm": (cfg.head_dim,),
+        "k_norm": (cfg.head_dim,),
     }
+
+
+def family_layer_names(cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm) -> dict[str, str]:
+    """The name table of one layer for the config's family: the Llama table plus its extras."""
+    names = dict(base)
+    names.update(bias if cfg.qkv_bias else {})
+    names.update(qk_norm if cfg.qk_norm else {})
+    return names
+
+
+def split_fused(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Phi-3: each fused qkv_proj / gate_up_proj split along its rows into the Llama names."""
+    out = dict(tensors)
+    sizes = {"wq": cfg.q_dim, "wk": cfg.kv_dim, "wv": cfg.kv_dim}
+    sizes |= {"w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size}
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in HF_FUSED.items():
+            name, rows = fused.format(i=i), [sizes[p] for p in parts]
+            w = out.pop(name, None)
+            if w is None:
+                raise ValueError(f"checkpoint: missing tensor {name!r} (a {cfg.family} layer)")
+            if w.ndim != 2 or w.shape[0] != sum(rows):
+                raise ValueError(
+                    f"checkpoint: tensor {name!r} has shape {tuple(w.shape)}, config implies "
+                    f"({sum(rows)}, {cfg.hidden_size})"
+                )
+            for part, chunk in zip(parts, np.split(w, np.cumsum(rows)[:-1]), strict=True):
+                out[HF_LAYER_NAMES[part].format(i=i)] = np.ascontiguousarray(chunk)
+    return out
 
 
 def _take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, used: set) -> np.ndarray:
@@ -78,13 +128,15 @@ def weights_from_tensors(
     tensors: Mapping[str, np.ndarray],
     cfg: ModelConfig,
     global_names: Mapping[str, str] = HF_GLOBAL_NAMES,
-    layer_names: Mapping[str, str] = HF_LAYER_NAMES,
+    layer_names: Mapping[str, str] | None = None,
 ) -> ModelWeights:
     """Assemble ModelWeights from named tensors through a name table (HF's by default).
 
     Every tensor is shape-checked; with tied embeddings ``lm_head`` is the embedding array itself.
     A tensor the table does not know is an error: the forward would silently ignore it.
     """
+    if layer_names is None:
+        layer_names = family_layer_names(cfg, HF_LAYER_NAMES, HF_BIAS_NAMES, HF_QK_NORM_NAMES)
     shapes, used = expected_shapes(cfg), set()
     embed = _take(tensors, global_names["embed"], shapes["embed"], used)
     layers = [
@@ -134,4 +186,7 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
 
 def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept)."""
-    return weights_from_tensors(read_safetensors(model_dir), cfg)
+    tensors = read_safetensors(model_dir)
+    if cfg.spec.fused_projections:
+        tensors = split_fused(tensors, cfg)
+    return weights_from_tensors(tensors, cfg)

@@ -17,21 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import ModelConfig
+from .rope import rope_cos_sin
 from .weights import LayerWeights, ModelWeights
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    # x: (T, D), weight: (D,) -> (T, D)
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D); Gemma scales by (1 + w): offset 1
     variance = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(variance + eps) * weight
-
-
-def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float, dtype) -> tuple:
-    """cos and sin tables, (T, hd), in Hugging Face's rotate-half layout (frequencies repeated)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # (hd/2,)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, hd/2)
-    angles = np.concatenate([angles, angles], axis=-1)  # (T, hd)
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return x / np.sqrt(variance + eps) * (weight + x.dtype.type(offset) if offset else weight)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -41,11 +34,12 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: int) -> np.ndarray:
+def causal_attention(q, k, v, q_start: int, window: int = 0) -> np.ndarray:
     """Grouped-query causal attention.
 
     q: (T, H, hd) for positions q_start .. q_start+T-1; k, v: (S, Hkv, hd) for positions 0 .. S-1.
-    Query at position p sees keys 0..p. Returns (T, H, hd).
+    Query at position p sees keys 0..p, or with a sliding window W > 0 keys p-W+1..p.
+    Returns (T, H, hd).
     """
     n_q, n_heads, hd = q.shape
     n_kv_heads = k.shape[1]
@@ -55,7 +49,8 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: int) 
     scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd).astype(q.dtype)  # (H, T, S)
     q_pos = q_start + np.arange(n_q)[:, None]  # (T, 1)
     k_pos = np.arange(k.shape[0])[None, :]  # (1, S)
-    scores = np.where(k_pos <= q_pos, scores, -np.inf)
+    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # (T, S)
+    scores = np.where(visible, scores, -np.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -66,9 +61,25 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def mlp(x: np.ndarray, lw: LayerWeights) -> np.ndarray:
-    # SwiGLU: down(silu(gate(x)) * up(x)); x: (T, D) -> (T, D)
-    return (silu(x @ lw.w_gate.T) * (x @ lw.w_up.T)) @ lw.w_down.T
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    # PyTorch's gelu(approximate="tanh")
+    c = x.dtype.type(np.sqrt(2.0 / np.pi))
+    return 0.5 * x * (1.0 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    # exact: 0.5 x (1 + erf(x / sqrt 2)), erf from math (NumPy has none)
+    from math import erf
+
+    return (0.5 * x * (1.0 + np.vectorize(erf, otypes=[x.dtype])(x / np.sqrt(2.0)))).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh, "gelu": gelu}
+
+
+def mlp(x: np.ndarray, lw: LayerWeights, act: str = "silu") -> np.ndarray:
+    # gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu; (T, D) -> (T, D)
+    return (ACTIVATIONS[act](x @ lw.w_gate.T) * (x @ lw.w_up.T)) @ lw.w_down.T
 
 
 @dataclass
@@ -86,9 +97,12 @@ class KVCache:
 def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
     # x: (T, D) already normalized -> (T, D)
     n = x.shape[0]
-    q = (x @ lw.wq.T).reshape(n, cfg.num_attention_heads, cfg.head_dim)  # (T, H, hd)
-    k = (x @ lw.wk.T).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
-    v = (x @ lw.wv.T).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
+    q = _project(x, lw.wq, lw.bq).reshape(n, cfg.num_attention_heads, cfg.head_dim)  # (T, H, hd)
+    k = _project(x, lw.wk, lw.bk).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
+    v = _project(x, lw.wv, lw.bv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
+    if lw.q_norm is not None:  # Qwen3: each head RMS-normalised before RoPE
+        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:  # past K and V never change: read them, append the new rows
         if layer < len(cache.k):
@@ -98,8 +112,13 @@ def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
         else:
             cache.k.append(k)
             cache.v.append(v)
-    out = causal_attention(q, k, v, q_start=start)  # (T, H, hd)
+    out = causal_attention(q, k, v, q_start=start, window=cfg.window(layer))  # (T, H, hd)
     return out.reshape(n, cfg.q_dim) @ lw.wo.T
+
+
+def _project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    # x: (T, D), w: (out, D), b: (out,) or None -> (T, out)
+    return x @ w.T if b is None else x @ w.T + b
 
 
 def forward(
@@ -110,10 +129,13 @@ def forward(
     start = cache.length if cache is not None else 0
     positions = np.arange(start, start + len(token_ids))
     x = w.embed[np.asarray(token_ids)]  # (T, D)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # (T, hd)
+    if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activations' dtype first
+        x = x * x.dtype.type(cfg.embed_scale)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope, x.dtype)  # (T, hd)
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
     for layer, lw in enumerate(w.layers):
-        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, lw.attn_norm, eps, off)
         x = x + attention_block(h, lw, cfg, cos, sin, layer, cache, start)
-        x = x + mlp(rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps), lw)
-    last = rms_norm(x[-1:], w.final_norm, cfg.rms_norm_eps)  # (1, D): only the last row matters
+        x = x + mlp(rms_norm(x, lw.mlp_norm, eps, off), lw, cfg.hidden_act)
+    last = rms_norm(x[-1:], w.final_norm, eps, off)  # (1, D): only the last row matters
     return (last @ w.lm_head.T)[0]  # (V,)

@@ -23,6 +23,12 @@ class LayerWeights:
     w_gate: np.ndarray  # (ffn_dim, dim)
     w_up: np.ndarray  # (ffn_dim, dim)
     w_down: np.ndarray  # (dim, ffn_dim)
+    # family extras, None where the family has none (reference.families)
+    bq: np.ndarray | None = None  # (n_heads * head_dim,) q projection bias (Qwen2)
+    bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
+    bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
+    q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3)
+    k_norm: np.ndarray | None = None  # (head_dim,)
 
 
 @dataclass
@@ -37,7 +43,8 @@ class ModelWeights:
         yield "embed", self.embed
         for i, layer in enumerate(self.layers):
             for f in fields(layer):
-                yield f"layers.{i}.{f.name}", getattr(layer, f.name)
+                if getattr(layer, f.name) is not None:
+                    yield f"layers.{i}.{f.name}", getattr(layer, f.name)
         yield "final_norm", self.final_norm
         if self.lm_head is not self.embed:
             yield "lm_head", self.lm_head
@@ -52,9 +59,13 @@ class ModelWeights:
         return ModelWeights(
             embed=embed,
             layers=[
-                LayerWeights(**{f.name: getattr(lw, f.name).astype(dtype) for f in fields(lw)})
+                LayerWeights(**{f.name: _cast(getattr(lw, f.name), dtype) for f in fields(lw)})
                 for lw in self.layers
             ],
             final_norm=self.final_norm.astype(dtype),
             lm_head=embed if tied else self.lm_head.astype(dtype),
         )
+
+
+def _cast(a: np.ndarray | None, dtype) -> np.ndarray | None:
+    return None if a is None else a.astype(dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.utils import cdiv
-from reference.model import apply_rope, rope_cos_sin
+from reference.model import ACTIVATIONS, apply_rope, rope_cos_sin
 
 from .base import copy_host_blocks
 
@@ -28,9 +28,10 @@ def _f(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
 
 
-def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    # token_ids: (T,) int32, table: (V, D) -> (T, D)
-    return table[token_ids]
+def embedding(token_ids: np.ndarray, table: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    # token_ids: (T,) int32, table: (V, D) -> (T, D), times scale (Gemma: sqrt(D))
+    rows = table[token_ids]
+    return rows if scale == 1.0 else (_f(rows) * np.float32(scale)).astype(table.dtype)
 
 
 def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:
@@ -38,19 +39,19 @@ def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:
     copy_host_blocks(dst, src, pairs)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    # x: (T, D), weight: (D,) -> (T, D) in x's dtype
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D) in x's dtype, scaled by (offset + weight)
     xf = _f(x)
     ms = np.add.reduce(xf * xf, axis=-1, keepdims=True) * np.float32(1.0 / x.shape[-1])  # (T, 1)
     out = xf * (1.0 / np.sqrt(ms + np.float32(eps)))  # (T, D)
-    out *= _f(weight)
+    out *= _f(weight) + np.float32(offset) if offset else _f(weight)
     return out.astype(x.dtype, copy=False)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, offset: float = 0.0):
     """residual += x; return (rms_norm(residual), residual). x, residual: (T, D)."""
     residual = (_f(residual) + _f(x)).astype(residual.dtype, copy=False)
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, offset), residual
 
 
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
@@ -65,6 +66,15 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     return out.astype(gate_up.dtype, copy=False)
 
 
+def act_and_mul(gate_up: np.ndarray, activation: str = "silu") -> np.ndarray:
+    # gate_up: (T, 2F) -> act(gate) * up, (T, F); silu in one buffer, the GELUs as the reference
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    f = gate_up.shape[-1] // 2
+    g = _f(gate_up)
+    return (ACTIVATIONS[activation](g[:, :f]) * g[:, f:]).astype(gate_up.dtype, copy=False)
+
+
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches."""
     if slot_mapping.min(initial=0) < 0:  # padding slots: drop them
@@ -77,17 +87,18 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 _rope_memo: list = [None, None, None]  # [positions array, key, (cos, sin)]
 
 
-def _cos_sin(positions: np.ndarray, head_dim: int, theta: float, dtype):
+def _cos_sin(positions: np.ndarray, head_dim: int, rope, dtype):
     """cos/sin (T, hd) for ``positions``, computed once per forward (the array is shared)."""
-    key = (head_dim, theta, np.dtype(dtype))
+    key = (head_dim, rope, np.dtype(dtype))
     if _rope_memo[0] is not positions or _rope_memo[1] != key:
-        _rope_memo[:] = [positions, key, rope_cos_sin(positions, head_dim, theta, dtype)]
+        _rope_memo[:] = [positions, key, rope_cos_sin(positions, head_dim, rope, dtype)]
     return _rope_memo[2]
 
 
-def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, theta: float):
-    # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,) -> rotated (q, k), rotate-half layout
-    cos, sin = _cos_sin(positions, q.shape[-1], theta, _f(q).dtype)  # (T, hd)
+def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope):
+    # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,) -> rotated (q, k), rotate-half layout;
+    # rope: a reference.rope.RopeParams or a bare theta
+    cos, sin = _cos_sin(positions, q.shape[-1], rope, _f(q).dtype)  # (T, hd)
     q_out = apply_rope(_f(q), cos, sin).astype(q.dtype, copy=False)
     k_out = apply_rope(_f(k), cos, sin).astype(k.dtype, copy=False)
     return q_out, k_out
@@ -116,8 +127,17 @@ def _causal_bias(n: int) -> np.ndarray:
     return _bias_memo[0][:n, :n]
 
 
-def _attend_causal(q, k, v, q_start, scale):
-    """q: (Tq, H, hd) at positions q_start..; k, v: (q_start+Tq, Hkv, hd) -> (Tq, H, hd)."""
+def _window_bias(tq: int, q_start: int, k_start: int, n_keys: int, window: int) -> np.ndarray:
+    """(Tq, S) float32: 0 where query q_start+i sees key k_start+j (causal, inside the window)."""
+    q_pos = q_start + np.arange(tq)[:, None]  # (Tq, 1)
+    k_pos = k_start + np.arange(n_keys)[None, :]  # (1, S)
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return np.where(visible, np.float32(0), np.float32(-np.inf))
+
+
+def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0):
+    """q: (Tq, H, hd) at positions q_start..; k, v: (q_start+Tq-k_start, Hkv, hd), the keys
+    from position k_start on -> (Tq, H, hd). window > 0: a query at p sees keys > p - window."""
     tq, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -125,15 +145,20 @@ def _attend_causal(q, k, v, q_start, scale):
     qg = _f(q).reshape(tq, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * tq, hd)
     s = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group*Tq, S)
     s *= np.float32(scale)
-    if tq > 1:  # keys before q_start are all visible: only the trailing (Tq, Tq) square is masked
+    if window:
+        s.reshape(n_kv, group, tq, -1)[...] += _window_bias(
+            tq, q_start, k_start, k.shape[0], window
+        )
+    elif tq > 1:  # keys before q_start are all visible: only the trailing (Tq, Tq) square masked
         s.reshape(n_kv, group, tq, -1)[..., q_start:] += _causal_bias(tq)
     out = np.matmul(_softmax_(s), v.transpose(1, 0, 2))  # (Hkv, group*Tq, hd)
     return out.reshape(n_kv, group, tq, hd).transpose(2, 0, 1, 3).reshape(tq, n_heads, hd)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
-    Query b sits at position context_lens[b]-1 and sees every cached token. -> (B, H, hd)
+    Query b sits at position context_lens[b]-1 and sees every cached token, or with window > 0
+    the last ``window`` of them. -> (B, H, hd)
 
     NOTE: a per-sequence loop with as few NumPy calls as possible. The gathers of K and V are
     most of its time (memory bound); gathering many sequences at once, or one padded batch
@@ -144,20 +169,23 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     qg = _f(q).reshape(n_seqs, n_kv, n_heads // n_kv, hd)  # (B, Hkv, group, hd)
     out = np.empty(qg.shape, dtype=qg.dtype)  # (B, Hkv, group, hd)
     for b, n in enumerate(context_lens.tolist()):
-        blocks = block_tables[b, : cdiv(n, bs)]  # (nb,)
-        k, v = _gather(k_cache, blocks, n), _gather(v_cache, blocks, n)  # (n, Hkv, hd)
-        s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, n)
+        lo = max(0, n - window) // bs * bs if window else 0  # first key of the first block read
+        blocks = block_tables[b, lo // bs : cdiv(n, bs)]  # (nb,)
+        k, v = _gather(k_cache, blocks, n - lo), _gather(v_cache, blocks, n - lo)  # (n-lo, ..)
+        if window and n - lo > window:
+            k, v = k[n - lo - window :], v[n - lo - window :]  # (window, Hkv, hd)
+        s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, S)
         s *= np.float32(scale)
         np.matmul(_softmax_(s), v.transpose(1, 0, 2), out=out[b])  # (Hkv, group, hd)
     return out.reshape(q.shape).astype(q.dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
 ):
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
-    context_lens[b] tokens. -> (T, H, hd)"""
+    context_lens[b] tokens; window > 0: a query at p sees keys > p - window. -> (T, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     bs = k_cache.shape[1]
     qsl = query_start_loc.tolist()
@@ -169,6 +197,7 @@ def paged_attention_prefill(
         for c in range(lo, hi, QUERY_CHUNK):
             e = min(c + QUERY_CHUNK, hi)
             # keys past the chunk's last query are masked anyway: slice them off
-            kv_len = start + (e - lo)
-            out[c:e] = _attend_causal(q[c:e], k[:kv_len], v[:kv_len], start + (c - lo), scale)
+            kv_len, q0 = start + (e - lo), start + (c - lo)
+            k0 = max(0, q0 - window + 1) if window else 0  # keys below every row's window: off
+            out[c:e] = _attend_causal(q[c:e], k[k0:kv_len], v[k0:kv_len], q0, scale, window, k0)
     return out

@@ -27,12 +27,15 @@ F32 = np.dtype(np.float32)
 
 @dataclass
 class PackedLayer:
-    attn_norm: np.ndarray  # (D,)
+    attn_norm: np.ndarray  # (D,) the norm's scale, offset + w (Gemma's 1 + w)
     w_qkv: np.ndarray  # (D, H*hd + 2*Hkv*hd): q | k | v columns
     w_o: np.ndarray  # (H*hd, D)
     mlp_norm: np.ndarray  # (D,)
     w_gate_up: np.ndarray  # (D, 2F): gate | up columns
     w_down: np.ndarray  # (F, D)
+    b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
+    q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
+    k_norm: np.ndarray | None = None  # (hd,)
 
 
 def _t(*mats: np.ndarray) -> np.ndarray:
@@ -40,24 +43,34 @@ def _t(*mats: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(mats, axis=0).T, dtype=F32)
 
 
-def pack_weights(w: ModelWeights, round_to: np.dtype) -> tuple[list[PackedLayer], dict]:
-    """Fused, transposed float32 weights (values first rounded through ``round_to``)."""
+def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
+    return None if a is None else a.astype(F32) + F32.type(offset)
+
+
+def pack_weights(
+    w: ModelWeights, round_to: np.dtype, norm_offset: float = 0.0
+) -> tuple[list[PackedLayer], dict]:
+    """Fused, transposed float32 weights (values first rounded through ``round_to``); norm
+    scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does."""
     if round_to != F32:
         w = w.astype(round_to)
     layers = [
         PackedLayer(
-            attn_norm=lw.attn_norm.astype(F32),
+            attn_norm=_f32(lw.attn_norm, norm_offset),
             w_qkv=_t(lw.wq, lw.wk, lw.wv),
             w_o=_t(lw.wo),
-            mlp_norm=lw.mlp_norm.astype(F32),
+            mlp_norm=_f32(lw.mlp_norm, norm_offset),
             w_gate_up=_t(lw.w_gate, lw.w_up),
             w_down=_t(lw.w_down),
+            b_qkv=None if lw.bq is None else _f32(np.concatenate([lw.bq, lw.bk, lw.bv])),
+            q_norm=_f32(lw.q_norm),
+            k_norm=_f32(lw.k_norm),
         )
         for lw in w.layers
     ]
     rest = dict(
         embed=np.ascontiguousarray(w.embed, dtype=F32),  # (V, D)
-        final_norm=w.final_norm.astype(F32),  # (D,)
+        final_norm=_f32(w.final_norm, norm_offset),  # (D,)
         lm_head=_t(w.lm_head),  # (D, V)
     )
     return layers, rest
@@ -82,7 +95,9 @@ class NumpyBackend(Backend):
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, on_gpu=False)
         self.np_kv_dtype = numpy_dtype(self.kv_dtype)
-        self.layers, rest = pack_weights(weights, self.np_kv_dtype)
+        self.layers, rest = pack_weights(weights, self.np_kv_dtype, model_config.norm_offset)
+        # Gemma's sqrt(D), rounded to the weights' dtype as Hugging Face rounds it
+        self.embed_scale = float(self.np_kv_dtype.type(model_config.embed_scale))
         self.embed, self.final_norm, self.lm_head = (
             rest["embed"],
             rest["final_norm"],
@@ -96,7 +111,7 @@ class NumpyBackend(Backend):
     @property
     def weights_bytes(self) -> int:
         arrays = [self.embed, self.final_norm, self.lm_head]
-        arrays += [a for lw in self.layers for a in vars(lw).values()]
+        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
         return sum(a.nbytes for a in arrays)
 
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
@@ -140,7 +155,7 @@ class NumpyBackend(Backend):
     def _logits(self, batch: ForwardBatch) -> np.ndarray:
         # the layers over the flat batch -> (B, V) float32
         ops, c = self.ops, self.cfg
-        x = ops.embedding(batch.token_ids, self.embed)  # (T, D)
+        x = ops.embedding(batch.token_ids, self.embed, self.embed_scale)  # (T, D)
         residual = None
         for layer, lw in enumerate(self.layers):
             if residual is None:
@@ -149,7 +164,8 @@ class NumpyBackend(Backend):
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            x = ops.silu_and_mul(h @ lw.w_gate_up) @ lw.w_down  # (T, 2F) -> (T, F) -> (T, D)
+            act = ops.act_and_mul(h @ lw.w_gate_up, c.hidden_act)  # (T, 2F) -> (T, F)
+            x = act @ lw.w_down  # (T, D)
         rows = batch.logits_indices  # (B,): only each sequence's last token is sampled
         h, _ = ops.fused_add_rms_norm(x[rows], residual[rows], self.final_norm, c.rms_norm_eps)
         return h @ self.lm_head  # (B, V)
@@ -158,17 +174,29 @@ class NumpyBackend(Backend):
         # h: (T, D) normalized -> (T, D)
         c, ops, n = self.cfg, self.ops, h.shape[0]
         qkv = h @ lw.w_qkv  # (T, H*hd + 2*Hkv*hd)
+        if lw.b_qkv is not None:
+            qkv += lw.b_qkv
         q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
         k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
-        q, k = ops.rotary(q, k, b.positions, c.rope_theta)
+        if lw.q_norm is not None:  # each head RMS-normalised before RoPE
+            q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
+            k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
+        q, k = ops.rotary(q, k, b.positions, c.rope)
+        window = c.window(layer)
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
         ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
         out = np.empty_like(q)  # (T, H, hd)
         nd = b.num_decodes
         if nd:  # decodes: rows 0..nd-1, one per sequence
             out[:nd] = ops.paged_attention_decode(
-                q[:nd], k_cache, v_cache, b.block_tables[:nd], b.context_lens[:nd], self.scale
+                q[:nd],
+                k_cache,
+                v_cache,
+                b.block_tables[:nd],
+                b.context_lens[:nd],
+                self.scale,
+                window,
             )
         if nd < b.num_seqs:  # prefills: the remaining rows
             qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
@@ -180,5 +208,6 @@ class NumpyBackend(Backend):
                 qsl,
                 b.context_lens[nd:],
                 self.scale,
+                window,
             )
         return out.reshape(n, c.q_dim) @ lw.w_o
