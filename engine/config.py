@@ -20,6 +20,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
 BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
+GENERATION_CONFIGS = ("auto", "ignore")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
 # sane upper bounds: past them a value is a typo, not a configuration
@@ -142,6 +143,14 @@ class EngineConfig:
         default_help="off",
     )
     enforce_eager: bool = option(False, "cuda and cuda-cpu backends: no CUDA graphs for decode")
+    generation_config: str = option(
+        "auto",
+        "auto: the model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens; do_sample false means greedy) gives the default "
+        "sampling parameters of requests that do not set them; ignore: SamplingParams' own "
+        "defaults",
+        choices=GENERATION_CONFIGS,
+    )
     async_scheduling: bool = option(
         False,
         "schedule and launch the next decode step before the current one's token ids are read "

@@ -43,6 +43,8 @@ class LLM:
         Every prompt is validated before any runs: a bad one is a ValueError naming its index,
         and the engine stays usable."""
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         ids = self._add_all(prompts, params)
         try:
@@ -53,6 +55,11 @@ class LLM:
         if self.recorder is not None:
             self.recorder.write_html(self.trace_html)
         return [done[r] for r in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without SamplingParams gets: the model's generation_config.json
+        defaults (unless the engine was made with generation_config='ignore')."""
+        return self.engine.default_sampling_params()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until every request of ids finished: request id -> its final output."""

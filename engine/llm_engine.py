@@ -37,7 +37,7 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
 from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
-from .sampling_params import SamplingParams, is_real
+from .sampling_params import SamplingParams, generation_defaults, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence
 
@@ -106,7 +106,29 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)
         self.record_logits = record_logits
+        self.sampling_defaults = self._sampling_defaults()
         self._setup(backend_factory or _configured_backend)
+
+    def _sampling_defaults(self) -> dict:
+        """The model's default SamplingParams fields (generation_config 'auto'), else {}."""
+        if self.config.generation_config != "auto":
+            return {}
+        try:
+            defaults = generation_defaults(self.loaded.generation_config)
+        except ValueError as e:
+            raise ValueError(f"generation_config.json: {e}") from None
+        if defaults:
+            log.info(
+                "default sampling parameters from the model's generation_config.json: %s "
+                "(--generation-config ignore to use SamplingParams' own)",
+                ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            )
+        return defaults
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams for a request that sets only ``overrides``: the model's defaults
+        (``sampling_defaults``) under them."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides})
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -162,7 +184,7 @@ class LLMEngine:
         before anything is queued or allocated, the cheap ones first."""
         if not isinstance(request_id, str) or request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is not a new string id")
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         mc, cfg = self.model_config, self.config

@@ -139,3 +139,19 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+
+def generation_defaults(gen: dict) -> dict:
+    """SamplingParams keyword defaults from a model's generation_config.json sampling keys
+    (``reference.loader.read_generation_config``): ``do_sample: false`` means greedy, as in
+    transformers; ``max_new_tokens`` is ``max_tokens``."""
+    if gen.get("do_sample") is False:
+        out = {"temperature": 0.0}
+    else:
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        out = {k: gen[k] for k in keys if k in gen}
+    if "max_new_tokens" in gen:
+        out["max_tokens"] = gen["max_new_tokens"]
+    if out:
+        SamplingParams(**out)  # a value out of range is the checkpoint's error: say so now
+    return out

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .families import ACTIVATIONS, FAMILIES, check_keys, family_of, layer_windows
+from .families import FAMILIES, activation, check_keys, family_of, layer_windows
 from .rope import RopeParams, parse_rope
 
 # Hugging Face config.json keys that must be present (no sensible default exists).
@@ -146,7 +146,7 @@ class ModelConfig:
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             family=fam.name,
             rope=rope,
-            hidden_act=ACTIVATIONS[d.get("hidden_act", fam.activations[0])],
+            hidden_act=activation(d, fam),
             layer_windows=layer_windows(d, fam, d["num_hidden_layers"]),
         )
 

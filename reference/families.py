@@ -129,13 +129,10 @@ UNSUPPORTED_KEYS = {
     "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
 }
 
-# hidden_act value -> the activation's name in this code.
-ACTIVATIONS = {
-    "silu": "silu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-    "gelu": "gelu",
-}
+# hidden_act value -> the activation's name in this code (reference.model.ACTIVATIONS).
+SILU = {"silu": "silu"}
+# transformers 5's GemmaConfig rewrites "gelu" to "gelu_pytorch_tanh": Gemma's GELU is tanh's
+GEMMA_GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -147,7 +144,7 @@ class Family:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
-    activations: tuple[str, ...] = ("silu",)  # hidden_act values accepted
+    activations: dict = None  # hidden_act value -> activation (None: SILU)
     window: str = "none"  # none | global (sliding_window) | layer_types
     fused_projections: bool = False  # qkv_proj, gate_up_proj in the checkpoint
     example: str = ""  # a checkpoint of the family
@@ -214,7 +211,7 @@ FAMILIES = {
             frozenset({"attention_bias", "hidden_activation", "use_bidirectional_attention"}),
             norm_offset=1.0,
             scale_embeddings=True,
-            activations=("gelu_pytorch_tanh", "gelu_new", "gelu"),
+            activations=GEMMA_GELU,
             example="google/gemma-2b",
             differs="(1 + w) norms, GELU-tanh gated MLP, embeddings times sqrt(hidden_size)",
         ),
@@ -263,18 +260,29 @@ def check_keys(d: dict, fam: Family, where: str = "config.json") -> None:
             f"{where}: key {unknown[0]!r} is not read for model_type {fam.name!r} (it may "
             f"change the computation, so the checkpoint is refused)"
         )
-    act = d.get("hidden_act", fam.activations[0])
+    acts = activations(fam)
+    act = d.get("hidden_act", next(iter(acts)))
+    if act not in acts:
+        raise ValueError(
+            f"{where}: hidden_act {act!r} is not supported for {fam.name} "
+            f"(supported: {', '.join(acts)})"
+        )
     legacy = d.get("hidden_activation")  # transformers 4's Gemma read it; 5 reads hidden_act
-    if legacy is not None and legacy != act:
+    if legacy is not None and acts.get(legacy) != acts[act]:
         raise ValueError(
             f"{where}: hidden_activation {legacy!r} and hidden_act {act!r} disagree; "
             f"set both to the activation the checkpoint was trained with"
         )
-    if act not in fam.activations:
-        raise ValueError(
-            f"{where}: hidden_act {act!r} is not supported for {fam.name} "
-            f"(supported: {', '.join(fam.activations)})"
-        )
+
+
+def activations(fam: Family) -> dict:
+    """hidden_act value -> activation name, for the family."""
+    return fam.activations or SILU
+
+
+def activation(d: dict, fam: Family) -> str:
+    acts = activations(fam)
+    return acts[d.get("hidden_act", next(iter(acts)))]
 
 
 def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.json") -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -39,12 +40,30 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 INSTEAD = "pass a local Hugging Face directory, a .gguf file, or 'smollm2' instead"
 
 
+# generation_config.json keys that set a default sampling parameter (vLLM reads the same).
+GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_KEYS += ("max_new_tokens",)
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
     weights: ModelWeights
     tokenizer: Tokenizer
     source: str  # human-readable: which file, directory or Hub id
+    generation_config: dict = dataclasses.field(default_factory=dict)  # GENERATION_KEYS found
+
+
+def read_generation_config(path: Path) -> dict:
+    """The sampling keys of a directory's generation_config.json ({} when it has none)."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e})") from e
+    return {k: d[k] for k in GENERATION_KEYS if d.get(k) is not None}
 
 
 def smollm2_path() -> Path:
@@ -137,7 +156,8 @@ def load_model(model: str | os.PathLike) -> LoadedModel:
     path = resolve_model(model)
     cfg, weights, tokenizer = load_gguf(path) if path.is_file() else load_hf_dir(path)
     source = str(path) if str(path) == model else f"{model} ({path})"
-    return LoadedModel(config=cfg, weights=weights, tokenizer=tokenizer, source=source)
+    gen = {} if path.is_file() else read_generation_config(path)
+    return LoadedModel(cfg, weights, tokenizer, source, gen)
 
 
 def default_model(timeout: float = 3.0) -> tuple[str, str]:

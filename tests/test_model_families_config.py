@@ -133,7 +133,8 @@ def test_unknown_family_lists_what_is_supported():
 @pytest.mark.parametrize(
     "family, overrides, words",
     [
-        ("gemma", {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu"}, "disagree"),
+        ("gemma", {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "silu"}, "'silu'"),
+        ("gemma", {"hidden_activation": "silu"}, "disagree"),
         ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("qwen3", {"attention_bias": True}, "attention_bias=True"),
         ("qwen2", {"layer_types": ["full_attention"] * 2}, "layer_types has 2 entries"),
@@ -191,6 +192,8 @@ def test_every_family_checkpoint_reads_its_flags():
     assert flags["qwen2"][:3] == ("qwen2", True, False)
     assert flags["qwen3"][:3] == ("qwen3", False, True) and flags["qwen3"][5] == 32
     assert flags["gemma"][3:5] == (1.0, "gelu_tanh")
+    gemma = {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}
+    assert cfg(**gemma, hidden_act="gelu").hidden_act == "gelu_tanh"  # as transformers 5
     assert loaded("llama3").config.eos_token_ids[:2] == (0, 2)
     assert loaded("llama").config.rope_theta == 50000.0
     assert parse_rope({}, 256) == RopeParams()

@@ -61,6 +61,8 @@ class Server:
         self.names = {model_name, *aliases}
         self.api_key = api_key
         self.max_model_len = llm.engine.config.max_model_len
+        # the model's generation_config.json defaults, for the fields a request leaves unset
+        self.sampling_defaults = llm.engine.sampling_defaults
         self.metrics = PrometheusStatLogger(model_name)
         llm.stat_loggers.append(self.metrics)
 
@@ -208,7 +210,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         if req.echo:
             raise ApiError(400, "echo is not supported")
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
-        params = _params(req, max_tokens, req.logprobs)
+        params = _params(req, max_tokens, req.logprobs, server.sampling_defaults)
         streams = await server.start_all(req.prompts(), params)
         fmt = CompletionFormat(server, req)
         if req.stream:
@@ -227,7 +229,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         if max_tokens is None:  # as much as fits
             max_tokens = max(server.max_model_len - len(ids), 1)
         top = req.top_logprobs or 0
-        params = _params(req, max_tokens, top if req.logprobs else None)
+        params = _params(req, max_tokens, top if req.logprobs else None, server.sampling_defaults)
         streams = await server.start_all([ids], params)
         fmt = ChatFormat(server, req)
         if req.stream:
@@ -248,9 +250,9 @@ async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
             raise ApiError(499, "client disconnected", "ClientDisconnected")
 
 
-def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None):
+def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, defaults: dict):
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, defaults)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 

@@ -33,7 +33,11 @@ from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 # (flag, type, help) for every SamplingParams field the CLI exposes
 SAMPLING_FLAGS = [
     ("--n", int, "completions per prompt, at most --max-num-seqs (default 1)"),
-    ("--temperature", float, "0 = greedy (default 0 here; vLLM's default is 1.0)"),
+    (
+        "--temperature",
+        float,
+        "0 = greedy (default: the model's generation_config.json, else 0 here; vLLM's is 1.0)",
+    ),
     ("--top-p", float, "nucleus sampling mass in (0, 1] (default 1)"),
     ("--top-k", int, "keep the k most likely tokens; 0 or -1 = off (default 0)"),
     ("--min-p", float, "drop tokens below min_p x p(most likely) (default 0)"),
@@ -89,9 +93,11 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def sampling_params(args) -> SamplingParams:
+def sampling_params(args, defaults: dict | None = None) -> SamplingParams:
+    """The flags' SamplingParams; a flag not given takes the model's default (``defaults``,
+    from its generation_config.json), else greedy and 32 tokens."""
     kw = {_dest(f): getattr(args, _dest(f)) for f, _, _ in SAMPLING_FLAGS}
-    kw = {k: v for k, v in kw.items() if v is not None}
+    kw = {**(defaults or {}), **{k: v for k, v in kw.items() if v is not None}}
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 32)
     stop = [check_utf8(s, "--stop") for s in args.stop] if args.stop else args.stop
@@ -229,6 +235,7 @@ def run(args) -> int:
     prompts = read_prompts(args)  # and bad prompts
     check_trace_html(args.trace_html)
     llm = LLM(trace_html=args.trace_html, **engine_kwargs(args))
+    params = sampling_params(args, llm.engine.sampling_defaults)
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
     t0 = time.perf_counter()

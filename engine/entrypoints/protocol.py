@@ -47,17 +47,22 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """ValueError (from SamplingParams) for a value out of range."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """ValueError (from SamplingParams) for a value out of range. ``defaults``: the
+        model's generation_config.json values, for the fields this request does not set."""
+        d = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
+        temperature = d.get("temperature", 1.0) if self.temperature is None else self.temperature
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", self.top_k),
+            min_p=d.get("min_p", self.min_p),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", self.repetition_penalty),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
