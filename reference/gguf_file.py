@@ -19,7 +19,8 @@ import gguf
 import numpy as np
 
 from .config import ModelConfig
-from .hf_weights import weights_from_tensors
+from .hf_weights import expected_shapes, family_layer_names, weights_from_tensors
+from .rope import RopeParams, parse_rope
 from .weights import ModelWeights
 
 # ModelWeights field -> GGUF tensor name.
@@ -42,7 +43,24 @@ GGUF_LAYER_NAMES = {
     "w_down": "blk.{i}.ffn_down.weight",
 }
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# general.architecture -> the family (reference.families) it is.
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
+SUPPORTED_ARCHITECTURES["phi3"] = "phi3"
+# llama.cpp's converter permutes Q/K rows for these only (the others rotate as HF does).
+PERMUTED_QK = ("llama",)
+# Family extras: LayerWeights field -> GGUF tensor name.
+GGUF_BIAS_NAMES = {f"b{x}": f"blk.{{i}}.attn_{x}.bias" for x in "qkv"}
+GGUF_QK_NORM_NAMES = {
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+}
+# Phi-3's fused tensors (llama.cpp keeps them fused; ffn_up holds gate | up): fused -> parts.
+GGUF_FUSED = {
+    "blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"),
+    "blk.{i}.ffn_up.weight": ("w_gate", "w_up"),
+}
+# Norms llama.cpp's Gemma converter stores as 1 + w (the family's forward adds the 1 itself).
+GGUF_NORMS = ("blk.{i}.attn_norm.weight", "blk.{i}.ffn_norm.weight")
 
 
 @dataclass
@@ -63,11 +81,35 @@ def _require(md: dict[str, Any], key: str):
     return md[key]
 
 
-def config_from_metadata(md: dict[str, Any], tied: bool) -> ModelConfig:
-    """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``."""
+def _rope(md: dict[str, Any], arch: str, freq_factors) -> RopeParams:
+    """RoPE from ``{arch}.rope.*``: none, linear or yarn scaling, or Llama 3's per-frequency
+    factors (the ``rope_freqs.weight`` tensor, f_j divided by factor j)."""
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if scaling == "none" or (scaling == "linear" and factor == 1.0):
+        return RopeParams(theta=theta, freq_factors=freq_factors)
+    if freq_factors:
+        raise ValueError(f"gguf: rope_freqs.weight together with {scaling!r} scaling")
+    if scaling == "linear":
+        return RopeParams(theta=theta, rope_type="linear", factor=factor)
+    if scaling == "yarn":
+        original = int(_require(md, f"{arch}.rope.scaling.original_context_length"))
+        d = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        return parse_rope({"rope_parameters": {**d, "rope_theta": theta}}, 0, "gguf")
+    raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported")
+
+
+def config_from_metadata(md: dict[str, Any], tied: bool, freq_factors=()) -> ModelConfig:
+    """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``;
+    ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one."""
     arch = _require(md, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"gguf: general.architecture {arch!r} is not supported (only llama)")
+        raise ValueError(
+            f"gguf: general.architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
     n_heads = int(_require(md, f"{arch}.attention.head_count"))
     dim = int(_require(md, f"{arch}.embedding_length"))
     head_dim = int(md.get(f"{arch}.attention.key_length", dim // n_heads))
@@ -76,9 +118,8 @@ def config_from_metadata(md: dict[str, Any], tied: bool) -> ModelConfig:
         raise ValueError(
             f"gguf: partial rotary ({arch}.rope.dimension_count={rope_dims}) unsupported"
         )
-    scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported yet")
+    rope = _rope(md, arch, freq_factors)
+    window = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
     vocab = md.get(f"{arch}.vocab_size") or len(_require(md, "tokenizer.ggml.tokens"))
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     return ModelConfig(
@@ -90,12 +131,16 @@ def config_from_metadata(md: dict[str, Any], tied: bool) -> ModelConfig:
         num_key_value_heads=int(md.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=rope.theta,
         max_position_embeddings=int(md.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         torch_dtype="float32",  # dequantized
+        family=family,
+        rope=rope,
+        hidden_act="gelu_tanh" if family == "gemma" else "silu",
+        layer_windows=(window,) * int(_require(md, f"{arch}.block_count")) if window else (),
     )
 
 
@@ -132,15 +177,45 @@ def _restore_qk(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Config, metadata and every tensor (dequantized, Q/K rows in HF order) of a .gguf file."""
+    """Config, metadata and every tensor (dequantized, Q/K rows in HF order, fused tensors
+    split, Gemma's stored 1 + w norms back to w) of a .gguf file."""
     reader = gguf.GGUFReader(str(path))
     md = read_metadata(reader)
     tensors = {t.name: dequantize_tensor(t) for t in reader.tensors}
-    cfg = config_from_metadata(md, tied=GGUF_GLOBAL_NAMES["lm_head"] not in tensors)
-    _restore_qk(tensors, cfg)
+    factors = tensors.pop("rope_freqs.weight", None)  # (hd/2,) Llama 3's RoPE scaling
+    tied = GGUF_GLOBAL_NAMES["lm_head"] not in tensors
+    cfg = config_from_metadata(md, tied, () if factors is None else tuple(map(float, factors)))
+    if md["general.architecture"] in PERMUTED_QK:
+        _restore_qk(tensors, cfg)
+    if cfg.spec.fused_projections:
+        _split_fused(tensors, cfg)
+    if cfg.norm_offset:
+        _unoffset_norms(tensors, cfg)
     return GGUFFile(config=cfg, metadata=md, tensors=tensors)
 
 
+def _split_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Each fused tensor split along its rows into the GGUF names of its parts."""
+    shapes = expected_shapes(cfg)
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in GGUF_FUSED.items():
+            name, rows = fused.format(i=i), [shapes[p][0] for p in parts]
+            w = tensors.pop(name, None)
+            if w is None or w.ndim != 2 or w.shape[0] != sum(rows):
+                got = "missing" if w is None else f"shape {tuple(w.shape)}"
+                raise ValueError(f"gguf: tensor {name!r} is {got}, config implies {sum(rows)} rows")
+            for part, chunk in zip(parts, np.split(w, np.cumsum(rows)[:-1]), strict=True):
+                tensors[GGUF_LAYER_NAMES[part].format(i=i)] = np.ascontiguousarray(chunk)
+
+
+def _unoffset_norms(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    names = [n.format(i=i) for i in range(cfg.num_hidden_layers) for n in GGUF_NORMS]
+    for name in [*names, GGUF_GLOBAL_NAMES["final_norm"]]:
+        if name in tensors:
+            tensors[name] = tensors[name] - np.float32(cfg.norm_offset)
+
+
 def gguf_weights(gf: GGUFFile) -> ModelWeights:
-    """ModelWeights from a read GGUF file, through the GGUF name table (shapes checked)."""
-    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES)
+    """ModelWeights from a read GGUF file, through the GGUF name tables (shapes checked)."""
+    names = family_layer_names(gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES)
+    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names)

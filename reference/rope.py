@@ -49,6 +49,7 @@ class RopeParams:
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn: correction range rounded to whole dims
     attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn)
+    freq_factors: tuple[float, ...] = ()  # per frequency divisors (GGUF's rope_freqs.weight)
 
 
 def _as_rope(rope) -> RopeParams:
@@ -134,6 +135,8 @@ def inv_freq(rope, head_dim: int) -> np.ndarray:
     """(hd/2,) float64 inverse frequencies f_j; default RoPE: theta^(-2j/hd)."""
     r = _as_rope(rope)
     base = 1.0 / (r.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if r.freq_factors:  # llama.cpp's Llama 3 scaling: the factors computed at conversion
+        base = base / np.asarray(r.freq_factors, np.float64)
     if r.rope_type == "linear":
         return base / r.factor
     if r.rope_type == "llama3":
