@@ -244,7 +244,8 @@ struct Restrict<P*> {
 template <int i, typename F>
 using entry_param_t = typename Restrict<typename ParamOf<i, F>::type>::type;
 
-// ENTRY_LIST_n(X, F) is X(0, F), ..., X(n - 1, F): the parameters a0 .. a{n-1}, or their names.
+// ENTRY_LIST_n(X, F) is X(0, F), ..., X(n - 1, F): the parameters a0 .. a{n-1}, or their names
+// (n <= 20).
 #define ENTRY_PARAM(i, F) entry_param_t<i, F> a##i
 #define ENTRY_ARG(i, F) a##i
 #define ENTRY_LIST_1(X, F) X(0, F)
@@ -263,3 +264,7 @@ using entry_param_t = typename Restrict<typename ParamOf<i, F>::type>::type;
 #define ENTRY_LIST_14(X, F) ENTRY_LIST_13(X, F), X(13, F)
 #define ENTRY_LIST_15(X, F) ENTRY_LIST_14(X, F), X(14, F)
 #define ENTRY_LIST_16(X, F) ENTRY_LIST_15(X, F), X(15, F)
+#define ENTRY_LIST_17(X, F) ENTRY_LIST_16(X, F), X(16, F)
+#define ENTRY_LIST_18(X, F) ENTRY_LIST_17(X, F), X(17, F)
+#define ENTRY_LIST_19(X, F) ENTRY_LIST_18(X, F), X(18, F)
+#define ENTRY_LIST_20(X, F) ENTRY_LIST_19(X, F), X(19, F)

@@ -1,6 +1,7 @@
-// embedding.cu: out[t] = table[token_ids[t]], rows split as in rms_norm.cu, in vectors of up to
-// 16 bytes; an id outside [0, V) writes zeros (the Python wrapper rejects such ids before
-// launching).
+// embedding.cu: out[t] = table[token_ids[t]] * scale, rows split as in rms_norm.cu, in vectors
+// of up to 16 bytes; an id outside [0, V) writes zeros (the Python wrapper rejects such ids
+// before launching). scale (Gemma's sqrt(hidden)) multiplies in float32 and rounds once; 1
+// copies the row bit for bit.
 #include "common.cuh"
 
 // Grid: (cdiv(T, R),)  Block: (R * row_threads,), as rms_norm
@@ -8,7 +9,8 @@ template <typename T>
 __device__ __forceinline__ void embedding(T* __restrict__ out,                // (T, D)
                                           const int* __restrict__ token_ids,  // (T,)
                                           const T* __restrict__ table,        // (V, D)
-                                          int rows, int vocab, int dim, int row_threads) {
+                                          int rows, int vocab, int dim, int row_threads,
+                                          float scale) {
   const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
   const int lane = threadIdx.x % row_threads, group = row_threads < kWarpSize ? row_threads : kWarpSize;
   // the id read once per lane group (per warp of a longer row), then shared by a shuffle
@@ -24,9 +26,14 @@ __device__ __forceinline__ void embedding(T* __restrict__ out,                //
 #pragma unroll
     for (int e = 0; e < W; ++e) zero.v[e] = from_float<T>(0.0f);
     for (int i = lane; i < dim / W; i += row_threads) {
-      store_vec<W>(dst + i * W, valid ? load_vec<W>(src + i * W) : zero);
+      Vec<T, W> r = valid ? load_vec<W>(src + i * W) : zero;
+      if (scale != 1.0f) {  // the same for every thread
+#pragma unroll
+        for (int e = 0; e < W; ++e) r.v[e] = from_float<T>(to_float(r.v[e]) * scale);
+      }
+      store_vec<W>(dst + i * W, r);
     }
   });
 }
 
-DTYPE_ENTRY_POINTS(embedding, 7)
+DTYPE_ENTRY_POINTS(embedding, 8)

@@ -1,6 +1,6 @@
 // fused_add_rms_norm.cu: residual += x (in place, rounded to its dtype), then
-// out = rms_norm(residual) * weight. Rows split as in rms_norm.cu; residual and x are read once
-// and residual written once (norm.cuh).
+// out = rms_norm(residual) * (offset + weight). Rows split as in rms_norm.cu; residual and x
+// are read once and residual written once (norm.cuh).
 #include "norm.cuh"
 
 // Grid: (cdiv(T, R),)  Block: (R * row_threads,), as rms_norm
@@ -10,7 +10,7 @@ __device__ __forceinline__ void fused_add_rms_norm(T* __restrict__ out,         
                                                    const T* __restrict__ x,       // (T, D)
                                                    const T* __restrict__ weight,  // (D,)
                                                    int rows, int dim, int row_threads,
-                                                   float eps) {
+                                                   float eps, float offset) {
   const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
   const int lane = threadIdx.x % row_threads;
   const bool valid = row < rows;
@@ -26,8 +26,9 @@ __device__ __forceinline__ void fused_add_rms_norm(T* __restrict__ out,         
       return sum;
     };
     auto again = [&](int i) { return load_vec<W>(residual + base + i * W); };
-    normalize_row<T, W>(out + base, weight, dim, lane, row_threads, valid, eps, add, again);
+    normalize_row<T, W>(out + base, weight, dim, lane, row_threads, valid, eps, offset, add,
+                        again);
   });
 }
 
-DTYPE_ENTRY_POINTS(fused_add_rms_norm, 8)
+DTYPE_ENTRY_POINTS(fused_add_rms_norm, 9)

@@ -1,5 +1,8 @@
-// paged_attention_decode.cu: one query token per sequence attends to its whole cached context
-// (it sits at position context_lens[b] - 1, so no causal mask is needed).
+// paged_attention_decode.cu: one query token per sequence attends to its cached context (it
+// sits at position context_lens[b] - 1, so no causal mask is needed): every key, or with a
+// sliding window W > 0 the last W, keys max(0, ctx - W) .. ctx - 1 (Hugging Face's
+// kv_idx > q_idx - W). The partitions split that visible span, starting at its first key, so
+// keys below the window are never read.
 //
 // One thread block per (KV head, up to kMaxGroup of the query heads that share it, sequence,
 // partition): every K and V row of the partition is read from global memory once and used for
@@ -215,7 +218,7 @@ __device__ __forceinline__ void paged_attention_decode(
     const T* __restrict__ v_cache,        // (N, bs, Hkv, hd)
     const int* __restrict__ block_tables, // (B, max_blocks)
     const int* __restrict__ context_lens, // (B,)
-    int num_kv_heads, int group, int max_blocks, float scale, int partition_size) {
+    int num_kv_heads, int group, int max_blocks, float scale, int partition_size, int window) {
   using namespace decode;
   using R = RowSplit<T>;
   __shared__ Shared s;
@@ -223,7 +226,9 @@ __device__ __forceinline__ void paged_attention_decode(
   const int kv_head = blockIdx.x / tiles, tile = blockIdx.x % tiles;
   const int h0 = kv_head * group + tile * kMaxGroup, heads = min(kMaxGroup, group - tile * kMaxGroup);
   const int num_heads = num_kv_heads * group, b = blockIdx.y, part = blockIdx.z;
-  const int num_parts = gridDim.z, context = context_lens[b], start = part * partition_size;
+  const int num_parts = gridDim.z, context = context_lens[b];
+  const int lo = window > 0 ? max(0, context - window) : 0;  // the first visible key
+  const int start = lo + part * partition_size;
   if (part > 0 && start >= context) return;  // the whole block: past this sequence's end
   const int end = min(start + partition_size, context);
   const size_t row0 = size_t(b) * num_heads + h0;  // (b, h0) row of q and out
@@ -271,4 +276,4 @@ __device__ __forceinline__ void paged_attention_decode(
   }
 }
 
-DTYPE_ENTRY_POINTS(paged_attention_decode, 14)
+DTYPE_ENTRY_POINTS(paged_attention_decode, 15)

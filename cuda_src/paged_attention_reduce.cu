@@ -1,7 +1,8 @@
 // paged_attention_reduce.cu: combine the partitions written by paged_attention_decode.cu.
 // With partition p's max m_p, exponent sum l_p and normalised output o_p, and M = max m_p:
 //   out = sum_p o_p * l_p * exp(m_p - M) / sum_p l_p * exp(m_p - M).
-// Sequence b has ceil(context_lens[b] / partition_size) partitions (at least one).
+// Sequence b has ceil(span / partition_size) partitions (at least one), span its visible keys:
+// context_lens[b], or min(context_lens[b], window) with a sliding window > 0 (as the decode).
 #include "common.cuh"
 
 // Grid: (H, B)  Block: (any, e.g. 128)
@@ -12,11 +13,12 @@ __device__ __forceinline__ void paged_attention_reduce(
     const float* __restrict__ part_max,    // (B, H, P)
     const float* __restrict__ part_sum,    // (B, H, P)
     const int* __restrict__ context_lens,  // (B,)
-    int head_dim, int max_parts, int partition_size) {
+    int head_dim, int max_parts, int partition_size, int window) {
   const int num_heads = gridDim.x;
   const size_t row = size_t(blockIdx.y) * num_heads + blockIdx.x;
   const int context = context_lens[blockIdx.y];
-  const int parts = max(1, min(max_parts, (context + partition_size - 1) / partition_size));
+  const int span = window > 0 ? min(context, window) : context;
+  const int parts = max(1, min(max_parts, (span + partition_size - 1) / partition_size));
   const float* m = part_max + row * max_parts;
   const float* l = part_sum + row * max_parts;
   float m_all = kNegLarge, total = 0.0f;
@@ -32,4 +34,4 @@ __device__ __forceinline__ void paged_attention_reduce(
   }
 }
 
-DTYPE_ENTRY_POINTS(paged_attention_reduce, 8)
+DTYPE_ENTRY_POINTS(paged_attention_reduce, 9)

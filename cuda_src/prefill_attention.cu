@@ -2,14 +2,17 @@
 // paged cache (their own K and V already written), tiled as FlashAttention-2 does it with FMA.
 // Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1]-1, the LAST q_len of
 // its context_lens[b] tokens, so the first context_lens[b] - q_len keys may come from earlier
-// steps (chunked prefill, prefix caching). Query row r at position p sees keys 0..p.
+// steps (chunked prefill, prefix caching). Query row r at position p sees keys 0..p, or with a
+// sliding window W > 0 keys p - W + 1 .. p (Hugging Face's kv_idx > q_idx - W).
 //
 // A block serves a tile of 32 query rows of one sequence for one query head; each of its four
 // warps owns 8 rows. The keys go by in chunks of 32: the block stages the chunk's K (then V)
 // in shared memory, 64 dims at a time, with 16-byte loads; lane j scores key j against the
 // warp's 8 rows (queries pre-scaled in shared memory); each row keeps its running max and sum
 // (online softmax), and each lane accumulates output dims lane, lane + 32, ... of its 8 rows.
-// Only chunks that reach past the tile's first position are masked. All arithmetic is float32.
+// Only chunks that reach past the tile's first position (the diagonal) or below its last
+// row's window are masked; with a window, chunks below every row's window are skipped. All
+// arithmetic is float32.
 #include "common.cuh"
 
 constexpr int kTileRows = 32;                     // query rows per block
@@ -95,16 +98,18 @@ __device__ __forceinline__ void score_slice(float (&s)[kRowsPerWarp],
 }
 
 // Fold the chunk's scores into the rows' softmax state; probabilities go to probs[key][row].
-// In a diagonal chunk key `key_pos` is hidden from rows at positions below it.
+// In a masked chunk key `key_pos` is hidden from a row at position p when key_pos > p, or,
+// with a window W > 0, key_pos <= p - W.
 __device__ __forceinline__ void softmax_chunk(TileState& st, float (&s)[kRowsPerWarp],
                                               float* __restrict__ probs,  // (32, kProbStride)
-                                              bool diagonal, int key_pos, int row_pos0,
-                                              int last_pos) {
+                                              bool masked, int key_pos, int row_pos0,
+                                              int last_pos, int window) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   float p[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
-    const bool hidden = diagonal && key_pos > min(row_pos0 + r, last_pos);
+    const int pos = min(row_pos0 + r, last_pos);
+    const bool hidden = masked && (key_pos > pos || (window > 0 && key_pos <= pos - window));
     const float m_new = fmaxf(st.m[r], warp_max(hidden ? kNegLarge : s[r]));
     const float rescale = expf(st.m[r] - m_new);
     p[r] = hidden ? 0.0f : expf(s[r] - m_new);
@@ -153,7 +158,7 @@ __device__ __forceinline__ void prefill_attention(
     const int* __restrict__ query_start_loc,  // (B + 1,)
     const int* __restrict__ context_lens,     // (B,)
     int num_seqs, int num_tokens, int num_kv_heads, int head_dim, int block_size,
-    int max_blocks, float scale) {
+    int max_blocks, float scale, int window) {
   DYNAMIC_SHARED(float, q_tile);                    // (32, hd) queries * scale
   __shared__ __align__(16) float kv[kTileKeys * kKvStride];     // (32, 68) a K or V slice
   __shared__ __align__(16) float probs[kTileKeys * kProbStride];  // (32 keys, 36) per row
@@ -185,7 +190,10 @@ __device__ __forceinline__ void prefill_attention(
   }
 
   const int* table = block_tables + size_t(b) * max_blocks;
-  for (int first = 0; first <= last_pos; first += kTileKeys) {
+  // With a window: start at the chunk holding the first row's first visible key, and mask the
+  // chunks that hold keys below the last row's window (key <= last_pos - window).
+  const int first0 = window > 0 ? max(0, pos0 - window + 1) / kTileKeys * kTileKeys : 0;
+  for (int first = first0; first <= last_pos; first += kTileKeys) {
     const int count = min(kTileKeys, last_pos + 1 - first);
     if (int(threadIdx.x) < count) {  // one table read per key per chunk, for every K and V slice
       const int t = first + threadIdx.x;
@@ -204,7 +212,8 @@ __device__ __forceinline__ void prefill_attention(
       score_slice(s, q_tile, kv, head_dim, d0, width);
     }
     const int row_pos0 = pos0 + warp * kRowsPerWarp;
-    softmax_chunk(st, s, probs, first + kTileKeys - 1 > pos0, first + lane, row_pos0, last_pos);
+    const bool masked = first + kTileKeys - 1 > pos0 || (window > 0 && first <= last_pos - window);
+    softmax_chunk(st, s, probs, masked, first + lane, row_pos0, last_pos, window);
 #pragma unroll
     for (int sl = 0; sl < kSlices; ++sl) {
       const int d0 = sl * kDimTile, width = min(kDimTile, head_dim - d0);
@@ -221,7 +230,7 @@ __device__ __forceinline__ void prefill_attention(
     const int row = row0 + warp * kRowsPerWarp + r;
     const float total = warp_sum(st.l[r]);
     if (row >= row_end) continue;
-    const float inv_total = 1.0f / total;  // key 0 is visible to every row: total > 0
+    const float inv_total = 1.0f / total;  // its own key is visible to every row: total > 0
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) {
       const int d = lane + i * kWarpSize;
@@ -231,4 +240,4 @@ __device__ __forceinline__ void prefill_attention(
   }
 }
 
-DTYPE_ENTRY_POINTS(prefill_attention, 14)
+DTYPE_ENTRY_POINTS(prefill_attention, 15)

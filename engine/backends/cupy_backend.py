@@ -62,6 +62,9 @@ class DeviceLayer:
     mlp_norm: object  # (D,)
     w_gate_up: object  # (2F, D): gate | up rows
     w_down: object  # (D, F)
+    b_qkv: object = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2), added by rotary_cache
+    q_norm: object = None  # (hd,) per-head norms of q and k (Qwen3), in rotary_cache
+    k_norm: object = None  # (hd,)
 
 
 @dataclass
@@ -140,6 +143,10 @@ class CupyBackend(Backend):
         self.max_graph_batch = min(self.max_num_seqs, limit or self.max_num_seqs)
         self.use_graphs = not engine_config.enforce_eager
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
+        # Gemma's sqrt(D) rounded to the activations' dtype, as Hugging Face rounds it
+        self.embed_scale = float(self.dtype.type(c.embed_scale))
+        windows = [c.window(i) for i in range(c.num_hidden_layers)]
+        self.split_window = 0 if 0 in windows else max(windows)  # sizes the decode split
         self.kv_cache = self.cpu_cache = None
         self.graphs: dict[int, object] = {}
         self._startup(weights)
@@ -155,7 +162,7 @@ class CupyBackend(Backend):
         self._upload_weights(weights)
 
         rows = max(self.max_model_len, 1)
-        self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope_theta))
+        self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope))
         self.device.synchronize()
         log.info(
             "weights on %s: %s as %s in %.2f s",
@@ -170,6 +177,9 @@ class CupyBackend(Backend):
         a = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
         return self.device.upload(np.ascontiguousarray(a, dtype=self.dtype))
 
+    def _put_opt(self, *arrays):
+        return None if arrays[0] is None else self._put(*arrays)
+
     def _upload_weights(self, w: ModelWeights) -> None:
         self.layers = [
             DeviceLayer(
@@ -179,6 +189,9 @@ class CupyBackend(Backend):
                 mlp_norm=self._put(lw.mlp_norm),
                 w_gate_up=self._put(lw.w_gate, lw.w_up),
                 w_down=self._put(lw.w_down),
+                b_qkv=self._put_opt(lw.bq, lw.bk, lw.bv),
+                q_norm=self._put_opt(lw.q_norm),
+                k_norm=self._put_opt(lw.k_norm),
             )
             for lw in w.layers
         ]
@@ -190,7 +203,7 @@ class CupyBackend(Backend):
     @property
     def weights_bytes(self) -> int:
         arrays = [self.embed, self.final_norm]
-        arrays += [a for lw in self.layers for a in vars(lw).values()]
+        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
         arrays += [] if self.lm_head is self.embed else [self.lm_head]
         return sum(int(a.nbytes) for a in arrays)
 
@@ -207,7 +220,7 @@ class CupyBackend(Backend):
         B = max(1, B)
         rows = 0
         for b in set(range(1, min(B, self.k.sm_count) + 1)) | {B}:
-            P = self.k.decode_split(max_context_len, b, H, Hkv)[0]
+            P = self.k.decode_split(max_context_len, b, H, Hkv, self.split_window)[0]
             rows = max(rows, b * P if P > 1 else 0)
         return max(2, cdiv(rows, B)) if rows else 1
 
@@ -398,23 +411,24 @@ class CupyBackend(Backend):
     def _step(self, inp: StepInputs, T: int, B: int, nd: int, max_ctx: int):
         """The layers over a step's inputs -> (B, V) float32 logits on the device. No host
         synchronisation, so a graph can capture it."""
-        k, eps, ws = self.k, self.cfg.rms_norm_eps, self._workspace(T, B)
-        k.embedding(ws.residual, inp.token_ids, self.embed)  # (T, D)
-        k.rms_norm(ws.h, ws.residual, self.layers[0].attn_norm, eps)
+        k, c, ws = self.k, self.cfg, self._workspace(T, B)
+        eps, off = c.rms_norm_eps, c.norm_offset  # norms scale by (off + w): Gemma's 1 + w
+        k.embedding(ws.residual, inp.token_ids, self.embed, self.embed_scale)  # (T, D)
+        k.rms_norm(ws.h, ws.residual, self.layers[0].attn_norm, eps, off)
         for i, lw in enumerate(self.layers):
             if i:  # residual += previous MLP output; h = norm(residual)
-                k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.attn_norm, eps)
+                k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.attn_norm, eps, off)
             self._attention(ws, lw, i, inp, nd, max_ctx)  # -> ws.x (T, D)
-            k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.mlp_norm, eps)
+            k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.mlp_norm, eps, off)
             self.gemm(ws.h, lw.w_gate_up, ws.gate_up)  # (T, 2F)
-            k.silu_and_mul(ws.act, ws.gate_up)  # (T, F)
+            k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
             self.gemm(ws.act, lw.w_down, ws.x)  # (T, D)
         x, res = ws.x, ws.residual
         if inp.rows is not None:  # only each sequence's last token is sampled
             self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
             self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
             x, res = ws.last_x, ws.last_res  # (B, D)
-        k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps)  # (B, D)
+        k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
         self.gemm(ws.last_h, self.lm_head, ws.logits)  # (B, V) float32
         return ws.logits
 
@@ -424,9 +438,19 @@ class CupyBackend(Backend):
         self.gemm(ws.h, lw.w_qkv, ws.qkv)  # (T, H*hd + 2*Hkv*hd)
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
         k.rotary_cache(
-            ws.q, k_cache, v_cache, ws.qkv, inp.positions, inp.slot_mapping, self.cos_sin
+            ws.q,
+            k_cache,
+            v_cache,
+            ws.qkv,
+            inp.positions,
+            inp.slot_mapping,
+            self.cos_sin,
+            bias=lw.b_qkv,
+            q_norm=lw.q_norm,
+            k_norm=lw.k_norm,
+            eps=self.cfg.rms_norm_eps,
         )
-        B = inp.context_lens.shape[0]
+        B, window = inp.context_lens.shape[0], self.cfg.window(layer)
         if nd:  # decodes: rows 0..nd-1, one per sequence
             k.paged_attention_decode(
                 ws.attn[:nd],
@@ -437,6 +461,7 @@ class CupyBackend(Backend):
                 inp.context_lens[:nd],
                 self.scale,
                 max_ctx,
+                window=window,
             )
         if nd < B:  # prefills: the rows after the decodes
             k.paged_attention_prefill(
@@ -448,6 +473,7 @@ class CupyBackend(Backend):
                 inp.prefill_qsl,
                 inp.context_lens[nd:],
                 self.scale,
+                window=window,
             )
         self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
 

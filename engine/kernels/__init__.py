@@ -57,6 +57,7 @@ from .emulator import (
     thread_order,
 )
 from .launch import (
+    ACTIVATIONS,
     ATTN_THREADS,
     DECODE_CHUNK,
     DTYPE_SUFFIX,
@@ -75,6 +76,7 @@ from .launch import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "ASAN_ENV",
     "ATTN_THREADS",
     "BUILD_ENV",

@@ -35,6 +35,8 @@ DECODE_GROUP = 8  # decode: query heads per block (kMaxGroup)
 EMULATED_SM_COUNT = 132  # what the emulated device reports: an H100/H200's SM count
 PREFILL_TILE = 32  # prefill: query rows per block (prefill_attention.cu kTileRows)
 PREFILL_DIM_MULTIPLE = 8  # prefill: K/V rows are read 16 bytes at a time
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # act_and_mul.cu's activation ids
+ROTARY_BIAS, ROTARY_NORM = 1, 2  # rotary_cache.cu's flags: add the bias, norm q and k heads
 
 
 def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]:
@@ -75,6 +77,27 @@ def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
         raise ValueError(f"{op}: {name} must be {np.dtype(dtype).name}, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{op}: {name} must be C-contiguous, got strides {a.strides}")
+
+
+def _window(op: str, window) -> int:
+    """A sliding window: an int >= 0 (0: none)."""
+    if not isinstance(window, int | np.integer) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{op}: window must be an int >= 0 (0: no window), got {window!r}")
+    return int(window)
+
+
+def _span(max_context_len: int, window: int) -> int:
+    """The keys a query can see at most: the longest context, or the window when shorter."""
+    return min(int(max_context_len), window) if window > 0 else int(max_context_len)
+
+
+def _finite(op: str, name: str, value) -> float:
+    """A float argument: a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+    return float(value)
 
 
 def _desc(a) -> str:
@@ -132,46 +155,76 @@ class Kernels:
             fn = self._fn(op, f"{op}_{_suffix(op, a)}")
             fn(grid, block, args + (i32(T), i32(D), i32(row_threads), *tail))
 
-    def embedding(self, out, token_ids, table) -> None:
+    def embedding(self, out, token_ids, table, scale: float = 1.0) -> None:
+        """out[t] = table[token_ids[t]] * scale (float32, rounded once; 1: an exact copy)."""
         V, D = table.shape
         T = token_ids.shape[0]
         _check("embedding", "token_ids", token_ids, (T,), np.int32)
         _check("embedding", "table", table, (V, D))
         _check("embedding", "out", out, (T, D), table.dtype)
+        scale = _finite("embedding", "scale", scale)
         if T:
             grid, block, row_threads = row_launch(T, D, np.dtype(table.dtype).itemsize)
             fn = self._fn("embedding", f"embedding_{_suffix('embedding', table)}")
-            fn(grid, block, (out, token_ids, table, i32(T), i32(V), i32(D), i32(row_threads)))
+            args = (out, token_ids, table, i32(T), i32(V), i32(D), i32(row_threads))
+            fn(grid, block, args + (f32(scale),))
 
-    def rms_norm(self, out, x, weight, eps: float) -> None:
+    def rms_norm(self, out, x, weight, eps: float, offset: float = 0.0) -> None:
+        """out = x * rsqrt(mean(x^2) + eps) * (offset + weight): offset 1 for Gemma's norms."""
         T, D = x.shape
         _check("rms_norm", "x", x, (T, D))
         _check("rms_norm", "weight", weight, (D,), x.dtype)
         _check("rms_norm", "out", out, (T, D), x.dtype)
-        self._rows("rms_norm", x, (out, x, weight), f32(eps))
+        offset = _finite("rms_norm", "offset", offset)
+        self._rows("rms_norm", x, (out, x, weight), f32(eps), f32(offset))
 
-    def fused_add_rms_norm(self, out, residual, x, weight, eps: float) -> None:
-        """residual += x in place; out = rms_norm(residual) * weight."""
+    def fused_add_rms_norm(self, out, residual, x, weight, eps: float, offset: float = 0.0):
+        """residual += x in place; out = rms_norm(residual) * (offset + weight)."""
         T, D = x.shape
         op = "fused_add_rms_norm"
         _check(op, "x", x, (T, D))
         _check(op, "residual", residual, (T, D), x.dtype)
         _check(op, "weight", weight, (D,), x.dtype)
         _check(op, "out", out, (T, D), x.dtype)
-        self._rows(op, x, (out, residual, x, weight), f32(eps))
+        offset = _finite(op, "offset", offset)
+        self._rows(op, x, (out, residual, x, weight), f32(eps), f32(offset))
+
+    def act_and_mul(self, out, gate_up, activation: str = "silu") -> None:
+        """out = act(gate) * up over gate_up (T, 2F) = [gate | up]; act one of ACTIVATIONS."""
+        op = "act_and_mul"
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
+            names = ", ".join(ACTIVATIONS)
+            raise ValueError(f"{op}: activation must be one of {names}, got {activation!r}")
+        T, F2 = gate_up.shape
+        _check(op, "gate_up", gate_up, (T, F2))
+        if F2 % 2:
+            raise ValueError(f"{op}: gate_up width must be even, got {F2}")
+        _check(op, "out", out, (T, F2 // 2), gate_up.dtype)
+        self._rows(op, out, (out, gate_up), i32(ACTIVATIONS[activation]))
 
     def silu_and_mul(self, out, gate_up) -> None:
-        T, F2 = gate_up.shape
-        _check("silu_and_mul", "gate_up", gate_up, (T, F2))
-        if F2 % 2:
-            raise ValueError(f"silu_and_mul: gate_up width must be even, got {F2}")
-        _check("silu_and_mul", "out", out, (T, F2 // 2), gate_up.dtype)
-        self._rows("silu_and_mul", out, (out, gate_up))
+        """act_and_mul with silu (SwiGLU)."""
+        self.act_and_mul(out, gate_up, "silu")
 
-    def rotary_cache(self, q, k_cache, v_cache, qkv, positions, slot_mapping, cos_sin) -> None:
+    def rotary_cache(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        qkv,
+        positions,
+        slot_mapping,
+        cos_sin,
+        bias=None,
+        q_norm=None,
+        k_norm=None,
+        eps: float = 1e-6,
+    ) -> None:
         """From qkv (T, (H + 2 Hkv) hd) rows q | k | v: q rotated into q (T, H, hd); k rotated
         and v copied into the caches (N, bs, Hkv, hd) at slot_mapping (slot < 0: no write).
-        cos_sin: (max_pos, hd) float32."""
+        cos_sin: (max_pos, hd) float32. bias ((H + 2 Hkv) hd,): added to the row first;
+        q_norm, k_norm (hd,), both or neither: each q (k) head RMS-normalised with eps and
+        scaled by q_norm (k_norm) before the rotation."""
         op = "rotary_cache"
         N, bs, Hkv, hd = k_cache.shape
         T, H = q.shape[0], q.shape[1] if q.ndim == 3 else 0
@@ -184,11 +237,27 @@ class Kernels:
         _check(op, "cos_sin", cos_sin, (None, hd), np.float32)
         if hd % 2 or hd > MAX_HEAD_DIM:
             raise ValueError(f"{op}: head_dim must be even and <= {MAX_HEAD_DIM}, got {hd}")
+        flags = 0
+        if bias is not None:
+            _check(op, "bias", bias, ((H + 2 * Hkv) * hd,), k_cache.dtype)
+            flags |= ROTARY_BIAS
+        if (q_norm is None) != (k_norm is None):
+            missing = "k_norm" if k_norm is None else "q_norm"
+            raise ValueError(f"{op}: q_norm and k_norm go together, {missing} is None")
+        if q_norm is not None:
+            _check(op, "q_norm", q_norm, (hd,), k_cache.dtype)
+            _check(op, "k_norm", k_norm, (hd,), k_cache.dtype)
+            flags |= ROTARY_NORM
+        eps = _finite(op, "eps", eps)
         if T:
             fn = self._fn(op, f"{op}_{_suffix(op, q)}")
-            args = (q, k_cache, v_cache, qkv, positions, slot_mapping, cos_sin, i32(T), i32(H))
-            args += (i32(Hkv), i32(hd), i32(cos_sin.shape[0]), np.int64(N * bs))
-            fn((cdiv(T, ROTARY_TOKENS_PER_BLOCK),), (32 * ROTARY_TOKENS_PER_BLOCK,), args)
+            unused = qkv  # a pointer the kernel does not read without its flag
+            args = (q, k_cache, v_cache, qkv, positions, slot_mapping, cos_sin)
+            args += tuple(unused if a is None else a for a in (bias, q_norm, k_norm))
+            args += (i32(T), i32(H), i32(Hkv), i32(hd), i32(cos_sin.shape[0]), np.int64(N * bs))
+            shared = ROTARY_TOKENS_PER_BLOCK * 2 * hd * 4 if flags & ROTARY_NORM else 0
+            grid, block = (cdiv(T, ROTARY_TOKENS_PER_BLOCK),), (32 * ROTARY_TOKENS_PER_BLOCK,)
+            fn(grid, block, args + (i32(flags), f32(eps)), shared_mem=shared)
 
     def _check_paged(self, op, q, k_cache, v_cache, block_tables, context_lens):
         N, bs, Hkv, hd = k_cache.shape
@@ -208,10 +277,12 @@ class Kernels:
                 raise ValueError(f"{op}: {name} must start on a 16-byte boundary")
         return H, Hkv, hd, bs
 
-    def decode_split(self, max_context_len: int, num_seqs: int, H: int, Hkv: int):
-        """(partitions, partition size) the decode kernel uses on this device."""
+    def decode_split(self, max_context_len: int, num_seqs: int, H: int, Hkv: int, window=0):
+        """(partitions, partition size) the decode kernel uses on this device: the split of
+        the longest visible span, min(max_context_len, window) with a sliding window > 0."""
         blocks = num_seqs * Hkv * cdiv(H // Hkv, DECODE_GROUP)
-        return decode_split(max_context_len, blocks, self.sm_count)
+        span = _span(max_context_len, _window("decode_split", window))
+        return decode_split(span, blocks, self.sm_count)
 
     def paged_attention_decode(
         self,
@@ -224,25 +295,29 @@ class Kernels:
         scale: float,
         max_context_len: int,
         partition_size: int | None = None,
+        window: int = 0,
     ) -> None:
-        """One query per sequence, q: (B, H, hd). The context is split into partitions (by
-        default as ``decode_split`` picks from ``max_context_len`` and the SM count), combined
-        by the reduce kernel when there are several. ``max_context_len`` must be at least
-        every context length (longer is fine: the extra partitions' blocks exit at once)."""
+        """One query per sequence, q: (B, H, hd), at position context_lens[b] - 1: it sees
+        every cached key, or with a sliding window > 0 the last ``window``. The visible span
+        is split into partitions (by default as ``decode_split`` picks from
+        ``max_context_len``, the window and the SM count), combined by the reduce kernel when
+        there are several. ``max_context_len`` must be at least every context length (longer
+        is fine: the extra partitions' blocks exit at once)."""
         op = "paged_attention_decode"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B = context_lens.shape[0]
         _check(op, "q", q, (B, H, hd))
         _check(op, "out", out, (B, H, hd), q.dtype)
+        window = _window(op, window)
         if partition_size is None:
-            P, partition_size = self.decode_split(max_context_len, B, H, Hkv)
+            P, partition_size = self.decode_split(max_context_len, B, H, Hkv, window)
         elif partition_size <= 0 or partition_size % DECODE_CHUNK:
             raise ValueError(
                 f"{op}: partition_size must be a positive multiple of {DECODE_CHUNK}, "
                 f"got {partition_size}"
             )
         else:
-            P = max(1, cdiv(int(max_context_len), partition_size))
+            P = max(1, cdiv(_span(max_context_len, window), partition_size))
         if B == 0:
             return
         sfx, G = _suffix(op, q), H // Hkv
@@ -251,16 +326,27 @@ class Kernels:
         args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
         args += (i32(Hkv), i32(G), i32(block_tables.shape[1]), f32(scale), i32(partition_size))
         fn = self._fn(op, f"{op}_{sfx}", {"HEAD_DIM": hd, "BLOCK_SIZE": bs})
-        fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args)
+        fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args + (i32(window),))
         if P > 1:
             red = "paged_attention_reduce"
             args = (out, parts, stats[0], stats[1], context_lens, i32(hd), i32(P))
-            self._fn(red, f"{red}_{sfx}")((H, B), (ATTN_THREADS,), args + (i32(partition_size),))
+            args += (i32(partition_size), i32(window))
+            self._fn(red, f"{red}_{sfx}")((H, B), (ATTN_THREADS,), args)
 
     def paged_attention_prefill(
-        self, out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float
+        self,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale: float,
+        window: int = 0,
     ) -> None:
-        """Causal attention of query runs q: (T, H, hd), split by query_start_loc (B+1,)."""
+        """Causal attention of query runs q: (T, H, hd), split by query_start_loc (B+1,): a
+        row at position p sees keys 0..p, or with a sliding window > 0 keys p - window + 1..p."""
         op = "paged_attention_prefill"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B, T = context_lens.shape[0], q.shape[0]
@@ -268,13 +354,15 @@ class Kernels:
         _check(op, "out", out, (T, H, hd), q.dtype)
         if hd % PREFILL_DIM_MULTIPLE:
             raise ValueError(f"{op}: head_dim must be a multiple of 8, got {hd}")
+        window = _window(op, window)
         if T == 0:
             return
         fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
         args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
+        args += (f32(scale), i32(window))
         grid = (H, B + cdiv(T, PREFILL_TILE) - 1)  # spare slots between sequences exit at once
-        fn(grid, (ATTN_THREADS,), args + (f32(scale),), shared_mem=PREFILL_TILE * hd * 4)
+        fn(grid, (ATTN_THREADS,), args, shared_mem=PREFILL_TILE * hd * 4)
 
     def copy_blocks(self, src, dst, pairs) -> None:
         """dst[:, :, d] = src[:, :, s] for each row (s, d) of pairs (P, 2) int32."""
