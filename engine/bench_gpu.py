@@ -163,12 +163,14 @@ def decode_step_ms(engine, batch: int) -> dict:
 def decode_step_flops(config, batch: int, context: float) -> float:
     """FLOPs of one decode step of ``batch`` sequences at a mean ``context``: two per weight of
     every matrix product (QKV, O, gate-up, down, LM head) per token, plus attention's QK^T and
-    PV (two each per query head, head dim and context token)."""
+    PV (two each per query head, head dim and context token it sees: a sliding-window layer
+    sees at most its window)."""
     c = config
     D, F, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     per_layer = D * (c.q_dim + 2 * c.kv_dim) + c.q_dim * D + 3 * D * F
     matmul = 2 * batch * (L * per_layer + c.vocab_size * D)
-    attention = 4 * batch * L * c.num_attention_heads * c.head_dim * context
+    seen = sum(min(context, c.window(i)) if c.window(i) else context for i in range(L))
+    attention = 4 * batch * c.num_attention_heads * c.head_dim * seen
     return float(matmul + attention)
 
 

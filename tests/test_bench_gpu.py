@@ -11,7 +11,8 @@ from engine import bench_gpu
 def matmul_weights(loaded) -> int:
     """Every weight a decode token multiplies: each layer's 2-D matrices, and the LM head."""
     w = loaded.weights
-    per_layer = sum(a.size for lw in w.layers for a in vars(lw).values() if a.ndim == 2)
+    mats = [a for lw in w.layers for a in vars(lw).values() if a is not None and a.ndim == 2]
+    per_layer = sum(a.size for a in mats)
     return per_layer + w.lm_head.size
 
 
@@ -41,3 +42,13 @@ def test_roofline_takes_the_longer_floor(tiny):
     assert compute["bound"] == "compute"
     flops = bench_gpu.decode_step_flops(c, n, ctx)
     assert compute["roofline"] == pytest.approx(n / (flops / (slow * 1e12)))
+
+
+def test_decode_step_flops_count_only_the_window_a_layer_sees():
+    from tests.test_families import loaded
+
+    c = loaded("qwen2_swa").config  # layer 0 full, layers 1 and 2 a window of 8
+    ctx = float(np.random.default_rng().integers(9, 4096))
+    per_token = 4 * c.num_attention_heads * c.head_dim
+    full = bench_gpu.decode_step_flops(c, 1, ctx) - bench_gpu.decode_step_flops(c, 1, 0.0)
+    assert full == pytest.approx(per_token * (ctx + 8 + 8), rel=1e-12)
