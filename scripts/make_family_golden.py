@@ -159,6 +159,20 @@ FAMILIES = {
         400,
         "sliding window 8 on layers i >= max_window_layers (1): layer_types decides per layer",
     ),
+    "qwen2_yarn": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            rope_parameters=rope(
+                10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=64
+            ),
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        ),
+        900,
+        "YaRN RoPE scaling (factor 4, original context 64: cos and sin times 0.1 ln 4 + 1), "
+        "as Qwen2.5 configures it for long contexts",
+    ),
     "qwen3": (
         Qwen3Config,
         Qwen3ForCausalLM,
@@ -230,6 +244,7 @@ VARIANTS = {
         "every layer sliding": (dict(layer_types=["sliding_attention"] * 3), None, 0.1),
         "sliding_window 9": (dict(sliding_window=9), None, 0.1),
     },
+    "qwen2_yarn": {"no yarn scaling": (dict(rope_parameters=rope(10000.0)), None, 0.1)},
     "qwen3": {"rope_theta 10000": (dict(rope_parameters=rope(10000.0)), None, 0.1)},
     "mistral": {
         "no sliding window": (dict(sliding_window=None), None, 0.1),
