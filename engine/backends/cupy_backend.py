@@ -23,7 +23,7 @@ the last one's copy may still be queued.
 
 Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
 the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
-the output product, ``fused_add_rms_norm``, one gate-up product, ``silu_and_mul``, the down
+the output product, ``fused_add_rms_norm``, one gate-up product, ``act_and_mul``, the down
 product, ``fused_add_rms_norm``.
 """
 

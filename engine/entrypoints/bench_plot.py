@@ -29,7 +29,7 @@ OP_LABELS = {
     "fused_add_rms_norm": "RMS norms",
     "rotary": "rotary",
     "reshape_and_cache": "KV cache writes",
-    "silu_and_mul": "SiLU x mul",
+    "act_and_mul": "activation x mul",
     "embedding": "embedding",
 }
 REST_OF_FORWARD = "matrix products + rest of forward"
