@@ -365,3 +365,12 @@ def test_bf16_backend_logits_close_to_reference(tiny):
     w32 = tiny.weights.astype(ml_dtypes.bfloat16).astype(np.float32)
     want = reference_forward(w32, tiny.config, ids)
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2_swa", "qwen2_yarn", "qwen3", "phi3", "gemma"])
+def test_families_match_transformers_on_the_device(name):
+    """Each family's tiny checkpoint (float32) against transformers' golden tokens and logits,
+    with decode graphs: bias and q/k norm in rotary_cache, windows, GELU, (1 + w) norms."""
+    from tests.test_families import check_outputs, engine_outputs
+
+    check_outputs(name, *engine_outputs(name, BACKEND, num_gpu_blocks=64, dtype="float32"))
