@@ -6,7 +6,8 @@
 //   x[i]      <- x[i] * cos - x[i + hd/2] * sin
 //   x[i+hd/2] <- x[i + hd/2] * cos + x[i] * sin
 // cos_sin[p] holds cos(p * f_j) for j < hd/2, then sin(p * f_j), with f_j = theta^(-2j/hd),
-// computed once on the host in float64 (float32 angles lose ~1e-4 at positions in the 1000s).
+// computed once on the host in float64 (float32 angles lose ~1e-4 at positions in the 1000s);
+// any RoPE scaling (frequencies, an attention factor) is baked into the table by the host.
 // A position outside [0, max_positions) leaves its token unrotated (the wrapper rejects it).
 //
 // Two optional steps before the rotation, chosen by `flags` for the whole launch:

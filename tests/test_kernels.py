@@ -6,6 +6,7 @@ must be written, ragged sizes, and every block's threads run forward, reversed a
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -117,6 +118,57 @@ def test_silu_and_mul(order, dtype, rng):
         assert_close(out, N.silu_and_mul(gate_up), dtype)
 
 
+# rows in lane groups, a warp, a block, and past the registers (norms: read twice)
+OPTION_SHAPES = [(15, 37), (17, 576), (3, 2050), (2, 4097)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norms_with_weight_offset(order, dtype, rng):
+    """Gemma's norms: scaled by (1 + w), w random (not zero), in float32."""
+    for T, D in OPTION_SHAPES:
+        x, res, w = randn(rng, (T, D), dtype), randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
+        out = poisoned((T, D), dtype)
+        kern().rms_norm(out, x, w, 1e-6, offset=1.0)
+        assert_close(out, N.rms_norm(x, w, 1e-6, offset=1.0), dtype)
+        out, residual = poisoned((T, D), dtype), res.copy()
+        kern().fused_add_rms_norm(out, residual, x, w, 1e-6, offset=1.0)
+        want_out, want_res = N.fused_add_rms_norm(x, res, w, 1e-6, offset=1.0)
+        assert_close(residual, want_res, dtype)
+        assert_close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_embedding_scale(order, dtype, rng):
+    """Rows times sqrt(D) in float32, rounded once: exactly NumPy's float32 product."""
+    for T, D in OPTION_SHAPES:
+        table = randn(rng, (300, D), dtype)
+        ids = rng.integers(0, 300, T).astype(np.int32)
+        out = poisoned((T, D), dtype)
+        kern().embedding(out, ids, table, scale=D**0.5)
+        np.testing.assert_array_equal(out, N.embedding(ids, table, D**0.5))
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_act_and_mul(order, dtype, activation, rng):
+    """GeGLU: tanh-approximated and exact gelu of the gate times up."""
+    for T, F in OPTION_SHAPES:
+        gate_up = randn(rng, (T, 2 * F), dtype, scale=3.0)
+        out = poisoned((T, F), dtype)
+        kern().act_and_mul(out, gate_up, activation)
+        assert_close(out, N.act_and_mul(gate_up, activation), dtype)
+
+
+def test_row_kernel_options_are_checked(rng):
+    x = randn(rng, (3, 64), np.float32)
+    with pytest.raises(ValueError, match=r"act_and_mul: activation must be one of silu, "):
+        kern().act_and_mul(np.empty((3, 32), np.float32), x, "relu")
+    with pytest.raises(ValueError, match=r"rms_norm: offset must be finite, got nan"):
+        kern().rms_norm(np.empty_like(x), x, x[0], 1e-5, offset=float("nan"))
+    with pytest.raises(ValueError, match=r"embedding: scale must be a number, got None"):
+        kern().embedding(np.empty_like(x), np.zeros(3, np.int32), x, scale=None)
+
+
 def test_row_launch_shapes():
     """Short rows share a block in lane groups, long ones get a block each, <= 1024 threads."""
     assert K.row_launch(1100, 64, 2) == ((35,), (128,), 4)  # 8 vectors: 4 lanes, 32 rows/block
@@ -170,6 +222,58 @@ def test_rotary_cache(order, dtype, heads, head_dim, rng):
         untouched = np.setdiff1d(np.arange(blocks * bs), slots)
         flat_k, flat_want = k_cache.reshape(blocks * bs, -1), want_k.reshape(blocks * bs, -1)
         np.testing.assert_array_equal(flat_k[untouched], flat_want[untouched])
+
+
+def rotary_weights(rng, mode, H, Hkv, hd, dtype) -> dict:
+    """bias ((H + 2 Hkv) hd,) and/or non-unit per-head norm weights q_norm, k_norm (hd,)."""
+    weights = {}
+    if mode in ("bias", "both"):
+        weights["bias"] = randn(rng, ((H + 2 * Hkv) * hd,), dtype)
+    if mode in ("norm", "both"):
+        weights["q_norm"], weights["k_norm"] = (randn(rng, (hd,), dtype) for _ in range(2))
+    return weights
+
+
+# head dims of one item per head (16, bf16), 6 items in a group of 8 lanes (96), a warp (128,
+# f32 256) and several items a lane (250: scalar, 125 items over 32 lanes)
+@pytest.mark.parametrize("mode", ["bias", "norm", "both"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_cache_bias_and_head_norm(order, dtype, mode, rng):
+    """Qwen2's q|k|v bias (v too), Qwen3's per-head RMSNorm of q and k before the rotation, and
+    both; padding slots write no K/V."""
+    (H, Hkv), bs, blocks = (8, 2), 16, 4
+    for hd, T in ((16, 17), (96, 5), (128, 16), (250, 3), (256, 1)):
+        qkv = randn(rng, (T, (H + 2 * Hkv) * hd), dtype)
+        positions = rng.integers(0, 4000, T).astype(np.int32)
+        slots = rng.permutation(blocks * bs)[:T].astype(np.int32)
+        slots[rng.random(T) < 0.2] = -1
+        weights = rotary_weights(rng, mode, H, Hkv, hd, dtype)
+        k_cache, v_cache = make_cache(rng, blocks, bs, Hkv, hd, dtype)
+        want_k, want_v = k_cache.copy(), v_cache.copy()
+        want_q = N.rotary_cache(qkv, positions, 1e4, want_k, want_v, slots, H, **weights)
+        q = poisoned((T, H, hd), dtype)
+        table = C.rope_table(4096, hd, 1e4)
+        kern().rotary_cache(q, k_cache, v_cache, qkv, positions, slots, table, **weights)
+        assert_close(q, want_q, dtype)
+        assert_close(k_cache, want_k, dtype)
+        assert_close(v_cache, want_v, dtype)
+
+
+def test_rotary_cache_rejects_bad_weights(rng):
+    H, Hkv, hd, T = 4, 2, 64, 3
+    k_cache = np.zeros((4, 16, Hkv, hd), np.float32)
+    q, qkv = np.empty((T, H, hd), np.float32), np.empty((T, (H + 2 * Hkv) * hd), np.float32)
+    args = (q, k_cache, k_cache, qkv, np.zeros(T, np.int32), np.zeros(T, np.int32))
+    args += (C.rope_table(64, hd, 1e4),)
+    w = np.ones(hd, np.float32)
+    with pytest.raises(ValueError, match=r"rotary_cache: q_norm and k_norm go together, k_norm"):
+        kern().rotary_cache(*args, q_norm=w)
+    with pytest.raises(
+        ValueError, match=r"rotary_cache: bias must have shape \(512\), got \(500,\)"
+    ):
+        kern().rotary_cache(*args, bias=np.zeros(500, np.float32))
+    with pytest.raises(ValueError, match=r"rotary_cache: k_norm must be float32, got float16"):
+        kern().rotary_cache(*args, q_norm=w, k_norm=w.astype(np.float16))
 
 
 def test_rotary_cache_rejects_bad_shapes():
@@ -317,6 +421,66 @@ def test_decode_reads_each_kv_byte_once(group, rng):
     assert t.written(k_cache) == t.written(v_cache) == 0
 
 
+def poison_below(caches, table, first, bs) -> None:
+    """NaN into one sequence's K and V rows at positions below ``first`` (through its table): a
+    kernel that reads one of them, even masked, writes NaN (0 * NaN in the V sum)."""
+    for p in range(first):
+        for cache in caches:
+            cache[table[p // bs], p % bs] = np.nan
+
+
+# windows: one token, a context's length exactly (17: past a block), past a chunk of 64 (100,
+# 400: neither multiples of 16 nor of 64), and longer than every context (700)
+DECODE_WINDOWS = [1, 17, 100, 400, 700]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_decode_sliding_window(order, dtype, rng):
+    """The query at position ctx - 1 sees keys max(0, ctx - W) .. ctx - 1: split as the SM
+    count asks, into partitions of 64 (up to 7 of them), and with a max_context_len past
+    every context (a CUDA graph's). Keys below the window hold NaN: never read."""
+    lengths = [1, 16, 17, 130, 600]
+    q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (8, 2), 64, dtype)
+    for window in DECODE_WINDOWS:
+        want = N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
+        kc, vc = k_cache.copy(), v_cache.copy()
+        for b, n in enumerate(lengths):
+            poison_below((kc, vc), tables[b], max(0, n - window), 16)
+        for partition, max_len in ((None, 600), (64, 600), (None, 4096)):
+            out = poisoned(q.shape, dtype)
+            args = (out, q, kc, vc, tables, lens, 0.125, max_len, partition, window)
+            kern().paged_attention_decode(*args)
+            assert_close(out, want, dtype)
+
+
+def test_decode_split_covers_the_window_only():
+    """The split (and the scratch the engine sizes from it) follows min(max_context_len, W)."""
+    k = kern()
+    assert k.decode_split(4096, 4, 8, 2, window=300) == k.decode_split(300, 4, 8, 2)
+    assert k.decode_split(200, 4, 8, 2, window=300) == k.decode_split(200, 4, 8, 2)
+    assert k.decode_split(4096, 4, 8, 2, window=0) == k.decode_split(4096, 4, 8, 2)
+    with pytest.raises(ValueError, match=r"decode_split: window must be an int >= 0"):
+        k.decode_split(100, 1, 8, 2, window=-1)
+
+
+def test_windowed_decode_reads_only_the_windows_kv(rng):
+    """Contexts of 1 to 1,030 tokens, a window of 100 and partitions of 64: each sequence's
+    last min(ctx, 100) K and V rows, read at most 1.25 times over."""
+    dtype, Hkv, hd, window = ml_dtypes.bfloat16, 2, 64, 100
+    lengths = [1, 15, 100, 300, 1030]
+    q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (8, Hkv), hd, dtype)
+    out = poisoned(q.shape, dtype)
+    with K.memory_traffic() as t:
+        K.counting_kernels().paged_attention_decode(
+            out, q, k_cache, v_cache, tables, lens, 0.125, 1030, 64, window
+        )
+    want = N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
+    assert_close(out, want, dtype)
+    need = sum(min(n, window) for n in lengths) * Hkv * hd * k_cache.itemsize
+    assert need <= t.read(k_cache) <= 1.25 * need
+    assert need <= t.read(v_cache) <= 1.25 * need
+
+
 # (H, Hkv, head_dim, block_size): GQA groups 1, 4, 8 and 1; the tiny model's head_dim 16, 64,
 # 128 and the largest, 256 (four 64-dim slices); blocks smaller and larger than a key chunk.
 PREFILL_SHAPES = [(2, 2, 64, 16), (8, 2, 128, 8), (8, 1, 16, 32), (2, 2, 256, 16)]
@@ -351,6 +515,45 @@ def test_paged_attention_prefill(order, dtype, shape, rng):
 def test_paged_attention_prefill_long_context(dtype, rng):
     """A 1,100-token query run (35 tiles) after a 30-token cached prefix, then a 3-token run."""
     run_prefill(rng, dtype, (2, 1, 64, 16), [1100, 3], [1130, 3])
+
+
+def run_windowed_prefill(rng, dtype, shape, q_lens, ctx_lens, windows):
+    """Sliding-window prefill against the NumPy twin, for each window; cache rows below the
+    first key chunk any tile of a sequence needs hold NaN (skipped chunks are never read)."""
+    H, Hkv, hd, bs = shape
+    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
+    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(ctx_lens, np.int32)
+    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    for window in windows:
+        args = (q, k_cache, v_cache, tables, qsl, lens, hd**-0.5, window)
+        want = N.paged_attention_prefill(*args)
+        kc, vc = k_cache.copy(), v_cache.copy()
+        for b, (q_len, n) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+            first_chunk = max(0, n - q_len - window + 1) // K.PREFILL_TILE * K.PREFILL_TILE
+            poison_below((kc, vc), tables[b], first_chunk, bs)
+        out = poisoned(q.shape, dtype)
+        kern().paged_attention_prefill(out, q, kc, vc, *args[3:])
+        assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES[:2], ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_prefill_sliding_window(order, dtype, shape, rng):
+    """A row at position p sees keys p - W < k <= p. Windows of 1, under a 32-key chunk (7),
+    just past one (33), a context's length (37) and past every context (200); runs of 1 to 70
+    rows, most after a cached prefix (chunked prefill)."""
+    q_lens, ctx_lens = [1, 15, 17, 33, 70], [1, 40, 37, 38, 134]
+    run_windowed_prefill(rng, dtype, shape, q_lens, ctx_lens, [1, 7, 33, 37, 200])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_prefill_sliding_window_long_prefix(dtype, rng):
+    """The last 70 tokens of a 1,000-token context with windows of 50 and 100 (blocks of 32,
+    8 query heads per KV head): the tiles skip the ~900 keys below their windows."""
+    run_windowed_prefill(rng, dtype, (8, 1, 16, 32), [70, 3], [1000, 3], [50, 100])
 
 
 def test_paged_attention_prefill_rejects_bad_arguments(rng):
@@ -524,6 +727,52 @@ def test_cuda_cpu_ops_match_numpy_ops(rng):
         C.copy_blocks(pool, pool, [(1, 2), (2, 3)])
 
 
+OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "act_and_mul", "silu_and_mul"]
+OPS += ["rotary_cache", "paged_attention_decode", "paged_attention_prefill"]
+
+
+def test_cuda_cpu_ops_options_match_numpy_ops(rng):
+    """Both oracle modules take the same parameters with the same defaults, and agree on the
+    options: embedding scale, norm offset, activations, bias and head norms, windows."""
+    for name in OPS:
+        params = [inspect.signature(getattr(m, name)).parameters for m in (C, N)]
+        assert [(p.name, p.default) for p in params[0].values()] == [
+            (p.name, p.default) for p in params[1].values()
+        ], name
+    T, D, H, Hkv, hd = 9, 48, 4, 2, 32
+    x, r, w = (randn(rng, s, np.float32) for s in ((T, D), (T, D), (D,)))
+    ids, table = rng.integers(0, 50, T), randn(rng, (50, D), np.float32)
+    np.testing.assert_array_equal(C.embedding(ids, table, 6.9), N.embedding(ids, table, 6.9))
+    assert_close(C.rms_norm(x, w, 1e-5, 1.0), N.rms_norm(x, w, 1e-5, 1.0), np.float32)
+    for a, b in zip(
+        C.fused_add_rms_norm(x, r, w, 1e-5, 1.0),
+        N.fused_add_rms_norm(x, r, w, 1e-5, 1.0),
+        strict=True,
+    ):
+        assert_close(a, b, np.float32)
+    for act in K.ACTIVATIONS:
+        assert_close(C.act_and_mul(r, act), N.act_and_mul(r, act), np.float32)
+    with pytest.raises(ValueError, match=r"activation must be one of silu, gelu_tanh, gelu"):
+        N.act_and_mul(r, "relu")
+    qkv, pos = randn(rng, (T, (H + 2 * Hkv) * hd), np.float32), np.arange(T) + 3
+    caches = [randn(rng, (3, 4, Hkv, hd), np.float32) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    slots = np.array([0, 5, -1, 7, 2, 11, 3, -1, 9], np.int32)
+    weights = rotary_weights(rng, "both", H, Hkv, hd, np.float32)
+    q = C.rotary_cache(qkv, pos, 1e4, *caches, slots, H, **weights, eps=1e-5)
+    want = N.rotary_cache(qkv, pos, 1e4, *twins, slots, H, **weights, eps=1e-5)
+    for a, b in zip([q, *caches], [want, *twins], strict=True):
+        assert_close(a, b, np.float32)
+    q, k_cache, v_cache, tables, lens = decode_case(rng, [5, 40, 90], (4, 2), 32, np.float32)
+    for window in (3, 50):
+        args = (q, k_cache, v_cache, tables, lens, 0.2, window)
+        assert_close(C.paged_attention_decode(*args), N.paged_attention_decode(*args), np.float32)
+    qsl = np.array([0, 5, 30, 40], np.int32)
+    q = randn(rng, (40, 4, 32), np.float32)
+    args = (q, k_cache, v_cache, tables, qsl, lens, 0.2, 20)
+    assert_close(C.paged_attention_prefill(*args), N.paged_attention_prefill(*args), np.float32)
+
+
 @pytest.mark.slow
 def test_kernels_under_address_sanitizer():
     """One pass of the paged-cache, attention and sampling tests with ASan builds."""
@@ -571,6 +820,27 @@ def test_row_kernels_read_each_input_byte_once_and_write_exactly_their_outputs(d
         assert t.read(ids) <= ids.nbytes * max(1, K.row_launch(T, D, e)[2] // 32)
 
 
+def test_row_kernel_options_keep_their_traffic(rng):
+    """A norm offset, an embedding scale and the gelu activations read and write what the
+    defaults do: inputs once, outputs exactly."""
+    dtype, e = ml_dtypes.bfloat16, 2
+    for T, D in [(17, 576), (3, 2050)]:
+        x, w = randn(rng, (T, D), dtype), randn(rng, (D,), dtype)
+        out, r = poisoned((T, D), dtype), randn(rng, (T, D), dtype)
+        t = counted("rms_norm", out, x, w, 1e-5, 1.0)
+        assert (t.read(x), t.read(w), t.written(out)) == (x.nbytes, T * w.nbytes, out.nbytes)
+        t = counted("fused_add_rms_norm", out, r, x, w, 1e-5, 1.0)
+        assert (t.read(x), t.read(r), t.written(r)) == (x.nbytes, r.nbytes, r.nbytes)
+        assert (t.read(w), t.written(out)) == (T * w.nbytes, out.nbytes)
+        table, ids = randn(rng, (300, D), dtype), rng.integers(0, 300, T).astype(np.int32)
+        t = counted("embedding", out, ids, table, 48.0)
+        assert (t.read(table), t.written(out), t.read(out)) == (T * D * e, out.nbytes, 0)
+        gate_up = randn(rng, (T, 2 * D), dtype)
+        for activation in ("gelu_tanh", "gelu"):
+            t = counted("act_and_mul", out, gate_up, activation)
+            assert (t.read(gate_up), t.written(out), t.read(out)) == (gate_up.nbytes, out.nbytes, 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotary_cache_reads_each_input_byte_once(dtype, rng):
     """qkv's q rows, and k and v rows of tokens with a slot, read once; one cos/sin row per
@@ -587,5 +857,32 @@ def test_rotary_cache_reads_each_input_byte_once(dtype, rng):
     assert t.read(qkv) == (T * H + cached * 2 * Hkv) * hd * e
     assert (t.read(table), t.read(pos), t.read(slots)) == (T * hd * 4, pos.nbytes, slots.nbytes)
     assert (t.written(q), t.read(q)) == (q.nbytes, 0)
+    for cache in (kc, vc):
+        assert (t.written(cache), t.read(cache)) == (cached * Hkv * hd * e, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_cache_with_bias_and_norm_reads_each_input_byte_once(dtype, rng):
+    """With the bias and both norms: qkv still read once; the bias read once per token (its
+    k and v parts only for tokens with a slot), q_norm once per token, k_norm once per token
+    with a slot; the outputs written exactly as without them."""
+    H, Hkv, hd, T, blocks, bs = 8, 2, 64, 37, 8, 16
+    qkv = randn(rng, (T, (H + 2 * Hkv) * hd), dtype)
+    pos = rng.integers(0, 4000, T).astype(np.int32)
+    slots = rng.permutation(blocks * bs)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.3] = -1
+    kc, vc = make_cache(rng, blocks, bs, Hkv, hd, dtype)
+    weights = rotary_weights(rng, "both", H, Hkv, hd, dtype)
+    want_k, want_v = kc.copy(), vc.copy()
+    want_q = N.rotary_cache(qkv, pos, 1e4, want_k, want_v, slots, H, **weights)
+    q, table = poisoned((T, H, hd), dtype), C.rope_table(4096, hd, 1e4)
+    t = counted("rotary_cache", q, kc, vc, qkv, pos, slots, table, *weights.values())
+    assert_close(q, want_q, dtype)
+    assert_close(kc, want_k, dtype)
+    e, cached = np.dtype(dtype).itemsize, int((slots >= 0).sum())
+    row_bytes = (T * H + cached * 2 * Hkv) * hd * e
+    assert (t.read(qkv), t.read(weights["bias"])) == (row_bytes, row_bytes)
+    assert (t.read(weights["q_norm"]), t.read(weights["k_norm"])) == (T * hd * e, cached * hd * e)
+    assert (t.read(table), t.written(q), t.read(q)) == (T * hd * 4, q.nbytes, 0)
     for cache in (kc, vc):
         assert (t.written(cache), t.read(cache)) == (cached * Hkv * hd * e, 0)

@@ -24,33 +24,33 @@ def _c(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    # token_ids: (T,), table: (V, D) -> (T, D)
+def embedding(token_ids: np.ndarray, table: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    # token_ids: (T,), table: (V, D) -> (T, D) = table rows * scale
     ids = _i32(token_ids)
     if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
         raise ValueError(
             f"token_ids must lie in [0, {table.shape[0]}), got {ids.min()}..{ids.max()}"
         )
     out = np.empty((ids.shape[0], table.shape[1]), table.dtype)  # (T, D)
-    cpu_kernels().embedding(out, ids, _c(table))
+    cpu_kernels().embedding(out, ids, _c(table), scale)
     return out
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    # x: (T, D), weight: (D,) -> (T, D)
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D), scaled by (offset + weight)
     x = _c(x)
     out = np.empty_like(x)  # (T, D)
-    cpu_kernels().rms_norm(out, x, _c(weight.astype(x.dtype, copy=False)), eps)
+    cpu_kernels().rms_norm(out, x, _c(weight.astype(x.dtype, copy=False)), eps, offset)
     return out
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, offset: float = 0.0):
     """residual + x, then its rms_norm: returns (normed, new residual), both (T, D)."""
     x = _c(x)
     new_residual = np.array(residual, dtype=x.dtype, order="C")  # (T, D), updated in place
     out = np.empty_like(x)  # (T, D)
     cpu_kernels().fused_add_rms_norm(
-        out, new_residual, x, _c(weight.astype(x.dtype, copy=False)), eps
+        out, new_residual, x, _c(weight.astype(x.dtype, copy=False)), eps, offset
     )
     return out, new_residual
 
@@ -60,9 +60,22 @@ def _table_rows(max_position: int) -> int:
     return max(1024, 1 << int(max_position).bit_length())
 
 
-def rotary_cache(qkv, positions, theta, k_cache, v_cache, slot_mapping, num_heads: int):
-    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: rotate q and k, write k and v into their slots of
-    the (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd)."""
+def rotary_cache(
+    qkv,
+    positions,
+    theta,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_heads: int,
+    bias=None,
+    q_norm=None,
+    k_norm=None,
+    eps: float = 1e-6,
+):
+    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: + bias if given, q and k heads RMS-normed with
+    q_norm and k_norm if given, then rotated; k and v written into their slots of the
+    (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd)."""
     pos = _i32(positions)
     if pos.size and pos.min() < 0:
         raise ValueError(f"positions must be >= 0, got {pos.min()}")
@@ -70,16 +83,22 @@ def rotary_cache(qkv, positions, theta, k_cache, v_cache, slot_mapping, num_head
     table = rope_table(_table_rows(pos.max() if pos.size else 0), hd, float(theta))
     q = np.empty((qkv.shape[0], num_heads, hd), k_cache.dtype)  # (T, H, hd)
     args = (_as(qkv, k_cache.dtype), pos, _i32(slot_mapping), table)
-    cpu_kernels().rotary_cache(q, k_cache, v_cache, *args)
+    weights = [None if w is None else _as(w, k_cache.dtype) for w in (bias, q_norm, k_norm)]
+    cpu_kernels().rotary_cache(q, k_cache, v_cache, *args, *weights, eps)
     return q
+
+
+def act_and_mul(gate_up: np.ndarray, activation: str = "silu") -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F) = act(gate) * up
+    gate_up = _c(gate_up)
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype)  # (T, F)
+    cpu_kernels().act_and_mul(out, gate_up, activation)
+    return out
 
 
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     # gate_up: (T, 2F), gate first then up -> (T, F)
-    gate_up = _c(gate_up)
-    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype)  # (T, F)
-    cpu_kernels().silu_and_mul(out, gate_up)
-    return out
+    return act_and_mul(gate_up, "silu")
 
 
 def _as(a: np.ndarray, dtype) -> np.ndarray:
@@ -88,22 +107,24 @@ def _as(a: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query row per sequence, q: (B, H, hd), over its paged context -> (B, H, hd).
-    A q of another dtype than the cache is rounded to the cache's (the kernels take one dtype)."""
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
+    """One query row per sequence, q: (B, H, hd), over its paged context (the last ``window``
+    tokens of it with a window > 0) -> (B, H, hd). A q of another dtype than the cache is
+    rounded to the cache's (the kernels take one dtype)."""
     q_dtype, q, lens = q.dtype, _as(q, k_cache.dtype), _i32(context_lens)
     out = np.empty_like(q)  # (B, H, hd)
     max_len = int(lens.max()) if lens.size else 0
     cpu_kernels().paged_attention_decode(
-        out, q, k_cache, v_cache, _i32(block_tables), lens, scale, max_len
+        out, q, k_cache, v_cache, _i32(block_tables), lens, scale, max_len, window=window
     )
     return out.astype(q_dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
 ):
-    """Causal attention for variable-length query runs over paged K/V -> (T, H, hd)."""
+    """Causal attention for variable-length query runs over paged K/V (a sliding window with
+    window > 0) -> (T, H, hd)."""
     q_dtype, q = q.dtype, _as(q, k_cache.dtype)
     out = np.empty_like(q)  # (T, H, hd)
     cpu_kernels().paged_attention_prefill(
@@ -115,6 +136,7 @@ def paged_attention_prefill(
         _i32(query_start_loc),
         _i32(context_lens),
         scale,
+        window,
     )
     return out.astype(q_dtype, copy=False)
 

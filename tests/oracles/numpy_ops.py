@@ -7,6 +7,8 @@ Arrays compute in their own dtype (float32 or float64); 16-bit inputs are upcast
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from engine.utils import cdiv
@@ -18,22 +20,27 @@ def _f(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
 
 
-def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    # token_ids: (T,) int32, table: (V, D) -> (T, D)
-    return table[token_ids]
+def embedding(token_ids: np.ndarray, table: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    # token_ids: (T,) int32, table: (V, D) -> (T, D) = table rows * scale (Gemma: sqrt(D))
+    rows = table[token_ids]
+    if scale == 1.0:
+        return rows
+    rows = _f(rows)
+    return (rows * rows.dtype.type(scale)).astype(table.dtype)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    # x: (T, D), weight: (D,) -> (T, D) in x's dtype
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D) in x's dtype, scaled by (offset + weight)
     xf = _f(x)
-    out = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps) * _f(weight)
+    w = _f(weight) + offset if offset else _f(weight)  # Gemma: offset 1, (1 + w)
+    out = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps) * w
     return out.astype(x.dtype, copy=False)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, offset: float = 0.0):
     """residual += x; return (rms_norm(residual), residual). x, residual: (T, D)."""
     residual = (_f(residual) + _f(x)).astype(residual.dtype, copy=False)
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, offset), residual
 
 
 def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, theta: float):
@@ -44,11 +51,33 @@ def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, theta: float):
     return q_out, k_out
 
 
-def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
-    # gate_up: (T, 2F), gate first then up -> (T, F)
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    # PyTorch's gelu(approximate="tanh"), in x's (float) dtype
+    c = np.sqrt(2.0 / np.pi).astype(x.dtype)
+    return 0.5 * x * (1.0 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    # exact: 0.5 x (1 + erf(x / sqrt 2)), erf in float64 from math (NumPy has none)
+    erf = np.frompyfunc(math.erf, 1, 1)(x.astype(np.float64) / math.sqrt(2.0)).astype(np.float64)
+    return (0.5 * x.astype(np.float64) * (1.0 + erf)).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh, "gelu": gelu}
+
+
+def act_and_mul(gate_up: np.ndarray, activation: str = "silu") -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F) = act(gate) * up
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     f = gate_up.shape[-1] // 2
     g = _f(gate_up)
-    return (silu(g[:, :f]) * g[:, f:]).astype(gate_up.dtype, copy=False)
+    return (ACTIVATIONS[activation](g[:, :f]) * g[:, f:]).astype(gate_up.dtype, copy=False)
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F)
+    return act_and_mul(gate_up, "silu")
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -60,17 +89,42 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache[slots // block_size, slots % block_size] = v[keep]
 
 
-def rotary_cache(qkv, positions, theta, k_cache, v_cache, slot_mapping, num_heads: int):
-    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: rotate q and k, write k and v into their slots of
-    the (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd)."""
+def head_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # x: (T, heads, hd), weight: (hd,) -> each head x / sqrt(mean(x^2) + eps) * weight
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f(weight)
+
+
+def rotary_cache(
+    qkv,
+    positions,
+    theta,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_heads: int,
+    bias=None,
+    q_norm=None,
+    k_norm=None,
+    eps: float = 1e-6,
+):
+    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: + bias ((H + 2 Hkv) hd,) if given, each q and k
+    head RMS-normed with q_norm and k_norm (hd,) if given, then q and k rotated; k and v written
+    into their slots of the (N, bs, Hkv, hd) caches (slot < 0 skipped) -> q (T, H, hd). Float
+    math, one rounding to the dtype at the end."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
     T, (Hkv, hd) = qkv.shape[0], k_cache.shape[2:]
     q_dim, kv_dim = num_heads * hd, Hkv * hd
-    q = qkv[:, :q_dim].reshape(T, num_heads, hd)
-    k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, Hkv, hd)
-    v = qkv[:, q_dim + kv_dim :].reshape(T, Hkv, hd)
+    row = _f(qkv) if bias is None else _f(qkv) + _f(bias)  # (T, (H + 2 Hkv) hd)
+    q = row[:, :q_dim].reshape(T, num_heads, hd)
+    k = row[:, q_dim : q_dim + kv_dim].reshape(T, Hkv, hd)
+    v = row[:, q_dim + kv_dim :].reshape(T, Hkv, hd)
+    if q_norm is not None:
+        q, k = head_rms_norm(q, q_norm, eps), head_rms_norm(k, k_norm, eps)
     q, k = rotary(q, k, positions, theta)
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
-    return q
+    dtype = k_cache.dtype
+    reshape_and_cache(k.astype(dtype), v.astype(dtype), k_cache, v_cache, slot_mapping)
+    return q.astype(qkv.dtype)
 
 
 def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:
@@ -81,45 +135,50 @@ def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.nda
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q, k, v, q_start, scale):
-    # q: (Tq, H, hd) at positions q_start.., k, v: (S, Hkv, hd) -> (Tq, H, hd), float math
+def _attend(q, k, v, q_start, scale, window=0):
+    # q: (Tq, H, hd) at positions q_start.., k, v: (S, Hkv, hd) -> (Tq, H, hd), float math;
+    # a query at position p sees keys 0..p, or with a window W > 0 keys k with p - W < k <= p
     group = q.shape[1] // k.shape[1]
     k = np.repeat(_f(k), group, axis=1)
     v = np.repeat(_f(v), group, axis=1)
     scores = np.einsum("thd,shd->hts", _f(q), k) * scale  # (H, Tq, S)
-    q_pos = q_start + np.arange(q.shape[0])[:, None]
-    scores = np.where(np.arange(k.shape[0])[None, :] <= q_pos, scores, -np.inf)
+    q_pos = q_start + np.arange(q.shape[0])[:, None]  # (Tq, 1)
+    k_pos = np.arange(k.shape[0])[None, :]  # (1, S)
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window if window > 0 else True)  # (Tq, S)
+    scores = np.where(visible, scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     return np.einsum("hts,shd->thd", probs, v)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
-    Query b sits at position context_lens[b]-1 and sees every cached token. -> (B, H, hd)"""
+    Query b sits at position context_lens[b]-1 and sees every cached token, or with a sliding
+    window W > 0 the last W of them. -> (B, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         k = gather_kv(k_cache, block_tables[b], n)
         v = gather_kv(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale)[0]
+        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale, window)[0]
     return out
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
 ):
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
     context_lens[b] tokens, so earlier tokens may come from the cache (chunked prefill,
-    prefix caching). -> (T, H, hd)"""
+    prefix caching). A row at position p sees keys 0..p, or with a sliding window W > 0 keys
+    p - W + 1..p. -> (T, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     for b in range(len(context_lens)):
         lo, hi, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(context_lens[b])
         k = gather_kv(k_cache, block_tables[b], n)
         v = gather_kv(v_cache, block_tables[b], n)
-        out[lo:hi] = _attend(q[lo:hi], k, v, n - (hi - lo), scale)
+        out[lo:hi] = _attend(q[lo:hi], k, v, n - (hi - lo), scale, window)
     return out
 
 
