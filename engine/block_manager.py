@@ -140,6 +140,19 @@ class BlockManager:
         seq.cpu_block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Speculative decoding: blocks past seq's tokens (taken for drafts that were rejected)
+        back to the free queue; they hold no cached or shared block."""
+        keep = self.blocks_for_tokens(seq.num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        extra = seq.block_table[keep:]
+        # a new list: page-table copies keyed on the list (ModelRunner's) see it was replaced
+        seq.block_table = seq.block_table[:keep]
+        for block in reversed(extra):
+            assert block not in self.block_hash, f"lookahead block {block} is cached"
+            self._release(block)
+
     def _take_free(self) -> int:
         """The head of the free queue, its cache entry (if any) evicted; ref 1."""
         block = self.free_blocks.popleft()

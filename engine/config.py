@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from reference.config import ModelConfig
 
+from .spec_decode.config import parse_speculative_config
 from .utils import GiB
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -143,6 +144,14 @@ class EngineConfig:
         default_help="off",
     )
     enforce_eager: bool = option(False, "cuda and cuda-cpu backends: no CUDA graphs for decode")
+    speculative_config: str | None = option(
+        None,
+        "speculative decoding, a JSON object with vLLM's keys: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 4, "disable_by_batch_size": 16}\': prompt lookup drafts up to k '
+        "tokens per plain-greedy decode, all checked by one forward (outputs unchanged)",
+        default_help="off",
+    )
     generation_config: str = option(
         "auto",
         "auto: the model's generation_config.json (temperature, top_p, top_k, min_p, "
@@ -163,6 +172,7 @@ class EngineConfig:
         self._check_types()
         self._check_ranges()
         self._check_choices()
+        self.speculative = parse_speculative_config(self.speculative_config)
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "

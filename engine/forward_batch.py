@@ -31,6 +31,9 @@ class ForwardBatch:
     # async scheduling: (T,) int32 row of the previous step's greedy ids that holds each token
     # (its token_ids entry is a placeholder); -1: token_ids holds the token. None: no such rows
     prev_rows: np.ndarray | None = None
+    # speculative decoding: (R,) int32 rows whose logits are needed, ascending (every row of a
+    # speculated run, the last row of the others); None: logits_indices
+    sample_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +47,12 @@ class ForwardBatch:
     def logits_indices(self) -> np.ndarray:
         """(B,) the row of each sequence's last token: the only row whose logits are sampled."""
         return self.query_start_loc[1:] - 1
+
+    @property
+    def output_rows(self) -> np.ndarray:
+        """(R,) the rows a backend returns logits (or ids) for: sample_rows, else one per
+        sequence."""
+        return self.logits_indices if self.sample_rows is None else self.sample_rows
 
     def validate(self, num_blocks: int, block_size: int) -> None:
         """Internal consistency; an assert, since the engine builds these, not the user."""

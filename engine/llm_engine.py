@@ -29,6 +29,7 @@ from reference.loader import LoadedModel, default_model, load_model
 
 from . import tracing
 from .backends import get_backend
+from .backends.numpy_backend import greedy_ids
 from .block_manager import BlockManager
 from .config import EngineConfig, make_config
 from .input_processor import max_prompt_chars, tokenize_prompt
@@ -40,6 +41,7 @@ from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
 from .sampling_params import SamplingParams, generation_defaults, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence
+from .spec_decode import SpecStats, accept_greedy, propose_ngram
 
 log = logging.getLogger("engine")
 
@@ -168,6 +170,11 @@ class LLMEngine:
         # a sequence this long would be rejected by the scheduler: read its pending token first
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/recorder.py's Recorder attaches itself here
+        self.spec_stats = SpecStats(cfg.speculative)  # speculative decoding's counters
+        if cfg.speculative is not None:
+            log.info("speculative decoding: %s", cfg.speculative)
+            if cfg.async_scheduling:
+                log.info("async scheduling overlaps no step while speculative decoding is on")
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, cfg.max_model_len)
 
     # ---- requests ----
@@ -231,6 +238,8 @@ class LLMEngine:
         per-step outputs are built, and text is detokenized once, at the end)."""
         if self.in_flight is not None and self._would_reject(self.in_flight):
             self._drain()
+        if self.config.speculative is not None:
+            self._propose()  # 0. drafts for the plain-greedy decodes (speculative decoding)
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
@@ -243,7 +252,9 @@ class LLMEngine:
             self.scheduler.advance(out)  # then its sequences take their pending tokens
             return outputs
         self._drain()  # async scheduling: the step in flight is read and processed first
-        if not out.is_empty:
+        if out.drafts:  # 2.-4. with drafts: verify them, append what is accepted
+            self._speculative_step(out)
+        elif not out.is_empty:
             # 2. execute and 3. sample: one token for every sequence whose last token ran
             seqs, ids, extras = self._execute_and_sample(out)
             # 4. update: append the tokens, stop checks, free finished sequences
@@ -251,12 +262,86 @@ class LLMEngine:
         # 5. process outputs
         return self.output_processor.outputs(stream)
 
+    # ---- speculative decoding ----
+    def _propose(self) -> None:
+        """Drafts (``seq.spec_tokens``) for each running plain-greedy decode, cut so that no
+        step can pass max_tokens or max_model_len; none while a step is in flight, when logits
+        are recorded, or above the config's disable_by_batch_size."""
+        sc, running = self.config.speculative, self.scheduler.running
+        if self.in_flight is not None or self.record_logits:
+            return
+        if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
+            return
+        for seq in running:
+            room = min(
+                sc.num_speculative_tokens,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.config.max_model_len - seq.num_tokens - 1,
+            )
+            if room < 1 or seq.num_uncomputed_tokens != 1 or not plain_greedy(seq):
+                continue
+            seq.spec_tokens = propose_ngram(
+                seq.token_ids, room, sc.prompt_lookup_min, sc.prompt_lookup_max
+            )
+
+    def _speculative_step(self, out: SchedulerOutput) -> None:
+        """Run a step with speculated rows: every row's greedy id comes back (a run's rows are
+        the target's argmax after its last token and after each draft); each speculated
+        sequence takes its accepted drafts and one more token, one token at a time through the
+        stop checks; the other sequences as in a plain step."""
+        if all(plain_greedy(seq) for seq, _ in out.scheduled):
+            ids = self.runner.execute(out, greedy=True).tolist()  # (R,)
+            logits = None
+        else:
+            logits = self.runner.execute(out)  # (R, V)
+            ids = greedy_ids(logits).tolist()
+        plain_seqs, plain_ids, plain_rows, accepted, r = [], [], [], [], 0
+        for seq, n in out.scheduled:
+            drafts = out.drafts.get(seq.seq_id)
+            if drafts is not None:
+                accepted.append((seq, accept_greedy(drafts, ids[r : r + n])))
+                self.spec_stats.record(len(drafts), len(accepted[-1][1]) - 1)
+                r += n
+                continue
+            if seq.num_computed_tokens + n == seq.num_tokens:  # its last token ran: it samples
+                plain_seqs.append(seq)
+                plain_ids.append(ids[r])
+                plain_rows.append(r)
+            r += 1
+        extras = None
+        if logits is not None and plain_seqs:
+            gens = [self.output_processor.generator(s) for s in plain_seqs]
+            plain_ids, lps = self.sampler.sample(logits[plain_rows], plain_seqs, gens)
+            extras = [(lp, logits[i]) for lp, i in zip(lps, plain_rows, strict=True)]
+        self._update(out, plain_seqs, plain_ids, extras)
+        self._accept_all(accepted)
+
+    def _accept_all(self, accepted: list) -> None:
+        """Each speculated sequence's verified tokens, one by one: it stops at the first token
+        that ends it (EOS, a stop id or string, max_tokens); the rest are dropped."""
+        now, op = time.monotonic(), self.output_processor
+        for seq, tokens in accepted:
+            for token in tokens:
+                if seq.is_finished:
+                    break
+                if token == NO_TOKEN:
+                    self._abort_unsampled([seq], [NO_TOKEN])
+                    break
+                self.scheduler.accept(seq, token)
+                reason = op.process_token(seq, None, None, now)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    free = self.block_manager.num_free_blocks
+                    tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
+            self.scheduler.end_speculation(seq)
+
     # ---- async scheduling ----
     def _can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether the step can be launched without waiting: decodes alone, every one plain
         greedy, no blocks to move, nobody preempted, no logits to record."""
         return (
             self.config.async_scheduling
+            and self.config.speculative is None  # speculated steps run synchronously
             and not self.record_logits
             and bool(out.scheduled)
             and out.num_decodes == len(out.scheduled)

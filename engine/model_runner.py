@@ -72,8 +72,10 @@ class ModelRunner:
         seqs = [seq for seq, _ in output.scheduled]
         starts = [seq.num_computed_tokens for seq in seqs]  # tokens already in the cache
         tokens = [seq.last_token_id for seq in seqs[:nd]]  # decode: its last token alone
+        drafts = output.drafts
         for (seq, n), start in zip(output.scheduled[nd:], starts[nd:], strict=True):
             tokens.extend(seq.token_ids[start : start + n])
+            tokens.extend(drafts.get(seq.seq_id, ()))  # a speculated run: last token, drafts
         q_lens = np.ones(len(seqs), dtype=np.int32)  # (B,)
         q_lens[nd:] = [n for _, n in output.scheduled[nd:]]
         context_lens = np.asarray(starts, dtype=np.int32) + q_lens  # (B,)
@@ -97,7 +99,17 @@ class ModelRunner:
             context_lens=context_lens,
             query_start_loc=qsl,
             num_decodes=nd,
+            sample_rows=self._sample_rows(output, qsl) if drafts else None,
         )
+
+    @staticmethod
+    def _sample_rows(output: SchedulerOutput, qsl: np.ndarray) -> np.ndarray:
+        """(R,) every row of a speculated run (each verifies a draft), the last of the rest."""
+        rows = [
+            range(qsl[b], qsl[b + 1]) if seq.seq_id in output.drafts else (qsl[b + 1] - 1,)
+            for b, (seq, _) in enumerate(output.scheduled)
+        ]
+        return np.fromiter((r for rs in rows for r in rs), np.int32)
 
     def _block_tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:
         """(B, max_blocks) each sequence's blocks that hold its first context_lens tokens, -1

@@ -49,6 +49,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
+    # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
+    # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -162,6 +165,8 @@ class Scheduler:
         for seq, n in output.scheduled:
             if seq.status != SequenceStatus.RUNNING:  # finished or aborted since schedule()
                 continue
+            if seq.seq_id in output.drafts:  # speculated: the engine appends what is accepted
+                continue
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
             if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
@@ -169,6 +174,18 @@ class Scheduler:
                 grown.append(seq)
         self._end_step()
         return grown
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """Speculative decoding: append one verified token to seq; every token before it is
+        computed (its last token and the drafts accepted so far), the rest roll back."""
+        seq.append_token(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    def end_speculation(self, seq: Sequence) -> None:
+        """After seq's verified tokens: the lookahead blocks past them go back (a finished seq
+        already gave every block back)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.trim(seq)
 
     def advance(self, output: SchedulerOutput) -> None:
         """Async scheduling, once the step is launched (its inputs are on the device): count the
@@ -200,6 +217,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.spec_tokens and self._speculate(seq, step, out, len(self.running) - i - 1):
+                i += 1
+                continue
             if self._plain_decode(seq, step):
                 i += 1
                 continue
@@ -235,6 +255,24 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, n)
         step.decodes.append((seq, 1))
         step.budget -= 1
+        return True
+
+    def _speculate(self, seq: Sequence, step: _StepBuilder, out: SchedulerOutput, later: int):
+        """Schedule seq's last token and its drafts (``seq.spec_tokens``) as one row, if the
+        budget and the pool allow it without taking a block that the ``later`` running
+        sequences may need this step (speculation never causes a preemption); else False, and
+        seq decodes as usual."""
+        drafts, seq.spec_tokens = seq.spec_tokens, []
+        n = min(1 + len(drafts), step.budget)
+        bm = self.block_manager
+        if seq.num_uncomputed_tokens != 1 or n < 2 or seq.num_tokens > self.config.max_model_len:
+            return False
+        need, free = bm.blocks_needed(seq, n), bm.num_free_blocks
+        if need > free or (need > bm.blocks_needed(seq, 1) and free - need < later):
+            return False  # the plain path decides (and preempts if it must)
+        self._allocate(seq, n)
+        step.add(seq, n, is_decode=False)
+        out.drafts[seq.seq_id] = drafts[: n - 1]
         return True
 
     def _schedule_swapped(self, step: _StepBuilder, out: SchedulerOutput) -> None:

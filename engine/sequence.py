@@ -58,6 +58,7 @@ class Sequence:
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step
 
     def __repr__(self) -> str:
         return (

@@ -77,7 +77,7 @@ class StepInputs:
     context_lens: object  # (B,)
     block_tables: object  # (B, M)
     prefill_qsl: object | None  # (B - nd + 1,) query starts of the prefills, from 0
-    rows: object | None  # (B,) each sequence's last token; None when T == B
+    rows: object | None  # (R,) the rows whose logits are wanted; None when every row is
 
 
 @dataclass
@@ -112,16 +112,18 @@ def pack_inputs(b: ForwardBatch) -> np.ndarray:
     """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
     nd, qsl = b.num_decodes, b.query_start_loc
     parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
-    parts += [b.logits_indices, b.block_tables.ravel()]
+    parts += [b.output_rows, b.block_tables.ravel()]
     return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
 
 
-def split_inputs(flat, T: int, B: int, nd: int, M: int) -> StepInputs:
-    """The views of ``pack_inputs``'s layout over a device buffer."""
-    sizes = [T, T, T, B, B - nd + 1, B, B * M]
+def split_inputs(flat, T: int, B: int, nd: int, M: int, R: int | None = None) -> StepInputs:
+    """The views of ``pack_inputs``'s layout over a device buffer; R output rows (B unless a
+    speculated run wants all of its rows)."""
+    R = B if R is None else R
+    sizes = [T, T, T, B, B - nd + 1, R, B * M]
     ends = np.cumsum(sizes)
     v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
-    rows = v[5] if T != B else None
+    rows = v[5] if T != R else None  # every row wanted: no gather
     return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
 
 
@@ -344,16 +346,16 @@ class CupyBackend(Backend):
         """Queue one greedy step on the stream and return at once: a handle whose ``result()``
         waits for the (B,) ids. Tokens that ``batch.prev_rows`` names come from ``prev``'s ids,
         on the device."""
-        B = batch.num_seqs
+        R = len(batch.output_rows)
         take = None
         if batch.prev_rows is not None:
             take = functools.partial(self._take_prev, batch.prev_rows, prev.device_ids)
         if self._fits_graph(batch):
             self._replay(batch, take)
-            ids = self._graph_ids[:B]  # (B,) read by the copy below, before the next replay
+            ids = self._graph_ids[:R]  # (B,) read by the copy below, before the next replay
         else:
-            logits = self._run_eager(batch, take)  # (B, V)
-            ids = self.device.empty(B, np.int32)  # (B,)
+            logits = self._run_eager(batch, take)  # (R, V)
+            ids = self.device.empty(R, np.int32)  # (R,)
             self.k.sample_greedy(ids, logits)
         return DeviceIds(ids, self.device.download_async(ids))
 
@@ -378,12 +380,13 @@ class CupyBackend(Backend):
     def _run_eager(self, batch: ForwardBatch, take=None):
         """``take(tokens)``: fills the uploaded token ids that come from the step before."""
         T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
+        R = len(batch.output_rows)
         flat = self.device.upload(pack_inputs(batch))
-        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1])
+        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R)
         if take is not None:
             take(inputs.token_ids)
         max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
-        return self._step(inputs, T, B, nd, max_ctx)
+        return self._step(inputs, T, R, nd, max_ctx)
 
     def _workspace(self, T: int, B: int) -> Workspace:
         c, dt = self.cfg, self.dtype
@@ -408,10 +411,11 @@ class CupyBackend(Backend):
             logits=empty(B, c.vocab_size, dtype=np.float32),
         )
 
-    def _step(self, inp: StepInputs, T: int, B: int, nd: int, max_ctx: int):
-        """The layers over a step's inputs -> (B, V) float32 logits on the device. No host
-        synchronisation, so a graph can capture it."""
-        k, c, ws = self.k, self.cfg, self._workspace(T, B)
+    def _step(self, inp: StepInputs, T: int, R: int, nd: int, max_ctx: int):
+        """The layers over a step's inputs -> (R, V) float32 logits on the device, R output
+        rows (one per sequence, or every row of a speculated run). No host synchronisation, so
+        a graph can capture it."""
+        k, c, ws = self.k, self.cfg, self._workspace(T, R)
         eps, off = c.rms_norm_eps, c.norm_offset  # norms scale by (off + w): Gemma's 1 + w
         k.embedding(ws.residual, inp.token_ids, self.embed, self.embed_scale)  # (T, D)
         k.rms_norm(ws.h, ws.residual, self.layers[0].attn_norm, eps, off)
@@ -424,7 +428,7 @@ class CupyBackend(Backend):
             k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
             self.gemm(ws.act, lw.w_down, ws.x)  # (T, D)
         x, res = ws.x, ws.residual
-        if inp.rows is not None:  # only each sequence's last token is sampled
+        if inp.rows is not None:  # only each sequence's last token (a run's rows) is sampled
             self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
             self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
             x, res = ws.last_x, ws.last_res  # (B, D)

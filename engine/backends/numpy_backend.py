@@ -166,7 +166,7 @@ class NumpyBackend(Backend):
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
             act = ops.act_and_mul(h @ lw.w_gate_up, c.hidden_act)  # (T, 2F) -> (T, F)
             x = act @ lw.w_down  # (T, D)
-        rows = batch.logits_indices  # (B,): only each sequence's last token is sampled
+        rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
         h, _ = ops.fused_add_rms_norm(x[rows], residual[rows], self.final_norm, c.rms_norm_eps)
         return h @ self.lm_head  # (B, V)
 

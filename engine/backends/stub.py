@@ -89,7 +89,7 @@ class StubBackend(Backend):
         self._move(pairs)
 
     def _ids(self, batch: ForwardBatch) -> np.ndarray:
-        last = batch.logits_indices  # (B,)
+        last = batch.output_rows  # (R,)
         return stub_next_token(batch.token_ids[last], batch.positions[last], self.cfg.vocab_size)
 
     def launch_greedy(self, batch: ForwardBatch, prev: GreedyIds | None = None) -> StubIds:

@@ -1,0 +1,19 @@
+"""Speculative decoding: cheap guesses of the next few tokens, checked by one target forward.
+
+config.py  ``SpeculativeConfig``: vLLM's ``speculative_config`` keys, checked at startup
+ngram.py   prompt lookup: the tokens that followed the latest n-gram's earliest earlier match
+verify.py  greedy acceptance: drafts kept while they equal the target's argmax, plus one;
+           ``SpecStats``, the counters
+"""
+
+from .config import SpeculativeConfig, parse_speculative_config
+from .ngram import propose_ngram
+from .verify import SpecStats, accept_greedy
+
+__all__ = [
+    "SpecStats",
+    "SpeculativeConfig",
+    "accept_greedy",
+    "parse_speculative_config",
+    "propose_ngram",
+]
