@@ -48,6 +48,7 @@ class StepStats:
     prompt_tokens: int  # prompt tokens of requests whose first token came in this step
     generation_tokens: int  # tokens generated in this step (all samples)
     finished: list[RequestOutput]  # requests that ended in this step
+    spec_decode: object = None  # the engine's SpecStats (cumulative), None without speculation
 
 
 def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
@@ -66,6 +67,7 @@ def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
         prompt_tokens=0,
         generation_tokens=0,
         finished=[],
+        spec_decode=engine.spec_stats if engine.config.speculative is not None else None,
     )
 
 

@@ -44,6 +44,7 @@ from .sequence import PENDING_TOKEN, Sequence
 from .spec_decode import SpecStats, accept_greedy, propose_ngram
 
 log = logging.getLogger("engine")
+MAX_SPEC_BACKOFF = 16  # steps without drafts at most, after repeated rejections
 
 # arrival_time is on time.monotonic()'s clock; a value further ahead than this is another clock
 # (time.time() is ~1.7e9 s, far beyond any monotonic reading)
@@ -63,6 +64,17 @@ def check_arrival_time(arrival_time) -> float:
             f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
         )
     return float(arrival_time)
+
+
+def backoff(seq: Sequence, num_accepted: int) -> None:
+    """After a wholly rejected draft a sequence decodes plainly for ``spec_backoff`` steps, the
+    wait doubling (up to MAX_SPEC_BACKOFF) while its drafts keep failing; an accepted draft
+    token resets it. Prompt lookup on text that does not repeat costs a verify row per step."""
+    if num_accepted:
+        seq.spec_backoff = 1
+    else:
+        seq.spec_wait = seq.spec_backoff
+        seq.spec_backoff = min(2 * seq.spec_backoff, MAX_SPEC_BACKOFF)
 
 
 @dataclasses.dataclass
@@ -280,6 +292,9 @@ class LLMEngine:
             )
             if room < 1 or seq.num_uncomputed_tokens != 1 or not plain_greedy(seq):
                 continue
+            if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
+                seq.spec_wait -= 1
+                continue
             seq.spec_tokens = propose_ngram(
                 seq.token_ids, room, sc.prompt_lookup_min, sc.prompt_lookup_max
             )
@@ -300,6 +315,7 @@ class LLMEngine:
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None:
                 accepted.append((seq, accept_greedy(drafts, ids[r : r + n])))
+                backoff(seq, len(accepted[-1][1]) - 1)
                 self.spec_stats.record(len(drafts), len(accepted[-1][1]) - 1)
                 r += n
                 continue

@@ -59,6 +59,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step
+        self.spec_wait = 0  # steps to go before drafting again (after rejected drafts)
+        self.spec_backoff = 1  # the wait after the next wholly rejected draft
 
     def __repr__(self) -> str:
         return (

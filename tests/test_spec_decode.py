@@ -204,3 +204,39 @@ def test_disable_by_batch_size(tiny):
         run_to_completion(engine, prompts, params)
         drafts[limit] = engine.spec_stats.num_drafts
     assert drafts[5] == 0 < drafts[6]
+
+
+def test_server_speculates_and_exports_the_counters(tiny):
+    """Greedy completions through the server equal the engine's without speculation, and
+    /metrics carries vLLM's spec_decode counters (per position too)."""
+    import re
+
+    import httpx
+
+    from tests.serve_utils import MODEL, LiveServer
+
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 4, 320)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    _, want, _ = run(tiny, prompts, params, None, backend="numpy")
+    with LiveServer(tiny, backend="numpy", speculative_config=json.dumps(NGRAM)) as s:
+        body = dict(model=MODEL, max_tokens=48, temperature=0.0, ignore_eos=True)
+        got = []
+        for p in prompts:
+            r = httpx.post(s.url + "/v1/completions", json=body | {"prompt": p}, timeout=60)
+            got.append(r.json()["choices"][0]["text"])
+        text = httpx.get(s.url + "/metrics").text
+        st = s.engine.spec_stats
+    assert got == want
+
+    def metric(name, labels=""):
+        m = re.search(rf"^pagedllm:{name}\{{[^}}]*{labels}[^}}]*\}} (\S+)$", text, re.M)
+        assert m, f"no {name} in /metrics"
+        return float(m.group(1))
+
+    assert st.num_drafts > 0
+    assert metric("spec_decode_num_drafts_total") == st.num_drafts
+    assert metric("spec_decode_num_draft_tokens_total") == st.num_draft_tokens
+    assert metric("spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
+    first = metric("spec_decode_num_accepted_tokens_per_pos_total", 'position="0"')
+    assert first == st.accepted_per_pos[0]

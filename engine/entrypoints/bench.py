@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 from reference.loader import load_model
 
 from . import bench_plot
-from .cli_utils import CliParser, format_stats, percentiles, summarize
+from .cli_utils import CliParser, format_stats, percentiles, spec_stats, summarize
 from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     prompts, out_lens = workload(args, engine.model_config.vocab_size)
     run_engine(engine, [prompts[0][:16]], [4])  # warm-up
     outputs, wall = run_engine(engine, prompts, out_lens)
-    stats = summarize(outputs, wall)
+    stats = summarize(outputs, wall) | spec_stats(engine)
     print(f"engine ({engine.backend.name}, {args.num_requests} requests):")
     print(format_stats(stats))
     itl = batch1_itl_ms(engine, prompts[0][:32], args.batch1_tokens)

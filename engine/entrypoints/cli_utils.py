@@ -125,6 +125,18 @@ def run_stats(requests: int, prompt: int, gen: int, wall: float, ttft: list, itl
     )
 
 
+def spec_stats(engine) -> dict:
+    """Speculative decoding's counters for the stats table (nothing when it is off)."""
+    st = engine.spec_stats
+    if engine.config.speculative is None:
+        return {}
+    return dict(
+        spec_drafts=st.num_drafts,
+        spec_draft_tokens=st.num_draft_tokens,
+        spec_accepted_tokens=st.num_accepted_tokens,
+    )
+
+
 def _prefix_cache_stats(outputs: list[RequestOutput]) -> dict:
     hits = [o.num_cached_tokens for o in outputs if o.num_cached_tokens is not None]
     return dict(prefix_cache_hit_tokens=sum(hits)) if hits else {}
@@ -148,5 +160,18 @@ def format_stats(s: dict) -> str:
         hits, prompt = s["prefix_cache_hit_tokens"], s["prompt_tokens"]
         rate = f"{100 * hits / max(prompt, 1):.1f}% ({hits} of {prompt} prompt tokens)"
         rows.append(("prefix cache hit rate", rate))
+    if "spec_drafts" in s:
+        rows.append(("speculative decoding", _spec_row(s)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _spec_row(s: dict) -> str:
+    drafts, proposed, accepted = s["spec_drafts"], s["spec_draft_tokens"], s["spec_accepted_tokens"]
+    if not drafts:
+        return "no drafts"
+    rate = 100 * accepted / max(proposed, 1)
+    return (
+        f"acceptance {rate:.1f}% ({accepted} of {proposed} draft tokens), "
+        f"{1 + accepted / drafts:.2f} tokens per speculated step ({drafts} drafts)"
+    )

@@ -26,6 +26,7 @@ from .cli_utils import (
     check_utf8,
     format_stats,
     setup_logging,
+    spec_stats,
     summarize,
 )
 from .engine_args import add_engine_args, check_engine_args, engine_kwargs
@@ -243,7 +244,7 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     for prompt, output in zip(prompts, outputs, strict=True):
         print_output(output, prompt, args, tokenizer)
-    stats = format_stats(summarize(outputs, wall))
+    stats = format_stats(summarize(outputs, wall) | spec_stats(llm.engine))
     print(stats, file=sys.stderr if args.json else sys.stdout)
     if args.trace_html:
         print(f"replay: {args.trace_html}", file=sys.stderr)

@@ -35,6 +35,9 @@ class PrometheusStatLogger:
             "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
             "prefix_cache_hits": "prompt tokens found in the prefix cache",
             "request_success": "requests finished",
+            "spec_decode_num_drafts": "speculated steps of a sequence (drafts verified)",
+            "spec_decode_num_draft_tokens": "draft tokens proposed",
+            "spec_decode_num_accepted_tokens": "draft tokens accepted",
         }
         hist = {
             "time_to_first_token_seconds": ("arrival -> first token", LATENCY_BUCKETS),
@@ -46,8 +49,15 @@ class PrometheusStatLogger:
         self.hists = {
             k: Histogram(PREFIX + k, h, buckets=b, **labels) for k, (h, b) in hist.items()
         }
+        self.per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted, by position in the draft",
+            labelnames=["model_name", "position"],
+            registry=self.registry,
+        )
         self.model_name = model_name
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._spec_last: dict = {}
 
     def __call__(self, s: StepStats) -> None:
         m = self.model_name
@@ -65,6 +75,25 @@ class PrometheusStatLogger:
         self.counters["generation_tokens"].labels(m).inc(s.generation_tokens)
         for out in s.finished:
             self._observe(out.metrics)
+        if s.spec_decode is not None:
+            self._spec(s.spec_decode)
+
+    def _spec(self, st) -> None:
+        """Speculative decoding's cumulative counters -> increments."""
+        m = self.model_name
+        now = {
+            "spec_decode_num_drafts": st.num_drafts,
+            "spec_decode_num_draft_tokens": st.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
+        }
+        now |= {("pos", i): n for i, n in enumerate(st.accepted_per_pos)}
+        for key, value in now.items():
+            inc = value - self._spec_last.get(key, 0)
+            self._spec_last[key] = value
+            if isinstance(key, tuple):
+                self.per_pos.labels(m, str(key[1])).inc(inc)
+            else:
+                self.counters[key].labels(m).inc(inc)
 
     def _observe(self, metrics) -> None:
         m = self.model_name

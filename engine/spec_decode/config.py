@@ -21,7 +21,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: draft tokens per sequence per step, at most
-    prompt_lookup_min: int = 1  # shortest n-gram matched
+    prompt_lookup_min: int = 2  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
     disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences
 
