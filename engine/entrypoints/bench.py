@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from engine import host_overhead
+from engine.chat import chat_prompt_ids
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ HOST_BATCHES = (1, 64, 256)  # --host-overhead
 ENGINE_DEFAULTS = dict(model="smollm2", backend="numpy", max_num_seqs=64, swap_space=0.5)
 
 
+WORKLOADS = ("random", "copy", "open")
+
+
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
@@ -46,6 +50,15 @@ def build_parser() -> CliParser:
     p.add_argument("--min-output", type=int, default=64, help="fewest outputs (default 64)")
     p.add_argument("--max-output", type=int, default=128, help="most outputs (default 128)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: random token prompts and output lengths (ignore_eos); copy: chat prompts "
+        "asking to repeat or lightly edit a passage of about 100-300 tokens (greedy to EOS or "
+        "--max-output); open: open-ended chat questions (greedy to EOS or --max-output) "
+        "(default random)",
+    )
     p.add_argument("--batch1-tokens", type=int, default=32, help="batch-1 decode steps timed")
     p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
     p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
@@ -76,7 +89,10 @@ def make_engine(args) -> LLMEngine:
     return LLMEngine(**kw)
 
 
-def workload(args, vocab: int):
+def workload(args, vocab: int, tokenizer=None):
+    """(prompts, output lengths); the chat workloads need the model's tokenizer."""
+    if args.workload != "random":
+        return chat_workload(args, tokenizer)
     rng = np.random.default_rng(args.seed)
     lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.num_requests)
     outs = rng.integers(args.min_output, args.max_output + 1, args.num_requests)
@@ -84,9 +100,53 @@ def workload(args, vocab: int):
     return prompts, outs.tolist()
 
 
-def run_engine(engine: LLMEngine, prompts, out_lens) -> tuple[list, float]:
-    """Every prompt with its output length, greedy, ignore_eos: (outputs, seconds)."""
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+SENTENCES = [
+    "The committee met on Tuesday to review the budget for the new library.",
+    "After a long discussion, the members agreed to extend the weekend opening hours.",
+    "Volunteers organised a book fair that raised more than two thousand dollars.",
+    "The river flooded the lower fields twice this spring, so planting was delayed.",
+    "Our team shipped the new search feature and the error rate dropped by half.",
+    "Please bring your own water bottle, a hat and sturdy shoes for the hike.",
+    "The recipe needs two cups of flour, a pinch of salt and warm water.",
+    "Trains to the airport leave every twenty minutes from the central station.",
+    "The museum will close early on Friday for the installation of a new exhibit.",
+    "She fixed the leaking tap, painted the fence and still had time for tea.",
+]
+COPY_ASKS = [
+    "Repeat the following passage exactly, word for word:",
+    "Rewrite this passage with every sentence in the past tense, changing nothing else:",
+    "Copy this text, replacing every number written in words with digits:",
+]
+OPEN_ASKS = [
+    "Write a short story about a dragon who learns to bake bread.",
+    "Explain why the sky is blue to a ten year old.",
+    "Give me five ideas for a birthday party in the park.",
+    "What are the pros and cons of working from home?",
+]
+
+
+def chat_workload(args, tokenizer):
+    """Chat prompts (token ids through the chat template) and their output caps."""
+    rng = np.random.default_rng(args.seed)
+    prompts, outs = [], []
+    for _ in range(args.num_requests):
+        if args.workload == "copy":
+            n = int(rng.integers(5, 16))  # sentences: about 100-300 tokens
+            passage = " ".join(rng.choice(SENTENCES, n).tolist())
+            text = f"{rng.choice(COPY_ASKS)}\n\n{passage}"
+        else:
+            text = str(rng.choice(OPEN_ASKS))
+        prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], True))
+        outs.append(args.max_output)
+    return prompts, outs
+
+
+def run_engine(engine: LLMEngine, prompts, out_lens, ignore_eos=True) -> tuple[list, float]:
+    """Every prompt with its output length, greedy (to EOS too unless ignore_eos):
+    (outputs, seconds)."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in out_lens
+    ]
     t0 = time.perf_counter()
     outputs = run_to_completion(engine, prompts, params)
     return outputs, time.perf_counter() - t0
@@ -208,9 +268,9 @@ def main(argv=None) -> int:
         engine = make_engine(args)
     except ValueError as e:
         return parser.fail(e)
-    prompts, out_lens = workload(args, engine.model_config.vocab_size)
+    prompts, out_lens = workload(args, engine.model_config.vocab_size, engine.tokenizer)
     run_engine(engine, [prompts[0][:16]], [4])  # warm-up
-    outputs, wall = run_engine(engine, prompts, out_lens)
+    outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random")
     stats = summarize(outputs, wall) | spec_stats(engine)
     print(f"engine ({engine.backend.name}, {args.num_requests} requests):")
     print(format_stats(stats))
