@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 
 from .config import ModelConfig
-from .hf_weights import expected_shapes, family_layer_names, weights_from_tensors
+from .hf_weights import family_layer_names, split_fused, weights_from_tensors
 from .rope import RopeParams, parse_rope
 from .weights import ModelWeights
 
@@ -188,24 +188,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if md["general.architecture"] in PERMUTED_QK:
         _restore_qk(tensors, cfg)
     if cfg.spec.fused_projections:
-        _split_fused(tensors, cfg)
+        tensors = split_fused(tensors, cfg, GGUF_FUSED, GGUF_LAYER_NAMES, "gguf")
     if cfg.norm_offset:
         _unoffset_norms(tensors, cfg)
     return GGUFFile(config=cfg, metadata=md, tensors=tensors)
-
-
-def _split_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
-    """Each fused tensor split along its rows into the GGUF names of its parts."""
-    shapes = expected_shapes(cfg)
-    for i in range(cfg.num_hidden_layers):
-        for fused, parts in GGUF_FUSED.items():
-            name, rows = fused.format(i=i), [shapes[p][0] for p in parts]
-            w = tensors.pop(name, None)
-            if w is None or w.ndim != 2 or w.shape[0] != sum(rows):
-                got = "missing" if w is None else f"shape {tuple(w.shape)}"
-                raise ValueError(f"gguf: tensor {name!r} is {got}, config implies {sum(rows)} rows")
-            for part, chunk in zip(parts, np.split(w, np.cumsum(rows)[:-1]), strict=True):
-                tensors[GGUF_LAYER_NAMES[part].format(i=i)] = np.ascontiguousarray(chunk)
 
 
 def _unoffset_norms(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:

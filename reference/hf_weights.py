@@ -90,24 +90,28 @@ def family_layer_names(cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm)
     return names
 
 
-def split_fused(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Phi-3: each fused qkv_proj / gate_up_proj split along its rows into the Llama names."""
-    out = dict(tensors)
-    sizes = {"wq": cfg.q_dim, "wk": cfg.kv_dim, "wv": cfg.kv_dim}
-    sizes |= {"w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size}
+def split_fused(
+    tensors: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    fused_names: Mapping[str, tuple[str, ...]] = HF_FUSED,
+    layer_names: Mapping[str, str] = HF_LAYER_NAMES,
+    where: str = "checkpoint",
+) -> dict[str, np.ndarray]:
+    """Phi-3: each fused tensor (qkv_proj, gate_up_proj; GGUF's attn_qkv, ffn_up) split along
+    its rows into the names of its parts."""
+    out, shapes = dict(tensors), expected_shapes(cfg)
     for i in range(cfg.num_hidden_layers):
-        for fused, parts in HF_FUSED.items():
-            name, rows = fused.format(i=i), [sizes[p] for p in parts]
+        for fused, parts in fused_names.items():
+            name, rows = fused.format(i=i), [shapes[p][0] for p in parts]
             w = out.pop(name, None)
-            if w is None:
-                raise ValueError(f"checkpoint: missing tensor {name!r} (a {cfg.family} layer)")
-            if w.ndim != 2 or w.shape[0] != sum(rows):
+            if w is None or w.ndim != 2 or w.shape[0] != sum(rows):
+                got = "missing" if w is None else f"of shape {tuple(w.shape)}"
                 raise ValueError(
-                    f"checkpoint: tensor {name!r} has shape {tuple(w.shape)}, config implies "
+                    f"{where}: tensor {name!r} is {got}, config implies "
                     f"({sum(rows)}, {cfg.hidden_size})"
                 )
             for part, chunk in zip(parts, np.split(w, np.cumsum(rows)[:-1]), strict=True):
-                out[HF_LAYER_NAMES[part].format(i=i)] = np.ascontiguousarray(chunk)
+                out[layer_names[part].format(i=i)] = np.ascontiguousarray(chunk)
     return out
 
 

@@ -197,3 +197,16 @@ def test_every_family_checkpoint_reads_its_flags():
     assert loaded("llama3").config.eos_token_ids[:2] == (0, 2)
     assert loaded("llama").config.rope_theta == 50000.0
     assert parse_rope({}, 256) == RopeParams()
+
+
+def test_phi3_fused_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "phi3"
+    shutil.copytree(FAMILY_DIR / "phi3", d)
+    tensors = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-8]  # a few rows short
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="qkv_proj.weight' is of shape \\(120, 64\\)"):
+        load_model(str(d))
