@@ -37,11 +37,11 @@ from .memory import plan_kv_cache
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
-from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample
+from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample, sampling_probs
 from .sampling_params import SamplingParams, generation_defaults, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence
-from .spec_decode import SpecStats, accept_greedy, propose_ngram
+from .spec_decode import SpecStats, accept_greedy, accept_sampled, propose_ngram
 
 log = logging.getLogger("engine")
 MAX_SPEC_BACKOFF = 16  # steps without drafts at most, after repeated rejections
@@ -64,6 +64,17 @@ def check_arrival_time(arrival_time) -> float:
             f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
         )
     return float(arrival_time)
+
+
+class DraftPrefix:
+    """A sequence as it would be after the first drafts: what the sampler's penalties and
+    min_tokens ban read for one row of a speculated run."""
+
+    def __init__(self, seq: Sequence, drafts: list[int]):
+        self.params = seq.params
+        self.prompt_token_ids = seq.prompt_token_ids
+        self.output_token_ids = seq.output_token_ids + drafts
+        self.num_output_tokens = len(self.output_token_ids)
 
 
 def backoff(seq: Sequence, num_accepted: int) -> None:
@@ -276,9 +287,9 @@ class LLMEngine:
 
     # ---- speculative decoding ----
     def _propose(self) -> None:
-        """Drafts (``seq.spec_tokens``) for each running plain-greedy decode, cut so that no
-        step can pass max_tokens or max_model_len; none while a step is in flight, when logits
-        are recorded, or above the config's disable_by_batch_size."""
+        """Drafts (``seq.spec_tokens``) for each running decode that asks no logprobs (greedy
+        or sampled), cut so that no step can pass max_tokens or max_model_len; none while a
+        step is in flight, when logits are recorded, or above disable_by_batch_size."""
         sc, running = self.config.speculative, self.scheduler.running
         if self.in_flight is not None or self.record_logits:
             return
@@ -290,7 +301,7 @@ class LLMEngine:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
             )
-            if room < 1 or seq.num_uncomputed_tokens != 1 or not plain_greedy(seq):
+            if room < 1 or seq.num_uncomputed_tokens != 1 or seq.params.logprobs is not None:
                 continue
             if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
                 seq.spec_wait -= 1
@@ -300,10 +311,11 @@ class LLMEngine:
             )
 
     def _speculative_step(self, out: SchedulerOutput) -> None:
-        """Run a step with speculated rows: every row's greedy id comes back (a run's rows are
-        the target's argmax after its last token and after each draft); each speculated
-        sequence takes its accepted drafts and one more token, one token at a time through the
-        stop checks; the other sequences as in a plain step."""
+        """Run a step with speculated rows: a run's rows are the target after its last token
+        and after each draft. When every sequence is plain greedy only their argmax comes
+        back; else the logits, and a sampled (or penalised) run is verified by rejection
+        sampling. Each speculated sequence takes its accepted drafts and one more token, one
+        token at a time through the stop checks; the other sequences as in a plain step."""
         if all(plain_greedy(seq) for seq, _ in out.scheduled):
             ids = self.runner.execute(out, greedy=True).tolist()  # (R,)
             logits = None
@@ -314,7 +326,12 @@ class LLMEngine:
         for seq, n in out.scheduled:
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None:
-                accepted.append((seq, accept_greedy(drafts, ids[r : r + n])))
+                if logits is None or plain_greedy(seq):
+                    accepted.append((seq, accept_greedy(drafts, ids[r : r + n])))
+                else:
+                    probs = self._target_probs(logits[r : r + n], seq, drafts)  # (n, V)
+                    gen = self.output_processor.generator(seq)
+                    accepted.append((seq, accept_sampled(probs, drafts, gen)))
                 backoff(seq, len(accepted[-1][1]) - 1)
                 self.spec_stats.record(len(drafts), len(accepted[-1][1]) - 1)
                 r += n
@@ -331,6 +348,21 @@ class LLMEngine:
             extras = [(lp, logits[i]) for lp, i in zip(lps, plain_rows, strict=True)]
         self._update(out, plain_seqs, plain_ids, extras)
         self._accept_all(accepted)
+
+    def _target_probs(self, rows: np.ndarray, seq: Sequence, drafts: list[int]) -> np.ndarray:
+        """(k+1, V) the distribution seq's next token has at each row of its run, as the
+        sampler would make it, the drafts before a row counted as output (penalties,
+        min_tokens); greedy rows one-hot at their argmax; a row with nothing to pick NaN."""
+        views = [DraftPrefix(seq, drafts[:j]) for j in range(len(drafts) + 1)]
+        x = self.sampler.process(rows, views)  # (k+1, V)
+        if not seq.params.greedy:
+            return sampling_probs(x, [seq.params] * len(views))
+        best = np.argmax(x, axis=1)  # (k+1,)
+        probs = np.zeros_like(x)
+        probs[np.arange(len(best)), best] = 1.0
+        picked = x[np.arange(len(best)), best]
+        probs[np.isnan(picked) | np.isneginf(picked)] = np.nan
+        return probs
 
     def _accept_all(self, accepted: list) -> None:
         """Each speculated sequence's verified tokens, one by one: it stops at the first token

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams
 from engine.llm import run_to_completion
-from engine.spec_decode import accept_greedy, parse_speculative_config, propose_ngram
+from engine.spec_decode import (
+    accept_greedy,
+    accept_sampled,
+    parse_speculative_config,
+    propose_ngram,
+)
 from tests.test_families import loaded as family
 from tests.utils import make_engine
 
@@ -135,6 +140,8 @@ def test_speculation_under_preemption(tiny, mode):
 
 
 def test_speculation_with_prefix_caching_chunked_prefill_and_mixed_sampling(tiny):
+    """Greedy requests keep their tokens exactly beside sampled ones (which speculate too and
+    draw differently, from the same distribution: tested below)."""
     rng = np.random.default_rng()
     prompts = repetitive_prompts(rng, 8, 320)
     prompts += [prompts[1] + [7, 8], prompts[2][:5]]  # shared prefixes
@@ -144,18 +151,14 @@ def test_speculation_with_prefix_caching_chunked_prefill_and_mixed_sampling(tiny
         else SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    check_same(
-        tiny,
-        prompts,
-        params,
-        backend="numpy",
-        block_size=4,
-        num_gpu_blocks=96,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-    )
+    engine_args = dict(backend="numpy", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
+    engine_args |= dict(enable_prefix_caching=True, enable_chunked_prefill=True)
+    want, _, _ = run(tiny, prompts, params, None, max_num_batched_tokens=16, **engine_args)
+    got, _, engine = run(tiny, prompts, params, NGRAM, max_num_batched_tokens=16, **engine_args)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert len(g) == params[i].max_tokens
+        assert g == w or not params[i].greedy
+    assert engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_stops_and_max_tokens_inside_a_draft(tiny):
@@ -240,3 +243,149 @@ def test_server_speculates_and_exports_the_counters(tiny):
     assert metric("spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
     first = metric("spec_decode_num_accepted_tokens_per_pos_total", 'position="0"')
     assert first == st.accepted_per_pos[0]
+
+
+def tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+@pytest.mark.parametrize("case", ["random", "draft_has_p_zero", "draft_is_certain", "uniform"])
+def test_rejection_sampling_is_exact_per_position(case):
+    """Token 0 ~ p_0; token 1, given draft 0 was accepted, ~ p_1: within 3 x 0.5 sqrt(V / N) in
+    total variation (the drafts' proposal is one-hot, as prompt lookup's is)."""
+    rng, V, N = np.random.default_rng(), 6, 20000
+    p = rng.dirichlet(np.full(V, 0.7), size=3)  # (3, V)
+    drafts = [int(rng.integers(V)), int(rng.integers(V))]
+    if case == "draft_has_p_zero":
+        p[0, drafts[0]] = 0.0
+    if case == "draft_is_certain":
+        p[0] = np.eye(V)[drafts[0]]
+    if case == "uniform":
+        p[:] = 1.0 / V
+    p /= p.sum(axis=1, keepdims=True)
+    first, second = np.zeros(V), np.zeros(V)
+    gen = np.random.default_rng(int(rng.integers(2**32)))
+    for _ in range(N):
+        out = accept_sampled(p, drafts, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    bound = 3 * 0.5 * np.sqrt(V / N)
+    assert tv(first, p[0]) <= bound
+    if case == "draft_has_p_zero":
+        assert first[drafts[0]] == 0  # strict u < p: never accepted
+    if second.sum() > 1000:
+        assert tv(second, p[1]) <= 3 * 0.5 * np.sqrt(V / second.sum())
+
+
+def draftable_prompt(top3) -> list[int]:
+    """A prompt [a, d, ...base] whose likely first token is a, and whose lookup draft after a
+    (d, what followed a before) is one of the top 3 then: so drafts are accepted too."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        base = rng.integers(3, 320, 6).tolist()
+        a, d = (int(t) for t in rng.integers(3, 320, 2))
+        for _ in range(6):  # the prompt's own tokens move its top 3: iterate to a fixed point
+            first, p_first = top3([a, d, *base])
+            after, p_after = top3([a, d, *base, first[0]])
+            if first[0] == a and d in after and p_first[0] > 0.3 and p_after[after.index(d)] > 0.2:
+                return [a, d, *base]
+            a, d = first[0], after[0]
+    raise AssertionError("no draftable prompt found")
+
+
+def test_rejection_sampling_through_the_engine_matches_the_exact_distribution(tiny):
+    """The whole pipeline (scheduler, paged cache, speculated rows, rejection sampling): the
+    distribution over 3-token continuations with top_k 3 equals the exact one computed from the
+    reference forward (27 outcomes; chi-square, fixed seed, p > 0.001)."""
+
+    from reference.model import forward
+
+    n_req, k = 2000, 3
+    w, cfg = tiny.weights, tiny.config
+
+    def top3(ids):  # (3 tokens, their probabilities) under temperature 1, top_k 3
+        logits = forward(w, cfg, ids).astype(np.float64)
+        top = np.argsort(-logits, kind="stable")[:k]
+        e = np.exp(logits[top] - logits[top].max())
+        return top.tolist(), e / e.sum()
+
+    prompt = draftable_prompt(top3)
+    exact = {}
+    t0, p0 = top3(prompt)
+    for a, pa in zip(t0, p0, strict=True):
+        t1, p1 = top3(prompt + [a])
+        for b, pb in zip(t1, p1, strict=True):
+            t2, p2 = top3(prompt + [a, b])
+            for c, pc in zip(t2, p2, strict=True):
+                exact[(a, b, c)] = pa * pb * pc
+    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
+    spec = json.dumps({**NGRAM, "prompt_lookup_min": 1})
+    engine = make_engine(tiny, speculative_config=spec, backend="numpy", seed=1234)
+    outs = run_to_completion(engine, [prompt] * n_req, params)
+    counts = dict.fromkeys(exact, 0)
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1  # a KeyError: a continuation outside the top 3s
+    assert engine.spec_stats.num_accepted_tokens > 0
+    keys = list(exact)
+    expected = np.array([exact[t] for t in keys]) * n_req
+    observed = np.array([counts[t] for t in keys])
+    big = expected >= 5  # chi-square cells; the rare ones pooled
+    chi2 = ((observed[big] - expected[big]) ** 2 / expected[big]).sum()
+    rest_e, rest_o = expected[~big].sum(), observed[~big].sum()
+    cells = int(big.sum())
+    if rest_e > 0:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+        cells += 1
+    assert chi2 < CHI2_999[cells - 1], (chi2, cells)
+
+
+# chi-square critical values at p = 0.001 for df = 1..30
+CHI2_999 = [
+    10.83,
+    13.82,
+    16.27,
+    18.47,
+    20.52,
+    22.46,
+    24.32,
+    26.12,
+    27.88,
+    29.59,
+    31.26,
+    32.91,
+    34.53,
+    36.12,
+    37.70,
+    39.25,
+    40.79,
+    42.31,
+    43.82,
+    45.31,
+    46.80,
+    48.27,
+    49.73,
+    51.18,
+    52.62,
+    54.05,
+    55.48,
+    56.89,
+    58.30,
+    59.70,
+]
+
+
+def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny):
+    """With speculation on (and room for every draft), a seeded request draws the same tokens
+    whatever shares its steps."""
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 6, 320)
+    seeded = SamplingParams(temperature=0.9, top_k=20, max_tokens=30, seed=42, ignore_eos=True)
+    others = SamplingParams(temperature=0.7, max_tokens=25, ignore_eos=True)
+    spec = json.dumps({**NGRAM, "prompt_lookup_min": 1})
+    alone = make_engine(tiny, speculative_config=spec, backend="numpy")
+    (want,) = run_to_completion(alone, prompts[:1], seeded)
+    batch = make_engine(tiny, speculative_config=spec, backend="numpy")
+    got = run_to_completion(batch, prompts, [seeded] + [others] * 5)[0]
+    assert got.token_ids == want.token_ids
+    assert alone.spec_stats.num_drafts > 0

@@ -8,12 +8,13 @@ verify.py  greedy acceptance: drafts kept while they equal the target's argmax, 
 
 from .config import SpeculativeConfig, parse_speculative_config
 from .ngram import propose_ngram
-from .verify import SpecStats, accept_greedy
+from .verify import SpecStats, accept_greedy, accept_sampled
 
 __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "accept_greedy",
+    "accept_sampled",
     "parse_speculative_config",
     "propose_ngram",
 ]
