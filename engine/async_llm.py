@@ -308,9 +308,16 @@ class LoggingStatLogger:
 
 def format_stats_line(s: StepStats, prompt: int, gen: int, elapsed: float) -> str:
     hit = 100 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-    return (
+    line = (
         f"prompt throughput {prompt / elapsed:.1f} tok/s, "
         f"generation throughput {gen / elapsed:.1f} tok/s, "
         f"running {s.num_running}, waiting {s.num_waiting}, swapped {s.num_swapped} seqs, "
         f"KV cache usage {100 * s.kv_cache_usage:.1f}%, prefix cache hit rate {hit:.1f}%"
     )
+    spec = s.spec_decode
+    if spec is not None and spec.num_drafts:  # cumulative, since the engine started
+        line += (
+            f", spec decode acceptance {100 * spec.acceptance_rate:.1f}%, "
+            f"mean acceptance length {spec.mean_acceptance_length:.2f}"
+        )
+    return line

@@ -389,3 +389,16 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny):
     got = run_to_completion(batch, prompts, [seeded] + [others] * 5)[0]
     assert got.token_ids == want.token_ids
     assert alone.spec_stats.num_drafts > 0
+
+
+def test_stats_line_reports_acceptance(tiny):
+    from engine.async_llm import engine_snapshot, format_stats_line
+
+    rng = np.random.default_rng()
+    engine = make_engine(tiny, speculative_config=json.dumps(NGRAM), backend="numpy")
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    run_to_completion(engine, repetitive_prompts(rng, 8, 320), params)
+    line = format_stats_line(engine_snapshot(engine, 0.0), 10, 10, 1.0)
+    st = engine.spec_stats
+    assert f"spec decode acceptance {100 * st.acceptance_rate:.1f}%" in line
+    assert f"mean acceptance length {st.mean_acceptance_length:.2f}" in line
