@@ -167,8 +167,9 @@ def check_graph(dev, rng) -> dict:
     for _ in range(2):
         host[...] = x_new = rng.standard_normal((9, 256), np.float32)
         dev.copy_to(x_d, host)
-        want = N.silu_and_mul(x_new @ w.T)
-        errors.append(close(dev.download(replay()), want, 1e-3))
+        want = N.silu_and_mul(x_new @ w.T)  # (9, 64), values in the hundreds
+        # relative to the largest value: float32 sums of 256 products in another order
+        errors.append(close(dev.download(replay()), want, 2e-5 * float(np.abs(want).max())))
     return {"capture_s": seconds, "max_abs_error": max(errors)}
 
 
