@@ -402,3 +402,39 @@ def test_stats_line_reports_acceptance(tiny):
     st = engine.spec_stats
     assert f"spec decode acceptance {100 * st.acceptance_rate:.1f}%" in line
     assert f"mean acceptance length {st.mean_acceptance_length:.2f}" in line
+
+
+def test_aborts_between_steps_and_inside_a_speculated_step(tiny):
+    """Requests aborted between steps, and one aborted while its speculated step runs (between
+    schedule and update): the others keep their greedy tokens, every block comes back."""
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 8, 320)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    keep = [0, 2, 3, 5, 6, 7]
+    want, _, _ = run(tiny, [prompts[i] for i in keep], params, None, backend="numpy")
+    engine = make_engine(tiny, speculative_config=json.dumps(NGRAM), backend="numpy")
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    execute = engine.runner.execute
+
+    aborted_inside = []
+
+    def execute_and_abort(out, greedy=False):  # request 4 leaves while its forward runs
+        ids = {s.seq_id for s, _ in out.scheduled if s.request_id == "4"}
+        if not aborted_inside and ids & set(out.drafts):
+            aborted_inside.append(engine.abort("4"))
+        return execute(out, greedy)
+
+    engine.runner.execute = execute_and_abort
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+        steps += 1
+        if steps == 3:
+            engine.abort("1")
+    assert [done[str(i)].token_ids for i in keep] == want
+    assert aborted_inside == [True]  # request 4 was speculating when it left
+    assert all(len(done[r].token_ids) < 48 for r in ("1", "4") if r in done)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.spec_stats.num_accepted_tokens > 0
