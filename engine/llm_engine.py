@@ -287,9 +287,9 @@ class LLMEngine:
 
     # ---- speculative decoding ----
     def _propose(self) -> None:
-        """Drafts (``seq.spec_tokens``) for each running decode that asks no logprobs (greedy
-        or sampled), cut so that no step can pass max_tokens or max_model_len; none while a
-        step is in flight, when logits are recorded, or above disable_by_batch_size."""
+        """Drafts (``seq.spec_tokens``) for each running decode (greedy or sampled), cut so that
+        no step can pass max_tokens or max_model_len; none while a step is in flight, when
+        logits are recorded, or above disable_by_batch_size."""
         sc, running = self.config.speculative, self.scheduler.running
         if self.in_flight is not None or self.record_logits:
             return
@@ -301,7 +301,7 @@ class LLMEngine:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
             )
-            if room < 1 or seq.num_uncomputed_tokens != 1 or seq.params.logprobs is not None:
+            if room < 1 or seq.num_uncomputed_tokens != 1:
                 continue
             if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
                 seq.spec_wait -= 1
@@ -327,13 +327,17 @@ class LLMEngine:
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None:
                 if logits is None or plain_greedy(seq):
-                    accepted.append((seq, accept_greedy(drafts, ids[r : r + n])))
+                    tokens = accept_greedy(drafts, ids[r : r + n])
                 else:
                     probs = self._target_probs(logits[r : r + n], seq, drafts)  # (n, V)
-                    gen = self.output_processor.generator(seq)
-                    accepted.append((seq, accept_sampled(probs, drafts, gen)))
-                backoff(seq, len(accepted[-1][1]) - 1)
-                self.spec_stats.record(len(drafts), len(accepted[-1][1]) - 1)
+                    tokens = accept_sampled(probs, drafts, self.output_processor.generator(seq))
+                lps = [None] * len(tokens)
+                if seq.params.logprobs is not None:  # each token's from the row that chose it
+                    rows = logits[r : r + len(tokens)]
+                    lps = self.sampler.logprobs(rows, [seq] * len(tokens), np.array(tokens))
+                accepted.append((seq, list(zip(tokens, lps, strict=True))))
+                backoff(seq, len(tokens) - 1)
+                self.spec_stats.record(len(drafts), len(tokens) - 1)
                 r += n
                 continue
             if seq.num_computed_tokens + n == seq.num_tokens:  # its last token ran: it samples
@@ -369,14 +373,14 @@ class LLMEngine:
         that ends it (EOS, a stop id or string, max_tokens); the rest are dropped."""
         now, op = time.monotonic(), self.output_processor
         for seq, tokens in accepted:
-            for token in tokens:
+            for token, logprob in tokens:
                 if seq.is_finished:
                     break
                 if token == NO_TOKEN:
                     self._abort_unsampled([seq], [NO_TOKEN])
                     break
                 self.scheduler.accept(seq, token)
-                reason = op.process_token(seq, None, None, now)
+                reason = op.process_token(seq, logprob, None, now)
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                     free = self.block_manager.num_free_blocks

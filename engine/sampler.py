@@ -157,10 +157,12 @@ class Sampler:
             drawn = draw(np.nan_to_num(probs), [generators[b] for b in rand])  # (R,)
             ok = np.isfinite(probs).all(axis=1)  # (R,) a NaN row has nothing to draw from
             ids[rand] = np.where(ok, drawn, NO_TOKEN)
-        return ids.tolist(), self._logprobs(logits, seqs, ids)
+        return ids.tolist(), self.logprobs(logits, seqs, ids)
 
     @staticmethod
-    def _logprobs(logits: np.ndarray, seqs, ids: np.ndarray):
+    def logprobs(logits: np.ndarray, seqs, ids: np.ndarray):
+        """Per row: {token: logprob} of the top ``params.logprobs`` tokens and the chosen one
+        (the raw log-softmax), or None where no logprobs were asked or nothing was chosen."""
         out = []
         for b, seq in enumerate(seqs):
             n = seq.params.logprobs

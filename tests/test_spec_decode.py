@@ -438,3 +438,21 @@ def test_aborts_between_steps_and_inside_a_speculated_step(tiny):
     assert all(len(done[r].token_ids) < 48 for r in ("1", "4") if r in done)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_logprobs_of_speculated_tokens_come_from_the_target(tiny):
+    """A greedy request with logprobs speculates too: the same tokens, and each token's top-3
+    logprobs equal those without speculation (the verify rows' logits, within float32)."""
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 6, 320)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3)
+    outs = {}
+    for spec in (None, json.dumps(NGRAM)):
+        engine = make_engine(tiny, speculative_config=spec, backend="numpy")
+        outs[spec] = run_to_completion(engine, prompts, params)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    for a, b in zip(outs[None], outs[json.dumps(NGRAM)], strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t] - y[t]) for t in x) < 1e-4
