@@ -21,6 +21,10 @@ WORKLOADS = {  # engine args: a pool small enough to preempt
     "swap": dict(preemption_mode="swap", swap_space=0.00002),  # 10 CPU blocks
     "prefix": dict(preemption_mode="recompute", enable_prefix_caching=True),
     "async": dict(preemption_mode="recompute", async_scheduling=True),  # tokens seen when read
+    "spec": dict(  # lookahead blocks taken at schedule, trimmed after the step
+        preemption_mode="recompute",
+        speculative_config='{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+    ),
 }
 
 
@@ -52,6 +56,7 @@ def test_recorded_tables_are_the_block_managers_and_outputs_unchanged(tiny, mode
     recorder, spy = Recorder(engine), ScheduleSpy(engine)
     recorded = run_to_completion(engine, prompts, params, check_invariants=True)
     assert engine.scheduler.num_preemptions > 0  # the workload does preempt
+    assert engine.spec_stats.num_drafts > 0 or mode != "spec"  # and speculates
     assert [o.outputs[0].token_ids for o in recorded] == [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].text for o in recorded] == [o.outputs[0].text for o in plain]
     data = recorder.data()
