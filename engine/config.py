@@ -147,9 +147,10 @@ class EngineConfig:
     speculative_config: str | None = option(
         None,
         "speculative decoding, a JSON object with vLLM's keys: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 4, "disable_by_batch_size": 16}\': prompt lookup drafts up to k '
-        "tokens per plain-greedy decode, all checked by one forward (outputs unchanged)",
+        "tokens per decode, all checked by one forward (greedy outputs unchanged, sampled ones "
+        "drawn from the same distribution)",
         default_help="off",
     )
     generation_config: str = option(

@@ -262,7 +262,7 @@ class LLMEngine:
         if self.in_flight is not None and self._would_reject(self.in_flight):
             self._drain()
         if self.config.speculative is not None:
-            self._propose()  # 0. drafts for the plain-greedy decodes (speculative decoding)
+            self._propose()  # 0. drafts for the decodes (speculative decoding)
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self.output_processor.process_rejected(self.scheduler.take_rejected())
@@ -371,7 +371,6 @@ class LLMEngine:
     def _accept_all(self, accepted: list) -> None:
         """Each speculated sequence's verified tokens, one by one: it stops at the first token
         that ends it (EOS, a stop id or string, max_tokens); the rest are dropped."""
-        now, op = time.monotonic(), self.output_processor
         for seq, tokens in accepted:
             for token, logprob in tokens:
                 if seq.is_finished:
@@ -380,11 +379,7 @@ class LLMEngine:
                     self._abort_unsampled([seq], [NO_TOKEN])
                     break
                 self.scheduler.accept(seq, token)
-                reason = op.process_token(seq, logprob, None, now)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                    free = self.block_manager.num_free_blocks
-                    tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
+                self._process_tokens([seq], {seq.seq_id: (logprob, None)})
             self.scheduler.end_speculation(seq)
 
     # ---- async scheduling ----
