@@ -374,3 +374,13 @@ def test_families_match_transformers_on_the_device(name):
     from tests.test_families import check_outputs, engine_outputs
 
     check_outputs(name, *engine_outputs(name, BACKEND, num_gpu_blocks=64, dtype="float32"))
+
+
+def test_speculative_decoding_on_the_device(tiny):
+    """Speculated rows (1 + k query tokens, every row's logits gathered) on the device backend:
+    greedy tokens identical with speculation on and off."""
+    from tests.test_spec_decode import check_same, repetitive_prompts
+
+    prompts = repetitive_prompts(np.random.default_rng(), 8, 320)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    check_same(tiny, prompts, params, backend=BACKEND, num_gpu_blocks=64, dtype="float32")
