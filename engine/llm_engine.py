@@ -296,6 +296,7 @@ class LLMEngine:
         if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
             return
         for seq in running:
+            seq.spec_tokens = []  # none left from a step that preempted it before its turn
             room = min(
                 sc.num_speculative_tokens,
                 seq.params.max_tokens - seq.num_output_tokens - 1,
