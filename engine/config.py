@@ -150,7 +150,8 @@ class EngineConfig:
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 4, "disable_by_batch_size": 16}\': prompt lookup drafts up to k '
         "tokens per decode, all checked by one forward (greedy outputs unchanged, sampled ones "
-        "drawn from the same distribution)",
+        'drawn from the same distribution); \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\': a smaller model with the same tokenizer drafts them',
         default_help="off",
     )
     generation_config: str = option(

@@ -41,7 +41,7 @@ from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample, sampling_p
 from .sampling_params import SamplingParams, generation_defaults, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence
-from .spec_decode import SpecStats, accept_greedy, accept_sampled, propose_ngram
+from .spec_decode import DraftModel, SpecStats, accept_greedy, accept_sampled, propose_ngram
 
 log = logging.getLogger("engine")
 MAX_SPEC_BACKOFF = 16  # steps without drafts at most, after repeated rejections
@@ -97,6 +97,26 @@ class InFlight:
     rows: dict[int, int]  # seq_id -> its row
 
 
+def check_draft(draft: LoadedModel, target: LoadedModel, max_model_len: int) -> None:
+    """A ValueError naming what makes ``draft`` unfit to propose for ``target``."""
+    dv, tv = draft.config.vocab_size, target.config.vocab_size
+    if dv != tv:
+        raise ValueError(f"speculative_config: the draft's vocab_size {dv} != the target's {tv}")
+    dt, tt = draft.tokenizer.backend.get_vocab(), target.tokenizer.backend.get_vocab()
+    if dt != tt:
+        differ = len(set(dt.items()) ^ set(tt.items()))
+        raise ValueError(
+            f"speculative_config: the draft model's tokenizer is not the target's "
+            f"({differ} token <-> id pairs differ)"
+        )
+    dmax = draft.config.max_position_embeddings
+    if dmax < max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's max_position_embeddings {dmax} < "
+            f"max_model_len {max_model_len}; lower max_model_len"
+        )
+
+
 def _configured_backend(model_config, weights, config: EngineConfig):
     return get_backend(config.backend, model_config, weights, config)
 
@@ -105,7 +125,8 @@ class LLMEngine:
     """``LLMEngine(model, **engine_args)``: engine_args are ``EngineConfig`` fields.
 
     ``record_logits=True`` keeps every sampled row of logits (for ``engine.diff``); ``loaded``
-    reuses an already loaded model (tests share one between engines); ``backend_factory``
+    reuses an already loaded model (tests share one between engines), ``draft_loaded`` the
+    same for a draft model; ``backend_factory``
     ``(model_config, weights, config) -> Backend`` replaces the configured backend (the host
     benchmark's ``StubBackend``).
     """
@@ -116,6 +137,7 @@ class LLMEngine:
         *,
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
+        draft_loaded: LoadedModel | None = None,
         record_logits: bool = False,
         backend_factory=None,
         **engine_args,
@@ -131,6 +153,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)
         self.record_logits = record_logits
+        self.draft_loaded = draft_loaded
         self.sampling_defaults = self._sampling_defaults()
         self._setup(backend_factory or _configured_backend)
 
@@ -172,9 +195,15 @@ class LLMEngine:
             mc.vocab_size,
         )
         self.backend = backend_factory(mc, self.loaded.weights, cfg)
-        self.kv_plan = plan_kv_cache(cfg, self.backend)
+        draft = self._draft_backend(backend_factory)  # speculative decoding's draft model
+        self.kv_plan = plan_kv_cache(cfg, self.backend, draft)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
+        self.drafter = None
+        if draft is not None:
+            draft.allocate_kv_cache(self.kv_plan.num_draft_blocks)
+            n = self.kv_plan.num_draft_blocks
+            self.drafter = DraftModel(draft, n, cfg.block_size, cfg.max_num_batched_tokens)
         self.block_manager = BlockManager(
             num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
         )
@@ -199,6 +228,26 @@ class LLMEngine:
             if cfg.async_scheduling:
                 log.info("async scheduling overlaps no step while speculative decoding is on")
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, cfg.max_model_len)
+
+    def _draft_backend(self, backend_factory):
+        """The draft model's backend (method draft_model), checked against the target: the
+        same vocabulary, room for max_model_len tokens; else None."""
+        sc = self.config.speculative
+        if sc is None or sc.method != "draft_model":
+            return None
+        draft = self.draft_loaded or load_model(sc.model)
+        check_draft(draft, self.loaded, self.config.max_model_len)
+        dc = draft.config
+        log.info(
+            "draft model %s: %d layers, hidden %d, %d heads (%d KV), vocab %d",
+            draft.source,
+            dc.num_hidden_layers,
+            dc.hidden_size,
+            dc.num_attention_heads,
+            dc.num_key_value_heads,
+            dc.vocab_size,
+        )
+        return backend_factory(dc, draft.weights, self.config)
 
     # ---- requests ----
     def add_request(
@@ -243,6 +292,8 @@ class LLMEngine:
         if not self.output_processor.abort(request_id):
             return False
         self.scheduler.abort(request_id)
+        if self.drafter is not None:
+            self.drafter.release_except(seq.seq_id for seq in self.scheduler.running)
         return True
 
     abort_request = abort  # vLLM's name
@@ -252,6 +303,8 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        if self.drafter is not None:
+            self.drafter.check_invariants()
 
     # ---- the loop ----
     def step(self, stream: bool = True) -> list[RequestOutput]:
@@ -282,6 +335,8 @@ class LLMEngine:
             seqs, ids, extras = self._execute_and_sample(out)
             # 4. update: append the tokens, stop checks, free finished sequences
             self._update(out, seqs, ids, extras)
+        if self.drafter is not None:  # the draft's blocks of sequences no longer running
+            self.drafter.release_except(seq.seq_id for seq in self.scheduler.running)
         # 5. process outputs
         return self.output_processor.outputs(stream)
 
@@ -295,6 +350,7 @@ class LLMEngine:
             return
         if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
             return
+        seqs, rooms = [], []
         for seq in running:
             seq.spec_tokens = []  # none left from a step that preempted it before its turn
             room = min(
@@ -307,9 +363,16 @@ class LLMEngine:
             if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
                 seq.spec_wait -= 1
                 continue
-            seq.spec_tokens = propose_ngram(
-                seq.token_ids, room, sc.prompt_lookup_min, sc.prompt_lookup_max
-            )
+            seqs.append(seq)
+            rooms.append(room)
+        if self.drafter is not None:
+            drafts = self.drafter.propose(seqs, rooms) if seqs else []
+        else:
+            n_min, n_max = sc.prompt_lookup_min, sc.prompt_lookup_max
+            pairs = zip(seqs, rooms, strict=True)
+            drafts = [propose_ngram(s.token_ids, r, n_min, n_max) for s, r in pairs]
+        for seq, d in zip(seqs, drafts, strict=True):
+            seq.spec_tokens = d
 
     def _speculative_step(self, out: SchedulerOutput) -> None:
         """Run a step with speculated rows: a run's rows are the target after its last token

@@ -5,6 +5,11 @@
 logs the arithmetic, and returns it as a ``KVPlan``. The engine allocates exactly that many
 blocks and keeps the plan (``LLMEngine.kv_plan``).
 
+With a draft model (speculative decoding) its backend is planned alongside: the draft's pool
+holds as many tokens as the target's plus ``num_speculative_tokens`` (and a block) per sequence,
+so each target block costs its bytes plus a draft block's; the draft's weights and activation
+peak are taken out of the same memory.
+
 On a GPU (``cuda``) the pool is what ``gpu_memory_utilization`` of device memory leaves after the
 weights and the activation peak; the swap pool lives in host memory. On the host backends
 (``numpy``, ``cuda-cpu``) the pool, the swap pool and the activation peak all come out of host
@@ -16,6 +21,7 @@ the memory there is is a ValueError naming it, never a MemoryError.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -56,17 +62,50 @@ class KVPlan:
     room_bytes: int  # what the pool may take: the memory left after weights, peak and swap
     room: str  # where room_bytes comes from
     why: str  # why num_blocks is what it is
+    num_draft_blocks: int = 0  # the draft model's pool (speculative decoding), else 0
 
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
 
 
-def plan_kv_cache(cfg: EngineConfig, backend) -> KVPlan:
-    """The pools (GPU blocks, CPU swap blocks), checked to fit; logs the arithmetic.
+@dataclass(frozen=True)
+class _DraftSizes:
+    """What a draft model adds to the plan."""
+
+    per_block: int = 0  # draft bytes for each target block
+    lookahead_blocks: int = 0  # draft blocks beyond the target's count
+    fixed: int = 0  # lookahead blocks + the draft's activation peak
+    weights: int = 0
+
+
+def _draft_sizes(cfg: EngineConfig, draft) -> _DraftSizes:
+    if draft is None:
+        return _DraftSizes()
+    k = cfg.speculative.num_speculative_tokens
+    lookahead = cfg.max_num_seqs * (cdiv(k, cfg.block_size) + 1)
+    peak = _activation_peak(cfg, draft)
+    sizes = _DraftSizes(draft.bytes_per_block, lookahead, lookahead * draft.bytes_per_block + peak)
+    sizes = dataclasses.replace(sizes, weights=draft.weights_bytes)
+    log.info(
+        "draft model: weights %s, %s per KV block (one per target block, plus %d lookahead "
+        "blocks = %s), activation peak %s: counted in the plan below",
+        mib(sizes.weights),
+        mib(sizes.per_block),
+        lookahead,
+        mib(lookahead * sizes.per_block),
+        mib(peak),
+    )
+    return sizes
+
+
+def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
+    """The pools (GPU blocks, CPU swap blocks, and with a ``draft`` backend its blocks),
+    checked to fit; logs the arithmetic.
 
     A pool too small for one ``max_model_len`` sequence, or a plan larger than the memory there
     is, is a ValueError naming the field to change."""
+    d = _draft_sizes(cfg, draft)
     per_block = backend.bytes_per_block
     # no swap with prefix caching (EngineConfig refuses it): no CPU pool either
     num_cpu_blocks = 0 if cfg.enable_prefix_caching else cfg.swap_space_bytes // per_block
@@ -74,10 +113,11 @@ def plan_kv_cache(cfg: EngineConfig, backend) -> KVPlan:
     ram = available_ram_bytes()
     _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
     peak = _activation_peak(cfg, backend)
+    both = per_block + d.per_block, peak + d.fixed, backend.weights_bytes + d.weights
     if backend.name in HOST_BACKENDS:
-        num_blocks, room_bytes, room, why = _host_pool(cfg, backend, per_block, swap, peak, ram)
+        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, swap, ram)
     else:
-        num_blocks, room_bytes, room, why = _device_pool(cfg, backend, per_block, peak)
+        num_blocks, room_bytes, room, why = _device_pool(cfg, backend, *both)
     log.info(
         "# GPU blocks: %d, # CPU blocks: %d  (the 'GPU' pool is %s on the %s backend; "
         "CPU blocks = swap_space %g GiB / block)",
@@ -89,7 +129,10 @@ def plan_kv_cache(cfg: EngineConfig, backend) -> KVPlan:
     )
     _check_fits(cfg, num_blocks, per_block)
     sizes = (cfg.block_size, per_block, num_blocks, num_cpu_blocks, backend.weights_bytes, peak)
-    return KVPlan(*sizes, swap, room_bytes, room, why)
+    num_draft = num_blocks + d.lookahead_blocks if draft is not None else 0
+    if draft is not None:
+        log.info("# draft blocks: %d (%s)", num_draft, mib(num_draft * d.per_block))
+    return KVPlan(*sizes, swap, room_bytes, room, why, num_draft)
 
 
 def _activation_peak(cfg: EngineConfig, backend) -> int:
@@ -106,10 +149,10 @@ def _activation_peak(cfg: EngineConfig, backend) -> int:
         ) from None
 
 
-def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int, ram: int):
+def _host_pool(cfg: EngineConfig, per_block: int, peak: int, weights: int, swap: int, ram: int):
     """(blocks, room bytes, room, why) of a pool in host RAM, such that KV pool + swap pool +
     activation peak fit."""
-    limit, limit_name = _host_limit(cfg, backend, ram)
+    limit, limit_name = _host_limit(cfg, weights, ram)
     where = f"{limit_name} less the swap pool"
     _check_below(peak, limit - swap, _peak_name(cfg), where, PEAK_FIX)
     fit = (limit - swap - peak) // per_block
@@ -130,12 +173,12 @@ def _host_pool(cfg: EngineConfig, backend, per_block: int, swap: int, peak: int,
     return num_blocks, limit - swap - peak, room, why
 
 
-def _host_limit(cfg: EngineConfig, backend, ram: int) -> tuple[int, str]:
+def _host_limit(cfg: EngineConfig, weights: int, ram: int) -> tuple[int, str]:
     """(bytes the KV pool, the swap pool and the activation peak may take together, its name)."""
     if cfg.num_gpu_blocks:
         return ram, "the available RAM"
     if cfg.memory_budget_bytes:
-        room, name = cfg.memory_budget_bytes - backend.weights_bytes, "memory_budget_bytes"
+        room, name = cfg.memory_budget_bytes - weights, "memory_budget_bytes"
         _check_below(room, ram, f"{name}={cfg.memory_budget_bytes} less the weights", "the RAM")
         return room, f"{name} less the weights"
     return int(HOST_RAM_FRACTION * ram), f"{HOST_RAM_FRACTION:.2f} x available RAM"
@@ -155,7 +198,7 @@ def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int,
     )
 
 
-def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int):
+def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int, weights: int):
     """(blocks, room bytes, room, why) of a pool in device memory: the budget less weights and
     the activation peak."""
     total = backend.total_memory_bytes()
@@ -165,7 +208,6 @@ def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int):
     else:
         budget = int(cfg.gpu_memory_utilization * total)
         source = f"{cfg.gpu_memory_utilization:.2f} x GPU memory"
-    weights = backend.weights_bytes
     where = "the memory budget less the weights"
     _check_below(peak, budget - weights, _peak_name(cfg), where, PEAK_FIX)
     fit = (budget - weights - peak) // per_block

@@ -3,12 +3,14 @@ on and off, whatever the engine does around it, and nothing leaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from engine import SamplingParams
 from engine.llm import run_to_completion
@@ -18,7 +20,9 @@ from engine.spec_decode import (
     parse_speculative_config,
     propose_ngram,
 )
+from reference.loader import load_model
 from tests.test_families import loaded as family
+from tests.tiny_model import make_tiny_model
 from tests.utils import make_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -68,7 +72,9 @@ def test_accept_greedy_is_the_greedy_continuation(drafts, data):
 @pytest.mark.parametrize(
     "value, words",
     [
-        ({"method": "draft_model", "model": "x"}, "'draft_model' is not implemented"),
+        ({"method": "eagle", "model": "x"}, "'eagle' is not implemented"),
+        ({"method": "draft_model"}, "'draft_model' needs a 'model'"),
+        ({"model": "x", "prompt_lookup_min": 2}, "key 'prompt_lookup_min' is not read"),
         ({"method": "magic"}, "method must be one of"),
         ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({**NGRAM, "prompt_lookup_min": 4}, "prompt_lookup_max must be an integer >="),
@@ -102,17 +108,21 @@ def repetitive_prompts(rng, n: int, vocab: int) -> list[list[int]]:
 
 
 def run(loaded, prompts, params, spec, **engine_args):
+    if spec is None:
+        engine_args.pop("draft_loaded", None)
     engine = make_engine(loaded, speculative_config=spec and json.dumps(spec), **engine_args)
     outs = run_to_completion(engine, prompts, params, check_invariants=True)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if engine.drafter is not None:  # the draft's pool is whole again too
+        assert engine.drafter.num_free_blocks == engine.drafter.num_blocks
     return [o.token_ids for o in outs], [o.text for o in outs], engine
 
 
-def check_same(loaded, prompts, params, accepts=True, **engine_args):
+def check_same(loaded, prompts, params, accepts=True, spec=NGRAM, **engine_args):
     """Same tokens and text with speculation; drafts were verified (and, on a workload long
     enough that the model repeats itself, some accepted: several tokens in one step)."""
     want, want_text, _ = run(loaded, prompts, params, None, **engine_args)
-    got, got_text, engine = run(loaded, prompts, params, NGRAM, **engine_args)
+    got, got_text, engine = run(loaded, prompts, params, spec, **engine_args)
     assert got == want and got_text == want_text
     stats = engine.spec_stats
     assert stats.num_drafts > 0
@@ -456,3 +466,181 @@ def test_logprobs_of_speculated_tokens_come_from_the_target(tiny):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.keys() == y.keys()
             assert max(abs(x[t] - y[t]) for t in x) < 1e-4
+
+
+# ---- draft model ----
+DRAFT = {"method": "draft_model", "model": "test-draft", "num_speculative_tokens": 4}
+
+
+def layer_skip(loaded, num_layers: int = 1):
+    """The target's first layers alone, as a draft: the same vocabulary and tokenizer, guesses
+    that agree with the target often but not always."""
+    c = loaded.config
+    config = dataclasses.replace(
+        c, num_hidden_layers=num_layers, layer_windows=c.layer_windows[:num_layers]
+    )
+    weights = dataclasses.replace(loaded.weights, layers=loaded.weights.layers[:num_layers])
+    return dataclasses.replace(loaded, config=config, weights=weights, source="layer-skip draft")
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """Another random tiny model with the same tokenizer: its guesses are nearly all wrong."""
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("draft") / "m", seed=7)))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cuda-cpu"])
+def test_draft_model_equal_to_the_target_accepts_everything(tiny, backend):
+    """Draft = target: every draft token is accepted, every step yields k + 1 tokens (max_tokens
+    = 1 + 5m leaves room for whole drafts), and the tokens are those without speculation."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, int(rng.integers(3, 30))).tolist() for _ in range(6)]
+    max_tokens = 1 + 5 * int(rng.integers(3, 8))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    args = dict(backend=backend, draft_loaded=tiny)
+    stats = check_same(tiny, prompts, params, spec=DRAFT, **args)
+    assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 5.0
+    assert stats.accepted_per_pos == [stats.num_drafts] * 4
+
+
+def test_draft_model_partial_and_wrong_drafts_give_the_same_tokens(tiny, other_draft):
+    """A layer-skip draft (partly right) and an unrelated one (wrong): greedy tokens equal,
+    with prefix caching, chunked prefill and a pool small enough to preempt, and both pools
+    whole at the end."""
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 10, 320)
+    prompts += [prompts[1] + [7, 8]]  # a shared prefix
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    args = dict(backend="numpy", block_size=4, num_gpu_blocks=28, max_model_len=80)
+    args |= dict(enable_prefix_caching=True, enable_chunked_prefill=True)
+    args |= dict(max_num_batched_tokens=24, max_num_seqs=8)
+    skip = check_same(tiny, prompts, params, spec=DRAFT, draft_loaded=layer_skip(tiny), **args)
+    assert 0.0 < skip.acceptance_rate < 1.0
+    wrong = check_same(
+        tiny, prompts, params, accepts=False, spec=DRAFT, draft_loaded=other_draft, **args
+    )
+    assert wrong.acceptance_rate < skip.acceptance_rate
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_under_preemption_and_aborts(tiny, mode):
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 10, 320)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    args = dict(backend="numpy", num_gpu_blocks=20, block_size=4, preemption_mode=mode)
+    args |= dict(max_model_len=80, swap_space=0.01, draft_loaded=layer_skip(tiny))
+    want, _, _ = run(tiny, prompts, params, None, **args)
+    engine = make_engine(tiny, speculative_config=json.dumps(DRAFT), **args)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    schedule, preempted = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    engine.scheduler.schedule = spy
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+        steps += 1
+        if steps == 6:
+            assert engine.abort("3")
+    assert preempted, "the pool was meant to force preemption"
+    assert [done[str(i)].token_ids for i in range(10) if i != 3] == want[:3] + want[4:]
+    assert engine.drafter.num_free_blocks == engine.drafter.num_blocks
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_draft_model_sampled_requests_keep_their_distribution(tiny):
+    """Sampled requests with a layer-skip draft: the distribution over 3-token continuations
+    (top_k 3; the last two from one speculated step) equals the exact one from the reference
+    forward (27 outcomes; chi-square, fixed seed)."""
+    from reference.model import forward
+
+    n_req, k = 1000, 3
+    prompt = np.random.default_rng(5).integers(3, 320, 12).tolist()
+
+    def top3(ids):
+        logits = forward(tiny.weights, tiny.config, ids).astype(np.float64)
+        top = np.argsort(-logits, kind="stable")[:k]
+        e = np.exp(logits[top] - logits[top].max())
+        return top.tolist(), e / e.sum()
+
+    exact = {}
+    t0, p0 = top3(prompt)
+    for a, pa in zip(t0, p0, strict=True):
+        t1, p1 = top3(prompt + [a])
+        for b, pb in zip(t1, p1, strict=True):
+            t2, p2 = top3(prompt + [a, b])
+            for c, pc in zip(t2, p2, strict=True):
+                exact[(a, b, c)] = pa * pb * pc
+    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
+    spec = json.dumps({**DRAFT, "num_speculative_tokens": 1})
+    draft = layer_skip(tiny)
+    engine = make_engine(
+        tiny, speculative_config=spec, backend="numpy", seed=99, draft_loaded=draft
+    )
+    outs = run_to_completion(engine, [prompt] * n_req, params)
+    assert engine.spec_stats.num_drafts == n_req  # every request speculated its last two
+    assert 0 < engine.spec_stats.num_accepted_tokens < n_req
+    keys = list(exact)
+    expected = np.array([exact[t] for t in keys]) * n_req
+    counts = {t: 0 for t in keys}
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1  # a KeyError: a continuation outside the top 3s
+    observed = np.array([counts[t] for t in keys])
+    big = expected >= 5
+    chi2 = ((observed[big] - expected[big]) ** 2 / expected[big]).sum()
+    cells = int(big.sum())
+    if (~big).any():
+        rest_e, rest_o = expected[~big].sum(), observed[~big].sum()
+        chi2, cells = chi2 + (rest_o - rest_e) ** 2 / rest_e, cells + 1
+    assert chi2 < CHI2_999[cells - 1], (chi2, cells)
+
+
+def test_draft_model_refusals(tiny):
+    """A draft whose vocabulary, tokenizer or context length does not fit is refused at
+    startup, naming what is wrong."""
+    import copy
+
+    from engine.llm_engine import check_draft
+
+    small_vocab = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, vocab_size=256))
+    with pytest.raises(ValueError, match="vocab_size 256 != the target's 320"):
+        check_draft(small_vocab, tiny, 256)
+    tok = copy.copy(tiny.tokenizer)
+    tok.backend = Tokenizer.from_str(tiny.tokenizer.backend.to_str())
+    tok.backend.add_tokens(["zzzz-not-in-the-target"])
+    with pytest.raises(ValueError, match="tokenizer is not the target's"):
+        check_draft(dataclasses.replace(tiny, tokenizer=tok), tiny, 256)
+    short = dataclasses.replace(
+        tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=128)
+    )
+    with pytest.raises(ValueError, match="max_position_embeddings 128 < max_model_len 256"):
+        make_engine(tiny, speculative_config=json.dumps(DRAFT), draft_loaded=short)
+    check_draft(layer_skip(tiny), tiny, 256)  # the same vocabulary: accepted
+
+
+def test_draft_model_in_the_memory_plan(tiny):
+    """Under one memory budget, each target block also pays for a draft block, and the draft's
+    weights, lookahead blocks and activation peak come out of the budget: the exact counts."""
+    from engine.utils import cdiv
+
+    draft = layer_skip(tiny)
+    args = dict(backend="numpy", block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
+    budget = tiny.weights.nbytes() + draft.weights.nbytes() + 12_000_000
+    args |= dict(num_gpu_blocks=None, memory_budget_bytes=budget, swap_space=0)
+    plain = make_engine(tiny, **args)
+    spec = json.dumps({**DRAFT, "num_speculative_tokens": 6})
+    eng = make_engine(tiny, speculative_config=spec, draft_loaded=draft, **args)
+    be, dbe = eng.backend, eng.drafter.backend
+    lookahead = 4 * (cdiv(6, 4) + 1)
+    peak = be.profile_peak_bytes(256, 256, 4) + dbe.profile_peak_bytes(256, 256, 4)
+    room = budget - be.weights_bytes - dbe.weights_bytes - peak - lookahead * dbe.bytes_per_block
+    assert eng.kv_plan.num_blocks == room // (be.bytes_per_block + dbe.bytes_per_block)
+    assert eng.kv_plan.num_blocks < plain.kv_plan.num_blocks
+    assert eng.kv_plan.num_draft_blocks == eng.kv_plan.num_blocks + lookahead
+    assert dbe.kv_cache.shape[2] == eng.kv_plan.num_draft_blocks  # (L, 2, blocks, ...)

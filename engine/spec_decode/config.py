@@ -2,9 +2,10 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5, "disable_by_batch_size": 16}
+    {"method": "draft_model", "model": "path/or/name", "num_speculative_tokens": 4}
 
-Only ``ngram`` is implemented; ``draft_model`` and every other method are refused by name, as is
-any key this code does not read.
+``ngram`` and ``draft_model`` are implemented (a ``model`` with no ``method`` is a draft model,
+as in vLLM); every other method is refused by name, as is any key the method does not read.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -24,8 +25,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
     disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences
+    model: str | None = None  # draft_model: the draft's checkpoint (a path or a known name)
 
     def __post_init__(self):
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (a path)")
         k, lo, hi = self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
         _int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
         _int("prompt_lookup_min", lo, 1, None)
@@ -53,13 +57,15 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
     d = dict(value)
-    method = d.pop("method", None)
+    method = d.pop("method", "draft_model" if "model" in d else None)
     if method in NOT_YET:
-        raise ValueError(f"speculative_config: method {method!r} is not implemented (only ngram)")
+        raise ValueError(
+            f"speculative_config: method {method!r} is not implemented (only {', '.join(METHODS)})"
+        )
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {METHODS}, got {method!r}")
-    known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-    known.add("disable_by_batch_size")
+    known = {"num_speculative_tokens", "disable_by_batch_size"}
+    known |= {"model"} if method == "draft_model" else {"prompt_lookup_min", "prompt_lookup_max"}
     extra = sorted(set(d) - known)
     if extra:
         raise ValueError(f"speculative_config: key {extra[0]!r} is not read (method {method!r})")
