@@ -384,3 +384,16 @@ def test_speculative_decoding_on_the_device(tiny):
     prompts = repetitive_prompts(np.random.default_rng(), 8, 320)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     check_same(tiny, prompts, params, backend=BACKEND, num_gpu_blocks=64, dtype="float32")
+
+
+def test_draft_model_on_the_device(tiny):
+    """A draft model (here the target itself) on the device backend: a second backend with its
+    own pool; every draft accepted, greedy tokens identical with speculation on and off."""
+    from tests.test_spec_decode import DRAFT, check_same
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, int(rng.integers(3, 30))).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True)
+    args = dict(backend=BACKEND, num_gpu_blocks=64, dtype="float32", draft_loaded=tiny)
+    stats = check_same(tiny, prompts, params, spec=DRAFT, **args)
+    assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 5.0
