@@ -12,6 +12,17 @@ time (the time to the next frame). Output tokens are seen at the frame after the
 them. ``write_html`` first appends an idle frame (the pool once the run is over), then fills
 engine/replay.html with the frames as JSON.
 
+Speculative decoding: a step's ``SchedulerOutput.drafts`` are its frame's ``spec`` entries
+``[seq, draft pieces, accepted, extra piece]``, completed at the next frame from the tokens the
+sequence gained: the accepted drafts, then one extra token (the bonus after every draft, or the
+target's token in place of the first rejected one); the drafts after the accepted ones were
+rejected. A sequence that finished on an accepted draft (or whose next row had nothing to
+sample) gained no extra token (``null``) and never took the drafts after it, whatever the
+verifier made of them; the drafts the verifier accepted but no sequence took are the frame's
+``drop`` (from ``engine.spec_stats``), so the frames' accepted drafts and drops add up to
+``spec_stats.num_accepted_tokens``. A speculated run is scheduled among the prefills; its
+``run`` kind is "s".
+
 Sequences are numbered in the order the recorder first sees them (their index in ``seqs``).
 The recorder only reads the engine's state: the outputs are the same with it on or off.
 """
@@ -47,6 +58,40 @@ class _Track:
     num_output: int = 0
 
 
+@dataclasses.dataclass
+class _Speculated:
+    """One sequence's drafts in the step just run, completed at the next frame."""
+
+    seq: Sequence
+    drafts: list[int]
+    num_output: int  # its output tokens before the step
+    entry: list  # [seq, draft pieces, accepted, extra piece] in the step's frame
+
+
+def num_taken(drafts: list[int], gained: list[int], finished: bool) -> int:
+    """How many drafts a speculated sequence took, from the tokens it gained in the step: all
+    but the last (the extra token); for one that finished in the step, its new tokens while they
+    are its drafts (it may have stopped on one, before the extra token; that token is never the
+    draft it replaces: greedy, a different argmax; sampled, drawn without the draft)."""
+    if not finished:
+        return len(gained) - 1
+    n = 0
+    for draft, token in zip(drafts, gained, strict=False):
+        if draft != token:
+            break
+        n += 1
+    return n
+
+
+def _rows(out: SchedulerOutput) -> list[tuple[Sequence, int, str]]:
+    """(seq, tokens, kind) per scheduled row: the first num_decodes are decodes ("d"), then
+    prefills ("p"), among which a speculated run (last token and drafts) is "s"."""
+    return [
+        (s, n, "d" if j < out.num_decodes else "s" if s.seq_id in out.drafts else "p")
+        for j, (s, n) in enumerate(out.scheduled)
+    ]
+
+
 def table_diff(old: list[int], new: list[int]) -> tuple[int, list[int]]:
     """(keep, tail): new == old[:keep] + tail, with keep as long as it can be."""
     keep = 0
@@ -76,6 +121,8 @@ class Recorder:
         self.prompts: dict[str, list[str]] = {}  # request id -> prompt tokens as text
         self._live: dict[int, _Track] = {}  # seq_id -> track
         self._pieces: dict[int, str] = {}  # token id -> its text
+        self._speculated: list[_Speculated] = []  # the last step's drafts, seen at the next frame
+        self._num_accepted = engine.spec_stats.num_accepted_tokens  # at the last frame
         engine.recorder = self
 
     # -- recording ------------------------------------------------------------------------------
@@ -83,11 +130,10 @@ class Recorder:
     def on_schedule(self, out: SchedulerOutput) -> None:
         """One frame for the step just scheduled (called by ``LLMEngine.step``)."""
         frame = self._frame()
-        # the first num_decodes are decodes ("d"), then prefills ("p")
-        kind = ["d" if j < out.num_decodes else "p" for j in range(len(out.scheduled))]
-        frame["run"] = [
-            [self._index(s), n, k] for (s, n), k in zip(out.scheduled, kind, strict=True)
-        ]
+        frame["run"] = [[self._index(s), n, k] for s, n, k in _rows(out)]
+        spec = [(s, out.drafts[s.seq_id]) for s, _ in out.scheduled if s.seq_id in out.drafts]
+        if spec:
+            frame["spec"] = [self._speculate(s, drafts) for s, drafts in spec]
         if out.preempted:
             swapped = SequenceStatus.SWAPPED
             frame["pre"] = [
@@ -100,8 +146,33 @@ class Recorder:
         if out.blocks_to_swap_in:
             frame["si"] = len(out.blocks_to_swap_in)
 
+    def _speculate(self, seq: Sequence, drafts: list[int]) -> list:
+        """A speculated sequence's entry; its accepted count and extra token come next frame."""
+        entry = [self._index(seq), self._texts(drafts), None, None]
+        self._speculated.append(_Speculated(seq, list(drafts), seq.num_output_tokens, entry))
+        return entry
+
+    def _complete_speculated(self) -> None:
+        """The last step's entries, from the tokens each sequence gained; the drafts the verifier
+        accepted (``spec_stats``) that no sequence took are its frame's ``drop``."""
+        accepted = self.engine.spec_stats.num_accepted_tokens
+        taken = sum(self._complete(sp) for sp in self._speculated)
+        drop = accepted - self._num_accepted - taken
+        if drop:
+            self.frames[-1]["drop"] = drop
+        self._speculated, self._num_accepted = [], accepted
+
+    def _complete(self, sp: _Speculated) -> int:
+        gained = sp.seq.output_token_ids[sp.num_output :]
+        n = num_taken(sp.drafts, gained, sp.seq.is_finished)
+        ok = 0 <= n <= len(gained) <= n + 1 and gained[:n] == sp.drafts[:n]
+        assert ok, f"{sp.seq}: gained {gained} in a step that verified drafts {sp.drafts}"
+        sp.entry[2:] = [n, self._texts(gained[n:])[0] if len(gained) > n else None]
+        return n
+
     def _frame(self) -> dict:
         """A new frame with the time, the pool's counters and every change since the last."""
+        self._complete_speculated()  # the step before this frame
         now = time.monotonic()
         if self.frames:
             last = self.frames[-1]
@@ -189,12 +260,14 @@ class Recorder:
         fields = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         fields += ("preemption_mode", "enable_prefix_caching", "enable_chunked_prefill")
         meta = {f: getattr(cfg, f) for f in fields}
-        bm = e.block_manager
+        bm, sc = e.block_manager, cfg.speculative
+        spec = None if sc is None else {"method": sc.method, "k": sc.num_speculative_tokens}
         return meta | {
             "model": f"{cfg.model} ({Path(str(e.loaded.source)).name})",
             "backend": e.backend.name,
             "num_blocks": bm.num_blocks,
             "num_cpu_blocks": bm.num_cpu_blocks,
+            "speculative": spec,
         }
 
     def _plan(self) -> dict:

@@ -1,21 +1,25 @@
 """The run recorder (engine/recorder.py): on random workloads with preemption (recompute and swap)
 and prefix caching, the block tables rebuilt from its diffs are the block manager's, step by step
 (captured independently by a spy on ``Scheduler.schedule``), and the outputs are the same with it
-on and off."""
+on and off. With speculative decoding, every recorded draft, accepted count and extra token is
+what the scheduler scheduled, the verifier accepted and the sequence took (spied on
+``Scheduler.schedule``, ``SpecStats.record`` and ``Scheduler.end_speculation``)."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
 
-from engine import SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.llm import run_to_completion
 from engine.recorder import DATA_MARK, Recorder, replay_tables
 from tests.spies import ScheduleSpy
 from tests.utils import make_engine, shared_prefix_workload
 
+NGRAM = '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 WORKLOADS = {  # engine args: a pool small enough to preempt
     "recompute": dict(preemption_mode="recompute"),
     "swap": dict(preemption_mode="swap", swap_space=0.00002),  # 10 CPU blocks
@@ -23,9 +27,108 @@ WORKLOADS = {  # engine args: a pool small enough to preempt
     "async": dict(preemption_mode="recompute", async_scheduling=True),  # tokens seen when read
     "spec": dict(  # lookahead blocks taken at schedule, trimmed after the step
         preemption_mode="recompute",
-        speculative_config='{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+        speculative_config=NGRAM,
     ),
 }
+
+
+class DraftSpy:
+    """Wraps ``Scheduler.schedule``, ``SpecStats.record`` and ``Scheduler.end_speculation``: per
+    step, one row per speculated sequence (in ``out.scheduled``'s order, the order the engine
+    verifies them in) with its drafts, its output before the step, the drafts the verifier
+    accepted and the tokens the sequence took."""
+
+    def __init__(self, engine):
+        sched, stats = engine.scheduler, engine.spec_stats
+        self._schedule, self._record, self._end = (
+            sched.schedule,
+            stats.record,
+            sched.end_speculation,
+        )
+        sched.schedule, sched.end_speculation = self.schedule, self.end_speculation
+        stats.record = self.record
+        self.steps: list[list[dict]] = []
+
+    def schedule(self):
+        out = self._schedule()
+        rows = [
+            {"sid": s.seq_id, "req": int(s.request_id), "drafts": list(out.drafts[s.seq_id])}
+            | {"out": list(s.output_token_ids)}
+            for s, _ in out.scheduled
+            if s.seq_id in out.drafts
+        ]
+        self.steps.append(rows)
+        self._unverified, self._rows = iter(rows), {r["sid"]: r for r in rows}
+        return out
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        row = next(self._unverified)
+        assert num_draft_tokens == len(row["drafts"])
+        row["verified"] = num_accepted
+        self._record(num_draft_tokens, num_accepted)
+
+    def end_speculation(self, seq) -> None:
+        row = self._rows[seq.seq_id]
+        row["gained"], row["finished"] = seq.output_token_ids[len(row["out"]) :], seq.is_finished
+        self._end(seq)
+
+
+def repeating_workload(seed: int, n: int = 8, stops=None):
+    """n prompts that repeat a short pattern (n-gram drafts get accepted), greedy or seeded
+    sampling; ``stops``: each request's stop strings."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append([rng.randrange(1, 300) for _ in range(rng.randint(2, 5))] * 4)
+        temp, stop = rng.choice([0.0, 0.0, 0.8]), stops[i] if stops else None
+        kw = dict(temperature=temp, seed=i, stop=stop)
+        params.append(SamplingParams(max_tokens=rng.randint(10, 40), **kw))
+    return prompts, params
+
+
+def stops_on_accepted_drafts(spy: DraftSpy, tokenizer, n: int) -> list[list[str]]:
+    """Per request, a stop string that ends it on an accepted draft with more accepted after
+    it: its whole text up to the first draft of its last step that accepted two or more."""
+    stops = [[] for _ in range(n)]
+    for row in (r for rows in spy.steps for r in rows):
+        if row["verified"] >= 2:
+            stops[row["req"]] = [tokenizer.decode(row["out"] + row["drafts"][:1])]
+    return stops
+
+
+def check_speculation(data: dict, spy: DraftSpy, engine) -> None:
+    """Every frame's speculated entries are the spy's rows: the scheduled drafts; accepted, the
+    drafts the sequence took (the verifier's count, fewer when it stopped on one); the extra
+    token, the one it took after them; drop, the accepted drafts no sequence took. The totals
+    are ``spec_stats``'."""
+    frames, sid = data["frames"], [s["sid"] for s in data["seqs"]]
+    assert len(frames) == len(spy.steps) + 1 and "spec" not in frames[-1]
+
+    def texts(ids):
+        return [engine.tokenizer.decode([t], False) for t in ids]
+
+    for f, rows in enumerate(spy.steps):
+        got = frames[f].get("spec", [])
+        assert [sid[i] for i, *_ in got] == [r["sid"] for r in rows], f"frame {f}"
+        assert [sid[i] for i, _, k in frames[f]["run"] if k == "s"] == [r["sid"] for r in rows]
+        drop = 0
+        for (i, pieces, accepted, extra), row in zip(got, rows, strict=True):
+            verified, gained = row["verified"], row["gained"]
+            took = min(verified, len(gained))  # drafts[:verified] and one more, until it ends
+            assert len(gained) == verified + 1 or row["finished"], "only an end cuts a run"
+            assert pieces == texts(row["drafts"]) and gained[:took] == row["drafts"][:took]
+            assert accepted == took, f"frame {f}: seq {sid[i]}"
+            taken = pieces[:accepted] + ([] if extra is None else [extra])
+            assert taken == texts(gained), f"frame {f}: seq {sid[i]}'s tokens"
+            seq = data["seqs"][i]
+            assert [t for t, k in zip(seq["out"], seq["ts"], strict=True) if k == f] == taken
+            drop += verified - took
+        assert frames[f].get("drop", 0) == drop, f"frame {f}: drafts accepted, not taken"
+    stats, entries = engine.spec_stats, [e for fr in frames for e in fr.get("spec", [])]
+    assert len(entries) == stats.num_drafts
+    assert sum(len(e[1]) for e in entries) == stats.num_draft_tokens
+    drops = sum(fr.get("drop", 0) for fr in frames)
+    assert sum(e[2] for e in entries) + drops == stats.num_accepted_tokens
 
 
 def by_seq_id(data: dict, tables: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -53,7 +156,7 @@ def test_recorded_tables_are_the_block_managers_and_outputs_unchanged(tiny, mode
     kw = dict(num_gpu_blocks=14, block_size=4, max_model_len=56, max_num_seqs=6, **WORKLOADS[mode])
     plain = run_to_completion(make_engine(tiny, **kw), prompts, params)
     engine = make_engine(tiny, **kw)
-    recorder, spy = Recorder(engine), ScheduleSpy(engine)
+    recorder, spy, spec_spy = Recorder(engine), ScheduleSpy(engine), DraftSpy(engine)
     recorded = run_to_completion(engine, prompts, params, check_invariants=True)
     assert engine.scheduler.num_preemptions > 0  # the workload does preempt
     assert engine.spec_stats.num_drafts > 0 or mode != "spec"  # and speculates
@@ -61,6 +164,7 @@ def test_recorded_tables_are_the_block_managers_and_outputs_unchanged(tiny, mode
     assert [o.outputs[0].text for o in recorded] == [o.outputs[0].text for o in plain]
     data = recorder.data()
     check_frames(data, spy, engine.block_manager.num_blocks)
+    check_speculation(data, spec_spy, engine)
     kinds = {m for f in data["frames"] for _, m in f.get("pre", [])}
     assert ("s" in kinds) == (mode == "swap") and kinds <= {"s", "r"}
     if mode == "prefix":
@@ -71,6 +175,45 @@ def test_recorded_tables_are_the_block_managers_and_outputs_unchanged(tiny, mode
         pieces = [engine.tokenizer.decode([t], False) for t in out.outputs[0].token_ids]
         assert seq["out"] == pieces
         assert seq["fin"] == out.outputs[0].finish_reason
+
+
+def speculated_run(loaded, stops=None) -> tuple[LLMEngine, Recorder, DraftSpy]:
+    """The repeating workload with n-gram drafts, recorded and spied on."""
+    kw = dict(num_gpu_blocks=256, block_size=4, max_model_len=96, swap_space=0)
+    engine = make_engine(loaded, speculative_config=NGRAM, **kw)
+    recorder, spy = Recorder(engine), DraftSpy(engine)
+    run_to_completion(engine, *repeating_workload(seed=0, stops=stops), check_invariants=True)
+    return engine, recorder, spy
+
+
+def stopped_run(loaded, first: DraftSpy | None = None) -> tuple[LLMEngine, Recorder, DraftSpy]:
+    """The same, with each request that can stopping on an accepted draft (chosen from the
+    ``first`` run, run here unless given)."""
+    first = first or speculated_run(loaded)[2]
+    return speculated_run(loaded, stops_on_accepted_drafts(first, loaded.tokenizer, 8))
+
+
+@pytest.fixture(scope="module")
+def speculated(tiny):
+    engine, recorder, spy = speculated_run(tiny)
+    return engine, recorder.data(), spy
+
+
+def test_recorded_drafts_are_the_schedulers_and_the_verifiers(speculated):
+    engine, data, spy = speculated
+    check_speculation(data, spy, engine)
+    entries = [e for f in data["frames"] for e in f.get("spec", [])]
+    assert any(0 < a < len(d) for _, d, a, _ in entries), "some drafts accepted, some rejected"
+    assert any(a == len(d) for _, d, a, _ in entries), "and some wholly accepted (a bonus)"
+
+
+def test_a_sequence_that_stops_on_an_accepted_draft_takes_no_more(tiny, speculated):
+    engine, recorder, spy = stopped_run(tiny, speculated[2])
+    data = recorder.data()
+    check_speculation(data, spy, engine)
+    cut = [e for f in data["frames"] for e in f.get("spec", []) if e[3] is None]
+    assert cut and all(data["seqs"][i]["fin"] == "stop" for i, *_ in cut)
+    assert any(f.get("drop", 0) > 0 for f in data["frames"]), "accepted drafts after a stop"
 
 
 def test_prompt_pieces_are_the_prompt_tokens(tiny):

@@ -1,6 +1,9 @@
 """The HTML replay (engine/replay.html) in a real headless Chromium, opened from a file:// URL
 with the network off: no console errors, one grid cell per block, and scrubbing to a step shows
-exactly the blocks each sequence held then (the block manager's tables, captured by a spy).
+exactly the blocks each sequence held then (the block manager's tables, captured by a spy). With
+speculative decoding, every step shows each speculated sequence's drafts as the scheduler
+scheduled them, marked as the verifier and the sequence took them (spied on), and the run's
+summary line is ``spec_stats``'.
 
 Needs /usr/bin/chromium and /usr/bin/chromedriver (Debian's chromium, chromium-driver; .ci/run
 installs them): without them this test fails, it does not skip."""
@@ -22,6 +25,7 @@ from selenium.webdriver.support.wait import WebDriverWait
 from engine.llm import run_to_completion
 from engine.recorder import Recorder
 from tests.spies import ScheduleSpy
+from tests.test_recorder import stopped_run
 from tests.utils import make_engine, shared_prefix_workload
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -34,6 +38,15 @@ OWNERS_JS = """return Array.from(document.querySelectorAll(arguments[0] + ' .blo
     (d) => [+d.dataset.block, d.dataset.owner]);"""
 SCRUB_JS = """const s = document.getElementById('slider'); s.value = arguments[0];
     s.dispatchEvent(new Event('input'));"""
+SPEC_JS = """const s = document.getElementById('slider'), steps = [], struck = new Set();
+    for (let f = 0; f < arguments[0]; f++) {  // scrub to each step: its speculated rows
+      s.value = f; s.dispatchEvent(new Event('input'));
+      steps.push(Array.from(document.querySelectorAll('#specinfo .spec'), (r) => [+r.dataset.seq,
+        Array.from(r.querySelectorAll('.tok'), (t) => [t.className.slice(4), t.textContent])]));
+      document.querySelectorAll('#specinfo .tok.rej').forEach(
+        (t) => struck.add(getComputedStyle(t).textDecorationLine));
+    }
+    return [steps, Array.from(struck)];"""
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +143,60 @@ def test_play_button_steps_through_the_run(browser, replay):
     paused = browser.execute_script(frame)
     time.sleep(0.5)  # a few play ticks (at most 200 ms each)
     assert 3 <= paused <= len(spy.steps) and browser.execute_script(frame) == paused
+
+
+@pytest.fixture(scope="module")
+def spec_replay(tiny, tmp_path_factory):
+    """A run with n-gram drafts, some sequences stopping on an accepted draft: (html path,
+    DraftSpy, engine)."""
+    engine, recorder, spy = stopped_run(tiny)
+    path = tmp_path_factory.mktemp("replay") / "spec.html"
+    recorder.write_html(str(path))
+    return path, spy, engine
+
+
+def spec_rows_want(spy, sids: list[int], tokenizer) -> list[list]:
+    """Per step, what the page should show of each speculated sequence: (kind, text) per draft
+    (accepted, rejected, or unused once the sequence stopped), then its extra token."""
+
+    def text(t):
+        return tokenizer.decode([t], False).replace("\n", "↵")
+
+    steps = []
+    for rows in spy.steps:
+        want = []
+        for row in rows:
+            drafts, gained = row["drafts"], row["gained"]
+            took = min(row["verified"], len(gained))
+            cut = len(gained) == took  # it stopped on a draft: nothing after it was taken
+            toks = [
+                ["acc" if j < took else "unused" if cut else "rej", text(t)]
+                for j, t in enumerate(drafts)
+            ]
+            if not cut:
+                toks.append(["bonus" if took == len(drafts) else "fix", text(gained[-1])])
+            want.append([sids.index(row["sid"]), toks])
+        steps.append(want)
+    return steps
+
+
+def test_replay_shows_each_steps_drafts_as_verified(browser, spec_replay):
+    path, spy, engine = spec_replay
+    browser.get(path.as_uri())
+    sids = browser.execute_script("return D.seqs.map((s) => s.sid);")
+    want = spec_rows_want(spy, sids, engine.tokenizer)
+    kinds = {k for step in want for _, toks in step for k, _ in toks}
+    assert kinds == {"acc", "rej", "unused", "bonus", "fix"}, "the run shows every kind"
+    shown, struck = browser.execute_script(SPEC_JS, len(want))
+    for f, rows in enumerate(want):
+        assert shown[f] == rows, f"step {f}"
+    assert struck == ["line-through"], "rejected drafts are struck through"
+    stats = engine.spec_stats
+    line = browser.find_element("id", "specline").text
+    assert f"{stats.num_drafts} drafts of {stats.num_draft_tokens} tokens" in line
+    rate = (
+        f"{stats.num_accepted_tokens} accepted, acceptance rate {100 * stats.acceptance_rate:.1f}%"
+    )
+    assert rate in line and f"length {stats.mean_acceptance_length:.2f}" in line
+    errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+    assert not errors, errors
