@@ -386,15 +386,12 @@ class LLMEngine:
         else:
             logits = self.runner.execute(out)  # (R, V)
             ids = greedy_ids(logits).tolist()
+        sampled = {} if logits is None else self._verify_sampled(out, logits)
         plain_seqs, plain_ids, plain_rows, accepted, r = [], [], [], [], 0
         for seq, n in out.scheduled:
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None:
-                if logits is None or plain_greedy(seq):
-                    tokens = accept_greedy(drafts, ids[r : r + n])
-                else:
-                    probs = self._target_probs(logits[r : r + n], seq, drafts)  # (n, V)
-                    tokens = accept_sampled(probs, drafts, self.output_processor.generator(seq))
+                tokens = sampled.get(seq.seq_id) or accept_greedy(drafts, ids[r : r + n])
                 lps = [None] * len(tokens)
                 if seq.params.logprobs is not None:  # each token's from the row that chose it
                     rows = logits[r : r + len(tokens)]
@@ -417,19 +414,44 @@ class LLMEngine:
         self._update(out, plain_seqs, plain_ids, extras)
         self._accept_all(accepted)
 
-    def _target_probs(self, rows: np.ndarray, seq: Sequence, drafts: list[int]) -> np.ndarray:
-        """(k+1, V) the distribution seq's next token has at each row of its run, as the
-        sampler would make it, the drafts before a row counted as output (penalties,
-        min_tokens); greedy rows one-hot at their argmax; a row with nothing to pick NaN."""
-        views = [DraftPrefix(seq, drafts[:j]) for j in range(len(drafts) + 1)]
-        x = self.sampler.process(rows, views)  # (k+1, V)
-        if not seq.params.greedy:
-            return sampling_probs(x, [seq.params] * len(views))
-        best = np.argmax(x, axis=1)  # (k+1,)
+    def _verify_sampled(self, out: SchedulerOutput, logits: np.ndarray) -> dict[int, list[int]]:
+        """seq_id -> tokens, by rejection sampling, for every speculated run that is not plain
+        greedy; the sampler's processing and the distributions of all their rows are made in
+        one call each."""
+        runs, r = [], 0  # (seq, first row, rows, drafts)
+        for seq, n in out.scheduled:
+            drafts = out.drafts.get(seq.seq_id)
+            if drafts is not None and not plain_greedy(seq):
+                runs.append((seq, r, n, drafts))
+            r += n if drafts is not None else 1
+        if not runs:
+            return {}
+        rows = [r + j for _, r, n, _ in runs for j in range(n)]
+        views = [DraftPrefix(seq, d[:j]) for seq, _, n, d in runs for j in range(n)]
+        probs = self._target_probs(logits[rows], views)  # (rows, V)
+        tokens, a = {}, 0
+        for seq, _, n, drafts in runs:
+            gen = self.output_processor.generator(seq)
+            tokens[seq.seq_id] = accept_sampled(probs[a : a + n], drafts, gen)
+            a += n
+        return tokens
+
+    def _target_probs(self, rows: np.ndarray, views: list[DraftPrefix]) -> np.ndarray:
+        """(N, V) the distribution each view's next token has at its row, as the sampler would
+        make it, the view's drafts counted as output (penalties, min_tokens); greedy rows
+        one-hot at their argmax; a row with nothing to pick NaN."""
+        x = self.sampler.process(rows, views)  # (N, V)
+        greedy = np.array([v.params.greedy for v in views])  # (N,)
         probs = np.zeros_like(x)
-        probs[np.arange(len(best)), best] = 1.0
-        picked = x[np.arange(len(best)), best]
-        probs[np.isnan(picked) | np.isneginf(picked)] = np.nan
+        if not greedy.all():
+            probs[~greedy] = sampling_probs(
+                x[~greedy], [v.params for v in views if not v.params.greedy]
+            )
+        g = np.flatnonzero(greedy)
+        best = np.argmax(x[g], axis=1)  # (G,)
+        probs[g, best] = 1.0
+        picked = x[g, best]
+        probs[g[np.isnan(picked) | np.isneginf(picked)]] = np.nan
         return probs
 
     def _accept_all(self, accepted: list) -> None:

@@ -14,6 +14,8 @@ from tokenizers import Tokenizer
 
 from engine import SamplingParams
 from engine.llm import run_to_completion
+from engine.llm_engine import DraftPrefix
+from engine.sequence import Sequence
 from engine.spec_decode import (
     accept_greedy,
     accept_sampled,
@@ -644,3 +646,65 @@ def test_draft_model_in_the_memory_plan(tiny):
     assert eng.kv_plan.num_blocks < plain.kv_plan.num_blocks
     assert eng.kv_plan.num_draft_blocks == eng.kv_plan.num_blocks + lookahead
     assert dbe.kv_cache.shape[2] == eng.kv_plan.num_draft_blocks  # (L, 2, blocks, ...)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_penalised_greedy_requests_keep_their_tokens(tiny, spec):
+    """Greedy with penalties and min_tokens is not plain greedy: its rows go through the
+    sampler's processing, each counting the drafts before it as output. The tokens equal those
+    without speculation, and drafts were accepted."""
+    rng = np.random.default_rng()
+    prompts = repetitive_prompts(rng, 12, 320)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1),
+        SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30),
+    ] * 4
+    args = dict(backend="numpy")
+    if spec == "draft_model":
+        args["draft_loaded"] = layer_skip(tiny)
+    want, _, _ = run(tiny, prompts, params, None, **args)
+    got, _, engine = run(tiny, prompts, params, NGRAM if spec == "ngram" else DRAFT, **args)
+    assert got == want
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_each_verify_row_is_the_samplers_row_after_its_drafts(tiny):
+    """Row j of a speculated run has the distribution the plain sampler gives the sequence
+    once it has drafts 1..j as output: penalties, min_tokens, temperature, top-k/p, min-p, on
+    random logits and random parameters."""
+    from engine.sampler import sampling_probs
+
+    rng = np.random.default_rng()
+    engine = make_engine(tiny, backend="numpy")
+    V = 320
+    for _ in range(30):
+        greedy = rng.random() < 0.3
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(rng.uniform(0.3, 1.5)),
+            top_k=int(rng.choice([0, 5, 50])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            repetition_penalty=float(rng.choice([1.0, 1.3])),
+            presence_penalty=float(rng.uniform(0, 1.5)),
+            frequency_penalty=float(rng.uniform(0, 1.5)),
+            min_tokens=int(rng.integers(0, 8)),
+        )
+        seq = Sequence("r", rng.integers(3, V, 6).tolist(), params, 0.0)
+        for t in rng.integers(3, 12, int(rng.integers(0, 5))).tolist():  # a few repeats
+            seq.append_token(t)
+        drafts = rng.integers(3, 12, 4).tolist()
+        rows = (3 * rng.standard_normal((5, V))).astype(np.float32)  # (k+1, V)
+        views = [DraftPrefix(seq, drafts[:j]) for j in range(5)]
+        got = engine._target_probs(rows, views)  # (k+1, V)
+        for j in range(5):
+            alone = Sequence("r", seq.prompt_token_ids, params, 0.0)
+            for t in seq.output_token_ids + drafts[:j]:
+                alone.append_token(t)
+            x = engine.sampler.process(rows[j : j + 1], [alone])  # (1, V)
+            if greedy:
+                want = np.zeros(V)
+                want[np.argmax(x[0])] = 1.0
+            else:
+                want = sampling_probs(x, [params])[0]
+            np.testing.assert_allclose(got[j], want, rtol=1e-6, atol=1e-7)
