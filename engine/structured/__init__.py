@@ -1,0 +1,29 @@
+"""Structured output (constrained decoding): the tokens a grammar allows next, as a logits mask.
+
+params.py    ``StructuredOutputsParams``: vLLM's names (json, regex, choice, grammar,
+             json_object); exactly one is set; ``key()`` for caching
+compiler.py  ``StructuredOutputCompiler``: one per engine over the model's tokenizer; constraint ->
+             checked llguidance grammar (LRU-cached) -> a fresh ``Matcher`` per request
+matcher.py   ``Matcher``: next-token mask, accept, rollback, draft validation; EOS exactly when
+             the grammar can end
+bitmask.py   (B, W) int32 bitmasks, 32 ids a word; ``apply_bitmask``: disallowed logits -> -inf
+
+Data flow: request params -> compiler.matcher() -> each step: fill a bitmask row -> apply it to
+the logits -> sample -> matcher.accept(token).
+"""
+
+from .bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
+from .compiler import CompiledGrammar, StructuredOutputCompiler
+from .matcher import Matcher
+from .params import StructuredOutputsParams
+
+__all__ = [
+    "CompiledGrammar",
+    "Matcher",
+    "StructuredOutputCompiler",
+    "StructuredOutputsParams",
+    "allocate_bitmask",
+    "apply_bitmask",
+    "bitmask_width",
+    "unpack_bitmask",
+]

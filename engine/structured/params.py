@@ -1,0 +1,128 @@
+"""What a request's output must look like: vLLM's ``StructuredOutputsParams`` names.
+
+Exactly one constraint is set: ``json`` (a JSON schema, as a dict or its JSON text), ``regex``,
+``choice`` (the output is one of these strings), ``grammar`` (Lark, or llama.cpp's GBNF) or
+``json_object=True`` (any JSON object). ``disable_any_whitespace`` drops the optional whitespace
+between JSON tokens. ``key()`` is the hashable form the compiler caches grammars under: equal
+constraints give equal keys, however their schema's keys were ordered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# Schema keywords whose value maps names to schemas. The order of "properties" is the order the
+# output writes the keys in, so it is kept; the others are sorted by name.
+ORDERED_MAPS = frozenset({"properties"})
+SORTED_MAPS = frozenset({"$defs", "definitions", "patternProperties", "dependentSchemas"})
+DATA = frozenset({"enum", "const", "default", "examples"})  # JSON values, kept as written
+
+
+def _bad(name: str, value, expected: str) -> ValueError:
+    return ValueError(f"StructuredOutputsParams: {name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (see the module docstring). Not hashable when
+    ``json`` is a dict: use ``key()``."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            names = ", ".join(given) if given else "none"
+            raise ValueError(
+                f"StructuredOutputsParams: exactly one of {', '.join(KINDS)} must be set, "
+                f"got {names}"
+            )
+        self._check_types()
+
+    def _check_types(self) -> None:
+        if self.json is not None:
+            _parse_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise _bad(name, value, "a string")
+        if self.choice is not None:
+            ok = isinstance(self.choice, list | tuple) and len(self.choice) > 0
+            if not ok or not all(isinstance(c, str) for c in self.choice):
+                raise _bad("choice", self.choice, "a non-empty list of strings")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise _bad("json_object", self.json_object, "a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise _bad("disable_any_whitespace", self.disable_any_whitespace, "a bool")
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint that is set: one of ``KINDS``."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def schema(self) -> dict:
+        """``json`` as a canonical dict (parsed when given as JSON text)."""
+        return canonical_schema(_parse_schema(self.json))
+
+    def key(self) -> tuple:
+        """A hashable canonical form: (kind, spec[, disable_any_whitespace]); computed once."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = self.__dict__["_key"] = self._make_key()  # frozen: bypass __setattr__
+        return key
+
+    def _make_key(self) -> tuple:
+        kind = self.kind
+        if kind == "json":
+            text = json.dumps(self.schema(), separators=(",", ":"), ensure_ascii=False)
+            return (kind, text, self.disable_any_whitespace)
+        if kind == "json_object":
+            return (kind, self.disable_any_whitespace)
+        if kind == "choice":
+            return (kind, tuple(self.choice))
+        return (kind, getattr(self, kind))
+
+
+def _parse_schema(schema: dict | str) -> dict:
+    """The schema dict of a dict or its JSON text; a ValueError naming ``json`` otherwise."""
+    expected = "a JSON schema (a dict or its JSON text)"
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise _bad("json", schema, f"{expected}; not valid JSON: {e}") from None
+    else:
+        parsed = schema
+    if not isinstance(parsed, dict):
+        raise _bad("json", schema, expected)
+    return parsed
+
+
+def canonical_schema(schema: Any) -> Any:
+    """schema with every object's keys sorted, except the names under "properties" (their order
+    is the output's) and JSON values under "enum", "const", "default", "examples"."""
+    if isinstance(schema, list):
+        return [canonical_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k in sorted(schema):
+        v = schema[k]
+        if k in DATA:
+            out[k] = v
+        elif k in ORDERED_MAPS and isinstance(v, dict):
+            out[k] = {name: canonical_schema(s) for name, s in v.items()}
+        elif k in SORTED_MAPS and isinstance(v, dict):
+            out[k] = {name: canonical_schema(v[name]) for name in sorted(v)}
+        else:
+            out[k] = canonical_schema(v)
+    return out
