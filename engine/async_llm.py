@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ log = logging.getLogger("engine.async")
 
 
 class QueueFullError(RuntimeError):
-    """More requests wait than ``max_waiting_requests`` allows; retry later."""
+    """More sequences would wait than ``max_waiting_requests`` allows; retry later."""
 
 
 @dataclasses.dataclass
@@ -117,7 +118,9 @@ class RequestStream:
 class AsyncLLM:
     """``AsyncLLM(engine)``; ``async for out in llm.generate(prompt, params): ...``.
 
-    ``max_waiting_requests``: past this many waiting requests a new one is a QueueFullError.
+    ``max_waiting_requests``: how many sequences may wait beyond the free run slots (the ones
+    the next step can admit, ``max_num_seqs`` less those running or swapped); a request that
+    would make more wait is a QueueFullError. 0: only what can run now is taken.
     ``stat_loggers``: callables run on the engine thread with each step's ``StepStats``.
     """
 
@@ -149,14 +152,29 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue one request: ValueError for bad input, QueueFullError past
         max_waiting_requests. Iterate the returned stream for its outputs."""
-        rid = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
+        (stream,) = await self.add_requests([prompt], params, [request_id] if request_id else None)
+        return stream
+
+    async def add_requests(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | None = None,
+        request_ids: list[str] | None = None,
+    ) -> list[RequestStream]:
+        """Queue every prompt with the same params in one trip to the engine thread, or none:
+        the first refusal (ValueError, QueueFullError) undoes the others and is raised."""
+        rids = request_ids or [uuid.uuid4().hex for _ in prompts]
+        if len(rids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(rids)} request ids")
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop) for _ in prompts]
         try:
-            await self._call(lambda: self._add(rid, prompt, params, stream))
+            await self._call(functools.partial(self._add_all, rids, prompts, streams, params))
         except asyncio.CancelledError:
-            self.abort(rid)  # the add may still run: undo it
+            for rid in rids:  # the adds may still run: undo them
+                self.abort(rid)
             raise
-        return RequestStream(self, rid, stream)
+        return [RequestStream(self, rid, s) for rid, s in zip(rids, streams, strict=True)]
 
     async def generate(
         self,
@@ -195,15 +213,49 @@ class AsyncLLM:
             raise RuntimeError("the engine is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
-        return await asyncio.wrap_future(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        finally:  # fut holds the exception whose traceback holds this frame: no cycle
+            del fn, fut
 
     # ---- engine thread ----
+    def _add_all(self, rids: list[str], prompts: list, streams: list[_Stream], params) -> None:
+        """Add each prompt under its id and stream; on a refusal abort the ones added."""
+        added = []
+        try:
+            for rid, prompt, stream in zip(rids, prompts, streams, strict=True):
+                try:
+                    self._add(rid, prompt, params, stream)
+                except ValueError as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise ValueError(f"prompt {len(added)}: {e}") from None
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self._abort(rid)
+            raise
+
     def _add(self, rid: str, prompt, params, stream: _Stream) -> None:
-        limit = self.max_waiting_requests
-        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
-            raise QueueFullError(f"{limit} requests are already waiting")
+        n = params.n if isinstance(params, SamplingParams) else 1
+        self._check_queue(n)
         self.engine.add_request(rid, prompt, params)
         self._streams[rid] = stream
+
+    def _check_queue(self, n: int) -> None:
+        """QueueFullError if n more sequences would leave more than max_waiting_requests
+        waiting once the next step has filled the free run slots."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        sched = self.engine.scheduler
+        busy = len(sched.running) + len(sched.swapped)
+        free = max(self.engine.config.max_num_seqs - busy, 0)
+        if len(sched.waiting) + n - free > limit:
+            raise QueueFullError(
+                f"the queue is full: {len(sched.waiting)} sequences wait for {free} free run "
+                f"slots and at most {limit} may wait beyond them"
+            )
 
     def _abort(self, rid: str) -> None:
         if self._streams.pop(rid, None) is not None:
@@ -227,18 +279,19 @@ class AsyncLLM:
 
     def _drain_commands(self, block: bool) -> int:
         """Run the queued adds and aborts (how many); wait for one first when the engine is idle."""
-        try:
-            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return 0
         count = 0
-        while True:
+        while (item := self._next_command(block and not count)) is not None:
             self._run_command(*item)
             count += 1
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return count
+        # item is None again: a refused add's traceback reaches this frame (as its caller's),
+        # which must not hold that add's future (the exception's owner) once it returns
+        return count
+
+    def _next_command(self, block: bool) -> tuple | None:
+        try:
+            return self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return None
 
     @staticmethod
     def _run_command(fn: Callable, fut: concurrent.futures.Future | None) -> None:
@@ -251,6 +304,7 @@ class AsyncLLM:
             fut.set_result(fn())
         except Exception as e:  # noqa: BLE001 - handed to the caller
             fut.set_exception(e)
+            del fn, fut  # e's traceback holds this frame: no cycle back through fut to e
 
     def _step(self) -> None:
         outputs = self.engine.step()

@@ -36,6 +36,11 @@ def tokenize_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, max_
         raise ValueError("prompt is empty (no tokens)")
     if len(ids) > max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
+    if len(ids) == max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens: max_model_len={max_model_len} leaves no room for "
+            "an output token"
+        )
     return text, ids
 
 

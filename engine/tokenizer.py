@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from reference.tokenizer import Tokenizer
 
-from .chat import check_messages
+from .chat import chat_prompt_ids, check_messages, render_chat
 from .sampling_params import is_integer
 
 
@@ -104,7 +104,8 @@ class HFTokenizerAdapter:
         self, conversation, tokenize: bool = True, add_generation_prompt: bool = False, **_
     ) -> str | list[int]:
         """The conversation rendered with the model's chat template: its token ids (the template
-        holds its own specials: no BOS is added), or with tokenize=False the text."""
-        messages = check_messages(conversation)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+        holds its own specials: no BOS is added; specials typed in content stay text), or with
+        tokenize=False the text."""
+        if tokenize:
+            return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt)
+        return render_chat(self.tokenizer, check_messages(conversation), add_generation_prompt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ from tokenizers import Tokenizer as HFTokenizer
 GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_BYTE = 1, 2, 3, 4, 6
 SPM_SPACE = "\u2581"  # "▁": SentencePiece's stand-in for a space
 
+# From this many characters (or ids) text is encoded (decoded) with tokenizers' batch call, a
+# batch of one: its plain encode holds the GIL for all of its work (seconds for megabytes), the
+# batch call lets the other threads run meanwhile (a server's event loop, the engine thread).
+LONG_TEXT = 1 << 14
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
 
@@ -101,19 +106,46 @@ class Tokenizer:
 
     # --- text <-> ids -------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
+    ) -> list[int]:
         """Token ids of ``text``; BOS first when the model adds one and add_special_tokens.
 
-        Special tokens written in the text ("<|im_start|>") map to their own ids either way.
+        Special tokens written in the text ("<|im_start|>") map to their own ids either way,
+        unless split_special_tokens: then they are read as plain text (what user text is).
         A rendered chat template holds its own specials: encode it with add_special_tokens=False.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._encoding(text, split_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` (special tokens parsed, no BOS) and the (start, end) characters
+        of ``text`` each one covers."""
+        encoding = self._encoding(text, split_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def _encoding(self, text: str, split_special_tokens: bool):
+        backend = self._plain_backend if split_special_tokens else self.backend
+        if len(text) < LONG_TEXT:
+            return backend.encode(text, add_special_tokens=False)
+        _quiet_parallelism()
+        return backend.encode_batch([text], add_special_tokens=False)[0]
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        """A copy of the backend that spells special tokens out as text (never their ids)."""
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) < LONG_TEXT:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        _quiet_parallelism()
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """``decode([token_id])``, remembered (a detokenizer decodes one id at every token)."""
@@ -223,6 +255,12 @@ class IncrementalDetokenizer:
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def _quiet_parallelism() -> None:
+    """A batch call counts as parallelism used, and tokenizers then warns on every later fork
+    unless TOKENIZERS_PARALLELISM is set; a batch of one has nothing to run in parallel."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _read_json(path: Path) -> dict:

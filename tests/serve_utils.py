@@ -11,20 +11,36 @@ import uvicorn
 
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.api_server import build_app
+from engine.entrypoints.limits import ServerLimits
+from engine.entrypoints.uvicorn_config import uvicorn_config
 from tests.utils import make_engine
 
 MODEL = "tiny"
 
 
 class LiveServer:
-    def __init__(self, loaded, api_key=None, max_waiting_requests=None, **engine_args):
+    """``limits``: a ServerLimits (the app's and uvicorn's bounds); ``protect_metrics`` as for
+    build_app; the other keyword arguments are the engine's."""
+
+    def __init__(
+        self,
+        loaded,
+        api_key=None,
+        max_waiting_requests=None,
+        limits=None,
+        protect_metrics=False,
+        **engine_args,
+    ):
         self.engine = make_engine(loaded, **engine_args)
         self.llm = AsyncLLM(self.engine, max_waiting_requests)
-        self.app = build_app(self.llm, MODEL, api_key)
-        self.sock = socket.socket()
+        limits = limits or ServerLimits()
+        self.app = build_app(self.llm, MODEL, api_key, (), limits, protect_metrics)
+        # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
+        # each connection (with proto 0 it does not, and every small answer waits 40 ms)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(self.app, limits, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
 

@@ -59,12 +59,15 @@ def test_cancelling_a_consumer_frees_its_blocks(allm):
 
 
 def test_bad_input_and_full_queue_raise_at_add(tiny, allm):
-    llm = AsyncLLM(make_engine(tiny), max_waiting_requests=0)
+    llm = AsyncLLM(make_engine(tiny, max_num_seqs=2), max_waiting_requests=0)
 
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await allm.add_request([1] * 300, GREEDY)
-        with pytest.raises(QueueFullError):
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        await llm.add_request("hi", long)  # two free run slots take two sequences
+        await llm.add_request("hi", long)
+        with pytest.raises(QueueFullError, match="at most 0 may wait"):
             await llm.add_request("hi", GREEDY)
 
     try:

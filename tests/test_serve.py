@@ -207,7 +207,7 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(server, path, body, m
 
 
 def test_api_key_and_queue_bound(tiny):
-    with LiveServer(tiny, api_key="sekret", max_waiting_requests=0) as s:
+    with LiveServer(tiny, api_key="sekret", max_waiting_requests=0, max_num_seqs=1) as s:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.post(s.url + "/v1/completions", json=GOOD, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
@@ -215,7 +215,14 @@ def test_api_key_and_queue_bound(tiny):
         assert httpx.get(s.url + "/health").status_code == 200
         ok = {"Authorization": "Bearer sekret"}
         assert httpx.get(s.url + "/v1/models", headers=ok).status_code == 200
-        r = httpx.post(s.url + "/v1/completions", json=GOOD, headers=ok)  # nothing may wait
+        url = s.url + "/v1/completions"
+        assert httpx.post(url, json=GOOD, headers=ok).status_code == 200  # the free slot runs it
+        long = {**GOOD, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        s.llm.stat_loggers.append(lambda _stats: time.sleep(0.01))  # 200 steps: 2 s or more
+        with httpx.stream("POST", url, json=long, headers=ok) as first:
+            lines = first.iter_lines()
+            next(lines)  # it holds the one run slot, and nothing may wait
+            r = httpx.post(url, json=GOOD, headers=ok)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == 503
 

@@ -1,5 +1,6 @@
 """The server under load and at shutdown: hundreds of streamed requests, some clients leaving
-mid-stream, then nothing left running; SIGTERM lets running requests finish and exits 0."""
+mid-stream, then nothing left running; SIGTERM and SIGHUP let running requests finish and exit
+0."""
 
 import asyncio
 import os
@@ -98,7 +99,8 @@ def _start_server(model_dir) -> tuple[subprocess.Popen, str, list[str]]:
 
 
 @pytest.mark.slow
-def test_sigterm_lets_running_requests_finish(tiny_model_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
     proc, url, log = _start_server(tiny_model_dir)
     try:
         results, started = [], threading.Barrier(5)
@@ -119,12 +121,13 @@ def test_sigterm_lets_running_requests_finish(tiny_model_dir):
         for t in threads:
             t.start()
         started.wait()  # every request is streaming
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         for t in threads:
             t.join(60)
         assert proc.wait(60) == 0
         time.sleep(0.1)  # the last stderr lines
         assert any("Waiting for connections to close" in line for line in log)  # in flight
+        assert any(f"stopped by {sig.name}" in line for line in log)
         assert len(results) == 4
         for lines in results:
             assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"

@@ -3,15 +3,24 @@
 POST /v1/completions, /v1/chat/completions   (``stream: true``: server-sent events, ``[DONE]``)
 GET  /v1/models, /health, /metrics            POST /tokenize, /detokenize
 
-A request body is parsed by its pydantic model (engine/entrypoints/protocol.py), turned into a
-``SamplingParams`` and handed to ``AsyncLLM.add_request``; every refusal on the way is an error
-in OpenAI's shape (400 bad input, 401 no key, 503 queue full) and the server keeps serving.
+A request body is read within its limits (size, time; engine/entrypoints/limits.py), parsed by
+its pydantic model (engine/entrypoints/protocol.py), checked against the bounds, tokenized (in a
+worker thread when it is large, so the event loop keeps answering), turned into a
+``SamplingParams`` and handed to ``AsyncLLM.add_requests``. Every refusal on the way is an error
+in OpenAI's shape (400 bad input, 401 no key, 408 slow body, 413 large body, 503 queue full) and
+the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,13 +28,16 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from engine.async_llm import AsyncLLM, QueueFullError, RequestStream
 from engine.chat import chat_prompt_ids
+from engine.input_processor import tokenize_prompt
 from engine.outputs import CompletionOutput, RequestOutput
 
+from .limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from .prometheus import PrometheusStatLogger
 from .protocol import (
     ChatCompletionRequest,
@@ -37,6 +49,10 @@ from .protocol import (
 )
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
+TEXT_WORKERS = 2  # worker threads for those: big requests wait for each other, not the loop
+OPEN_PATHS = ("/health",)  # what needs no API key (and /metrics, unless protect_metrics)
+API_KEY = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
 
 
 class ApiError(Exception):
@@ -52,28 +68,76 @@ class ApiError(Exception):
 
 
 class Server:
-    """What the routes share: the engine, the names it answers to, the key, the metrics."""
+    """What the routes share: the engine, the names it answers to, the key, the limits, the
+    metrics, and the worker threads for large inputs."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None, aliases=()):
+    def __init__(
+        self, llm: AsyncLLM, model_name: str, api_key: str | None, aliases=(), limits=None
+    ):
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.api_key = api_key
+        self.limits = limits or ServerLimits()
         self.max_model_len = llm.engine.config.max_model_len
+        self.max_prompt_chars = llm.engine.max_prompt_chars  # no longer text fits max_model_len
+        self.vocab_size = llm.engine.model_config.vocab_size
         # the model's generation_config.json defaults, for the fields a request leaves unset
         self.sampling_defaults = llm.engine.sampling_defaults
         self.metrics = PrometheusStatLogger(model_name)
         llm.stat_loggers.append(self.metrics)
+        self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise ApiError(400, f"model {name!r} is not served here (try {self.model_name!r})")
 
-    async def start(self, prompt, params) -> RequestStream:
-        """Queue one request; bad input -> 400, a full queue -> 503 with Retry-After."""
+    def check_bounds(self, req: SamplingRequest, logprobs: tuple[str, int | None]) -> None:
         try:
-            return await self.llm.add_request(prompt, params)
+            check_sampling_bounds(req, self.limits, logprobs)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def run(self, size: int, fn, *args):
+        """``fn(*args)`` for a request of ``size`` body bytes: here when it is small, in a worker
+        thread from HEAVY_BYTES (megabytes of JSON, template or tokenizer work would stall every
+        other request, and /health, for seconds)."""
+        if size < HEAVY_BYTES:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.workers, functools.partial(fn, *args))
+
+    async def parse(self, raw: Request, model: type[BaseModel]) -> tuple[BaseModel, int]:
+        """The body as ``model`` (400 for one that is not), and its size in bytes."""
+        body = await raw.body()  # within max_request_bytes and request_body_timeout
+        return await self.run(len(body), _parse, body, model), len(body)
+
+    def prompt_ids(self, req: CompletionRequest) -> list:
+        """The request's text prompts tokenized (checked against max_model_len and the
+        vocabulary); token id prompts as given, for the engine to check."""
+        prompts, out = req.prompts(), []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                try:
+                    args = (self.tokenizer, self.vocab_size, self.max_model_len)
+                    p = tokenize_prompt(p, *args, self.max_prompt_chars)[1]
+                except ValueError as e:
+                    where = f"prompt {i}: " if len(prompts) > 1 else ""
+                    raise ApiError(400, f"{where}{e}") from None
+            out.append(p)
+        return out
+
+    def chat_ids(self, conversation: list[dict], add_generation_prompt=True, max_chars=None):
+        try:
+            return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt, max_chars)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def start(self, prompts, params) -> list[RequestStream]:
+        """Queue every prompt, or none; bad input -> 400, a full queue -> 503 with Retry-After."""
+        try:
+            return await self.llm.add_requests(prompts, params)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except QueueFullError as e:
@@ -81,29 +145,59 @@ class Server:
         except RuntimeError as e:
             raise ApiError(503, str(e), "ServiceUnavailableError") from None
 
-    async def start_all(self, prompts, params) -> list[RequestStream]:
-        """Queue every prompt, or none: a refusal aborts the ones already queued."""
-        streams: list[RequestStream] = []
-        try:
-            for p in prompts:
-                streams.append(await self.start(p, params))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return streams
+
+def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate(parse_json_body(body))
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e.errors())) from None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, aliases=()) -> FastAPI:
-    """The FastAPI app; ``app.state.server`` holds the shared state."""
-    app = FastAPI(title="pagedllm", version="0.1.0")
-    server = app.state.server = Server(llm, model_name, api_key, aliases)
+def check_api_key(api_key) -> None:
+    """None (no key) or a key a client can send: an empty one must not switch auth off."""
+    if api_key is not None and not (isinstance(api_key, str) and API_KEY.fullmatch(api_key)):
+        raise ValueError(
+            "the API key must be non-empty printable ASCII with no space at either end "
+            "(unset it to serve without a key)"
+        )
+
+
+def build_app(
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    aliases=(),
+    limits: ServerLimits | None = None,
+    protect_metrics: bool = False,
+) -> FastAPI:
+    """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
+    route but /health (and /metrics, unless ``protect_metrics``) needs it."""
+    check_api_key(api_key)
+    server = Server(llm, model_name, api_key, aliases, limits)
+    app = FastAPI(title="pagedllm", version="0.1.0", lifespan=_lifespan(server))
+    app.state.server = server
     _add_error_handlers(app)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    lim = server.limits
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=lim.max_request_bytes, timeout=lim.request_body_timeout
+    )
+    if api_key is not None:
+        open_paths = OPEN_PATHS if protect_metrics else (*OPEN_PATHS, "/metrics")
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     return app
+
+
+def _lifespan(server: Server):
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        server.workers.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -113,16 +207,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
-        return ApiError(400, _validation_message(exc)).response()
+        return ApiError(400, _validation_message(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):
         return ApiError(exc.status_code, str(exc.detail), "HTTPError", exc.headers).response()
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(errors: list[dict]) -> str:
     """pydantic's first complaint in one line: ``field: message``."""
-    errors = exc.errors()
     if not errors:
         return "invalid request"
     first = errors[0]
@@ -133,19 +226,74 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 class ApiKeyMiddleware:
-    """Every /v1/* request without ``Authorization: Bearer <key>`` answers 401. (Plain ASGI:
-    FastAPI's ``@app.middleware`` would hide a client's disconnect from the routes.)"""
+    """Every request without ``Authorization: Bearer <key>`` answers 401, except on the open
+    paths. (Plain ASGI: FastAPI's ``@app.middleware`` would hide a client's disconnect from the
+    routes.)"""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}"
+    def __init__(self, app, api_key: str, open_paths=OPEN_PATHS):
+        self.app, self.open_paths = app, frozenset(open_paths)
+        self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if Headers(scope=scope).get("authorization") != self.expected:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected):
                 error = ApiError(401, "invalid or missing API key", "AuthenticationError")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """A body over ``max_bytes`` answers 413: at once when its Content-Length says so, else as
+    soon as that many bytes have come. One that has not fully come ``timeout`` seconds after the
+    request head answers 408. Both close the connection."""
+
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            error = self._too_large() if length.isdigit() else _closing(400, "bad Content-Length")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, self._receive(receive), send)
+
+    def _too_large(self) -> ApiError:
+        return _closing(413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
+
+    def _receive(self, receive):
+        """receive, counting the body's bytes against max_bytes and its time against timeout."""
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        state = {"bytes": 0, "done": False}
+
+        async def limited():
+            if state["done"]:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                why = f"request body not received within {self.timeout:g} s"
+                raise _closing(408, f"{why} (--request-body-timeout)") from None
+            if message["type"] == "http.request":
+                state["bytes"] += len(message.get("body", b""))
+                if state["bytes"] > self.max_bytes:
+                    raise self._too_large()
+                state["done"] = not message.get("more_body", False)
+            else:
+                state["done"] = True
+            return message
+
+        return limited
+
+
+def _closing(status: int, message: str) -> ApiError:
+    return ApiError(status, message, "BadRequestError", {"Connection": "close"})
 
 
 def _add_info_routes(app: FastAPI, server: Server) -> None:
@@ -173,31 +321,51 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    async def tokenize(raw: Request):
+        req, size = await server.parse(raw, TokenizeRequest)
         server.check_model(req.model)
-        tokens = _tokenize(server, req)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
+        return _json(await server.run(size, _tokenize, server, req))
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
+    async def detokenize(raw: Request):
+        req, size = await server.parse(raw, DetokenizeRequest)
         server.check_model(req.model)
-        vocab = server.llm.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside [0, {vocab})")
-        return {"prompt": server.tokenizer.decode(req.tokens)}
+        return _json(await server.run(size, _detokenize, server, req.tokens))
 
 
-def _tokenize(server: Server, req: TokenizeRequest) -> list[int]:
+def _json(body: str) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def _tokenize(server: Server, req: TokenizeRequest) -> str:
+    """The /tokenize answer, as JSON text (a list of millions of ids is slow to encode)."""
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages")
-    try:
-        if req.messages is not None:
+    if req.messages is not None:
+        try:
             conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return chat_prompt_ids(server.tokenizer, conv, req.add_generation_prompt)
-        return server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        tokens = server.chat_ids(conv, req.add_generation_prompt)
+    else:
+        tokens = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    rest = json.dumps({"count": len(tokens), "max_model_len": server.max_model_len})
+    return f'{{"tokens": {_int_list_json(tokens)}, {rest[1:]}'
+
+
+def _int_list_json(ids: list[int], chunk: int = 1 << 16) -> str:
+    """``json.dumps(ids)`` in pieces: one call over millions of ids holds the GIL for seconds,
+    between pieces the event loop's thread gets its turn."""
+    pieces = (",".join(map(str, ids[i : i + chunk])) for i in range(0, len(ids), chunk))
+    return f"[{','.join(pieces)}]"
+
+
+def _detokenize(server: Server, tokens: list[int]) -> str:
+    vocab = server.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside [0, {vocab})")
+    return json.dumps({"prompt": server.tokenizer.decode(tokens)}, ensure_ascii=False)
 
 
 # ---- generation ----
@@ -205,32 +373,41 @@ def _tokenize(server: Server, req: TokenizeRequest) -> list[int]:
 
 def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        req, size = await server.parse(raw, CompletionRequest)
         server.check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported")
+        server.check_bounds(req, ("logprobs", req.logprobs))
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         params = _params(req, max_tokens, req.logprobs, server.sampling_defaults)
-        streams = await server.start_all(req.prompts(), params)
+        prompts = await server.run(size, server.prompt_ids, req)
+        streams = await server.start(prompts, params)
         fmt = CompletionFormat(server, req)
         if req.stream:
             return _sse(fmt.chunks(streams))
         return await _unless_disconnected(raw, fmt.response(streams))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        req, size = await server.parse(raw, ChatCompletionRequest)
         server.check_model(req.model)
-        try:
-            ids = chat_prompt_ids(server.tokenizer, req.conversation())
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        server.check_bounds(req, ("top_logprobs", top))
         max_tokens = req.max_completion_tokens
         max_tokens = req.max_tokens if max_tokens is None else max_tokens
-        if max_tokens is None:  # as much as fits
-            max_tokens = max(server.max_model_len - len(ids), 1)
-        top = req.top_logprobs or 0
-        params = _params(req, max_tokens, top if req.logprobs else None, server.sampling_defaults)
-        streams = await server.start_all([ids], params)
+        # every field is checked before the template runs; unset, max_tokens is what fits
+        given = server.max_model_len if max_tokens is None else max_tokens
+        params = _params(req, given, top, server.sampling_defaults)
+        try:
+            conv = req.conversation()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        ids = await server.run(size, server.chat_ids, conv, True, server.max_prompt_chars)
+        if max_tokens is None:
+            fits = max(server.max_model_len - len(ids), 1)
+            params = _replace(params, max_tokens=fits)
+        streams = await server.start([ids], params)
         fmt = ChatFormat(server, req)
         if req.stream:
             return _sse(fmt.chunks(streams))
@@ -253,6 +430,13 @@ async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, defaults: dict):
     try:
         return req.sampling_params(max_tokens, logprobs, defaults)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _replace(params, **changes):
+    try:
+        return dataclasses.replace(params, **changes)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 

@@ -3,8 +3,9 @@
     python -m engine.serve --model smollm2 --port 8000
     python -m engine.serve --model ./my-model --api-key secret --max-waiting-requests 64
 
-SIGINT / SIGTERM: the socket closes, running requests finish (up to --shutdown-timeout seconds),
-then the engine thread stops and the process exits 0. Bad flags are one line, exit 2.
+SIGINT / SIGTERM / SIGHUP: the socket closes, running requests finish (up to --shutdown-timeout
+seconds), then the engine thread stops and the process exits 0. Bad flags are one line, exit 2
+(an empty --api-key or $PAGEDLLM_API_KEY among them: it must not switch authentication off).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import sys
 from engine.async_llm import AsyncLLM, LoggingStatLogger
 from engine.llm_engine import LLMEngine
 
-from .api_server import build_app
+from .api_server import build_app, check_api_key
 from .cli_utils import CliParser, setup_logging
 from .engine_args import add_engine_args, check_engine_args, engine_kwargs
+from .limits import ServerLimits, add_limit_args, limits_from_args
+from .uvicorn_config import uvicorn_config
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 log = logging.getLogger("engine.serve")
@@ -32,13 +35,20 @@ def build_parser() -> CliParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        f"(default: ${API_KEY_ENV}, else none; an empty key is refused)",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="with --api-key, /metrics needs the key too (default: /metrics is open)",
     )
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        help="past this many waiting requests answer 503 with Retry-After (default: no bound)",
+        help="sequences that may wait beyond the free run slots; a request that would make "
+        "more wait answers 503 with Retry-After; 0: only what can run now (default: no bound)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -53,6 +63,7 @@ def build_parser() -> CliParser:
         help="seconds between throughput log lines while requests run (default 5)",
     )
     p.add_argument("--trace", action="store_true", help="log the life of every request")
+    add_limit_args(p)
     return add_engine_args(p)
 
 
@@ -65,27 +76,44 @@ def make_async_llm(args) -> tuple[AsyncLLM, str]:
     return llm, name
 
 
+def check_server_args(args) -> ServerLimits:
+    """The server's own flags, checked before the model loads; returns the limits."""
+    if args.api_key is not None:
+        try:
+            check_api_key(args.api_key)
+        except ValueError as e:
+            from_env = args.api_key == os.environ.get(API_KEY_ENV)
+            where = f"--api-key (here from ${API_KEY_ENV})" if from_env else "--api-key"
+            raise ValueError(f"{where}: {e}") from None
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    return limits_from_args(args)
+
+
 def run(args) -> int:
     import uvicorn
 
     setup_logging(args.trace)
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    limits = check_server_args(args)
     check_engine_args(args)  # bad engine values and --model fail before the model loads
     llm, name = make_async_llm(args)
-    app = build_app(llm, name, args.api_key, aliases=[llm.engine.config.model])
-    config = uvicorn.Config(
+    aliases = [llm.engine.config.model]
+    app = build_app(llm, name, args.api_key, aliases, limits, args.protect_metrics)
+    config = uvicorn_config(
         app,
+        limits,
         host=args.host,
         port=args.port,
         log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
+    server = uvicorn.Server(config)
     # uvicorn re-raises the signal it stopped on once it is done; a clean stop exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped)
+    signal.signal(signal.SIGHUP, lambda sig, frame: _hung_up(server))  # uvicorn ignores it
     try:
-        uvicorn.Server(config).run()  # returns after SIGINT/SIGTERM and the grace period
+        server.run()  # returns after SIGINT/SIGTERM/SIGHUP and the grace period
     finally:
         llm.shutdown()
     log.info("server stopped")
@@ -94,6 +122,13 @@ def run(args) -> int:
 
 def _stopped(signum, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
+
+
+def _hung_up(server) -> None:
+    """SIGHUP stops the server as SIGTERM does (a second one: at once)."""
+    log.info("stopped by SIGHUP")
+    server.force_exit = server.should_exit
+    server.should_exit = True
 
 
 def main(argv=None) -> int:
