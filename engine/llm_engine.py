@@ -34,10 +34,17 @@ from .block_manager import BlockManager
 from .config import EngineConfig, make_config
 from .input_processor import max_prompt_chars, tokenize_prompt
 from .memory import plan_kv_cache
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, needs_rows, output_row_counts, wants_prompt_rows
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
-from .sampler import NO_TOKEN, Sampler, plain_greedy, rows_to_sample, sampling_probs
+from .sampler import (
+    NO_TOKEN,
+    Sampler,
+    plain_greedy,
+    rows_to_sample,
+    sampling_probs,
+    top_logprobs,
+)
 from .sampling_params import SamplingParams, generation_defaults, is_real
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence
@@ -75,6 +82,9 @@ class DraftPrefix:
         self.prompt_token_ids = seq.prompt_token_ids
         self.output_token_ids = seq.output_token_ids + drafts
         self.num_output_tokens = len(self.output_token_ids)
+        self.bad_words_ids = seq.bad_words_ids
+        assert seq.matcher is None, "structured-output requests do not speculate"
+        self.matcher = None
 
 
 def backoff(seq: Sequence, num_accepted: int) -> None:
@@ -95,6 +105,18 @@ class InFlight:
     seqs: list[Sequence]  # row b of the step's ids is seqs[b]'s token
     handle: object  # the backend's GreedyIds
     rows: dict[int, int]  # seq_id -> its row
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word as tokenized alone and with a leading space (as it reads after
+    another word); both spellings are banned."""
+    out = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def check_draft(draft: LoadedModel, target: LoadedModel, max_model_len: int) -> None:
@@ -273,13 +295,54 @@ class LLMEngine:
         text, ids = tokenize_prompt(
             prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
         )
+        self._check_token_ids(params)
         seqs = [Sequence(request_id, ids, params, arrival) for _ in range(params.n)]
+        self._attach_rules(seqs, params)
         gens = [self._generator(params, i) for i in range(params.n)]
         self.output_processor.add_request(request_id, text, ids, params, seqs, gens, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
         tracing.queued(request_id, ids, len(self.scheduler.waiting))
         return ids
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must be in the vocabulary."""
+        v = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            bad = [t for t in ids or () if t >= v]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams: {name} has token id {bad[0]}, not below the vocab size {v}"
+                )
+
+    def _attach_rules(self, seqs: list[Sequence], params: SamplingParams) -> None:
+        """Each sequence's bad words as token ids and its own grammar state (structured output:
+        the constraint is compiled, or refused, here)."""
+        if params.bad_words:
+            ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            for seq in seqs:
+                seq.bad_words_ids = ids
+        if params.structured_outputs is not None:
+            compiler = self.structured_compiler()
+            compiler.compile(params.structured_outputs)  # a ValueError names a bad constraint
+            for seq in seqs:
+                seq.matcher = compiler.matcher(params.structured_outputs)
+
+    def structured_compiler(self):
+        """The structured-output compiler over the model's tokenizer, built on first use (about
+        half a second for a 49k vocabulary)."""
+        if self.sampler.structured is None:
+            from .structured import StructuredOutputCompiler
+
+            self.sampler.structured = StructuredOutputCompiler(
+                self.tokenizer,
+                vocab_size=self.model_config.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+            )
+        return self.sampler.structured
 
     def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
         """Per-sequence RNG: the request's seed, else the engine seed and a request counter."""
@@ -358,8 +421,8 @@ class LLMEngine:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
             )
-            if room < 1 or seq.num_uncomputed_tokens != 1:
-                continue
+            if room < 1 or seq.num_uncomputed_tokens != 1 or seq.matcher is not None:
+                continue  # (a structured-output request decodes plainly)
             if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
                 seq.spec_wait -= 1
                 continue
@@ -387,8 +450,11 @@ class LLMEngine:
             logits = self.runner.execute(out)  # (R, V)
             ids = greedy_ids(logits).tolist()
         sampled = {} if logits is None else self._verify_sampled(out, logits)
+        if logits is not None:
+            self._record_prompt_logprobs(out, logits)
+        counts = output_row_counts(out)
         plain_seqs, plain_ids, plain_rows, accepted, r = [], [], [], [], 0
-        for seq, n in out.scheduled:
+        for (seq, n), count in zip(out.scheduled, counts, strict=True):
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None:
                 tokens = sampled.get(seq.seq_id) or accept_greedy(drafts, ids[r : r + n])
@@ -401,11 +467,11 @@ class LLMEngine:
                 self.spec_stats.record(len(drafts), len(tokens) - 1)
                 r += n
                 continue
+            r += count
             if seq.num_computed_tokens + n == seq.num_tokens:  # its last token ran: it samples
                 plain_seqs.append(seq)
-                plain_ids.append(ids[r])
-                plain_rows.append(r)
-            r += 1
+                plain_ids.append(ids[r - 1])
+                plain_rows.append(r - 1)
         extras = None
         if logits is not None and plain_seqs:
             gens = [self.output_processor.generator(s) for s in plain_seqs]
@@ -419,11 +485,11 @@ class LLMEngine:
         greedy; the sampler's processing and the distributions of all their rows are made in
         one call each."""
         runs, r = [], 0  # (seq, first row, rows, drafts)
-        for seq, n in out.scheduled:
+        for (seq, n), count in zip(out.scheduled, output_row_counts(out), strict=True):
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None and not plain_greedy(seq):
                 runs.append((seq, r, n, drafts))
-            r += n if drafts is not None else 1
+            r += count
         if not runs:
             return {}
         rows = [r + j for _, r, n, _ in runs for j in range(n)]
@@ -532,15 +598,37 @@ class LLMEngine:
     def _execute_and_sample(self, out: SchedulerOutput):
         """(sequences, their sampled ids, [(logprobs, logits row)] per sequence or None)."""
         rows, seqs = rows_to_sample(out.scheduled)
-        if not self.record_logits and all(plain_greedy(s) for s in seqs):
+        if needs_rows(out):  # prompt chunks whose logprobs are asked: all their rows come back
+            every = self.runner.execute(out)  # (R, V)
+            self._record_prompt_logprobs(out, every)
+            logits = every[np.cumsum(output_row_counts(out)) - 1]  # (B, V) each one's last row
+        elif not self.record_logits and all(plain_greedy(s) for s in seqs):
             # the argmax where the logits are; only ids come back
             greedy = self.runner.execute(out, greedy=True)  # (B,)
             ids = (greedy if len(rows) == len(greedy) else greedy[rows]).tolist()  # (R,)
             return seqs, ids, None
-        logits = self.runner.execute(out)  # (B, V)
+        else:
+            logits = self.runner.execute(out)  # (B, V)
         gens = [self.output_processor.generator(s) for s in seqs]
         ids, lps = self.sampler.sample(logits[rows], seqs, gens)
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, logits: np.ndarray) -> None:
+        """For each prompt chunk whose logprobs are asked, the logprobs of the prompt tokens its
+        rows predict (row q predicts token q + 1; the first prompt token has none). Positions
+        already recorded (a prompt run again after a recompute preemption) are skipped."""
+        r = 0
+        for (seq, n), count in zip(out.scheduled, output_row_counts(out), strict=True):
+            if wants_prompt_rows(seq):
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)
+                start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
+                for q in range(start, start + n):
+                    nxt = q + 1
+                    if len(seq.prompt_logprobs) == nxt < seq.num_prompt_tokens:
+                        token = seq.prompt_token_ids[nxt]
+                        seq.prompt_logprobs.append(top_logprobs(logits[r + q - start], token, k))
+            r += count
 
     def _update(self, out: SchedulerOutput, seqs, ids, extras) -> None:
         if NO_TOKEN in ids:
@@ -553,11 +641,23 @@ class LLMEngine:
         """Stop checks (and text) for each sequence's new last token; the stopped ones finish."""
         now, op = time.monotonic(), self.output_processor
         for seq in grown:
+            if seq.matcher is not None and not self._advance_grammar(seq):
+                continue
             reason = op.process_token(seq, *extra.get(seq.seq_id, (None, None)), now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
                 free = self.block_manager.num_free_blocks
                 tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
+
+    def _advance_grammar(self, seq: Sequence) -> bool:
+        """Feed seq's new token to its grammar; a token it refuses (or a matcher error) ends
+        the sequence as an error, never as unconstrained text."""
+        if seq.matcher.accept(seq.last_token_id):
+            return True
+        why = seq.matcher.error or f"token {seq.last_token_id} is not allowed by the grammar"
+        self.scheduler.finish(seq, "abort")
+        self.output_processor.process_rejected([(seq, f"structured output: {why}")])
+        return False
 
     def _abort_unsampled(self, seqs, ids) -> None:
         """Sequences whose row had no token to pick (NaN or all banned) end as an error."""

@@ -16,6 +16,27 @@ from .scheduler import SchedulerOutput
 from .utils import cdiv
 
 
+def wants_prompt_rows(seq) -> bool:
+    """Whether seq's scheduled tokens are prompt tokens whose log-probabilities are asked."""
+    return (
+        seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+    )
+
+
+def output_row_counts(output: SchedulerOutput) -> list[int]:
+    """Rows of logits each scheduled sequence gets back: all of a speculated run's and of a
+    prompt chunk whose logprobs are asked, else one (its last)."""
+    return [
+        n if seq.seq_id in output.drafts or wants_prompt_rows(seq) else 1
+        for seq, n in output.scheduled
+    ]
+
+
+def needs_rows(output: SchedulerOutput) -> bool:
+    """Whether any sequence gets back more than its last row."""
+    return bool(output.drafts) or any(wants_prompt_rows(s) for s, _ in output.scheduled)
+
+
 class BlockTables:
     """Page tables as rows of one (rows, max_blocks) int32 array, -1 padded. A sequence keeps its
     row while it runs; a row is rewritten only where its sequence's table grew (blocks are only
@@ -99,16 +120,15 @@ class ModelRunner:
             context_lens=context_lens,
             query_start_loc=qsl,
             num_decodes=nd,
-            sample_rows=self._sample_rows(output, qsl) if drafts else None,
+            sample_rows=self._sample_rows(output, qsl) if needs_rows(output) else None,
         )
 
     @staticmethod
     def _sample_rows(output: SchedulerOutput, qsl: np.ndarray) -> np.ndarray:
-        """(R,) every row of a speculated run (each verifies a draft), the last of the rest."""
-        rows = [
-            range(qsl[b], qsl[b + 1]) if seq.seq_id in output.drafts else (qsl[b + 1] - 1,)
-            for b, (seq, _) in enumerate(output.scheduled)
-        ]
+        """(R,) every row of a speculated run (each verifies a draft) and of a prompt chunk whose
+        logprobs are asked, the last of the rest."""
+        counts = output_row_counts(output)
+        rows = [range(qsl[b + 1] - c, qsl[b + 1]) for b, c in enumerate(counts)]
         return np.fromiter((r for rs in rows for r in rs), np.int32)
 
     def _block_tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@ stops ("stop": EOS, a stop token id or a stop string; "length": max_tokens or ma
 ``stream=False`` per request finished in it, and forgets the finished ones.
 
 Text is detokenized when it is read: every token at once for a sample with stop strings (they are
-looked for in the text), otherwise when an output is built. Either way the detokenizer sees the
+looked for in the text added, by ``str.find`` for a few, an automaton for more:
+engine/stop_strings.py), otherwise when an output is built. Either way the detokenizer sees the
 same ids in the same order, so the text and the streamed deltas are the same; a caller that does
 not stream pays for detokenizing once per request, not once per step.
 """
@@ -23,12 +24,15 @@ from . import tracing
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
+from .stop_strings import StopStrings
+
+FEW_STOPS = 8  # up to this many stop strings, str.find each; more: one automaton for them all
 
 
 class SampleState:
     """One of a request's n samples: its sequence, its index, its text and what was streamed."""
 
-    def __init__(self, index: int, seq: Sequence, detok, generator: np.random.Generator):
+    def __init__(self, index, seq: Sequence, detok, generator, stops: StopStrings | None = None):
         self.index = index  # CompletionOutput.index
         self.seq = seq
         self.detok: IncrementalDetokenizer = detok
@@ -41,6 +45,9 @@ class SampleState:
         self.error: str | None = None
         self.truncated = False  # text cut at a stop string
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+        self.stops = stops  # the request's automaton, with more than FEW_STOPS stop strings
+        self.stop_node = 0  # where this sample's text has taken it
+        self.stop_hit: tuple[int, int] | None = None  # (start, stop index) in the text last added
 
     def sync_text(self) -> None:
         """Detokenize the output ids not yet in text."""
@@ -48,6 +55,11 @@ class SampleState:
         if self.detokenized < len(ids):
             self.text += "".join(map(self.detok.add, ids[self.detokenized :]))
             self.detokenized = len(ids)
+
+    def scan_stops(self, before: int) -> None:
+        """Run the automaton over the text added since ``before`` (a no-op without one)."""
+        if self.stops is not None:
+            self.stop_node, self.stop_hit = self.stops.scan(self.stop_node, self.text, before)
 
     def flush_text(self) -> None:
         """The sample ended: every id into text, then what the detokenizer still holds back."""
@@ -146,7 +158,15 @@ class RequestState:
             finished=finished,
             metrics=self.times.metrics(),
             num_cached_tokens=self.samples[0].seq.num_cached_tokens,
+            prompt_logprobs=_prompt_logprobs(self.samples[0].seq),
         )
+
+
+def _prompt_logprobs(seq: Sequence) -> list | None:
+    """The prompt's log-probabilities once every prompt token has one (else None)."""
+    if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+        return None
+    return list(seq.prompt_logprobs)
 
 
 def _hold_back(params: SamplingParams) -> int:
@@ -163,6 +183,16 @@ def _first_stop(text: str, stops: list[str], before: int) -> tuple[int, str] | N
     matter (at equal starts the first listed wins)."""
     hits = [(text.find(s, max(before - len(s) + 1, 0)), s) for s in stops]
     return min(((at, s) for at, s in hits if at >= 0), key=lambda h: h[0], default=None)
+
+
+def _stop_hit(sample: SampleState, stops: list[str], before: int) -> tuple[int, str] | None:
+    """The earliest stop string in the text added since ``before``: (where it starts, which)."""
+    if len(stops) <= FEW_STOPS:
+        return _first_stop(sample.text, stops, before)
+    if sample.stop_hit is None:
+        return None
+    at, index = sample.stop_hit
+    return at, stops[index]
 
 
 class OutputProcessor:
@@ -186,8 +216,9 @@ class OutputProcessor:
 
     def add_request(self, request_id, prompt, prompt_ids, params, seqs, generators, arrival):
         """Start the state of one request: one sample per sequence, each with its detokenizer."""
+        stops = StopStrings(params.stop) if len(params.stop) > FEW_STOPS else None
         samples = [
-            SampleState(i, seq, self._detokenizer(prompt_ids, params), gen)
+            SampleState(i, seq, self._detokenizer(prompt_ids, params), gen, stops)
             for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
         ]
         times = RequestTimes(arrival, self.wall_offset)
@@ -232,6 +263,7 @@ class OutputProcessor:
         before = len(sample.text)
         if seq.params.stop:  # stop strings are looked for in the text: it is needed now
             sample.sync_text()
+            sample.scan_stops(before)  # every step, min_tokens or not: it keeps its place
         reason = self._stop_reason(sample, before)
         if reason is not None:
             sample.flush_text()
@@ -243,6 +275,8 @@ class OutputProcessor:
         A stop string ends the text: the text is cut before it (after it with
         include_stop_str_in_output). The stop token id or string is the sample's stop_reason."""
         seq, p = sample.seq, sample.seq.params
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # its grammar is complete: nothing but EOS could follow
         if seq.num_output_tokens >= p.min_tokens:
             token = seq.last_token_id
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -250,7 +284,7 @@ class OutputProcessor:
             if token in p.stop_token_ids:
                 sample.stop_reason = token
                 return "stop"
-            hit = _first_stop(sample.text, p.stop, before) if p.stop else None
+            hit = _stop_hit(sample, p.stop, before) if p.stop else None
             if hit is not None:
                 at, stop = hit
                 end = at + len(stop) if p.include_stop_str_in_output else at

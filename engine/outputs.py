@@ -65,6 +65,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (if on)
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (None first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # convenience: the first (usually only) completion
     @property

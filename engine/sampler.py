@@ -3,7 +3,10 @@
 Order of operations for one row of logits (V,):
   1. penalties: repetition (tokens in prompt or output: divide a positive logit, multiply a
      negative one), frequency (minus ``f * count`` in the output), presence (minus ``p`` once);
-  2. min_tokens: EOS and stop_token_ids are banned until the sequence has ``min_tokens`` outputs;
+  2. logit_bias added; then bans: tokens outside allowed_token_ids, the last token of a bad word
+     whose other tokens end the output, tokens the request's grammar does not allow next
+     (structured output), and EOS and stop_token_ids until the sequence has ``min_tokens``
+     outputs;
   3. greedy rows (temperature 0): argmax, done;
   4. otherwise probs = softmax(logits / temperature), then min_p (drop p < min_p * max p), top_k
      (keep the k most likely), top_p (keep the smallest most-likely set whose mass reaches top_p,
@@ -52,14 +55,30 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def edits_logits(seq) -> bool:
-    """Whether steps 1-2 change this sequence's row (a penalty, or min_tokens still due)."""
-    return _has_penalty(seq.params) or seq.num_output_tokens < seq.params.min_tokens
+    """Whether steps 1-2 change this sequence's row (a penalty, a bias, a ban, a grammar, or
+    min_tokens still due)."""
+    p = seq.params
+    return _has_penalty(p) or p.restricts_tokens or seq.num_output_tokens < p.min_tokens
+
+
+def bad_word_bans(output_ids: list[int], bad_words_ids: list[list[int]]) -> list[int]:
+    """The tokens that would complete a bad word now: its last token, where the output ends
+    with the word's other tokens (a one-token word is always banned)."""
+    bans = []
+    for word in bad_words_ids:
+        head = word[:-1]
+        if not head or output_ids[-len(head) :] == head:
+            bans.append(word[-1])
+    return bans
 
 
 def plain_greedy(seq) -> bool:
     """Whether seq's row is an argmax of the raw logits: greedy, no penalty, no min_tokens ban
-    still due, no logprobs (the backend can take the argmax and send back only the id)."""
-    return seq.params.greedy and seq.params.logprobs is None and not edits_logits(seq)
+    still due, no logprobs of its tokens or of the prompt it is running (the backend can take
+    the argmax and send back only the id)."""
+    p = seq.params
+    prompt_rows = p.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+    return p.greedy and p.logprobs is None and not prompt_rows and not edits_logits(seq)
 
 
 def rows_to_sample(scheduled) -> tuple[list[int], list]:
@@ -127,22 +146,46 @@ class Sampler:
 
     def __init__(self, eos_token_ids=()):
         self.eos_token_ids = list(eos_token_ids)
+        self.structured = None  # the engine's StructuredOutputCompiler, once a request needs it
 
     def process(self, logits: np.ndarray, seqs) -> np.ndarray:
-        """Steps 1-2: penalties and min_tokens bans on a copy of logits (B, V); logits itself
-        when no row needs either (the caller only reads the result)."""
+        """Steps 1-2: penalties, bias and bans on a copy of logits (B, V); logits itself when no
+        row needs any (the caller only reads the result)."""
         if not any(edits_logits(s) for s in seqs):
             return np.asarray(logits, dtype=np.float32)  # nothing to change: no (B, V) copy
         x = np.array(logits, dtype=np.float32)  # (B, V) copy
+        v = x.shape[1]
         for b, seq in enumerate(seqs):
             p = seq.params
             if _has_penalty(p):
                 with np.errstate(over="ignore"):  # an overflow is +inf, clipped when sampling
                     apply_penalties(x[b], p, seq.prompt_token_ids, seq.output_token_ids)
+            if p.logit_bias:
+                ids = np.fromiter(p.logit_bias, np.int64)
+                x[b, ids] += np.fromiter(p.logit_bias.values(), np.float32)
+            if p.allowed_token_ids:
+                keep = np.zeros(v, dtype=bool)
+                keep[p.allowed_token_ids] = True
+                x[b, ~keep] = -np.inf
+            if seq.bad_words_ids:
+                x[b, bad_word_bans(seq.output_token_ids, seq.bad_words_ids)] = -np.inf
             if seq.num_output_tokens < p.min_tokens:
-                banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < x.shape[1]]
+                banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < v]
                 x[b, banned] = -np.inf
+        self._apply_grammars(x, seqs)
         return x
+
+    def _apply_grammars(self, x: np.ndarray, seqs) -> None:
+        """Tokens that structured-output rows' grammars do not allow next -> -inf, the masks of
+        every such row filled in one call (llguidance's threads)."""
+        rows = [b for b, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return
+        from .structured import allocate_bitmask, apply_bitmask
+
+        mask = allocate_bitmask(len(rows), x.shape[1])  # (R, W) int32
+        self.structured.fill_bitmasks([seqs[b].matcher for b in rows], mask)
+        apply_bitmask(x, mask, np.asarray(rows))
 
     def sample(self, logits: np.ndarray, seqs, generators):
         """logits (B, V) for seqs[b] (with ``params``, prompt and output ids) -> ((B,) ids, list
@@ -169,10 +212,16 @@ class Sampler:
             if n is None or ids[b] == NO_TOKEN:
                 out.append(None)
                 continue
-            lp = log_softmax(logits[b].astype(np.float32))  # (V,)
-            top = np.argpartition(-lp, min(n, lp.shape[0] - 1))[:n]
-            top = top[np.argsort(-lp[top], kind="stable")]
-            entry = {int(t): float(lp[t]) for t in top}
-            entry[int(ids[b])] = float(lp[ids[b]])
-            out.append(entry)
+            out.append(top_logprobs(logits[b], int(ids[b]), n))
         return out
+
+
+def top_logprobs(row: np.ndarray, token: int, n: int) -> dict[int, float]:
+    """{token: logprob} of the n most likely tokens of one row (V,) of raw logits, most likely
+    first, and of ``token`` (the raw log-softmax)."""
+    lp = log_softmax(row.astype(np.float32))  # (V,)
+    top = np.argpartition(-lp, min(n, lp.shape[0] - 1))[:n]
+    top = top[np.argsort(-lp[top], kind="stable")]
+    entry = {int(t): float(lp[t]) for t in top}
+    entry[token] = float(lp[token])
+    return entry

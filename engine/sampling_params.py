@@ -14,11 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .structured.params import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision anyway
 MIN_TOP_P = 1e-6  # well above float32's smallest normal, so top_p never rounds to 0
 PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: a logit divided by it stays finite
 MAX_LOGPROBS = 20  # top-N log-probabilities per token at most (vLLM's max_logprobs default)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as in OpenAI's API (-100 bans, +100 all but forces)
 
 
 def _bad(name: str, value, expected: str) -> ValueError:
@@ -59,6 +62,28 @@ def int_list(name: str, values) -> list[int]:
     if not isinstance(values, list | tuple):
         raise _bad(name, values, "a list of non-negative integers")
     return [as_int(name, v, 0) for v in values]
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """{token id: bias in [-100, 100]}; keys may be integer strings (JSON object keys)."""
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", value, "a dict of token id -> bias")
+    out = {}
+    for key, bias in value.items():
+        tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_integer(tid) or tid < 0:
+            raise _bad("logit_bias", key, "keyed by non-negative token ids")
+        ok = is_real(bias) and math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS
+        if not ok:
+            raise _bad("logit_bias", bias, f"a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        out[int(tid)] = float(bias)
+    return out
+
+
+def _words(name: str, value) -> list[str]:
+    if not isinstance(value, list | tuple) or not all(isinstance(w, str) and w for w in value):
+        raise _bad(name, value, "a list of non-empty strings")
+    return list(value)
 
 
 def _stop_list(value) -> list[str]:
@@ -107,6 +132,13 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-N log-probabilities per generated token
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    bad_words: list[str] | None = None  # words never generated (their last token is banned
+    #   where the output so far ends with the rest of the word)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
+    prompt_logprobs: int | None = None  # top-N log-probabilities of each prompt token (its own
+    #   always included; the first token has none); such a prompt skips the prefix cache
 
     def __post_init__(self):
         for name, value in self._checked().items():
@@ -121,6 +153,10 @@ class SamplingParams:
         out["top_k"] = as_int("top_k", self.top_k, -1)
         if self.logprobs is not None:
             out["logprobs"] = as_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = as_int(
+                "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS
+            )
         if self.seed is not None:
             out["seed"] = as_int("seed", self.seed)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -129,6 +165,17 @@ class SamplingParams:
         out["stop"] = [] if self.stop is None else _stop_list(self.stop)
         ids = self.stop_token_ids
         out["stop_token_ids"] = [] if ids is None else int_list("stop_token_ids", ids)
+        if self.logit_bias is not None:
+            out["logit_bias"] = _logit_bias(self.logit_bias) or None
+        if self.allowed_token_ids is not None:
+            out["allowed_token_ids"] = int_list("allowed_token_ids", self.allowed_token_ids)
+            if not out["allowed_token_ids"]:
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list")
+        if self.bad_words is not None:
+            out["bad_words"] = _words("bad_words", self.bad_words) or None
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _bad("structured_outputs", so, "a StructuredOutputsParams")
         return out
 
     @property
@@ -139,6 +186,14 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether the sampler changes which tokens can come or how likely they are beyond
+        penalties: a logit bias, allowed ids, bad words, a grammar."""
+        return bool(
+            self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured_outputs
+        )
 
 
 def generation_defaults(gen: dict) -> dict:

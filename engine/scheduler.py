@@ -298,7 +298,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self._reject_if_hopeless(seq):
                 continue
-            hits = bm.cached_prefix(seq)  # [] without prefix caching
+            # [] without prefix caching; a prompt whose logprobs are asked runs whole
+            hits = bm.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size)
             if n == 0 or not bm.can_allocate(seq, n, hits):
                 return

@@ -58,6 +58,12 @@ class Sequence:
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        # the sampler's per-request rules beyond SamplingParams: bad words as token ids, and
+        # the grammar state of a structured-output request (engine/structured/matcher.py)
+        self.bad_words_ids: list[list[int]] = []
+        self.matcher = None
+        # prompt_logprobs: one entry per prompt token computed so far (the first is None)
+        self.prompt_logprobs: list[dict[int, float] | None] = []
         self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step
         self.spec_wait = 0  # steps to go before drafting again (after rejected drafts)
         self.spec_backoff = 1  # the wait after the next wholly rejected draft

@@ -207,7 +207,9 @@ def test_the_earliest_stop_string_wins_whatever_the_order(stop):
     """One token brings "studying": every stop string matches; the text ends before the first."""
     op = OutputProcessor(tokenizer=None, eos_token_ids=[], max_model_len=64, record_logits=False)
     params = SamplingParams(stop=stop)
-    seq = SimpleNamespace(params=params, num_output_tokens=3, last_token_id=5, num_tokens=9)
+    seq = SimpleNamespace(
+        params=params, num_output_tokens=3, last_token_id=5, num_tokens=9, matcher=None
+    )
     sample = SimpleNamespace(seq=seq, text="I was studying", truncated=False)
     assert op._stop_reason(sample, before=len("I was ")) == "stop"
     assert sample.text == "I was " and sample.truncated

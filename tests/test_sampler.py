@@ -19,6 +19,8 @@ class FakeSeq:
         self.params = params
         self.prompt_token_ids = list(prompt)
         self.output_token_ids = list(output)
+        self.bad_words_ids, self.matcher = [], None  # what the sampler reads beyond params
+        self.num_computed_tokens = self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self):
