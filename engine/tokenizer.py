@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from reference.tokenizer import Tokenizer
 
-from .chat import chat_prompt_ids, check_messages, render_chat
+from .chat import chat_prompt_ids, chat_text
 from .sampling_params import is_integer
 
 
@@ -101,11 +101,16 @@ class HFTokenizerAdapter:
         return [self.tokenizer.token_to_id(_text("tokens", t)) for t in tokens]
 
     def apply_chat_template(
-        self, conversation, tokenize: bool = True, add_generation_prompt: bool = False, **_
+        self,
+        conversation,
+        tools: list | None = None,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **_,
     ) -> str | list[int]:
-        """The conversation rendered with the model's chat template: its token ids (the template
-        holds its own specials: no BOS is added; specials typed in content stay text), or with
-        tokenize=False the text."""
+        """The conversation (and ``tools``) rendered with the model's chat template: its token
+        ids (the template holds its own specials: no BOS is added; specials typed in content
+        stay text), or with tokenize=False the text."""
         if tokenize:
-            return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt)
-        return render_chat(self.tokenizer, check_messages(conversation), add_generation_prompt)
+            return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt, tools=tools)
+        return chat_text(self.tokenizer, conversation, add_generation_prompt, tools)

@@ -171,14 +171,18 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template;
+        ``tools`` (function definitions, as transformers passes them) is the template's too."""
         if self.chat_template is None:
             raise ValueError("tokenizer: the model has no chat_template")
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),

@@ -125,3 +125,54 @@ def test_bad_unicode_and_template_refusals_are_value_errors(tiny):
     strict = with_template(tiny.tokenizer, "{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="chat template: roles must alternate"):
         chat_prompt_ids(strict, CONV)
+
+
+# ---- tools and tool turns ----
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"c": 1}}}
+TOOL_CONV = [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny <|im_start|>"},
+]
+READS_TOOLS = (  # renders tools and calls itself, as Qwen's and Hermes' templates do
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_reads_tools_gets_them(tiny):
+    tok = with_template(tiny.tokenizer, READS_TOOLS)
+    ids = chat_prompt_ids(tok, TOOL_CONV, tools=[TOOL])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nget_weather;<|im_end|>")
+    assert '<tool_call>{"name": "get_weather", "arguments": {"c": 1}}</tool_call>' in text
+    assert "sunny <|im_start|> for c1" in text
+    assert _turns(tok, ids) == 5  # system, three messages, the generation prompt: the
+    # <|im_start|> typed in the tool's answer is text
+    bad = {**TOOL, "function": {**TOOL["function"], "description": "<|im_end|>"}}
+    with pytest.raises(ValueError, match="tools holds the special token '<|im_end|>'"):
+        chat_prompt_ids(tok, TOOL_CONV, tools=[bad])
+
+
+def test_a_template_that_does_not_read_tools_gets_them_as_text(tiny):
+    """ChatML (the tiny model's) never mentions tools: they go into a system message and the
+    assistant's calls into its content, as text."""
+    tok = tiny.tokenizer
+    ids = chat_prompt_ids(tok, TOOL_CONV, tools=[TOOL])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nFunctions you may call")
+    assert '{"name": "get_weather", "parameters": {"type": "object"}}' in text
+    call = '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"c": 1}}'
+    assert call in text and "<|im_start|>tool\nsunny <|im_start|><|im_end|>" in text
+    assert _turns(tok, ids) == 5
+    system = [{"role": "system", "content": "be brief"}, *TOOL_CONV]
+    text = tok.decode(chat_prompt_ids(tok, system, tools=[TOOL]), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nbe brief\n\nFunctions you may call")
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls must be a list"):
+        chat_prompt_ids(tok, [{"role": "assistant", "content": "", "tool_calls": "x"}])

@@ -189,7 +189,7 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {**CHAT, "messages": [IMAGE]}, "not supported"),
-    ("/v1/completions", {**GOOD, "echo": True}, "echo"),
+    ("/v1/completions", {**GOOD, "suffix": "!"}, "suffix"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "top_k": -3}, "top_k"),
 ]
 

@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API over one ``AsyncLLM`` (FastAPI): ``build_app(llm, name)``.
 
 POST /v1/completions, /v1/chat/completions   (``stream: true``: server-sent events, ``[DONE]``)
-GET  /v1/models, /health, /metrics            POST /tokenize, /detokenize
+GET  /v1/models, /health, /metrics, /tokenizer_info      POST /tokenize, /detokenize
 
 A request body is read within its limits (size, time; engine/entrypoints/limits.py), parsed by
-its pydantic model (engine/entrypoints/protocol.py), checked against the bounds, tokenized (in a
-worker thread when it is large, so the event loop keeps answering), turned into a
-``SamplingParams`` and handed to ``AsyncLLM.add_requests``. Every refusal on the way is an error
-in OpenAI's shape (400 bad input, 401 no key, 408 slow body, 413 large body, 503 queue full) and
-the server keeps serving.
+its pydantic model (engine/entrypoints/protocol.py), checked for fields this server does not
+implement and against the bounds, tokenized (in a worker thread when it is large, so the event
+loop keeps answering), turned into a ``SamplingParams`` (with a constraint on the output from
+``response_format``, ``structured_outputs``, a ``guided_*`` field or ``tool_choice``, compiled in
+a worker thread before the request is queued) and handed to ``AsyncLLM.add_requests``; the
+outputs become response bodies or chunks in engine/entrypoints/responses.py. Every refusal on
+the way is an error in OpenAI's shape (400 bad input, 401 no key, 408 slow body, 413 large body,
+503 queue full) and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import dataclasses
 import functools
 import hmac
 import json
+import logging
 import re
+import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -35,7 +39,7 @@ from starlette.exceptions import HTTPException
 from engine.async_llm import AsyncLLM, QueueFullError, RequestStream
 from engine.chat import chat_prompt_ids
 from engine.input_processor import tokenize_prompt
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.structured import StructuredOutputsParams
 
 from .limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from .prometheus import PrometheusStatLogger
@@ -45,25 +49,32 @@ from .protocol import (
     DetokenizeRequest,
     SamplingRequest,
     TokenizeRequest,
+    UnsupportedField,
     error_body,
 )
+from .responses import ChatFormat, CompletionFormat
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
 TEXT_WORKERS = 2  # worker threads for those: big requests wait for each other, not the loop
 OPEN_PATHS = ("/health",)  # what needs no API key (and /metrics, unless protect_metrics)
 API_KEY = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
+log = logging.getLogger("engine.serve")
 
 
 class ApiError(Exception):
-    """An error answer: HTTP status, OpenAI error type, message, optional headers."""
+    """An error answer: HTTP status, OpenAI error type, message, optional headers, and the
+    request field it is about (OpenAI's ``param``), if one."""
 
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", headers=None):
+    def __init__(
+        self, status: int, message: str, type_: str = "BadRequestError", headers=None, param=None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers
+        self.param = param
 
     def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.status)
+        body = error_body(self.message, self.type, self.status, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -88,16 +99,48 @@ class Server:
         self.metrics = PrometheusStatLogger(model_name)
         llm.stat_loggers.append(self.metrics)
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
+        self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise ApiError(400, f"model {name!r} is not served here (try {self.model_name!r})")
+
+    def check_request(self, req: SamplingRequest, logprobs: tuple[str, int | None]) -> None:
+        """The model, fields given values this server does not implement, and the bounds: a
+        400 for the first that fails. Unknown fields are logged and ignored."""
+        self.check_model(req.model)
+        try:
+            req.check_supported()
+        except UnsupportedField as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        unknown = req.unknown_fields()
+        if unknown:
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown[:20]))
+        self.check_bounds(req, logprobs)
 
     def check_bounds(self, req: SamplingRequest, logprobs: tuple[str, int | None]) -> None:
         try:
             check_sampling_bounds(req, self.limits, logprobs)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+
+    async def compile(self, named: tuple[str, StructuredOutputsParams] | None) -> None:
+        """Compile (field name, constraint on the output) in a worker thread (a large schema
+        takes long): the engine thread then finds it in the compiler's cache. One that does
+        not compile is a 400 naming the field."""
+        if named is None:
+            return
+        field, constraint = named
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.workers, self._compile, constraint)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
+    def _compile(self, constraint: StructuredOutputsParams) -> None:
+        with self._compiler_lock:  # the first call builds it (half a second for 49k tokens)
+            compiler = self.llm.engine.structured_compiler()
+        compiler.compile(constraint)
 
     async def run(self, size: int, fn, *args):
         """``fn(*args)`` for a request of ``size`` body bytes: here when it is small, in a worker
@@ -128,9 +171,21 @@ class Server:
             out.append(p)
         return out
 
-    def chat_ids(self, conversation: list[dict], add_generation_prompt=True, max_chars=None):
+    def prompt_texts(self, req: CompletionRequest, prompts: list) -> list[str]:
+        """Each prompt's text for echo: as given, or its token ids decoded."""
+        given = req.prompts()
+        return [
+            p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            for p, ids in zip(given, prompts, strict=True)
+        ]
+
+    def chat_ids(
+        self, conversation: list[dict], add_generation_prompt=True, max_chars=None, tools=None
+    ):
         try:
-            return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt, max_chars)
+            return chat_prompt_ids(
+                self.tokenizer, conversation, add_generation_prompt, max_chars, tools
+            )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -222,6 +277,8 @@ def _validation_message(errors: list[dict]) -> str:
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if first.get("type") == "extra_forbidden":
+        return f"{where}: unknown field, not supported"
     return f"{where or 'body'}: {first.get('msg')}"
 
 
@@ -316,6 +373,10 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
         )
         return {"object": "list", "data": [card]}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenizer_info_body(server.tokenizer, server.max_model_len)
+
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -343,14 +404,44 @@ def _tokenize(server: Server, req: TokenizeRequest) -> str:
         raise ApiError(400, "give exactly one of prompt and messages")
     if req.messages is not None:
         try:
-            conv = [{"role": m.role, "content": m.text()} for m in req.messages]
+            conv = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        tokens = server.chat_ids(conv, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tokens = server.chat_ids(conv, req.add_generation_prompt, None, tools)
     else:
         tokens = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     rest = json.dumps({"count": len(tokens), "max_model_len": server.max_model_len})
     return f'{{"tokens": {_int_list_json(tokens)}, {rest[1:]}'
+
+
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
+    """``GET /tokenizer_info``, in vLLM's shape (a Hugging Face tokenizer's config): the class
+    transformers would load this tokenizer.json with, BOS / EOS, the context length, the chat
+    template and the added tokens."""
+
+    def text(token_id):
+        return None if token_id is None else tokenizer.id_to_token(token_id)
+
+    eos = tokenizer.eos_token_ids
+    added = tokenizer.backend.get_added_tokens_decoder()  # id -> AddedToken
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text(tokenizer.bos_token_id),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token": text(eos[0]) if eos else None,
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token_ids": list(eos),
+        "pad_token": None,
+        "unk_token": None,
+        "add_bos_token": tokenizer.add_bos,
+        "model_max_length": max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+        "chat_template": tokenizer.chat_template,
+        "added_tokens_decoder": {
+            str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())
+        },
+    }
 
 
 def _int_list_json(ids: list[int], chunk: int = 1 << 16) -> str:
@@ -375,15 +466,26 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(raw: Request):
         req, size = await server.parse(raw, CompletionRequest)
-        server.check_model(req.model)
-        if req.echo:
-            raise ApiError(400, "echo is not supported")
-        server.check_bounds(req, ("logprobs", req.logprobs))
+        server.check_request(req, ("logprobs", req.logprobs))
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
-        params = _params(req, max_tokens, req.logprobs, server.sampling_defaults)
+        echo_only = req.echo and max_tokens == 0  # the prompt alone: see CompletionFormat
+        if echo_only and req.min_tokens:
+            raise ApiError(400, f"min_tokens must be 0 with max_tokens 0, got {req.min_tokens}")
+        named = _call(req.constraint)
+        constraint = named[1] if named else None
+        # echo with logprobs needs the prompt's: as many as logprobs, or prompt_logprobs asks
+        wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
+        prompt_lps = max((k for k in wanted if k is not None), default=None)
+        given = 1 if echo_only else max_tokens  # the engine makes one token at least
+        defaults = server.sampling_defaults
+        params = _params(req, given, req.logprobs, defaults, constraint, prompt_lps)
         prompts = await server.run(size, server.prompt_ids, req)
+        await server.compile(named)
         streams = await server.start(prompts, params)
-        fmt = CompletionFormat(server, req)
+        texts = await server.run(size, server.prompt_texts, req, prompts) if req.echo else None
+        fmt = CompletionFormat(
+            server.tokenizer, req.model or server.model_name, req, texts, echo_only
+        )
         if req.stream:
             return _sse(fmt.chunks(streams))
         return await _unless_disconnected(raw, fmt.response(streams))
@@ -391,24 +493,26 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req, size = await server.parse(raw, ChatCompletionRequest)
-        server.check_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        server.check_bounds(req, ("top_logprobs", top))
+        server.check_request(req, ("top_logprobs", top))
+        mode = _call(req.tool_mode)
+        named = _call(req.constraint, mode)
+        constraint = named[1] if named else None
         max_tokens = req.max_completion_tokens
         max_tokens = req.max_tokens if max_tokens is None else max_tokens
         # every field is checked before the template runs; unset, max_tokens is what fits
         given = server.max_model_len if max_tokens is None else max_tokens
-        params = _params(req, given, top, server.sampling_defaults)
-        try:
-            conv = req.conversation()
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        ids = await server.run(size, server.chat_ids, conv, True, server.max_prompt_chars)
+        defaults = server.sampling_defaults
+        params = _params(req, given, top, defaults, constraint, req.prompt_logprobs)
+        conv = _call(req.conversation)
+        tools, agp = req.template_tools(), req.add_generation_prompt
+        ids = await server.run(size, server.chat_ids, conv, agp, server.max_prompt_chars, tools)
         if max_tokens is None:
             fits = max(server.max_model_len - len(ids), 1)
             params = _replace(params, max_tokens=fits)
+        await server.compile(named)
         streams = await server.start([ids], params)
-        fmt = ChatFormat(server, req)
+        fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
         if req.stream:
             return _sse(fmt.chunks(streams))
         return await _unless_disconnected(raw, fmt.response(streams))
@@ -427,9 +531,17 @@ async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
             raise ApiError(499, "client disconnected", "ClientDisconnected")
 
 
-def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, defaults: dict):
+def _call(fn, *args):
+    """fn(*args), its ValueError a 400."""
     try:
-        return req.sampling_params(max_tokens, logprobs, defaults)
+        return fn(*args)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _params(req: SamplingRequest, max_tokens: int, logprobs, defaults, constraint, prompt_lps):
+    try:
+        return req.sampling_params(max_tokens, logprobs, defaults, constraint, prompt_lps)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
@@ -448,180 +560,3 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _final(stream: RequestStream) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    return last
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as they come; closing it aborts them all."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except Exception as e:  # noqa: BLE001 - re-raised by the reader
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, out = await queue.get()
-            if isinstance(out, Exception):
-                raise out
-            left -= out.finished
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _ending(c: CompletionOutput) -> dict:
-    """How a choice ended: finish_reason, and vLLM's stop_reason (the stop string or token id)."""
-    return dict(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-
-
-class _Format:
-    """Shared by the two response shapes: usage, choice indices, streamed token counts."""
-
-    def __init__(self, server: Server, req: SamplingRequest):
-        self.server, self.req = server, req
-        self.model = req.model or server.model_name
-        self.created = int(time.time())
-        self.id = uuid.uuid4().hex
-        self.sent: dict[int, int] = {}  # choice index -> tokens already streamed
-
-    ID_PREFIX: str  # the response id's prefix
-    OBJECT: str  # "object" of a whole response
-    CHUNK_OBJECT: str  # "object" of a streamed chunk
-
-    def body(self, choices, usage) -> dict:
-        """A whole response: the envelope around its choices."""
-        return self._envelope(self.OBJECT, choices, usage)
-
-    def chunk_body(self, choices, usage=None) -> dict:
-        """One server-sent event's data."""
-        return self._envelope(self.CHUNK_OBJECT, choices, usage)
-
-    def _envelope(self, obj: str, choices, usage) -> dict:
-        id_ = f"{self.ID_PREFIX}-{self.id}"
-        created, model = self.created, self.model
-        return dict(id=id_, object=obj, created=created, model=model, choices=choices, usage=usage)
-
-    def index(self, prompt_index: int, c: CompletionOutput) -> int:
-        return prompt_index * self.req.n + c.index
-
-    @staticmethod
-    def usage(finals: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in finals)
-        gen = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return dict(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
-
-    def new_tokens(self, index: int, c: CompletionOutput) -> tuple[list[int], list[dict]]:
-        """The token ids (and their logprobs) of this choice not yet streamed."""
-        start = self.sent.get(index, 0)
-        self.sent[index] = len(c.token_ids)
-        return c.token_ids[start:], (c.logprobs or [])[start:]
-
-    def token_text(self, token_id: int) -> str:
-        return self.server.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    async def response(self, streams: list[RequestStream]) -> dict:
-        finals = await asyncio.gather(*[_final(s) for s in streams])
-        choices = [self.choice(i, c) for i, o in enumerate(finals) for c in o.outputs]
-        return self.body(choices, self.usage(finals))
-
-    async def chunks(self, streams: list[RequestStream]) -> AsyncIterator[dict]:
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in _merged(streams):
-            if out.finished:
-                finals[i] = out
-            for c in out.outputs:
-                chunk = self.delta_choice(i, c)
-                if chunk is not None:
-                    yield self.chunk_body([chunk])
-        if self.req.include_usage:
-            yield self.chunk_body([], self.usage(list(finals.values())))
-
-
-class CompletionFormat(_Format):
-    """``text_completion`` bodies and chunks."""
-
-    ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
-
-    def logprobs(self, ids: list[int], lps: list[dict], offset: int) -> dict | None:
-        if self.req.logprobs is None:
-            return None
-        tokens = [self.token_text(t) for t in ids]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        top = [{self.token_text(t): v for t, v in lp.items()} for lp in lps]
-        return dict(
-            tokens=tokens,
-            token_logprobs=[lp[t] for t, lp in zip(ids, lps, strict=True)],
-            top_logprobs=top,
-            text_offset=offsets,
-        )
-
-    def choice(self, i: int, c: CompletionOutput) -> dict:
-        lps = self.logprobs(c.token_ids, c.logprobs or [], 0)
-        index = self.index(i, c)
-        return dict(index=index, text=c.text, logprobs=lps, **_ending(c))
-
-    def delta_choice(self, i: int, c: CompletionOutput) -> dict | None:
-        index = self.index(i, c)
-        ids, lps = self.new_tokens(index, c)
-        if not c.text_delta and not ids and c.finish_reason is None:
-            return None
-        offset = len(c.text) - len(c.text_delta)
-        logprobs = self.logprobs(ids, lps, offset)
-        return dict(index=index, text=c.text_delta, logprobs=logprobs, **_ending(c))
-
-
-class ChatFormat(_Format):
-    """``chat.completion`` bodies and ``chat.completion.chunk`` chunks."""
-
-    ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def logprobs(self, ids: list[int], lps: list[dict]) -> dict | None:
-        if not self.req.logprobs:
-            return None
-        content = []
-        for t, lp in zip(ids, lps, strict=True):
-            top = sorted(lp.items(), key=lambda kv: -kv[1])[: self.req.top_logprobs or 0]
-            content.append(self.entry(t, lp[t]) | {"top_logprobs": [self.entry(*kv) for kv in top]})
-        return {"content": content}
-
-    def entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return dict(token=text, logprob=logprob, bytes=list(text.encode()))
-
-    def choice(self, i: int, c: CompletionOutput) -> dict:
-        message = {"role": "assistant", "content": c.text}
-        lps = self.logprobs(c.token_ids, c.logprobs or [])
-        index = self.index(i, c)
-        return dict(index=index, message=message, logprobs=lps, **_ending(c))
-
-    def delta_choice(self, i: int, c: CompletionOutput) -> dict | None:
-        index = self.index(i, c)
-        first = index not in self.sent
-        ids, lps = self.new_tokens(index, c)
-        if not first and not c.text_delta and not ids and c.finish_reason is None:
-            return None
-        delta = {"role": "assistant", "content": c.text_delta} if first else {}
-        if not first:
-            delta["content"] = c.text_delta
-        logprobs = self.logprobs(ids, lps)
-        return dict(index=index, delta=delta, logprobs=logprobs, **_ending(c))

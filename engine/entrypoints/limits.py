@@ -154,15 +154,15 @@ def _check_text(text: str, path: tuple) -> None:
 
 
 def check_sampling_bounds(req, limits: ServerLimits, logprobs: tuple[str, int | None]) -> None:
-    """n, the stop strings and stop token ids, and (field name, value) of the log-probabilities
-    asked for, against the limits."""
+    """n, the stop strings and stop token ids, (field name, value) of the log-probabilities
+    asked for and prompt_logprobs, against the limits."""
     if req.n > limits.max_n:
         raise ValueError(f"n must be at most {limits.max_n} (--max-n), got {req.n}")
-    name, top = logprobs
-    if top is not None and top > limits.max_logprobs:
-        raise ValueError(
-            f"{name} must be at most {limits.max_logprobs} (--max-logprobs), got {top}"
-        )
+    for name, top in (logprobs, ("prompt_logprobs", getattr(req, "prompt_logprobs", None))):
+        if top is not None and top > limits.max_logprobs:
+            raise ValueError(
+                f"{name} must be at most {limits.max_logprobs} (--max-logprobs), got {top}"
+            )
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     if len(stops) > limits.max_stop_strings:
         raise ValueError(

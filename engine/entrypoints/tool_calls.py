@@ -1,0 +1,345 @@
+"""Tools in chat: what ``tools`` and ``tool_choice`` ask for, the JSON schema that enforces it,
+and the model's text back into OpenAI's ``tool_calls``.
+
+tool_choice  how the output is made                 how it is read back
+"none"       free text                              content only
+"auto"       free text                              hermes-style blocks (``HermesParser``):
+                                                    <tool_call>{"name", "arguments"}</tool_call>,
+                                                    the rest is content
+"required"   a JSON array of one or more            one call per item
+             {"name", "parameters"} (vLLM's shape,
+             ``required_schema``)
+named        the function's parameters schema       one call, the text its arguments
+
+``ToolMode`` holds the choice; the server turns its ``schema`` into a structured-output
+constraint and hands each choice's text to ``ToolMode.parse`` (or, streamed, a ``ToolStream``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the schema is enforced either way when the call is forced
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant turn of the conversation a client sends back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def for_template(self) -> dict:
+        """As transformers' templates read it: arguments as an object when they are JSON."""
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        fn = {"name": self.function.name, "arguments": args}
+        return {"id": self.id, "type": "function", "function": fn}
+
+
+@dataclass
+class ToolMode:
+    """The request's tool_choice, resolved: ``kind`` is none, auto, named or required."""
+
+    kind: str
+    name: str | None = None  # the named function
+    schema: dict | None = None  # the output's JSON schema (named, required)
+    parallel: bool = True  # auto: more than one call may be returned
+    names: list[str] = field(default_factory=list)  # every tool's name
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of one choice's whole text; no calls: the text as content."""
+        if self.kind == "named":
+            return None, [new_call(self.name, text)]
+        if self.kind == "required":
+            calls = parse_required(text)
+            return (text, []) if calls is None else (None, calls)
+        if self.kind == "auto":
+            content, calls = HermesParser().feed(text, final=True)
+            calls = calls if self.parallel else calls[:1]
+            if calls:
+                return content.strip() or None, calls
+        return text, []
+
+
+def tool_mode(tools: list[Tool] | None, choice, parallel: bool = True) -> ToolMode:
+    """The ToolMode of tools and tool_choice (unset: auto with tools, none without); a
+    ValueError naming the field for a choice that is not one of CHOICES or names no tool."""
+    if tools is not None and not tools:
+        raise ValueError("tools must not be empty (leave it out for no tools)")
+    names = [t.function.name for t in tools or []]
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError(f"tool_choice must be {CHOICES}, got {json.dumps(choice)[:80]}")
+        if name not in names:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        tool = tools[names.index(name)]
+        schema = tool.function.parameters or NO_PARAMETERS
+        return ToolMode("named", name, schema, names=names)
+    if choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be {CHOICES}, got {choice!r}")
+    if choice != "none" and not tools:
+        raise ValueError(f"tool_choice {choice!r} needs tools")
+    if choice == "required":
+        return ToolMode("required", schema=required_schema(tools, parallel), names=names)
+    return ToolMode(choice, parallel=parallel, names=names)
+
+
+def new_call(name: str, arguments: str) -> dict:
+    """One entry of OpenAI's ``message.tool_calls``."""
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# ---- tool_choice "required": an array of calls ----
+
+
+def required_schema(tools: list[Tool], parallel: bool = True) -> dict:
+    """A JSON array of one or more {"name": a tool's name, "parameters": its arguments}; one
+    at most without parallel calls. Each tool's ``$defs`` / ``definitions`` move to the root
+    under ``tool<i>_<name>`` (their ``$ref``s rewritten), where the array's refs can reach
+    them."""
+    defs, variants = {}, []
+    for i, tool in enumerate(tools):
+        params, own = _hoist_defs(tool.function.parameters or NO_PARAMETERS, f"tool{i}_")
+        defs.update(own)
+        variants.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _hoist_defs(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """(schema without its definitions, {prefix + name: definition}), every local $ref in
+    both pointing at the new names ("#" itself: at the schema, kept as a definition)."""
+    schema = copy.deepcopy(schema)
+    own = {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            own[prefix + name] = sub
+    root = prefix + "root"
+
+    def fix(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                node["$ref"] = _moved_ref(ref, prefix, root)
+            for v in node.values():
+                fix(v)
+        elif isinstance(node, list):
+            for v in node:
+                fix(v)
+
+    fix(schema)
+    fix(own)
+    if _refers_to_root(schema, root) or _refers_to_root(own, root):
+        own[root] = schema
+        schema = {"$ref": f"#/$defs/{root}"}
+    return schema, own
+
+
+def _moved_ref(ref: str, prefix: str, root: str) -> str:
+    for old in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(old):
+            return "#/$defs/" + prefix + ref[len(old) :]
+    if ref == "#" or ref.startswith("#/"):
+        return f"#/$defs/{root}" + ref[1:]
+    return ref
+
+
+def _refers_to_root(node, root: str) -> bool:
+    return f'"#/$defs/{root}' in json.dumps(node)
+
+
+def parse_required(text: str) -> list[dict] | None:
+    """The calls of a "required" output, or None when it is not a complete array of them (the
+    output ended early)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+        calls.append(new_call(item["name"], args))
+    return calls
+
+
+# ---- tool_choice "auto": hermes-style <tool_call> blocks in free text ----
+
+
+class HermesParser:
+    """Splits text, as it comes, into content and ``<tool_call>{json}</tool_call>`` calls.
+
+    ``feed`` returns the content that is final (text that may still begin a tag is held back)
+    and the calls whose closing tag came. A block that is not a JSON object with a string
+    ``name`` stays content, tags and all. ``final=True`` ends the text: a last block left open
+    (the model stopped before its closing tag) is still a call when its JSON is complete.
+    """
+
+    def __init__(self):
+        self.buf = ""  # text not yet returned
+        self.in_call = False  # buf is inside a <tool_call> block
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.buf += text
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    keep = 0 if final else _tag_prefix(self.buf, OPEN)
+                    content.append(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    break
+                content.append(self.buf[:i])
+                self.buf, self.in_call = self.buf[i + len(OPEN) :], True
+                continue
+            j = self.buf.find(CLOSE)
+            if j < 0 and not final:
+                break
+            body = self.buf if j < 0 else self.buf[:j]
+            self.buf = "" if j < 0 else self.buf[j + len(CLOSE) :]
+            self.in_call = False
+            call = hermes_call(body)
+            if call is not None:
+                calls.append(call)
+            else:
+                content.append(OPEN + body + ("" if j < 0 else CLOSE))
+            if j < 0:
+                break
+        return "".join(content), calls
+
+
+def hermes_call(body: str) -> dict | None:
+    """The call in one block's text: {"name": ..., "arguments": {...}} ("parameters" is read
+    too; arguments given as JSON text are kept as they are)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return new_call(obj["name"], text)
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of text that begins tag (text to hold back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """One streamed choice's text turned into deltas: content as it becomes final, each call
+    in one delta once it is complete (named: the arguments as they come)."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.parser = HermesParser()
+        self.text = ""  # required: the whole output, parsed at the end
+        self.pending = ""  # auto: whitespace-only content held until more comes
+        self.calls = 0  # calls sent so far
+        self.call_id = new_call("", "")["id"]  # named: the one call's id
+
+    def delta(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
+        """(content delta or None, tool call deltas) for the text new in this chunk."""
+        kind = self.mode.kind
+        if kind == "named":
+            return None, [self._named(text)] if text or not self.calls else []
+        if kind == "required":
+            self.text += text
+            if not final:
+                return None, []
+            calls = parse_required(self.text)
+            return (self.text, []) if calls is None else (None, self._indexed(calls))
+        if kind == "auto":
+            content, calls = self.parser.feed(text, final)
+            if calls and not self.mode.parallel:
+                calls = calls[: max(1 - self.calls, 0)]
+            return self._content(content, final), self._indexed(calls)
+        return text, []
+
+    def _named(self, text: str) -> dict:
+        if self.calls:
+            return {"index": 0, "function": {"arguments": text}}
+        self.calls = 1
+        fn = {"name": self.mode.name, "arguments": text}
+        return {"index": 0, "id": self.call_id, "type": "function", "function": fn}
+
+    def _indexed(self, calls: list[dict]) -> list[dict]:
+        out = []
+        for call in calls:
+            out.append({"index": self.calls, **call})
+            self.calls += 1
+        return out
+
+    def _content(self, content: str, final: bool) -> str | None:
+        """Content to send now: whitespace alone waits (it may only sit between calls)."""
+        content = self.pending + content
+        if content.strip():
+            self.pending = ""
+            return content
+        self.pending = "" if final else content
+        return content if final and content and not self.calls else None
