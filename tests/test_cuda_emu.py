@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -130,6 +131,21 @@ def order(request):
 
 def build(source: str, tag: str):
     return K.cpu_module_from_source(textwrap.dedent(source), tag)
+
+
+# Every snippet build the tests below load: (source, tag).
+SNIPPET_BUILDS = [(REVERSE.replace("SYNC", "__syncthreads();"), "emu_reverse_sync")]
+SNIPPET_BUILDS += [(REVERSE.replace("SYNC", ""), "emu_reverse"), (UNINIT, "emu_uninit")]
+SNIPPET_BUILDS += [(BARRIERS, "emu_barriers"), (WARPS, "emu_warps")]
+SNIPPET_BUILDS += [(INTRINSICS, "emu_intrinsics")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_snippets():
+    """Compile every snippet once, two g++ processes at a time (cached by content hash, so each
+    test's build() is a load)."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda b: build(*b), SNIPPET_BUILDS))
 
 
 def run_reverse(sync: str, n: int = 64) -> np.ndarray:
@@ -267,11 +283,13 @@ def run_asan(extra: int, smem: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_asan_build_catches_out_of_bounds_global_and_shared_accesses():
-    ok = run_asan(extra=0, smem=32 * 4)
+    ok = run_asan(extra=0, smem=32 * 4)  # builds the ASan library the other two load
     assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr
-    global_oob = run_asan(extra=1, smem=32 * 4)  # thread 31 reads x[100]
+    with ThreadPoolExecutor(2) as pool:  # one process per core
+        global_run = pool.submit(run_asan, extra=1, smem=32 * 4)  # thread 31 reads x[100]
+        shared_run = pool.submit(run_asan, extra=0, smem=31 * 4)  # thread 30 writes buf[31]
+        global_oob, shared_oob = global_run.result(), shared_run.result()
     assert global_oob.returncode != 0 and "heap-buffer-overflow" in global_oob.stderr
     assert "READ of size 4" in global_oob.stderr
-    shared_oob = run_asan(extra=0, smem=31 * 4)  # thread 30 writes buf[31]
     assert shared_oob.returncode != 0 and "heap-buffer-overflow" in shared_oob.stderr
     assert "WRITE of size 4" in shared_oob.stderr

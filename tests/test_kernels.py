@@ -10,6 +10,9 @@ import inspect
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -64,10 +67,34 @@ def order(request):
 kern = K.cpu_kernels
 
 
+# The counting builds the traffic tests at the end of this file launch: (file, defines).
+COUNTED_FILES = [(n, ()) for n in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "embedding")]
+COUNTED_FILES += [("rotary_cache", ()), ("paged_attention_reduce", ())]
+COUNTED_FILES += [("paged_attention_decode", {"HEAD_DIM": 64, "BLOCK_SIZE": 16})]
+ASAN_TEST = "test_kernels_under_address_sanitizer"
+
+
 @pytest.fixture(scope="module", autouse=True)
-def built_kernels():
-    """Compile every kernel file once, two g++ processes at a time (cached by content hash)."""
-    K.build_all_cpu()
+def built_kernels(request, tmp_path_factory):
+    """Compile every kernel file once, and the counting builds the traffic tests use, two g++
+    processes at a time (cached by content hash, so a later load is a hit). Where the ASan
+    pass is selected, it starts here, in its own process (its g++ and its runs beside this
+    module's single-threaded emulator runs); its test waits for it and checks its result."""
+    selected = {item.name for item in request.session.items}
+    asan = None
+    if ASAN_TEST in selected and not K.asan_enabled():
+        asan = start_asan_pass(tmp_path_factory.mktemp("asan"))
+    jobs = [(n, d, None) for n in K.kernel_names() for d in K.define_sets(n)]
+    if not K.asan_enabled():  # the ASan pass runs no traffic test
+        jobs += [(n, d, kind) for n, d in COUNTED_FILES for kind in ("reads", "writes")]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda j: K.compile_cpu(j[0], counting=j[2], defines=j[1]), jobs))
+        yield asan
+    finally:
+        if asan is not None and asan.proc.poll() is None:  # stopped before its test ran
+            asan.proc.kill()
+            asan.proc.wait()
 
 
 # ---- row-wise kernels -------------------------------------------------------------------------
@@ -773,17 +800,42 @@ def test_cuda_cpu_ops_options_match_numpy_ops(rng):
     assert_close(C.paged_attention_prefill(*args), N.paged_attention_prefill(*args), np.float32)
 
 
-@pytest.mark.slow
-def test_kernels_under_address_sanitizer():
-    """One pass of the paged-cache, attention and sampling tests with ASan builds."""
+@dataclass
+class AsanPass:
+    """The ASan pass running in its own process, its output going to two files."""
+
+    proc: subprocess.Popen
+    stdout: Path
+    stderr: Path
+
+    def result(self) -> tuple[int, str, str]:
+        """Wait for it: (exit status, stdout, stderr)."""
+        rc = self.proc.wait()
+        return rc, self.stdout.read_text(), self.stderr.read_text()
+
+
+def start_asan_pass(folder: Path) -> AsanPass:
+    """One pass of the paged-cache, attention and sampling tests with ASan builds (this file's
+    tests, selected with -k, in a process with the ASan runtime preloaded)."""
     select = "forward and (f32 or sampling) and not long_context and not address_sanitizer"
     select += " and (cache or copy_blocks or attention or sample or rms_norm)"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select]
     env = K.asan_env()
     env["PYTHONPATH"] = os.pathsep.join([str(K.REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run(cmd, env=env, cwd=K.REPO, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "AddressSanitizer" not in result.stderr
+    out, err = folder / "stdout.txt", folder / "stderr.txt"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(cmd, env=env, cwd=K.REPO, stdout=o, stderr=e, text=True)
+    return AsanPass(proc, out, err)
+
+
+@pytest.mark.slow
+def test_kernels_under_address_sanitizer(built_kernels, tmp_path):
+    """One pass of the paged-cache, attention and sampling tests with ASan builds (started
+    with the module by built_kernels)."""
+    asan = built_kernels or start_asan_pass(tmp_path)
+    returncode, stdout, stderr = asan.result()
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert " passed" in stdout and "AddressSanitizer" not in stderr
 
 
 # ---- global memory traffic (counting builds) ---------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,10 +40,35 @@ BUILDS = [(name, defs) for name in K.kernel_names() for defs in K.define_sets(na
 BUILD_IDS = [f"{n}-" + "-".join(f"{k}{v}" for k, v in d) if d else n for n, d in BUILDS]
 
 
+NVRTC_TEST = "test_nvrtc_compiles_without_spills"
+
+
+@pytest.fixture(scope="module")
+def nvrtc_results(request):
+    """The NVRTC compile of every selected (name, defines, arch) case, submitted in test order
+    to two threads at once (NVRTC releases the GIL): each case waits for its own future and
+    gets its result or its error."""
+    cases = [
+        item.callspec.params
+        for item in request.session.items
+        if getattr(item, "originalname", None) == NVRTC_TEST and item.module.__name__ == __name__
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            (c["name"], c["defines"], c["arch"]): pool.submit(
+                K.compile_nvrtc, c["name"], c["arch"], c["defines"]
+            )
+            for c in cases
+        }
+        yield futures
+        for future in futures.values():  # a run stopped early (-x) leaves the rest
+            future.cancel()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("name", "defines"), BUILDS, ids=BUILD_IDS)
-def test_nvrtc_compiles_without_spills(name, defines, arch):
-    result = K.compile_nvrtc(name, arch, defines)
+def test_nvrtc_compiles_without_spills(name, defines, arch, nvrtc_results):
+    result = nvrtc_results[(name, defines, arch)].result()
     assert result.cubin[:4] == b"\x7fELF"  # a cubin, not PTX
     entries = K.entry_points(K.read_source(name))
     assert entries, f'{name}.cu defines no extern "C" __global__ kernel'
@@ -112,12 +138,15 @@ def test_nvcc_second_opinion(tmp_path):
         folder = tmp_path / str(i)
         folder.mkdir()
         jobs.append((cmd + K.define_options(defines) + [str(K.SRC_DIR / f"{name}.cu")], folder))
-    stderr, ok = "", True
-    for pair in (jobs[i : i + 2] for i in range(0, len(jobs), 2)):
-        procs = [subprocess.Popen(c, cwd=f, stderr=subprocess.PIPE, text=True) for c, f in pair]
-        stderr += "".join(p.communicate()[1] for p in procs)
-        ok = ok and all(p.returncode == 0 for p in procs)
-    assert ok, stderr
+
+    def run(job) -> subprocess.CompletedProcess:
+        command, folder = job
+        return subprocess.run(command, cwd=folder, stderr=subprocess.PIPE, text=True)
+
+    with ThreadPoolExecutor(2) as pool:  # the next file starts as soon as one ends
+        results = list(pool.map(run, jobs))
+    stderr = "".join(r.stderr for r in results)
+    assert all(r.returncode == 0 for r in results), stderr
     assert "warning" not in stderr.lower(), stderr
     entries = [e for n, _ in BUILDS for e in K.entry_points(K.read_source(n))]
     assert_no_local_memory("nvcc", stderr, entries)

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import gguf
 import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,8 +15,6 @@ from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.golden import read_golden
-from reference.gguf_file import read_metadata
-from reference.loader import smollm2_path
 from reference.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.tiny_model import CHATML, CORPUS
 
@@ -33,8 +30,10 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return Tokenizer.from_gguf(read_metadata(gguf.GGUFReader(str(smollm2_path()))))
+def smol(smollm2):
+    """SmolLM2's tokenizer, built from its GGUF metadata: Tokenizer.from_gguf(read_metadata(
+    GGUFReader(file))), as the session's loaded SmolLM2 built it (reading the file: ~4 s)."""
+    return smollm2.tokenizer
 
 
 def partial_ids(tok: Tokenizer) -> list[int]:
