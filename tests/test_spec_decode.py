@@ -306,43 +306,42 @@ def draftable_prompt(top3) -> list[int]:
     raise AssertionError("no draftable prompt found")
 
 
-def test_rejection_sampling_through_the_engine_matches_the_exact_distribution(tiny):
-    """The whole pipeline (scheduler, paged cache, speculated rows, rejection sampling): the
-    distribution over 3-token continuations with top_k 3 equals the exact one computed from the
-    reference forward (27 outcomes; chi-square, fixed seed, p > 0.001)."""
-
+def top3_under(loaded):
+    """ids -> (the 3 most likely next tokens, their probabilities) under temperature 1 and
+    top_k 3, from the reference forward in float64."""
     from reference.model import forward
 
-    n_req, k = 2000, 3
-    w, cfg = tiny.weights, tiny.config
-
-    def top3(ids):  # (3 tokens, their probabilities) under temperature 1, top_k 3
-        logits = forward(w, cfg, ids).astype(np.float64)
-        top = np.argsort(-logits, kind="stable")[:k]
+    def top3(ids):
+        logits = forward(loaded.weights, loaded.config, ids).astype(np.float64)
+        top = np.argsort(-logits, kind="stable")[:3]
         e = np.exp(logits[top] - logits[top].max())
         return top.tolist(), e / e.sum()
 
-    prompt = draftable_prompt(top3)
-    exact = {}
-    t0, p0 = top3(prompt)
-    for a, pa in zip(t0, p0, strict=True):
-        t1, p1 = top3(prompt + [a])
-        for b, pb in zip(t1, p1, strict=True):
-            t2, p2 = top3(prompt + [a, b])
-            for c, pc in zip(t2, p2, strict=True):
-                exact[(a, b, c)] = pa * pb * pc
-    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
-    spec = json.dumps({**NGRAM, "prompt_lookup_min": 1})
-    engine = make_engine(tiny, speculative_config=spec, backend="numpy", seed=1234)
-    outs = run_to_completion(engine, [prompt] * n_req, params)
+    return top3
+
+
+def exact_continuations(top3, prompt: list[int], length: int = 3) -> dict[tuple, float]:
+    """Every continuation of ``length`` tokens that top_k 3 sampling can draw, and its exact
+    probability."""
+    if length == 0:
+        return {(): 1.0}
+    out = {}
+    for t, pt in zip(*top3(prompt), strict=True):
+        for rest, pr in exact_continuations(top3, prompt + [t], length - 1).items():
+            out[(t, *rest)] = pt * pr
+    return out
+
+
+def assert_drawn_from(outs, exact: dict[tuple, float]) -> None:
+    """The outputs' continuations against the exact distribution: chi-square at p = 0.001, the
+    cells expecting fewer than 5 pooled."""
     counts = dict.fromkeys(exact, 0)
     for o in outs:
         counts[tuple(o.token_ids)] += 1  # a KeyError: a continuation outside the top 3s
-    assert engine.spec_stats.num_accepted_tokens > 0
     keys = list(exact)
-    expected = np.array([exact[t] for t in keys]) * n_req
+    expected = np.array([exact[t] for t in keys]) * len(outs)
     observed = np.array([counts[t] for t in keys])
-    big = expected >= 5  # chi-square cells; the rare ones pooled
+    big = expected >= 5
     chi2 = ((observed[big] - expected[big]) ** 2 / expected[big]).sum()
     rest_e, rest_o = expected[~big].sum(), observed[~big].sum()
     cells = int(big.sum())
@@ -350,6 +349,20 @@ def test_rejection_sampling_through_the_engine_matches_the_exact_distribution(ti
         chi2 += (rest_o - rest_e) ** 2 / rest_e
         cells += 1
     assert chi2 < CHI2_999[cells - 1], (chi2, cells)
+
+
+def test_rejection_sampling_through_the_engine_matches_the_exact_distribution(tiny):
+    """The whole pipeline (scheduler, paged cache, speculated rows, rejection sampling): the
+    distribution over 3-token continuations with top_k 3 equals the exact one computed from the
+    reference forward (27 outcomes; chi-square, fixed seed, p > 0.001)."""
+    top3 = top3_under(tiny)
+    prompt = draftable_prompt(top3)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    spec = json.dumps({**NGRAM, "prompt_lookup_min": 1})
+    engine = make_engine(tiny, speculative_config=spec, backend="numpy", seed=1234)
+    outs = run_to_completion(engine, [prompt] * 2000, params)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert_drawn_from(outs, exact_continuations(top3, prompt))
 
 
 # chi-square critical values at p = 0.001 for df = 1..30
@@ -560,26 +573,9 @@ def test_draft_model_sampled_requests_keep_their_distribution(tiny):
     """Sampled requests with a layer-skip draft: the distribution over 3-token continuations
     (top_k 3; the last two from one speculated step) equals the exact one from the reference
     forward (27 outcomes; chi-square, fixed seed)."""
-    from reference.model import forward
-
-    n_req, k = 1000, 3
+    n_req = 1000
     prompt = np.random.default_rng(5).integers(3, 320, 12).tolist()
-
-    def top3(ids):
-        logits = forward(tiny.weights, tiny.config, ids).astype(np.float64)
-        top = np.argsort(-logits, kind="stable")[:k]
-        e = np.exp(logits[top] - logits[top].max())
-        return top.tolist(), e / e.sum()
-
-    exact = {}
-    t0, p0 = top3(prompt)
-    for a, pa in zip(t0, p0, strict=True):
-        t1, p1 = top3(prompt + [a])
-        for b, pb in zip(t1, p1, strict=True):
-            t2, p2 = top3(prompt + [a, b])
-            for c, pc in zip(t2, p2, strict=True):
-                exact[(a, b, c)] = pa * pb * pc
-    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     spec = json.dumps({**DRAFT, "num_speculative_tokens": 1})
     draft = layer_skip(tiny)
     engine = make_engine(
@@ -588,19 +584,7 @@ def test_draft_model_sampled_requests_keep_their_distribution(tiny):
     outs = run_to_completion(engine, [prompt] * n_req, params)
     assert engine.spec_stats.num_drafts == n_req  # every request speculated its last two
     assert 0 < engine.spec_stats.num_accepted_tokens < n_req
-    keys = list(exact)
-    expected = np.array([exact[t] for t in keys]) * n_req
-    counts = {t: 0 for t in keys}
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1  # a KeyError: a continuation outside the top 3s
-    observed = np.array([counts[t] for t in keys])
-    big = expected >= 5
-    chi2 = ((observed[big] - expected[big]) ** 2 / expected[big]).sum()
-    cells = int(big.sum())
-    if (~big).any():
-        rest_e, rest_o = expected[~big].sum(), observed[~big].sum()
-        chi2, cells = chi2 + (rest_o - rest_e) ** 2 / rest_e, cells + 1
-    assert chi2 < CHI2_999[cells - 1], (chi2, cells)
+    assert_drawn_from(outs, exact_continuations(top3_under(tiny), prompt))
 
 
 def test_draft_model_refusals(tiny):
