@@ -65,3 +65,17 @@ class ForwardBatch:
         assert self.block_tables.shape[0] == B
         assert np.all(self.block_tables < num_blocks)
         assert np.all(self.slot_mapping < num_blocks * block_size)
+
+
+def token_slots(qsl: np.ndarray, context_lens: np.ndarray, tables: np.ndarray, block_size: int):
+    """((T,) position, (T,) cache slot) of every token of a flat batch: its sequence's start
+    (context_lens - q_len) plus its index within the run, and where its page table puts it."""
+    q_lens = np.diff(qsl)  # (B,)
+    if qsl[-1] == len(q_lens):
+        positions = context_lens - 1  # (T,) one token per sequence
+    else:
+        first = np.repeat(context_lens - q_lens - qsl[:-1], q_lens)  # (T,) start - run offset
+        positions = np.arange(qsl[-1], dtype=np.int32) + first  # (T,)
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)  # (T,) sequence of each token
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size  # (T,)
+    return positions.astype(np.int32), slots.astype(np.int32)

@@ -11,7 +11,7 @@ import numpy as np
 
 from reference.config import ModelConfig
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, token_slots
 from .scheduler import SchedulerOutput
 from .utils import cdiv
 
@@ -103,19 +103,11 @@ class ModelRunner:
         qsl = np.zeros(len(seqs) + 1, dtype=np.int32)  # (B+1,)
         np.cumsum(q_lens, out=qsl[1:])
         block_tables = self._block_tables(seqs, context_lens)  # (B, max_blocks)
-        # position of each token: its sequence's start + its index within the run
-        if len(tokens) == len(seqs):
-            positions = context_lens - 1  # (T,) one token per sequence
-        else:
-            positions = (np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1], q_lens)) + (
-                np.repeat(context_lens - q_lens, q_lens)
-            )  # (T,)
-        rows = np.repeat(np.arange(len(seqs)), q_lens)  # (T,) sequence of each token
-        slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs  # (T,)
+        positions, slot_mapping = token_slots(qsl, context_lens, block_tables, bs)  # (T,), (T,)
         return ForwardBatch(
             token_ids=np.asarray(tokens, dtype=np.int32),
-            positions=positions.astype(np.int32),
-            slot_mapping=slot_mapping.astype(np.int32),
+            positions=positions,
+            slot_mapping=slot_mapping,
             block_tables=block_tables,
             context_lens=context_lens,
             query_start_loc=qsl,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, token_slots
 from ..utils import cdiv
 
 
@@ -151,13 +151,11 @@ class DraftModel:
         for b, (s, _, _) in enumerate(rows):
             t = self.seqs[s.seq_id].table[:width]
             tables[b, : len(t)] = t
-        b_of = np.repeat(np.arange(len(rows)), q_lens)  # (T,) row of each token
-        positions = np.arange(qsl[-1], dtype=np.int32) - qsl[:-1][b_of] + starts[b_of]  # (T,)
-        slots = tables[b_of, positions // bs] * bs + positions % bs  # (T,)
+        positions, slots = token_slots(qsl, context_lens, tables, bs)  # (T,), (T,)
         return ForwardBatch(
             token_ids=np.asarray(tokens, dtype=np.int32),
-            positions=positions.astype(np.int32),
-            slot_mapping=slots.astype(np.int32),
+            positions=positions,
+            slot_mapping=slots,
             block_tables=tables,
             context_lens=context_lens.astype(np.int32),
             query_start_loc=qsl,
