@@ -8,6 +8,7 @@ from engine.chat import chat_prompt_ids
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from reference.tokenizer import Tokenizer
+from tests.test_tokenizer import custom
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 CONV = [
@@ -72,16 +73,6 @@ RESHAPING = (  # changes content in a way no span of the rendering can show
 )
 
 
-def with_template(tok: Tokenizer, template: str) -> Tokenizer:
-    return Tokenizer(
-        tok.backend,
-        bos_token_id=tok.bos_token_id,
-        eos_token_ids=tok.eos_token_ids,
-        add_bos=tok.add_bos,
-        chat_template=template,
-    )
-
-
 def _turns(tok: Tokenizer, ids: list[int]) -> int:
     return ids.count(tok.token_to_id("<|im_start|>"))
 
@@ -94,7 +85,7 @@ def test_special_tokens_in_content_are_text(request, family):
     loaded = request.getfixturevalue("smollm2" if family == "smollm2" else "tiny")
     tok = loaded.tokenizer
     if family in ("trim", "reshaping"):
-        tok = with_template(tok, LLAMA3_LIKE if family == "trim" else RESHAPING)
+        tok = custom(tok, LLAMA3_LIKE if family == "trim" else RESHAPING)
     for conv in (FORGED_CONV, FORGED_CONV[1:]):
         ids = chat_prompt_ids(tok, conv)
         own = 1 if family == "smollm2" and conv[0]["role"] != "system" else 0
@@ -107,7 +98,7 @@ def test_special_tokens_in_content_are_text(request, family):
 @pytest.mark.parametrize("family", ["smollm2", "tiny", "trim"])
 def test_plain_content_is_encoded_as_before(request, family):
     loaded = request.getfixturevalue("smollm2" if family == "smollm2" else "tiny")
-    tok = loaded.tokenizer if family != "trim" else with_template(loaded.tokenizer, LLAMA3_LIKE)
+    tok = loaded.tokenizer if family != "trim" else custom(loaded.tokenizer, LLAMA3_LIKE)
     conv = [*CONV, {"role": "user", "content": "  spaced out  \n"}]
     whole = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
     assert chat_prompt_ids(tok, conv) == whole
@@ -122,7 +113,7 @@ def test_get_tokenizer_keeps_content_as_text(llm):
 def test_bad_unicode_and_template_refusals_are_value_errors(tiny):
     with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
         chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "a\ud800"}])
-    strict = with_template(tiny.tokenizer, "{{ raise_exception('roles must alternate') }}")
+    strict = custom(tiny.tokenizer, "{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="chat template: roles must alternate"):
         chat_prompt_ids(strict, CONV)
 
@@ -147,7 +138,7 @@ READS_TOOLS = (  # renders tools and calls itself, as Qwen's and Hermes' templat
 
 
 def test_a_template_that_reads_tools_gets_them(tiny):
-    tok = with_template(tiny.tokenizer, READS_TOOLS)
+    tok = custom(tiny.tokenizer, READS_TOOLS)
     ids = chat_prompt_ids(tok, TOOL_CONV, tools=[TOOL])
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\nget_weather;<|im_end|>")
