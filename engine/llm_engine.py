@@ -449,10 +449,10 @@ class LLMEngine:
         else:
             logits = self.runner.execute(out)  # (R, V)
             ids = greedy_ids(logits).tolist()
-        sampled = {} if logits is None else self._verify_sampled(out, logits)
+        counts = output_row_counts(out)  # (B,) rows of logits (or ids) of each sequence
+        sampled = {} if logits is None else self._verify_sampled(out, logits, counts)
         if logits is not None:
-            self._record_prompt_logprobs(out, logits)
-        counts = output_row_counts(out)
+            self._record_prompt_logprobs(out, logits, counts)
         plain_seqs, plain_ids, plain_rows, accepted, r = [], [], [], [], 0
         for (seq, n), count in zip(out.scheduled, counts, strict=True):
             drafts = out.drafts.get(seq.seq_id)
@@ -480,12 +480,12 @@ class LLMEngine:
         self._update(out, plain_seqs, plain_ids, extras)
         self._accept_all(accepted)
 
-    def _verify_sampled(self, out: SchedulerOutput, logits: np.ndarray) -> dict[int, list[int]]:
+    def _verify_sampled(self, out: SchedulerOutput, logits: np.ndarray, counts) -> dict:
         """seq_id -> tokens, by rejection sampling, for every speculated run that is not plain
         greedy; the sampler's processing and the distributions of all their rows are made in
         one call each."""
         runs, r = [], 0  # (seq, first row, rows, drafts)
-        for (seq, n), count in zip(out.scheduled, output_row_counts(out), strict=True):
+        for (seq, n), count in zip(out.scheduled, counts, strict=True):
             drafts = out.drafts.get(seq.seq_id)
             if drafts is not None and not plain_greedy(seq):
                 runs.append((seq, r, n, drafts))
@@ -600,8 +600,9 @@ class LLMEngine:
         rows, seqs = rows_to_sample(out.scheduled)
         if needs_rows(out):  # prompt chunks whose logprobs are asked: all their rows come back
             every = self.runner.execute(out)  # (R, V)
-            self._record_prompt_logprobs(out, every)
-            logits = every[np.cumsum(output_row_counts(out)) - 1]  # (B, V) each one's last row
+            counts = output_row_counts(out)  # (B,)
+            self._record_prompt_logprobs(out, every, counts)
+            logits = every[np.cumsum(counts) - 1]  # (B, V) each one's last row
         elif not self.record_logits and all(plain_greedy(s) for s in seqs):
             # the argmax where the logits are; only ids come back
             greedy = self.runner.execute(out, greedy=True)  # (B,)
@@ -613,12 +614,12 @@ class LLMEngine:
         ids, lps = self.sampler.sample(logits[rows], seqs, gens)
         return seqs, ids, [(lp, logits[r]) for lp, r in zip(lps, rows, strict=True)]
 
-    def _record_prompt_logprobs(self, out: SchedulerOutput, logits: np.ndarray) -> None:
+    def _record_prompt_logprobs(self, out: SchedulerOutput, logits: np.ndarray, counts) -> None:
         """For each prompt chunk whose logprobs are asked, the logprobs of the prompt tokens its
         rows predict (row q predicts token q + 1; the first prompt token has none). Positions
         already recorded (a prompt run again after a recompute preemption) are skipped."""
         r = 0
-        for (seq, n), count in zip(out.scheduled, output_row_counts(out), strict=True):
+        for (seq, n), count in zip(out.scheduled, counts, strict=True):
             if wants_prompt_rows(seq):
                 if not seq.prompt_logprobs:
                     seq.prompt_logprobs.append(None)
