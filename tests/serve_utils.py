@@ -20,7 +20,8 @@ MODEL = "tiny"
 
 class LiveServer:
     """``limits``: a ServerLimits (the app's and uvicorn's bounds); ``protect_metrics`` as for
-    build_app; the other keyword arguments are the engine's."""
+    build_app; ``send_buffer``: each connection's socket send buffer in bytes (the kernel's
+    own when None); the other keyword arguments are the engine's."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class LiveServer:
         max_waiting_requests=None,
         limits=None,
         protect_metrics=False,
+        send_buffer=None,
         **engine_args,
     ):
         self.engine = make_engine(loaded, **engine_args)
@@ -38,6 +40,8 @@ class LiveServer:
         # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
         # each connection (with proto 0 it does not, and every small answer waits 40 ms)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        if send_buffer:  # bytes; each connection inherits it, with the kernel's growth off
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn_config(self.app, limits, log_level="warning", timeout_graceful_shutdown=5)

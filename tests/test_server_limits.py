@@ -204,8 +204,9 @@ def small(tiny):
         request_header_timeout=0.5,
         limit_concurrency=8,
         max_logprobs=3,
+        stream_write_timeout=0.5,
     )
-    with LiveServer(tiny, limits=limits) as s, _client(s) as s.http:
+    with LiveServer(tiny, limits=limits, send_buffer=16 * 1024) as s, _client(s) as s.http:
         yield s
 
 
@@ -247,6 +248,49 @@ def test_half_a_request_head_loses_its_connection(small):
     assert _raw(small, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", wait=3) == b""
     assert time.monotonic() - start < 2.5
     assert _raw(small, b"", wait=3) == b""  # nothing at all: the same
+
+
+def test_a_client_that_stops_reading_a_stream_is_aborted(small):
+    """The client asks for a long stream and reads none of it: once the socket buffers and
+    uvicorn's are full (about 100 KB, of some 700 KB the answer would be), a chunk waits past
+    --stream-write-timeout, the requests are aborted, their blocks go back and the connection
+    closes."""
+    body = {**GOOD, "prompt": [5, 6], "max_tokens": 240, "ignore_eos": True, "n": 8}
+    body = json.dumps({**body, "stream": True, "logprobs": 3}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    host, port = small.url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, full soon
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        start = time.monotonic()
+        time.sleep(0.2)
+        while small.engine.has_unfinished_requests() and time.monotonic() - start < 20:
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        assert not small.engine.has_unfinished_requests()
+        me = sock.getsockname()[1]
+        while me in _client_ports(small) and time.monotonic() - start < 20:
+            time.sleep(0.05)  # dropped though its unsent bytes never drain
+        assert me not in _client_ports(small)
+        got, sock_closed = b"", False
+        sock.settimeout(5)
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+        sock_closed = True
+    finally:
+        sock.close()
+    assert sock_closed and got.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in got
+    assert got.count(b"data: ") < 8 * 240  # the stream stopped early
+    assert took < 15, took
+    bm = small.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    _still_serving(small)
+
+
+def _client_ports(server) -> set[int]:
+    return {c.client[1] for c in server.server.server_state.connections if c.client}
 
 
 def test_connections_past_the_limit_are_503(small):

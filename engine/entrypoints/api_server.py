@@ -53,6 +53,7 @@ from .protocol import (
     error_body,
 )
 from .responses import ChatFormat, CompletionFormat
+from .uvicorn_config import ABORT_CONNECTION
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
@@ -487,7 +488,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             server.tokenizer, req.model or server.model_name, req, texts, echo_only
         )
         if req.stream:
-            return _sse(fmt.chunks(streams))
+            return _sse(fmt.chunks(streams), streams, server.limits.stream_write_timeout)
         return await _unless_disconnected(raw, fmt.response(streams))
 
     @app.post("/v1/chat/completions")
@@ -514,7 +515,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         streams = await server.start([ids], params)
         fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
         if req.stream:
-            return _sse(fmt.chunks(streams))
+            return _sse(fmt.chunks(streams), streams, server.limits.stream_write_timeout)
         return await _unless_disconnected(raw, fmt.response(streams))
 
 
@@ -553,10 +554,47 @@ def _replace(params, **changes):
         raise ApiError(400, str(e)) from None
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], streams, write_timeout: float) -> StreamingResponse:
     async def events():
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _ReadOrLose(events(), streams, write_timeout)
+
+
+class _ReadOrLose(StreamingResponse):
+    """A server-sent event stream whose client must keep reading. A client that stops (its
+    socket's buffers full, uvicorn's send waiting to drain) would hold the requests' blocks
+    until max_tokens; a chunk that waits ``write_timeout`` seconds aborts them instead and drops
+    the connection (uvicorn_config.ABORT_CONNECTION; a server without it closes the connection
+    of an unfinished response itself)."""
+
+    def __init__(self, events, streams: list[RequestStream], write_timeout: float):
+        super().__init__(events, media_type="text/event-stream")
+        self.streams, self.write_timeout = streams, write_timeout
+        self.drop = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.drop = scope.get("extensions", {}).get(ABORT_CONNECTION)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send) -> None:
+        async def timed(message):
+            async with asyncio.timeout(self.write_timeout):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            ids = ", ".join(s.request_id for s in self.streams)
+            log.warning(
+                "a client read nothing for %.3g s (--stream-write-timeout): aborted %s",
+                self.write_timeout,
+                ids,
+            )
+            for s in self.streams:
+                s.abort()
+            await self.body_iterator.aclose()
+            if self.drop is not None:
+                self.drop()

@@ -48,6 +48,11 @@ class ServerLimits:
         10.0, "seconds a connection may take to send a whole request head; then it is closed"
     )
     timeout_keep_alive: float = limit(5.0, "seconds an idle keep-alive connection stays open")
+    stream_write_timeout: float = limit(
+        30.0,
+        "seconds one chunk of a stream may wait for its client to read; a client that stops "
+        "reading for longer has its requests aborted and its connection closed",
+    )
     limit_concurrency: int = limit(
         1024, "open connections (or running requests) past which a new request is 503"
     )

@@ -6,6 +6,10 @@ size (``h11_max_incomplete_event_size``) and answers 503 past ``limit_concurrenc
 or requests, but it waits for the rest of a started head for ever. ``HeadTimeoutProtocol`` (its
 h11 protocol) arms a timer when a connection opens and when bytes of a new request arrive, and
 closes the connection if the head is not complete when it fires.
+
+It also gives each request's ASGI scope an extension, ``scope["extensions"][ABORT_CONNECTION]``:
+a callable that drops the connection at once, unsent bytes and all. A stream whose client
+stopped reading needs it: a plain close would wait for those bytes to drain, for ever.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .limits import ServerLimits
 
 DEFAULT_HEAD_TIMEOUT = ServerLimits.request_header_timeout
+ABORT_CONNECTION = "pagedllm.abort_connection"
 
 
 class HeadTimeoutProtocol(H11Protocol):
@@ -40,7 +45,10 @@ class HeadTimeoutProtocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        cycle = self.cycle
         super().handle_events()
+        if self.cycle is not cycle and self.cycle is not None:  # its app has not run yet
+            self.cycle.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
         if self._head_timer is not None and self.cycle is not self._timed_cycle:
             self._disarm()  # a whole head came: the request runs
 
