@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
@@ -244,7 +245,34 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    app.openapi = functools.partial(_openapi, app)
     return app
+
+
+# the request models of the routes that parse their own bodies (Server.parse): FastAPI cannot
+# see them, so /openapi.json (and /docs) get them here
+BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document with each route's request body schema from BODIES."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            content = {"application/json": {"schema": ref}}
+            doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": content}
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def _lifespan(server: Server):
