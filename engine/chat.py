@@ -116,16 +116,18 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     max_chars: int | None = None,
     tools: list[dict] | None = None,
+    max_chars_why: str = "that max_model_len tokens can hold",
 ) -> list[int]:
     """The prompt token ids of one conversation, ready for the assistant's turn. ``max_chars``:
-    a rendered prompt longer than this is a ValueError before it is tokenized. ``tools``: the
-    function definitions ([{"type": "function", "function": {...}}]) the template gets."""
+    a rendered prompt longer than this is a ValueError before it is tokenized (its message ends
+    with ``max_chars_why``). ``tools``: the function definitions ([{"type": "function",
+    "function": {...}}]) the template gets."""
     messages, tools = prepare_chat(tokenizer, messages, tools)
     text = render_chat(tokenizer, messages, add_generation_prompt, tools)
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(
             f"the rendered conversation has {len(text)} characters, more than the "
-            f"{max_chars} that max_model_len tokens can hold"
+            f"{max_chars} {max_chars_why}"
         )
     return encode_chat(tokenizer, messages, text, add_generation_prompt, tools)
 

@@ -191,24 +191,50 @@ def test_an_empty_key_stops_the_server_before_it_starts(tiny_model_dir, monkeypa
 # ---- large requests: off the event loop, bounded ----
 
 
-def test_health_answers_while_a_big_tokenize_runs(server):
-    prompt = "the quick brown fox 0123 " * 40_000  # 1 MB: about 2 s of tokenizing here
+HOSTILE = [  # each near its bound and a quarter of a second or more of work, off the event loop
+    ("/tokenize", {"prompt": "the quick brown fox 0123 " * 10_000}, 200),  # 250k characters
+    ("/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(130_000)}}, 400),
+]  # fmt: skip
+
+
+def _health_during(server, path: str, body) -> tuple[httpx.Response, list[float]]:
+    """The answer to ``body`` and the latencies of /health polled until it came."""
     done, answer = threading.Event(), {}
 
-    def tokenize():
-        answer["r"] = server.http.post("/tokenize", json={"prompt": prompt}, timeout=60)
+    def post():
+        answer["r"] = server.http.post(path, json=body, timeout=60)
         done.set()
 
-    threading.Thread(target=tokenize).start()
+    threading.Thread(target=post).start()
     latencies = []
     with _client(server) as client:
-        while not done.is_set():
+        while not latencies or not done.is_set():
             start = time.perf_counter()
             assert client.get("/health").status_code == 200
             latencies.append(time.perf_counter() - start)
-            time.sleep(0.02)
-    assert answer["r"].status_code == 200 and answer["r"].json()["count"] > 500_000
-    assert len(latencies) > 5 and max(latencies) < 0.5, latencies
+            time.sleep(0.01)
+    done.wait()
+    return answer["r"], latencies
+
+
+@pytest.mark.parametrize("path, body, status", HOSTILE, ids=["tokenize", "logit_bias"])
+def test_health_answers_while_hostile_requests_run(server, path, body, status):
+    """/health keeps answering in milliseconds while each big body is parsed, validated,
+    tokenized and answered (the bounds keep each long call that holds the interpreter lock
+    short)."""
+    r, latencies = _health_during(server, path, body)
+    assert r.status_code == status, r.text
+    assert max(latencies) < 0.15, latencies
+    if path == "/tokenize":
+        assert r.json()["count"] > 100_000 and len(latencies) > 5
+
+
+def test_tokenize_is_bounded_in_characters(server):
+    r = server.http.post("/tokenize", json={"prompt": "x" * (256 * 1024 + 1)})
+    assert "prompt has 262145 characters, more than 262144 (--max-tokenize-chars)" in _error(r, 400)
+    messages = [{"role": "user", "content": "x" * 200_000}] * 2
+    r = server.http.post("/tokenize", json={"messages": messages})
+    assert "more than the 262144 (--max-tokenize-chars)" in _error(r, 400)
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +364,38 @@ def test_bounds_are_400_before_any_work(server, extra, message):
         r = server.http.post(path, json={**body, **extra})
         assert message in _error(r, 400)
     _still_serving(server)
+
+
+HI = {"role": "user", "content": "hi"}
+PART = {"type": "text", "text": "hi"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SHAPES = [
+    ("/v1/chat/completions", {"messages": [HI] * 1025}, "messages: 1025, more than 1024"),
+    ("/tokenize", {"messages": [HI] * 1025}, "messages: 1025, more than 1024 (--max-messages)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [PART] * 600}] * 2},
+     "content parts: 1200, more than 1024 (--max-messages)"),
+    ("/v1/chat/completions", {"messages": [HI], "tools": [TOOL] * 129},
+     "tools: 129, more than 128 (--max-tools)"),
+    ("/v1/completions", {"prompt": [[5]] * 70_000}, "more than 131072 (--max-json-items)"),
+    ("/v1/completions", {"prompt": ["hi"] * 2049}, "a batch of 2049, more than 2048"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ab"] * 140_000}, "(--max-json-items)"),
+    ("/detokenize", {"tokens": [5] * 140_000}, "up to 140001 JSON items"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, body, message", SHAPES)
+def test_sizes_are_400_before_validation(server, path, body, message):
+    assert message in _error(server.http.post(path, json=body), 400)
+    _still_serving(server)
+
+
+def test_sizes_at_the_limits_are_taken(server):
+    r = server.http.post("/tokenize", json={"messages": [HI] * 1024})
+    assert r.status_code == 200 and r.json()["count"] > 1024
+    body = {"messages": [{"role": "user", "content": [PART] * 1024}]}
+    assert server.http.post("/tokenize", json=body).status_code == 200
+    r = server.http.post("/detokenize", json={"tokens": [5] * 131_000})
+    assert r.status_code == 200
 
 
 def test_logprobs_bound(small):

@@ -156,7 +156,7 @@ class Server:
     async def parse(self, raw: Request, model: type[BaseModel]) -> tuple[BaseModel, int]:
         """The body as ``model`` (400 for one that is not), and its size in bytes."""
         body = await raw.body()  # within max_request_bytes and request_body_timeout
-        return await self.run(len(body), _parse, body, model), len(body)
+        return await self.run(len(body), _parse, body, model, self.limits), len(body)
 
     def prompt_ids(self, req: CompletionRequest) -> list:
         """The request's text prompts tokenized (checked against max_model_len and the
@@ -181,12 +181,10 @@ class Server:
             for p, ids in zip(given, prompts, strict=True)
         ]
 
-    def chat_ids(
-        self, conversation: list[dict], add_generation_prompt=True, max_chars=None, tools=None
-    ):
+    def chat_ids(self, conversation: list[dict], add_generation_prompt, max_chars, tools, *why):
         try:
             return chat_prompt_ids(
-                self.tokenizer, conversation, add_generation_prompt, max_chars, tools
+                self.tokenizer, conversation, add_generation_prompt, max_chars, tools, *why
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
@@ -203,9 +201,9 @@ class Server:
             raise ApiError(503, str(e), "ServiceUnavailableError") from None
 
 
-def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
+def _parse(body: bytes, model: type[BaseModel], limits: ServerLimits) -> BaseModel:
     try:
-        return model.model_validate(parse_json_body(body))
+        return model.model_validate(parse_json_body(body, limits))
     except ValidationError as e:
         raise ApiError(400, _validation_message(e.errors())) from None
     except ValueError as e:
@@ -431,14 +429,18 @@ def _tokenize(server: Server, req: TokenizeRequest) -> str:
     """The /tokenize answer, as JSON text (a list of millions of ids is slow to encode)."""
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages")
+    max_chars, flag = server.limits.max_tokenize_chars, "(--max-tokenize-chars)"
     if req.messages is not None:
         try:
             conv = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = server.chat_ids(conv, req.add_generation_prompt, None, tools)
+        tokens = server.chat_ids(conv, req.add_generation_prompt, max_chars, tools, flag)
     else:
+        if len(req.prompt) > max_chars:
+            got = len(req.prompt)
+            raise ApiError(400, f"prompt has {got} characters, more than {max_chars} {flag}")
         tokens = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     rest = json.dumps({"count": len(tokens), "max_model_len": server.max_model_len})
     return f'{{"tokens": {_int_list_json(tokens)}, {rest[1:]}'
@@ -473,7 +475,7 @@ def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
     }
 
 
-def _int_list_json(ids: list[int], chunk: int = 1 << 16) -> str:
+def _int_list_json(ids: list[int], chunk: int = 1 << 14) -> str:
     """``json.dumps(ids)`` in pieces: one call over millions of ids holds the GIL for seconds,
     between pieces the event loop's thread gets its turn."""
     pieces = (",".join(map(str, ids[i : i + chunk])) for i in range(0, len(ids), chunk))
@@ -507,7 +509,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         prompt_lps = max((k for k in wanted if k is not None), default=None)
         given = 1 if echo_only else max_tokens  # the engine makes one token at least
         defaults = server.sampling_defaults
-        params = _params(req, given, req.logprobs, defaults, constraint, prompt_lps)
+        args = (req, given, req.logprobs, defaults, constraint, prompt_lps)
+        params = await server.run(size, _params, *args)  # checks each logit_bias entry
         prompts = await server.run(size, server.prompt_ids, req)
         await server.compile(named)
         streams = await server.start(prompts, params)
@@ -532,7 +535,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         # every field is checked before the template runs; unset, max_tokens is what fits
         given = server.max_model_len if max_tokens is None else max_tokens
         defaults = server.sampling_defaults
-        params = _params(req, given, top, defaults, constraint, req.prompt_logprobs)
+        args = (req, given, top, defaults, constraint, req.prompt_logprobs)
+        params = await server.run(size, _params, *args)
         conv = _call(req.conversation)
         tools, agp = req.template_tools(), req.add_generation_prompt
         ids = await server.run(size, server.chat_ids, conv, agp, server.max_prompt_chars, tools)

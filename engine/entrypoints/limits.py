@@ -5,8 +5,10 @@ flag per field (``max_request_bytes`` -> ``--max-request-bytes``) and ``limits_f
 them back. The body's bounds (size, time to arrive) are enforced by the app's middleware, the
 connection's by uvicorn (engine/entrypoints/uvicorn_config.py), the rest here:
 
-- ``parse_json_body``: the body must be UTF-8 JSON whose strings are valid Unicode (no lone
-  surrogate, which JSON's ``\\ud800`` escape can write and no tokenizer can read);
+- ``parse_json_body``: the body must hold a bounded number of JSON items (counted before it is
+  parsed), be UTF-8 JSON whose strings are valid Unicode (no lone surrogate, which JSON's
+  ``\\ud800`` escape can write and no tokenizer can read), and a bounded number of prompts,
+  messages, content parts and tools (counted before they are validated);
 - ``check_sampling_bounds``: ``n``, ``logprobs`` and the stop conditions, whose cost grows with
   their size for as long as the request runs.
 
@@ -38,7 +40,13 @@ def limit(default, help: str):
 class ServerLimits:
     # the body (the app's middleware)
     max_request_bytes: int = limit(
-        32 * MiB, "bytes a request body may have; a larger one is 413, before it is read"
+        16 * MiB, "bytes a request body may have; a larger one is 413, before it is read"
+    )
+    max_json_items: int = limit(
+        131_072,
+        "array elements and object members a body may have, counted (as its commas and "
+        "opening brackets, strings' too) before it is parsed: parsing holds the interpreter "
+        "lock, and every other request waits, for up to a microsecond an item",
     )
     request_body_timeout: float = limit(
         60.0, "seconds a request body may take to arrive once its head has; later it is 408"
@@ -61,12 +69,23 @@ class ServerLimits:
     )
     # the sampling fields
     max_n: int = limit(128, "choices a request may ask for (n)")
+    max_prompts: int = limit(2048, "prompts a /v1/completions batch may have")
+    max_tokenize_chars: int = limit(
+        256 * KiB,
+        "characters /tokenize may be given (a prompt, or a rendered conversation); turning "
+        "the ids into a list holds the interpreter lock, for up to 4 ids a character",
+    )
     max_logprobs: int = limit(
         MAX_LOGPROBS, f"log-probabilities per token (logprobs, top_logprobs), {MAX_LOGPROBS} max"
     )
     max_stop_strings: int = limit(64, "stop strings a request may give")
     max_stop_chars: int = limit(4096, "characters all of a request's stop strings may have")
     max_stop_token_ids: int = limit(1024, "stop_token_ids a request may give")
+    # the chat fields, checked before they are validated (several microseconds each)
+    max_messages: int = limit(
+        1024, "messages a chat request may have, and content parts in all of them together"
+    )
+    max_tools: int = limit(128, "tools a chat request may offer")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -110,9 +129,17 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 # ---- the body ----
 
 
-def parse_json_body(body: bytes):
-    """The JSON value of a request body; a ValueError for one that is not UTF-8 (JSON's own
-    encoding: a UTF-16 body is refused, not guessed), not JSON, or holds a lone surrogate."""
+def parse_json_body(body: bytes, limits: ServerLimits):
+    """The JSON value of a request body; a ValueError for one of more than max_json_items
+    items, or that is not UTF-8 (JSON's own encoding: a UTF-16 body is refused, not guessed),
+    not JSON, or holds a lone surrogate, or more prompts, messages, content parts or tools
+    than the limits allow."""
+    items = body.count(b",") + body.count(b"[") + body.count(b"{")  # >= items; fast, in C
+    if items > limits.max_json_items:
+        raise ValueError(
+            f"body has up to {items} JSON items (commas and opening brackets), more than "
+            f"{limits.max_json_items} (--max-json-items)"
+        )
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -127,7 +154,28 @@ def parse_json_body(body: bytes):
         raise ValueError(f"malformed JSON: {e}") from None
     if _SURROGATE_ESCAPE.search(text):
         _check_strings(value)
+    if isinstance(value, dict):
+        _check_sizes(value, limits)
     return value
+
+
+def _check_sizes(body: dict, limits: ServerLimits) -> None:
+    """A batch's prompts, messages, their content parts and tools against the limits, before
+    pydantic validates each (one long call that holds the interpreter lock)."""
+    prompt, messages, tools = body.get("prompt"), body.get("messages"), body.get("tools")
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str)
+    if batch and len(prompt) > limits.max_prompts:
+        raise ValueError(
+            f"prompt: a batch of {len(prompt)}, more than {limits.max_prompts} (--max-prompts)"
+        )
+    if isinstance(messages, list):
+        contents = (m.get("content") for m in messages if isinstance(m, dict))
+        parts = sum(len(c) for c in contents if isinstance(c, list))
+        for what, n in (("messages", len(messages)), ("content parts", parts)):
+            if n > limits.max_messages:
+                raise ValueError(f"{what}: {n}, more than {limits.max_messages} (--max-messages)")
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise ValueError(f"tools: {len(tools)}, more than {limits.max_tools} (--max-tools)")
 
 
 def _check_strings(value) -> None:
