@@ -5,10 +5,11 @@
 Starts ``python -m engine.serve`` on the given model (default: the tests' tiny random model,
 written to a temporary directory) and sends a mix, ``--concurrency`` at a time: plain and
 streamed completions and chats, prompts as token ids, requests refused for their length or
-their parameters, big bodies (about 1 MB) to /tokenize, and streams the client leaves after two
-chunks. The server's RSS (/proc/PID/status) is read after the first 20% of the requests
-(warm-up) and at the end; the script prints both, the growth, and the status codes it got, and
-exits 1 if any request got a 500 or the server died. A measurement, not a test.
+their parameters, big bodies (a quarter of a megabyte) to /tokenize, and streams the client
+leaves after two chunks (tests/soak_mix.py). The server's RSS (/proc/PID/status) is read after
+the first 20% of the requests (warm-up) and at the end; the script prints both, the growth, and
+the status codes it got, and exits 1 if any request got a 500 or the server died. Its fast
+version in the suite is tests/test_server_limits.py::test_a_soak_leaves_nothing_behind.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.soak_mix import one_request, send  # noqa: E402
 from tests.tiny_model import make_tiny_model  # noqa: E402
 
 
@@ -36,59 +38,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
-
-
-def one_request(i: int, rng: random.Random) -> tuple[str, str, dict, bool]:
-    """(method, path, body, leave_early) of the i-th request."""
-    kind = i % 8
-    words = " ".join(rng.choice(["hi", "there", "fox", "summer", "day"]) for _ in range(20))
-    if kind == 0:
-        return "POST", "/v1/completions", {"model": "m", "prompt": words, "max_tokens": 16}, False
-    if kind == 1:
-        body = {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": 16}
-        return "POST", "/v1/chat/completions", body | {"stream": True}, False
-    if kind == 2:
-        body = {"model": "m", "prompt": [rng.randrange(3, 300) for _ in range(30)]}
-        return (
-            "POST",
-            "/v1/completions",
-            body | {"max_tokens": 8, "n": 2, "temperature": 0.8},
-            False,
-        )
-    if kind == 3:  # refused: longer than max_model_len
-        return (
-            "POST",
-            "/v1/completions",
-            {"model": "m", "prompt": words * 200, "max_tokens": 4},
-            False,
-        )
-    if kind == 4:  # refused: a bad parameter
-        return "POST", "/v1/completions", {"model": "m", "prompt": words, "top_p": 7}, False
-    if kind == 5:  # a big body
-        return "POST", "/tokenize", {"model": "m", "prompt": "summer day " * 100_000}, False
-    if kind == 6:  # a stream the client leaves
-        body = {"model": "m", "prompt": words, "max_tokens": 64, "stream": True}
-        return "POST", "/v1/completions", body, True
-    body = {"model": "m", "prompt": words, "max_tokens": 8, "stop": ["fox", "day"], "logprobs": 2}
-    return "POST", "/v1/completions", body, False
-
-
-async def send(client: httpx.AsyncClient, req, codes: collections.Counter) -> None:
-    method, path, body, leave = req
-    try:
-        if body.get("stream"):
-            async with client.stream(method, path, json=body) as r:
-                n = 0
-                async for _ in r.aiter_lines():
-                    n += 1
-                    if leave and n >= 2:
-                        break
-                codes[r.status_code] += 1
-        else:
-            r = await client.request(method, path, json=body)
-            codes[r.status_code] += 1
-    except httpx.HTTPError as e:
-        codes[type(e).__name__] += 1
 
 
 async def soak(url: str, n: int, concurrency: int, pid: int) -> tuple[float, float, dict]:
