@@ -21,6 +21,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
 BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
+EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
@@ -170,10 +171,26 @@ class EngineConfig:
         "identical",
     )
 
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the model is split across: attention heads, MLP units and vocabulary rows "
+        "sharded, one all-reduce after attention and one after the MLP (numpy backend, one "
+        "worker process per rank)",
+    )
+    pipeline_parallel_size: int = option(1, "stages the layers are split into (only 1 so far)")
+    distributed_executor_backend: str | None = option(
+        None,
+        "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
+        "not built yet",
+        choices=EXECUTORS,
+        default_help="uni for one rank, mp for more",
+    )
+
     def __post_init__(self):
         self._check_types()
         self._check_ranges()
         self._check_choices()
+        self._check_parallel()
         self.speculative = parse_speculative_config(self.speculative_config)
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
@@ -216,6 +233,38 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+
+    def _check_parallel(self):
+        """tensor_parallel_size and its executor; what is not built is refused by name."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            n = getattr(self, name)
+            if not is_int(n) or not 1 <= n <= 8:
+                raise _bad(name, n, "an integer in [1, 8]")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "EngineConfig: pipeline_parallel_size > 1 is not implemented (tensor parallel "
+                "is: tensor_parallel_size)"
+            )
+        ex = self.distributed_executor_backend
+        if ex is not None and ex not in EXECUTORS:
+            raise _bad("distributed_executor_backend", ex, "one of " + ", ".join(EXECUTORS))
+        if ex == "ray":
+            raise ValueError(
+                "EngineConfig: distributed_executor_backend 'ray' is not implemented; use 'mp' "
+                "(worker processes on this host)"
+            )
+        if ex is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        elif ex == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"EngineConfig: distributed_executor_backend 'uni' runs one rank; "
+                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
+            )
+        if self.tensor_parallel_size > 1 and self.backend not in ("auto", "numpy"):
+            raise ValueError(
+                f"EngineConfig: tensor_parallel_size > 1 runs on the numpy backend only (the "
+                f"{self.backend} backend's NCCL path is not built); got backend {self.backend!r}"
+            )
 
     @property
     def swap_gib(self) -> float:

@@ -171,7 +171,7 @@ class NumpyBackend(Backend):
     def _logits(self, batch: ForwardBatch) -> np.ndarray:
         # the layers over the flat batch -> (B, V) float32
         ops, c = self.ops, self.cfg
-        x = ops.embedding(batch.token_ids, self.embed, self.embed_scale)  # (T, D)
+        x = self._embed(batch.token_ids)  # (T, D)
         residual = None
         for layer, lw in enumerate(self.layers):
             if residual is None:
@@ -181,10 +181,21 @@ class NumpyBackend(Backend):
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
             act = ops.act_and_mul(matmul(h, lw.w_gate_up), c.hidden_act)  # (T, 2F) -> (T, F)
-            x = matmul(act, lw.w_down)  # (T, D)
+            x = self._reduce(matmul(act, lw.w_down))  # (T, D)
         rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
         h, _ = ops.fused_add_rms_norm(x[rows], residual[rows], self.final_norm, c.rms_norm_eps)
-        return matmul(h, self.lm_head)  # (R, V)
+        return self._lm_head(h)  # (R, V)
+
+    # the three places a tensor-parallel rank differs (engine/distributed/tp_numpy.py)
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.ops.embedding(token_ids, self.embed, self.embed_scale)  # (T, D)
+
+    def _reduce(self, x: np.ndarray) -> np.ndarray:
+        """A row-sharded product's partial sums -> the whole (here: already whole)."""
+        return x
+
+    def _lm_head(self, h: np.ndarray) -> np.ndarray:
+        return matmul(h, self.lm_head)  # (R, D) -> (R, V)
 
     def _attention(self, h: np.ndarray, lw: PackedLayer, layer: int, b: ForwardBatch):
         # h: (T, D) normalized -> (T, D)
@@ -226,4 +237,4 @@ class NumpyBackend(Backend):
                 self.scale,
                 window,
             )
-        return matmul(out.reshape(n, c.q_dim), lw.w_o)
+        return self._reduce(matmul(out.reshape(n, c.q_dim), lw.w_o))

@@ -1,0 +1,141 @@
+"""Collectives between the tensor-parallel ranks of one host: a shared-memory all-reduce.
+
+``ShmComm`` is made by the parent before the workers start and handed to each (it pickles to the
+names of what it shares). Each rank owns one slot in each of two slot sets in one shared-memory
+block. A collective writes the rank's array into its slot of the current set, waits at the
+barrier for every rank to have written, and reads the others' slots. The sets alternate, so
+one barrier per collective is enough: a rank can write a set again only after the barrier of
+the collective in between, which no rank passes before every rank has finished reading.
+
+Every rank sums the slots in rank order, so every rank gets the same bits: the ranks' residual
+streams stay identical, as one process's would be. A collective waits at most ``timeout``
+seconds for the others (a dead rank breaks the barrier for all: a RuntimeError, not a hang).
+
+The rules a collective keeps, checked on every call: float32, and the same size on every rank
+for an all-reduce (the slots carry no shape: each rank writes its element count beside its
+slot, and a count that differs is a ValueError on every rank). An array larger than a slot
+goes in slot-sized pieces, one barrier each.
+"""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+HEADER = 64  # bytes before each slot set: one int64 element count per rank (up to 8 ranks)
+
+
+class ShmComm:
+    def __init__(self, world: int, slot_bytes: int, ctx, timeout: float = 60.0):
+        if not 1 <= world <= HEADER // 8:
+            raise ValueError(f"ShmComm: world size must be 1..{HEADER // 8}, got {world}")
+        self.world, self.timeout = world, timeout
+        self.slot_floats = max(slot_bytes // F32.itemsize, 1)
+        size = 2 * (HEADER + world * self.slot_floats * F32.itemsize)
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.name = self.shm.name
+        self.barrier = ctx.Barrier(world)
+        self.rank: int | None = None
+        self._flip = 0
+        self._owner = True
+        self._views()
+
+    def __getstate__(self):
+        return {
+            "world": self.world,
+            "timeout": self.timeout,
+            "slot_floats": self.slot_floats,
+            "name": self.name,
+            "barrier": self.barrier,
+        }
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.shm, self.rank, self._flip, self._owner = None, None, 0, False
+
+    def attach(self, rank: int) -> ShmComm:
+        """In the worker of rank ``rank``: open the shared block (a fork's copy is open already)."""
+        if self.shm is None:
+            self.shm = shared_memory.SharedMemory(name=self.name)
+            # the parent owns (and unlinks) the block: the worker's tracker must not
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.rank = rank
+        self._owner = False
+        self._views()
+        return self
+
+    def _views(self) -> None:
+        per_set = HEADER + self.world * self.slot_floats * F32.itemsize
+        buf = self.shm.buf
+        self._counts = [
+            np.ndarray((HEADER // 8,), np.int64, buf, offset=s * per_set) for s in range(2)
+        ]
+        self._slots = [
+            np.ndarray((self.world, self.slot_floats), F32, buf, offset=s * per_set + HEADER)
+            for s in range(2)
+        ]  # 2 x (world, slot_floats)
+
+    def close(self) -> None:
+        """Release the block (the parent also removes it)."""
+        self._counts = self._slots = None
+        if self.shm is not None:
+            self.shm.close()
+            if self._owner:
+                self.shm.unlink()
+            self.shm = None
+
+    # ---- collectives ----
+    def _exchange(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write x into this rank's slot, wait for every rank: (the slots, their counts)."""
+        if x.dtype != F32:
+            raise ValueError(f"ShmComm: collectives take float32, got {x.dtype}")
+        s = self._flip
+        self._flip ^= 1
+        slots, counts = self._slots[s], self._counts[s]
+        slots[self.rank, : x.size] = x.reshape(-1)
+        counts[self.rank] = x.size
+        try:
+            self.barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"rank {self.rank}: another tensor-parallel rank did not reach the collective "
+                f"within {self.timeout:g} s (it died or diverged)"
+            ) from None
+        return slots, counts[: self.world]
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        """The sum of every rank's x (same shape on every rank), in rank order: the same bits
+        on every rank. More than a slot goes in slot-sized pieces."""
+        flat = np.ascontiguousarray(x).reshape(-1)
+        out = np.empty(flat.size, F32)
+        for i in range(0, max(flat.size, 1), self.slot_floats):
+            piece = flat[i : i + self.slot_floats]
+            slots, counts = self._exchange(piece)
+            if (counts != piece.size).any():
+                raise ValueError(
+                    f"ShmComm.all_reduce: ranks gave {counts.tolist()} elements; all must "
+                    "give the same"
+                )
+            part = out[i : i + piece.size]
+            part[:] = slots[0, : piece.size]
+            for r in range(1, self.world):
+                part += slots[r, : piece.size]
+        return out.reshape(x.shape)
+
+    def all_gather(self, x: np.ndarray, max_cols: int) -> np.ndarray:
+        """(R, C_r) from each rank, C_r <= max_cols -> (R, sum C_r), the ranks' columns side by
+        side; in pieces of rows that fit a slot (the same on every rank: max_cols decides)."""
+        rows, pieces = x.shape[0], []
+        step = max(self.slot_floats // max(max_cols, 1), 1)
+        for i in range(0, max(rows, 1), step):
+            piece = np.ascontiguousarray(x[i : i + step])
+            n = piece.shape[0]
+            slots, counts = self._exchange(piece)
+            if n and (counts % n).any():
+                raise ValueError(f"ShmComm.all_gather: ranks gave {counts.tolist()} elements")
+            cols = [slots[r, : counts[r]].reshape(n, -1) for r in range(self.world)]
+            pieces.append(np.concatenate(cols, axis=1))
+        return np.concatenate(pieces, axis=0)

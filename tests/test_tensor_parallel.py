@@ -1,0 +1,261 @@
+"""Tensor parallel on the host: each rank's shard, the shared-memory collectives, and engines of
+2, 3, 4 and 8 ranks (worker processes) against the single process: the same greedy and seeded
+tokens, logits within float32 rounding, through preemption and prefix caching; a dead worker is
+an error naming its rank, in seconds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.distributed.comm import ShmComm
+from engine.distributed.sharding import Shard, check_tensor_parallel
+from engine.llm import run_to_completion
+from engine.sampling_params import SamplingParams
+from reference.config import ModelConfig
+from reference.loader import load_model
+from tests.tiny_model import make_tiny_model
+from tests.utils import make_engine
+
+PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _cfg(h: int, hkv: int, f: int = 100, v: int = 97) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=v,
+        hidden_size=8 * h,
+        intermediate_size=f,
+        num_hidden_layers=1,
+        num_attention_heads=h,
+        num_key_value_heads=hkv,
+        head_dim=8,
+    )
+
+
+# ---- shards ----
+
+
+@pytest.mark.parametrize("h, hkv, n", [(4, 2, 2), (4, 2, 4), (8, 2, 8), (9, 3, 3), (12, 4, 2)])
+def test_shards_partition_the_model(h, hkv, n):
+    """Query heads, MLP units and vocabulary rows are cut into disjoint near-equal slices that
+    cover the model; each rank holds exactly the K/V heads its query heads read."""
+    cfg = _cfg(h, hkv)
+    shards = [Shard.of(cfg, r, n) for r in range(n)]
+    for name, size in (("q_heads", h), ("ffn", cfg.intermediate_size), ("vocab", 97)):
+        parts = [getattr(s, name) for s in shards]
+        assert [i for p in parts for i in p] == list(range(size)), name
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    for s in shards:
+        assert sorted({q // cfg.gqa_group for q in s.q_heads}) == list(s.kv_heads)
+        local = s.config(cfg)
+        assert local.num_attention_heads * n == h and local.head_dim == 8
+
+
+def test_shard_weights_are_the_rows_and_columns_of_the_whole(tiny):
+    cfg, w = tiny.config, tiny.weights
+    s = Shard.of(cfg, 1, 2)  # query heads 2-3, K/V head 1
+    part, hd = s.weights(w, cfg), cfg.head_dim
+    lw, pw = w.layers[0], part.layers[0]
+    np.testing.assert_array_equal(pw.wq, lw.wq[2 * hd : 4 * hd])
+    np.testing.assert_array_equal(pw.wk, lw.wk[hd : 2 * hd])
+    np.testing.assert_array_equal(pw.wo, lw.wo[:, 2 * hd : 4 * hd])
+    np.testing.assert_array_equal(pw.w_down, lw.w_down[:, 80:160])
+    np.testing.assert_array_equal(part.embed, w.embed[160:320])
+
+
+@pytest.mark.parametrize(
+    "h, hkv, n, message",
+    [
+        (9, 3, 2, "tensor_parallel_size 2 does not divide the model's 9 attention heads"),
+        (12, 4, 6, "tensor_parallel_size 6 neither divides the model's 4 KV heads nor is a"),
+    ],
+)
+def test_world_sizes_the_heads_cannot_take_are_refused(h, hkv, n, message):
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(_cfg(h, hkv), n)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1 is not implemented"),
+        ({"distributed_executor_backend": "ray"}, "'ray' is not implemented; use 'mp'"),
+        (
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+            "'uni' runs one rank; tensor_parallel_size 2 needs 'mp'",
+        ),
+        ({"tensor_parallel_size": 2, "backend": "cuda-cpu"}, "runs on the numpy backend only"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ],
+)
+def test_what_is_not_built_is_refused_by_name(args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**args)
+
+
+def test_the_executor_defaults_to_the_world_size():
+    assert EngineConfig().distributed_executor_backend == "uni"
+    assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+
+
+# ---- the collectives ----
+
+
+def _rank_main(comm: ShmComm, rank: int, seed: int, out, bad: bool) -> None:
+    comm.attach(rank)
+    rng = np.random.default_rng(seed + rank)
+    try:
+        x = rng.standard_normal((37, 11)).astype(np.float32)
+        out.put(("reduce", rank, comm.all_reduce(x)))
+        big = rng.standard_normal(1000).astype(np.float32)  # four pieces of a 256-float slot
+        out.put(("big", rank, comm.all_reduce(big)))
+        g = rng.standard_normal((5, 3 + rank)).astype(np.float32)
+        out.put(("gather", rank, comm.all_gather(g, 3 + comm.world - 1)))
+        odd = np.ones(7 if bad and rank == 1 else 6, np.float32)
+        out.put(("odd", rank, comm.all_reduce(odd)))
+    except (ValueError, RuntimeError) as e:
+        out.put(("error", rank, str(e)))
+
+
+def _run_ranks(world: int, seed: int, bad: bool = False, die: int | None = None) -> dict:
+    ctx = mp.get_context("fork")
+    comm = ShmComm(world, 256 * 4, ctx, timeout=3.0)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(comm, r, seed, out, bad)) for r in range(world)]
+    for r, p in enumerate(procs):
+        if r != die:
+            p.start()
+    got: dict = {}
+    try:
+        for _ in range(4 * world if die is None else world - 1):
+            kind, rank, value = out.get(timeout=20)
+            got.setdefault(kind, {})[rank] = value
+            if kind == "error" and len(got["error"]) == world - (die is not None):
+                break
+    finally:
+        for r, p in enumerate(procs):
+            if r != die:
+                p.join(10)
+        comm.close()
+    return got
+
+
+def test_all_reduce_and_all_gather_give_every_rank_the_same_bits():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    got = _run_ranks(3, seed)
+    xs = [np.random.default_rng(seed + r).standard_normal((37, 11)) for r in range(3)]
+    want = xs[0].astype(np.float32) + xs[1].astype(np.float32) + xs[2].astype(np.float32)
+    for r in range(3):
+        np.testing.assert_array_equal(got["reduce"][r], want)  # rank order: exact
+        np.testing.assert_array_equal(got["big"][r], got["big"][0])
+        assert got["gather"][r].shape == (5, 3 + 4 + 5)
+        np.testing.assert_array_equal(got["gather"][r], got["gather"][0])
+        np.testing.assert_array_equal(got["odd"][r], np.full(6, 3, np.float32))
+    assert got["big"][0].shape == (1000,)
+
+
+def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang():
+    got = _run_ranks(3, 0, bad=True)
+    assert set(got["error"]) == {0, 1, 2}
+    assert all("ranks gave [6, 7, 6] elements" in m for m in got["error"].values())
+    start = time.monotonic()
+    got = _run_ranks(3, 0, die=2)  # rank 2 never comes: the others' barrier times out
+    assert set(got["error"]) == {0, 1} and time.monotonic() - start < 10
+    assert all("did not reach the collective within 3 s" in m for m in got["error"].values())
+
+
+# ---- engines ----
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tiny_tensor_parallel_equals_one_process(tiny, tp):
+    one = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, GREEDY)
+    engine = make_engine(tiny, tensor_parallel_size=tp, record_logits=True)
+    assert engine.backend.name == "numpy-tp" and engine.backend.world == tp
+    many = run_to_completion(engine, PROMPTS, GREEDY)
+    for a, b in zip(one, many, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = np.stack(b.outputs[0].step_logits), np.stack(a.outputs[0].step_logits)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=7, n=2, ignore_eos=True)
+    a = run_to_completion(make_engine(tiny), PROMPTS, seeded)
+    b = run_to_completion(engine, PROMPTS, seeded)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [
+        [c.token_ids for c in o.outputs] for o in b
+    ]
+    engine.backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory):
+    """The tiny model with 8 query heads and 2 K/V heads: 8 ranks replicate each K/V head 4x."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny8"), num_attention_heads=8, head_dim=8)
+    return load_model(str(path))
+
+
+def test_eight_ranks_with_replicated_kv_heads(tiny8):
+    one = run_to_completion(make_engine(tiny8), PROMPTS, GREEDY)
+    engine = make_engine(tiny8, tensor_parallel_size=8)
+    many = run_to_completion(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+    per_block = engine.backend.rank_sizes[0][1]
+    assert engine.backend.bytes_per_block == 8 * per_block  # each rank its one K/V head
+    assert per_block == 16 * 2 * 2 * 1 * 8 * 4  # block x K,V x layers x 1 head x hd x float32
+    engine.backend.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_tensor_parallel(tiny, mode):
+    prompts = PROMPTS + ["the quick brown fox", "once upon a time in a land"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    small = dict(num_gpu_blocks=8, max_model_len=64, preemption_mode=mode)
+    one = run_to_completion(make_engine(tiny, **small), prompts, params)
+    engine = make_engine(tiny, tensor_parallel_size=2, **small)
+    many = run_to_completion(engine, prompts, params, check_invariants=True)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    engine.backend.shutdown()
+
+
+def test_prefix_caching_under_tensor_parallel(tiny):
+    shared = "once upon a time in a land far away there lived a fox who "
+    prompts = [shared + p for p in PROMPTS] * 2
+    one = run_to_completion(make_engine(tiny), prompts, GREEDY)
+    engine = make_engine(tiny, tensor_parallel_size=2, enable_prefix_caching=True)
+    many = run_to_completion(engine, prompts, GREEDY)
+    assert engine.scheduler.prefix_cache_hits > 0
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+    engine.backend.shutdown()
+
+
+def test_smollm2_three_ranks(smollm2):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    small = dict(num_gpu_blocks=32, max_model_len=128)
+    one = run_to_completion(make_engine(smollm2, **small), prompts, params)
+    engine = make_engine(smollm2, tensor_parallel_size=3, **small)
+    many = run_to_completion(engine, prompts, params)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+    engine.backend.shutdown()
+
+
+def test_a_killed_worker_is_an_error_naming_its_rank(tiny):
+    engine = make_engine(tiny, tensor_parallel_size=2)
+    engine.add_request("r", PROMPTS[0], GREEDY)
+    engine.step()
+    os.kill(engine.backend.procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1: it died"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert not any(p.is_alive() for p in engine.backend.procs)  # the others are stopped too
