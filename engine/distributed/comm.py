@@ -20,6 +20,7 @@ goes in slot-sized pieces, one barrier each.
 from __future__ import annotations
 
 import threading
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -41,6 +42,7 @@ class ShmComm:
         self.rank: int | None = None
         self._flip = 0
         self._owner = True
+        self.calls, self.seconds = 0, 0.0  # collectives (pieces) and the time spent in them
         self._views()
 
     def __getstate__(self):
@@ -55,6 +57,7 @@ class ShmComm:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.shm, self.rank, self._flip, self._owner = None, None, 0, False
+        self.calls, self.seconds = 0, 0.0
 
     def attach(self, rank: int) -> ShmComm:
         """In the worker of rank ``rank``: open the shared block (a fork's copy is open already)."""
@@ -92,6 +95,7 @@ class ShmComm:
         """Write x into this rank's slot, wait for every rank: (the slots, their counts)."""
         if x.dtype != F32:
             raise ValueError(f"ShmComm: collectives take float32, got {x.dtype}")
+        start = time.perf_counter()
         s = self._flip
         self._flip ^= 1
         slots, counts = self._slots[s], self._counts[s]
@@ -104,6 +108,8 @@ class ShmComm:
                 f"rank {self.rank}: another tensor-parallel rank did not reach the collective "
                 f"within {self.timeout:g} s (it died or diverged)"
             ) from None
+        self.calls += 1
+        self.seconds += time.perf_counter() - start  # the copy in and the wait; not the sum
         return slots, counts[: self.world]
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:

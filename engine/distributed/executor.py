@@ -32,17 +32,7 @@ from .comm import ShmComm
 from .sharding import Shard, check_tensor_parallel
 
 log = logging.getLogger("engine")
-
-CALLS = (
-    "allocate_kv_cache",
-    "swap_out",
-    "swap_in",
-    "copy_blocks",
-    "forward",
-    "forward_greedy",
-    "profile_peak_bytes",
-    "sizes",
-)
+EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats")  # calls answered by every rank
 
 
 def _worker(rank: int, world: int, cfg, weights, engine_config, comm: ShmComm, conn) -> None:
@@ -73,11 +63,12 @@ def _worker(rank: int, world: int, cfg, weights, engine_config, comm: ShmComm, c
         try:
             if name == "sizes":
                 result = (backend.weights_bytes, backend.bytes_per_block)
+            elif name == "comm_stats":
+                result = (comm.calls, comm.seconds)
             else:
                 result = getattr(backend, name)(*args)
-            conn.send(
-                ("ok", result if rank == 0 or name in ("sizes", "profile_peak_bytes") else None)
-            )
+            # rank 0's logits stand for all (the ranks' are the same bits)
+            conn.send(("ok", result if rank == 0 or name in EVERY_RANK else None))
         except Exception as e:  # noqa: BLE001
             log.debug("rank %d: %s", rank, traceback.format_exc())
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -162,6 +153,10 @@ class MultiprocTensorParallel(Backend):
 
     def forward_greedy(self, batch) -> np.ndarray:
         return self._call("forward_greedy", batch)
+
+    def comm_stats(self) -> list[tuple[int, float]]:
+        """(collectives, seconds in them) of each rank since it started."""
+        return self._call("comm_stats", all_ranks=True)
 
     def shutdown(self) -> None:
         self._finalizer()
