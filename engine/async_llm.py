@@ -30,6 +30,10 @@ from .sampling_params import SamplingParams
 log = logging.getLogger("engine.async")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread has died: every request in flight, and every new one, gets this."""
+
+
 class QueueFullError(RuntimeError):
     """More sequences would wait than ``max_waiting_requests`` allows; retry later."""
 
@@ -193,7 +197,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raise if the engine thread has died or stopped."""
         if self.errored is not None:
-            raise RuntimeError(f"engine loop died: {self.errored!r}")
+            raise EngineDeadError(f"engine loop died: {self.errored!r}")
         if not self._thread.is_alive():
             raise RuntimeError("engine loop is not running")
 
@@ -209,7 +213,9 @@ class AsyncLLM:
 
     async def _call(self, fn: Callable):
         """Run fn on the engine thread between steps; its result or exception comes back."""
-        if self._stopping.is_set() or self.errored is not None:
+        if self.errored is not None:
+            raise EngineDeadError(f"engine loop died: {self.errored!r}")
+        if self._stopping.is_set():
             raise RuntimeError("the engine is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
@@ -274,7 +280,7 @@ class AsyncLLM:
             log.exception("engine loop died")
             self.errored = e
             for stream in self._streams.values():
-                stream.put(RuntimeError(f"engine loop died: {e!r}"))
+                stream.put(EngineDeadError(f"engine loop died: {e!r}"))
             self._streams.clear()
 
     def _drain_commands(self, block: bool) -> int:

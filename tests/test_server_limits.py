@@ -586,3 +586,30 @@ def test_a_soak_leaves_nothing_behind(tiny):
         assert _live(Sequence, RequestState, RequestStream) == 0
     assert 500 not in codes and codes[200] >= 100 and codes[400] >= 40, codes
     assert grown < 30, f"RSS grew {grown:.1f} MiB after warm-up"
+
+
+# ---- a dead engine is a 503 for everyone, not a 500 ----
+
+
+def test_requests_in_flight_when_the_engine_dies_get_503(tiny):
+    """The engine thread dies mid-step (here a stats logger raises; in life a tensor-parallel
+    worker killed): a plain request in flight is 503, a stream ends with an error event, and
+    /health is 503, each naming the cause."""
+    with LiveServer(tiny) as s, _client(s) as http:
+        steps = []
+
+        def die(_stats):
+            steps.append(1)
+            if len(steps) == 3:
+                raise RuntimeError("boom")
+
+        s.llm.stat_loggers.append(die)
+        body = {**GOOD, "max_tokens": 50, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            plain = http.post("/v1/completions", json=body)
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert err["code"] == 503 and "engine loop died: RuntimeError('boom')" in err["message"]
+        assert "engine loop died" in _error(plain, 503)
+        assert "engine loop died" in _error(http.get("/health"), 503)

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from engine.chat import chat_prompt_ids
 from engine.input_processor import tokenize_prompt
 from engine.structured import StructuredOutputsParams
@@ -558,7 +558,10 @@ async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
     while True:
         done, _ = await asyncio.wait({task}, timeout=poll)
         if done:
-            return task.result()
+            try:
+                return task.result()
+            except EngineDeadError as e:
+                raise ApiError(503, str(e), "ServiceUnavailableError") from None
         if await raw.is_disconnected():
             task.cancel()
             raise ApiError(499, "client disconnected", "ClientDisconnected")
@@ -588,8 +591,11 @@ def _replace(params, **changes):
 
 def _sse(chunks: AsyncIterator[dict], streams, write_timeout: float) -> StreamingResponse:
     async def events():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except EngineDeadError as e:  # the status is sent: the stream ends with the error
+            yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', 503))}\n\n"
         yield "data: [DONE]\n\n"
 
     return _ReadOrLose(events(), streams, write_timeout)
