@@ -177,7 +177,11 @@ class EngineConfig:
         "sharded, one all-reduce after attention and one after the MLP (numpy backend, one "
         "worker process per rank)",
     )
-    pipeline_parallel_size: int = option(1, "stages the layers are split into (only 1 so far)")
+    pipeline_parallel_size: int = option(
+        1,
+        "stages the layers are split into, each of tensor_parallel_size ranks; each stage "
+        "hands its hidden state to the next (numpy backend, one worker process per rank)",
+    )
     distributed_executor_backend: str | None = option(
         None,
         "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
@@ -192,6 +196,12 @@ class EngineConfig:
         self._check_choices()
         self._check_parallel()
         self.speculative = parse_speculative_config(self.speculative_config)
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if ranks > 1 and self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError(
+                "EngineConfig: speculative decoding with a draft model is not implemented under "
+                "tensor or pipeline parallel (the ngram method is)"
+            )
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "
@@ -235,15 +245,16 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     def _check_parallel(self):
-        """tensor_parallel_size and its executor; what is not built is refused by name."""
+        """The parallel sizes and their executor; what is not built is refused by name."""
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             n = getattr(self, name)
             if not is_int(n) or not 1 <= n <= 8:
                 raise _bad(name, n, "an integer in [1, 8]")
-        if self.pipeline_parallel_size > 1:
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if ranks > 8:
             raise ValueError(
-                "EngineConfig: pipeline_parallel_size > 1 is not implemented (tensor parallel "
-                "is: tensor_parallel_size)"
+                f"EngineConfig: tensor_parallel_size x pipeline_parallel_size is {ranks} ranks, "
+                "more than 8"
             )
         ex = self.distributed_executor_backend
         if ex is not None and ex not in EXECUTORS:
@@ -254,15 +265,15 @@ class EngineConfig:
                 "(worker processes on this host)"
             )
         if ex is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
-        elif ex == "uni" and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "uni" if ranks == 1 else "mp"
+        elif ex == "uni" and ranks > 1:
             raise ValueError(
                 f"EngineConfig: distributed_executor_backend 'uni' runs one rank; "
-                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
+                f"{ranks} ranks (tensor x pipeline parallel) need 'mp'"
             )
-        if self.tensor_parallel_size > 1 and self.backend not in ("auto", "numpy"):
+        if ranks > 1 and self.backend not in ("auto", "numpy"):
             raise ValueError(
-                f"EngineConfig: tensor_parallel_size > 1 runs on the numpy backend only (the "
+                f"EngineConfig: tensor or pipeline parallel runs on the numpy backend only (the "
                 f"{self.backend} backend's NCCL path is not built); got backend {self.backend!r}"
             )
 

@@ -140,10 +140,10 @@ def check_draft(draft: LoadedModel, target: LoadedModel, max_model_len: int) -> 
 
 
 def _configured_backend(model_config, weights, config: EngineConfig):
-    if config.tensor_parallel_size > 1:
-        from .distributed import tensor_parallel_backend
+    if config.distributed_executor_backend == "mp":
+        from .distributed import multiproc_backend
 
-        return tensor_parallel_backend(model_config, weights, config)
+        return multiproc_backend(model_config, weights, config)
     return get_backend(config.backend, model_config, weights, config)
 
 

@@ -1,7 +1,7 @@
-"""Tensor parallel on the host: each rank's shard, the shared-memory collectives, and engines of
-2, 3, 4 and 8 ranks (worker processes) against the single process: the same greedy and seeded
-tokens, logits within float32 rounding, through preemption and prefix caching; a dead worker is
-an error naming its rank, in seconds."""
+"""Tensor and pipeline parallel on the host: each rank's cut, the shared-memory collectives, and
+engines of 2 to 8 ranks (worker processes: TP 2, 3, 4 and 8, PP 2, TP x PP 2 x 2 and 3 x 2)
+against the single process: the same greedy and seeded tokens, logits within float32 rounding,
+through preemption and prefix caching; a dead worker is an error naming its rank, in seconds."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.distributed.comm import ShmComm
-from engine.distributed.sharding import Shard, check_tensor_parallel
+from engine.distributed.sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from reference.config import ModelConfig
@@ -70,6 +70,20 @@ def test_shard_weights_are_the_rows_and_columns_of_the_whole(tiny):
     np.testing.assert_array_equal(part.embed, w.embed[160:320])
 
 
+def test_stages_partition_the_layers():
+    cfg = _cfg(4, 2)
+    cfg = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 30, "rope": None})
+    stages = [Stage.of(cfg, s, 4) for s in range(4)]
+    assert [list(s.layers) for s in stages] == [
+        list(range(0, 7)), list(range(7, 15)), list(range(15, 22)), list(range(22, 30))
+    ]  # fmt: skip
+    assert stages[0].first and stages[3].last and not stages[1].first
+    w = stages[1].config(cfg)
+    assert w.num_hidden_layers == 8
+    with pytest.raises(ValueError, match="pipeline_parallel_size 31 is more than the model's 30"):
+        check_pipeline_parallel(cfg, 31)
+
+
 @pytest.mark.parametrize(
     "h, hkv, n, message",
     [
@@ -85,11 +99,18 @@ def test_world_sizes_the_heads_cannot_take_are_refused(h, hkv, n, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1 is not implemented"),
+        (
+            {"tensor_parallel_size": 4, "pipeline_parallel_size": 4},
+            "tensor_parallel_size x pipeline_parallel_size is 16 ranks, more than 8",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "speculative_config": '{"model": "x"}'},
+            "draft model is not implemented under tensor or pipeline parallel",
+        ),
         ({"distributed_executor_backend": "ray"}, "'ray' is not implemented; use 'mp'"),
         (
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
-            "'uni' runs one rank; tensor_parallel_size 2 needs 'mp'",
+            "'uni' runs one rank; 2 ranks \\(tensor x pipeline parallel\\) need 'mp'",
         ),
         ({"tensor_parallel_size": 2, "backend": "cuda-cpu"}, "runs on the numpy backend only"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
@@ -103,6 +124,7 @@ def test_what_is_not_built_is_refused_by_name(args, message):
 def test_the_executor_defaults_to_the_world_size():
     assert EngineConfig().distributed_executor_backend == "uni"
     assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert EngineConfig(pipeline_parallel_size=2).distributed_executor_backend == "mp"
 
 
 # ---- the collectives ----
@@ -126,7 +148,7 @@ def _rank_main(comm: ShmComm, rank: int, seed: int, out, bad: bool) -> None:
 
 def _run_ranks(world: int, seed: int, bad: bool = False, die: int | None = None) -> dict:
     ctx = mp.get_context("fork")
-    comm = ShmComm(world, 256 * 4, ctx, timeout=3.0)
+    comm = ShmComm(world, 256 * 4, ctx, timeout=1.0)
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(comm, r, seed, out, bad)) for r in range(world)]
     for r, p in enumerate(procs):
@@ -168,17 +190,18 @@ def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang():
     start = time.monotonic()
     got = _run_ranks(3, 0, die=2)  # rank 2 never comes: the others' barrier times out
     assert set(got["error"]) == {0, 1} and time.monotonic() - start < 10
-    assert all("did not reach the collective within 3 s" in m for m in got["error"].values())
+    assert all("did not reach the collective within 1 s" in m for m in got["error"].values())
 
 
 # ---- engines ----
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tiny_tensor_parallel_equals_one_process(tiny, tp):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_tiny_tensor_and_pipeline_parallel_equal_one_process(tiny, tp, pp):
     one = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, GREEDY)
-    engine = make_engine(tiny, tensor_parallel_size=tp, record_logits=True)
-    assert engine.backend.name == "numpy-tp" and engine.backend.world == tp
+    sizes = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    engine = make_engine(tiny, **sizes, record_logits=True)
+    assert engine.backend.name == "numpy-mp" and engine.backend.world == tp * pp
     many = run_to_completion(engine, PROMPTS, GREEDY)
     for a, b in zip(one, many, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -211,13 +234,13 @@ def test_eight_ranks_with_replicated_kv_heads(tiny8):
     engine.backend.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_tensor_parallel(tiny, mode):
+@pytest.mark.parametrize("mode, tp, pp", [("recompute", 2, 1), ("swap", 1, 2)])
+def test_preemption_under_tensor_and_pipeline_parallel(tiny, mode, tp, pp):
     prompts = PROMPTS + ["the quick brown fox", "once upon a time in a land"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     small = dict(num_gpu_blocks=8, max_model_len=64, preemption_mode=mode)
     one = run_to_completion(make_engine(tiny, **small), prompts, params)
-    engine = make_engine(tiny, tensor_parallel_size=2, **small)
+    engine = make_engine(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp, **small)
     many = run_to_completion(engine, prompts, params, check_invariants=True)
     assert engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
@@ -237,24 +260,30 @@ def test_prefix_caching_under_tensor_parallel(tiny):
     engine.backend.shutdown()
 
 
-def test_smollm2_three_ranks(smollm2):
+def test_smollm2_tensor_3_pipeline_2_and_both(smollm2):
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     small = dict(num_gpu_blocks=32, max_model_len=128)
     one = run_to_completion(make_engine(smollm2, **small), prompts, params)
-    engine = make_engine(smollm2, tensor_parallel_size=3, **small)
-    many = run_to_completion(engine, prompts, params)
-    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
-    engine.backend.shutdown()
+    for tp, pp in ((3, 1), (1, 2), (3, 2)):
+        sizes = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        engine = make_engine(smollm2, **sizes, **small)
+        many = run_to_completion(engine, prompts, params)
+        got = [o.outputs[0].token_ids for o in many]
+        assert [o.outputs[0].token_ids for o in one] == got, (tp, pp)
+        engine.backend.shutdown()
 
 
-def test_a_killed_worker_is_an_error_naming_its_rank(tiny):
-    engine = make_engine(tiny, tensor_parallel_size=2)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_killed_worker_is_an_error_naming_its_rank(tiny, pp):
+    engine = make_engine(tiny, tensor_parallel_size=2, pipeline_parallel_size=pp)
     engine.add_request("r", PROMPTS[0], GREEDY)
     engine.step()
-    os.kill(engine.backend.procs[1].pid, signal.SIGKILL)
+    victim = engine.backend.world - 1
+    os.kill(engine.backend.procs[victim].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1: it died"):
+    died = rf"worker rank {victim} \(stage {pp - 1}, tensor-parallel rank 1\): it died"
+    with pytest.raises(RuntimeError, match=died):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - start < 10

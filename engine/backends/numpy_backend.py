@@ -170,9 +170,12 @@ class NumpyBackend(Backend):
 
     def _logits(self, batch: ForwardBatch) -> np.ndarray:
         # the layers over the flat batch -> (B, V) float32
+        x, residual = self._run_layers(self._embed(batch.token_ids), None, batch)  # (T, D) x 2
+        return self._head(x, residual, batch)
+
+    def _run_layers(self, x: np.ndarray, residual: np.ndarray | None, batch: ForwardBatch):
+        # (T, D) hidden states and residual (None before the first layer) through every layer
         ops, c = self.ops, self.cfg
-        x = self._embed(batch.token_ids)  # (T, D)
-        residual = None
         for layer, lw in enumerate(self.layers):
             if residual is None:
                 residual, h = x, ops.rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # (T, D)
@@ -182,11 +185,17 @@ class NumpyBackend(Backend):
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
             act = ops.act_and_mul(matmul(h, lw.w_gate_up), c.hidden_act)  # (T, 2F) -> (T, F)
             x = self._reduce(matmul(act, lw.w_down))  # (T, D)
+        return x, residual
+
+    def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
-        h, _ = ops.fused_add_rms_norm(x[rows], residual[rows], self.final_norm, c.rms_norm_eps)
+        c = self.cfg
+        h, _ = self.ops.fused_add_rms_norm(
+            x[rows], residual[rows], self.final_norm, c.rms_norm_eps
+        )  # (R, D)
         return self._lm_head(h)  # (R, V)
 
-    # the three places a tensor-parallel rank differs (engine/distributed/tp_numpy.py)
+    # the three places a tensor-parallel rank differs (engine/distributed/rank_numpy.py)
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.ops.embedding(token_ids, self.embed, self.embed_scale)  # (T, D)
 

@@ -1,9 +1,10 @@
-"""Several ranks for one model: tensor parallel on the host, one worker process per rank.
+"""Several ranks for one model on one host: tensor and pipeline parallel, a worker process per
+rank, on the numpy backend.
 
-sharding.py   which heads, MLP units and vocabulary rows each rank holds, and its weights
-comm.py       the shared-memory all-reduce and all-gather between the ranks of one host
-tp_numpy.py   one rank of the NumPy backend: the same forward, three collectives
-executor.py   the ``mp`` executor: the worker processes behind the engine's Backend interface
+sharding.py     which layers (stage), heads, MLP units and vocabulary rows each rank holds
+comm.py         the shared-memory all-reduce and all-gather between the ranks of a stage
+rank_numpy.py   one rank of the NumPy backend: the same forward over its cut
+executor.py     the ``mp`` executor: the worker processes behind the engine's Backend interface
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from ..backends import resolve_backend_name
 
 
-def tensor_parallel_backend(model_config, weights, config):
-    """The backend of an engine with tensor_parallel_size > 1 (the numpy backend's ranks)."""
+def multiproc_backend(model_config, weights, config):
+    """The backend of an engine whose executor is ``mp`` (the numpy backend's ranks)."""
     name = resolve_backend_name(config.backend)
     if name != "numpy":
         raise ValueError(
-            f"tensor_parallel_size > 1 runs on the numpy backend only; backend auto picked {name}"
+            f"tensor and pipeline parallel run on the numpy backend only; backend auto picked "
+            f"{name}"
         )
-    from .executor import MultiprocTensorParallel
+    from .executor import MultiprocExecutor
 
-    return MultiprocTensorParallel(model_config, weights, config)
+    return MultiprocExecutor(model_config, weights, config)

@@ -1,11 +1,14 @@
-"""The ``mp`` executor: one worker process per tensor-parallel rank on this host, behind the
-engine's ``Backend`` interface.
+"""The ``mp`` executor: one worker process per rank on this host, behind the engine's
+``Backend`` interface.
 
-The engine (scheduler, block manager, model runner, sampler) stays in its own process and sees
-one backend. Each of its calls (``allocate_kv_cache``, the block moves, ``forward``,
-``forward_greedy``) goes to every rank over its pipe; the ranks run it together, meeting in
-the shared-memory collectives (comm.py), and the engine takes rank 0's answer. Workers are
-forked, so they start from the weights this process loaded and keep only their shard.
+Ranks form a grid: ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each,
+rank = stage x tensor_parallel_size + its index in the stage. The engine (scheduler, block
+manager, model runner, sampler) stays in its own process and sees one backend. Each of its
+calls (``allocate_kv_cache``, the block moves, ``forward``, ``forward_greedy``) goes to every
+rank over its pipe; the ranks of a stage meet in their shared-memory collectives (comm.py),
+each stage hands its hidden state to the next over a pipe, and the engine takes the answer of
+the last stage's first rank (``output_rank``). Workers are forked, so they start from the
+weights this process loaded and keep only their cut.
 
 A worker that raises answers with the error, a worker that dies closes its pipe: either way
 the call raises a RuntimeError naming the rank, within ``timeout`` seconds, and every worker is
@@ -29,30 +32,38 @@ from reference.config import ModelConfig
 from ..backends.base import Backend, resolve_kv_dtype
 from ..utils import mib
 from .comm import ShmComm
-from .sharding import Shard, check_tensor_parallel
+from .sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
 
 log = logging.getLogger("engine")
 EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats")  # calls answered by every rank
 
 
-def _worker(rank: int, world: int, cfg, weights, engine_config, comm: ShmComm, conn) -> None:
-    """A rank's loop: build its shard, then run each call the engine sends until it closes."""
+def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
+    """A rank's loop: build its cut, then run each call the engine sends until it closes."""
     from threadpoolctl import threadpool_limits
 
-    from .tp_numpy import TensorParallelNumpyBackend
+    from .rank_numpy import RankNumpyBackend
 
     # the ranks share this host's cores: BLAS threads that outnumber them spin against each
     # other between products (measured: SmolLM2 at TP 3 on 2 cores, 2.2 s a step, 0.17 s with 1)
-    threadpool_limits(max(1, (os.cpu_count() or 1) // world))
+    threadpool_limits(max(1, (os.cpu_count() or 1) // plan["world"]))
+    tp = plan["tp"]
+    stage, index = divmod(rank, tp)
+    comm = plan["comms"][stage]
     try:
-        comm.attach(rank)
-        shard = Shard.of(cfg, rank, world)
-        backend = TensorParallelNumpyBackend(cfg, weights, engine_config, shard, comm)
+        comm.attach(index)
+        shard = Shard.of(cfg, index, tp)
+        layers = Stage.of(cfg, stage, plan["pp"])
+        prev, nxt = plan["links"].get((stage - 1, index)), plan["links"].get((stage, index))
+        backend = RankNumpyBackend(
+            cfg, weights, engine_config, shard, layers, comm, prev and prev[0], nxt and nxt[1]
+        )
         del weights
     except Exception as e:  # noqa: BLE001 - sent to the engine, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    answers = rank == plan["output_rank"]
     while True:
         try:
             name, args = conn.recv()
@@ -67,59 +78,76 @@ def _worker(rank: int, world: int, cfg, weights, engine_config, comm: ShmComm, c
                 result = (comm.calls, comm.seconds)
             else:
                 result = getattr(backend, name)(*args)
-            # rank 0's logits stand for all (the ranks' are the same bits)
-            conn.send(("ok", result if rank == 0 or name in EVERY_RANK else None))
+            # the output rank's logits stand for all (its stage's ranks have the same bits)
+            conn.send(("ok", result if answers or name in EVERY_RANK else None))
         except Exception as e:  # noqa: BLE001
             log.debug("rank %d: %s", rank, traceback.format_exc())
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class MultiprocTensorParallel(Backend):
-    """``tensor_parallel_size`` NumPy ranks in worker processes. The sizes the memory plan
-    reads are the ranks' sums (they share this host's RAM)."""
+class MultiprocExecutor(Backend):
+    """``tensor_parallel_size x pipeline_parallel_size`` NumPy ranks in worker processes. The
+    sizes the memory plan reads are the ranks' sums (they share this host's RAM)."""
 
-    name = "numpy-tp"
+    name = "numpy-mp"
 
     def __init__(self, cfg: ModelConfig, weights, engine_config, timeout: float = 60.0):
-        world = engine_config.tensor_parallel_size
-        check_tensor_parallel(cfg, world)
-        self.cfg, self.world, self.timeout = cfg, world, timeout
+        tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
+        check_tensor_parallel(cfg, tp)
+        check_pipeline_parallel(cfg, pp)
+        self.cfg, self.tp, self.pp, self.world = cfg, tp, pp, tp * pp
+        self.timeout = timeout
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=False)
+        self.output_rank = (pp - 1) * tp
         ctx = mp.get_context("fork")
         tokens = engine_config.max_num_batched_tokens or engine_config.max_model_len or 2048
-        self.comm = ShmComm(world, tokens * cfg.hidden_size * 4, ctx, timeout)
+        slot = tokens * cfg.hidden_size * 4
+        self.comms = [ShmComm(tp, slot, ctx, timeout) for _ in range(pp)]
+        links = {(s, i): ctx.Pipe(duplex=False) for s in range(pp - 1) for i in range(tp)}
+        plan = dict(tp=tp, pp=pp, world=self.world, comms=self.comms, links=links)
+        plan["output_rank"] = self.output_rank
         self.procs, self.conns = [], []
-        for rank in range(world):
+        for rank in range(self.world):
             parent, child = ctx.Pipe()
-            args = (rank, world, cfg, weights, engine_config, self.comm, child)
-            proc = ctx.Process(target=_worker, args=args, name=f"tp-rank-{rank}", daemon=True)
+            args = (rank, plan, cfg, weights, engine_config, child)
+            proc = ctx.Process(target=_worker, args=args, name=f"rank-{rank}", daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.comm)
+        for recv_end, send_end in links.values():  # the workers hold them now
+            recv_end.close()
+            send_end.close()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.comms)
         self._gather("starting")
         self.rank_sizes = self._call("sizes", all_ranks=True)  # [(weights, per block)] per rank
         for rank, (w, per_block) in enumerate(self.rank_sizes):
-            s = Shard.of(cfg, rank, world)
-            log.info(
-                "tensor parallel rank %d/%d (pid %d): query heads %d-%d, KV heads %d-%d, MLP "
-                "units %d-%d, vocabulary %d-%d; weights %s, %d KV bytes per block",
-                rank,
-                world,
-                self.procs[rank].pid,
-                s.q_heads.start,
-                s.q_heads.stop - 1,
-                s.kv_heads.start,
-                s.kv_heads.stop - 1,
-                s.ffn.start,
-                s.ffn.stop - 1,
-                s.vocab.start,
-                s.vocab.stop - 1,
-                mib(w),
-                per_block,
-            )
+            self._log_rank(rank, w, per_block)
+
+    def _log_rank(self, rank: int, weights: int, per_block: int) -> None:
+        stage, index = divmod(rank, self.tp)
+        s, layers = Shard.of(self.cfg, index, self.tp), Stage.of(self.cfg, stage, self.pp).layers
+        log.info(
+            "rank %d/%d (pid %d): stage %d layers %d-%d, query heads %d-%d, KV heads %d-%d, "
+            "MLP units %d-%d, vocabulary %d-%d; weights %s, %d KV bytes per block",
+            rank,
+            self.world,
+            self.procs[rank].pid,
+            stage,
+            layers.start,
+            layers.stop - 1,
+            s.q_heads.start,
+            s.q_heads.stop - 1,
+            s.kv_heads.start,
+            s.kv_heads.stop - 1,
+            s.ffn.start,
+            s.ffn.stop - 1,
+            s.vocab.start,
+            s.vocab.stop - 1,
+            mib(weights),
+            per_block,
+        )
 
     # ---- what the memory plan reads: every rank's, summed ----
     @property
@@ -155,7 +183,7 @@ class MultiprocTensorParallel(Backend):
         return self._call("forward_greedy", batch)
 
     def comm_stats(self) -> list[tuple[int, float]]:
-        """(collectives, seconds in them) of each rank since it started."""
+        """(collectives, seconds in them) of each rank since it started (its stage's)."""
         return self._call("comm_stats", all_ranks=True)
 
     def shutdown(self) -> None:
@@ -163,14 +191,15 @@ class MultiprocTensorParallel(Backend):
 
     # ---- the channel ----
     def _call(self, name: str, *args, all_ranks: bool = False):
-        """Run ``name(*args)`` on every rank: rank 0's result (every rank's with all_ranks)."""
+        """Run ``name(*args)`` on every rank: the output rank's result (every rank's, in rank
+        order, with all_ranks)."""
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((name, args))
             except (BrokenPipeError, OSError):
                 self._fail(rank, "its pipe is closed")
         results = self._gather(name)
-        return results if all_ranks else results[0]
+        return results if all_ranks else results[self.output_rank]
 
     def _gather(self, what: str) -> list:
         """Each rank's answer, in rank order; RuntimeError for an error, a death (whichever rank
@@ -204,12 +233,16 @@ class MultiprocTensorParallel(Backend):
         return value
 
     def _fail(self, rank: int, why: str):
+        for proc in self.procs:  # the others may wait in a collective for the failed one
+            proc.kill()
         self._finalizer()
-        raise RuntimeError(f"tensor-parallel worker rank {rank}: {why}")
+        stage, index = divmod(rank, self.tp)
+        where = f"stage {stage}, tensor-parallel rank {index}"
+        raise RuntimeError(f"worker rank {rank} ({where}): {why}")
 
 
-def _stop(procs, conns, comm: ShmComm) -> None:
-    """Stop every worker (politely, then not) and remove the shared block."""
+def _stop(procs, conns, comms: list[ShmComm]) -> None:
+    """Stop every worker (politely, then not) and remove the shared blocks."""
     for conn in conns:
         try:
             conn.send(("stop", ()))
@@ -222,4 +255,5 @@ def _stop(procs, conns, comm: ShmComm) -> None:
             proc.join(2)
     for conn in conns:
         conn.close()
-    comm.close()
+    for comm in comms:
+        comm.close()

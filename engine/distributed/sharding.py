@@ -1,6 +1,10 @@
-"""Which part of the model each tensor-parallel rank holds, and its weights cut to that part.
+"""Which part of the model each rank holds, and its weights cut to that part.
 
-Megatron's split, as vLLM does it. Rank r of N holds:
+Pipeline parallel: stage s of P holds a near-equal range of the layers (``Stage``), the first
+stage the embedding as well, the last the final norm and the LM head; the hidden state and the
+residual go from each stage to the next.
+
+Tensor parallel, within a stage: Megatron's split, as vLLM does it. Rank r of N holds:
 
 - attention: query heads ``H/N`` (``q_heads``), the K/V heads they read (``kv_heads``): ``Hkv/N``
   of them when N divides Hkv, else the one K/V head its query heads share (replicated on N/Hkv
@@ -36,6 +40,13 @@ def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
         raise ValueError(
             f"tensor_parallel_size {n} neither divides the model's {hkv} KV heads nor is a "
             "multiple of them"
+        )
+
+
+def check_pipeline_parallel(cfg: ModelConfig, n: int) -> None:
+    if n > cfg.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {n} is more than the model's {cfg.num_hidden_layers} layers"
         )
 
 
@@ -107,4 +118,42 @@ class Shard:
         ]
         return dataclasses.replace(
             w, embed=w.embed[v].copy(), layers=layers, lm_head=w.lm_head[v].copy()
+        )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage ``index`` of ``count``: the layers it runs."""
+
+    index: int
+    count: int
+    layers: range
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, index: int, count: int) -> Stage:
+        check_pipeline_parallel(cfg, count)
+        return cls(index, count, _part(cfg.num_hidden_layers, index, count))
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this stage sees it: its layers (and their sliding windows)."""
+        a, b = self.layers.start, self.layers.stop
+        windows = cfg.layer_windows[a:b] if cfg.layer_windows else ()
+        return dataclasses.replace(cfg, num_hidden_layers=b - a, layer_windows=windows)
+
+    def weights(self, w: ModelWeights) -> ModelWeights:
+        """Its layers; the embedding only on the first stage, the LM head only on the last
+        (elsewhere empty: zero rows)."""
+        return dataclasses.replace(
+            w,
+            layers=w.layers[self.layers.start : self.layers.stop],
+            embed=w.embed if self.first else w.embed[:0],
+            lm_head=w.lm_head if self.last else w.lm_head[:0],
         )
