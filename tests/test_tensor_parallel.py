@@ -5,21 +5,26 @@ through preemption and prefix caching; a dead worker is an error naming its rank
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import time
 
+import httpx
 import numpy as np
 import pytest
 
 from engine.config import EngineConfig
 from engine.distributed.comm import ShmComm
 from engine.distributed.sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
+from engine.entrypoints.generate import main as generate_main
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from reference.config import ModelConfig
+from reference.generate import generate as reference_generate
 from reference.loader import load_model
+from tests.serve_utils import MODEL, LiveServer
 from tests.tiny_model import make_tiny_model
 from tests.utils import make_engine
 
@@ -288,3 +293,28 @@ def test_a_killed_worker_is_an_error_naming_its_rank(tiny, pp):
             engine.step()
     assert time.monotonic() - start < 10
     assert not any(p.is_alive() for p in engine.backend.procs)  # the others are stopped too
+
+
+# ---- the command line and the server ----
+
+
+def test_generate_with_tensor_and_pipeline_parallel(tiny_model_dir, tiny, capsys):
+    flags = "--json --max-tokens 8 --ignore-eos --max-model-len 128 --num-gpu-blocks 16"
+    parallel = "--tensor-parallel-size 2 --pipeline-parallel-size 2"
+    argv = ["--model", str(tiny_model_dir), "--prompt", PROMPTS[1], *f"{flags} {parallel}".split()]
+    assert generate_main(argv) == 0
+    row = json.loads(capsys.readouterr().out)
+    ref = reference_generate(tiny.weights, tiny.config, row["prompt_token_ids"], 8)
+    assert row["token_ids"] == ref.token_ids
+
+
+def test_the_server_with_tensor_parallel(tiny):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = run_to_completion(make_engine(tiny), PROMPTS, params)
+    body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+    with LiveServer(tiny, tensor_parallel_size=2) as s, httpx.Client(base_url=s.url) as http:
+        r = http.post("/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        assert texts == [o.outputs[0].text for o in want]
+        s.engine.backend.shutdown()
