@@ -185,9 +185,15 @@ class EngineConfig:
     distributed_executor_backend: str | None = option(
         None,
         "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
-        "not built yet",
+        "one Ray actor per rank, in a placement group on this node (tensor parallel only)",
         choices=EXECUTORS,
         default_help="uni for one rank, mp for more",
+    )
+    ray_address: str | None = option(
+        None,
+        "the Ray cluster to join with the ray executor (host:port, or 'auto' for the one "
+        "running here)",
+        default_help="RAY_ADDRESS, else a new local cluster",
     )
 
     def __post_init__(self):
@@ -259,11 +265,8 @@ class EngineConfig:
         ex = self.distributed_executor_backend
         if ex is not None and ex not in EXECUTORS:
             raise _bad("distributed_executor_backend", ex, "one of " + ", ".join(EXECUTORS))
-        if ex == "ray":
-            raise ValueError(
-                "EngineConfig: distributed_executor_backend 'ray' is not implemented; use 'mp' "
-                "(worker processes on this host)"
-            )
+        if self.ray_address is not None and ex != "ray":
+            raise ValueError("EngineConfig: ray_address needs distributed_executor_backend 'ray'")
         if ex is None:
             self.distributed_executor_backend = "uni" if ranks == 1 else "mp"
         elif ex == "uni" and ranks > 1:

@@ -140,10 +140,10 @@ def check_draft(draft: LoadedModel, target: LoadedModel, max_model_len: int) -> 
 
 
 def _configured_backend(model_config, weights, config: EngineConfig):
-    if config.distributed_executor_backend == "mp":
-        from .distributed import multiproc_backend
+    if config.distributed_executor_backend in ("mp", "ray"):
+        from .distributed import executor_backend
 
-        return multiproc_backend(model_config, weights, config)
+        return executor_backend(model_config, weights, config)
     return get_backend(config.backend, model_config, weights, config)
 
 

@@ -112,7 +112,7 @@ def test_world_sizes_the_heads_cannot_take_are_refused(h, hkv, n, message):
             {"pipeline_parallel_size": 2, "speculative_config": '{"model": "x"}'},
             "draft model is not implemented under tensor or pipeline parallel",
         ),
-        ({"distributed_executor_backend": "ray"}, "'ray' is not implemented; use 'mp'"),
+        ({"ray_address": "auto"}, "ray_address needs distributed_executor_backend 'ray'"),
         (
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
             "'uni' runs one rank; 2 ranks \\(tensor x pipeline parallel\\) need 'mp'",
@@ -151,9 +151,12 @@ def _rank_main(comm: ShmComm, rank: int, seed: int, out, bad: bool) -> None:
         out.put(("error", rank, str(e)))
 
 
-def _run_ranks(world: int, seed: int, bad: bool = False, die: int | None = None) -> dict:
+def _run_ranks(
+    world: int, seed: int, bad: bool = False, die: int | None = None, spin: bool = False
+) -> dict:
+    """Each rank's answers; ``spin``: the barrier in shared memory (Ray's), not inherited."""
     ctx = mp.get_context("fork")
-    comm = ShmComm(world, 256 * 4, ctx, timeout=1.0)
+    comm = ShmComm(world, 256 * 4, None if spin else ctx, timeout=1.0)
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(comm, r, seed, out, bad)) for r in range(world)]
     for r, p in enumerate(procs):
@@ -174,9 +177,10 @@ def _run_ranks(world: int, seed: int, bad: bool = False, die: int | None = None)
     return got
 
 
-def test_all_reduce_and_all_gather_give_every_rank_the_same_bits():
+@pytest.mark.parametrize("spin", [False, True], ids=["inherited-barrier", "spin-barrier"])
+def test_all_reduce_and_all_gather_give_every_rank_the_same_bits(spin):
     seed = int(np.random.default_rng().integers(1 << 30))
-    got = _run_ranks(3, seed)
+    got = _run_ranks(3, seed, spin=spin)
     xs = [np.random.default_rng(seed + r).standard_normal((37, 11)) for r in range(3)]
     want = xs[0].astype(np.float32) + xs[1].astype(np.float32) + xs[2].astype(np.float32)
     for r in range(3):
@@ -188,12 +192,13 @@ def test_all_reduce_and_all_gather_give_every_rank_the_same_bits():
     assert got["big"][0].shape == (1000,)
 
 
-def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang():
-    got = _run_ranks(3, 0, bad=True)
+@pytest.mark.parametrize("spin", [False, True], ids=["inherited-barrier", "spin-barrier"])
+def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang(spin):
+    got = _run_ranks(3, 0, bad=True, spin=spin)
     assert set(got["error"]) == {0, 1, 2}
     assert all("ranks gave [6, 7, 6] elements" in m for m in got["error"].values())
     start = time.monotonic()
-    got = _run_ranks(3, 0, die=2)  # rank 2 never comes: the others' barrier times out
+    got = _run_ranks(3, 0, die=2, spin=spin)  # rank 2 never comes: the others time out
     assert set(got["error"]) == {0, 1} and time.monotonic() - start < 10
     assert all("did not reach the collective within 1 s" in m for m in got["error"].values())
 

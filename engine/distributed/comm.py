@@ -1,11 +1,13 @@
-"""Collectives between the tensor-parallel ranks of one host: a shared-memory all-reduce.
+"""Collectives between the ranks of one host: a shared-memory all-reduce and all-gather.
 
 ``ShmComm`` is made by the parent before the workers start and handed to each (it pickles to the
-names of what it shares). Each rank owns one slot in each of two slot sets in one shared-memory
-block. A collective writes the rank's array into its slot of the current set, waits at the
-barrier for every rank to have written, and reads the others' slots. The sets alternate, so
-one barrier per collective is enough: a rank can write a set again only after the barrier of
-the collective in between, which no rank passes before every rank has finished reading.
+names of what it shares): forked workers wait at an inherited ``multiprocessing.Barrier``, Ray's
+actors at a ``SpinBarrier`` in the block itself. Each rank owns one slot in each of two slot
+sets in one shared-memory block. A collective writes the rank's array into its slot of the
+current set, waits at the barrier for every rank to have written, and reads the others' slots.
+The sets alternate, so one barrier per collective is enough: a rank can write a set again only
+after the barrier of the collective in between, which no rank passes before every rank has
+finished reading.
 
 Every rank sums the slots in rank order, so every rank gets the same bits: the ranks' residual
 streams stay identical, as one process's would be. A collective waits at most ``timeout``
@@ -27,18 +29,43 @@ import numpy as np
 
 F32 = np.dtype(np.float32)
 HEADER = 64  # bytes before each slot set: one int64 element count per rank (up to 8 ranks)
+SPIN_YIELDS = 200  # a spinning barrier yields this many times before it starts to sleep
+
+
+class SpinBarrier:
+    """A barrier in shared memory, for ranks that share no ``multiprocessing`` object (Ray
+    actors): each rank writes its own generation counter (one writer per int64, so no atomic
+    operation is needed) and waits until every counter has reached it. A rank's slot writes are
+    seen before its counter's (x86's stores are not reordered with other stores)."""
+
+    def __init__(self, gens: np.ndarray, rank: int):
+        self.gens, self.rank, self.gen = gens, rank, int(gens[rank])  # (world,) int64
+
+    def wait(self, timeout: float) -> None:
+        self.gen += 1
+        self.gens[self.rank] = self.gen
+        deadline, spins = time.monotonic() + timeout, 0
+        while self.gens.min() < self.gen:
+            spins += 1
+            time.sleep(0 if spins < SPIN_YIELDS else 20e-6)
+            if spins % 1000 == 0 and time.monotonic() > deadline:
+                raise threading.BrokenBarrierError
 
 
 class ShmComm:
-    def __init__(self, world: int, slot_bytes: int, ctx, timeout: float = 60.0):
+    """``ctx``: a multiprocessing context whose Barrier the forked ranks inherit; None: a
+    SpinBarrier in the block itself (ranks that get this object pickled, as Ray's do)."""
+
+    def __init__(self, world: int, slot_bytes: int, ctx=None, timeout: float = 60.0):
         if not 1 <= world <= HEADER // 8:
             raise ValueError(f"ShmComm: world size must be 1..{HEADER // 8}, got {world}")
         self.world, self.timeout = world, timeout
         self.slot_floats = max(slot_bytes // F32.itemsize, 1)
-        size = 2 * (HEADER + world * self.slot_floats * F32.itemsize)
+        size = HEADER + 2 * (HEADER + world * self.slot_floats * F32.itemsize)
         self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.shm.buf[:HEADER] = bytes(HEADER)  # the spin barrier's generations
         self.name = self.shm.name
-        self.barrier = ctx.Barrier(world)
+        self.barrier = None if ctx is None else ctx.Barrier(world)
         self.rank: int | None = None
         self._flip = 0
         self._owner = True
@@ -68,22 +95,29 @@ class ShmComm:
         self.rank = rank
         self._owner = False
         self._views()
+        if self.barrier is None:
+            gens = np.ndarray((self.world,), np.int64, self.shm.buf)
+            self.barrier = SpinBarrier(gens, rank)
         return self
 
     def _views(self) -> None:
         per_set = HEADER + self.world * self.slot_floats * F32.itemsize
         buf = self.shm.buf
         self._counts = [
-            np.ndarray((HEADER // 8,), np.int64, buf, offset=s * per_set) for s in range(2)
+            np.ndarray((HEADER // 8,), np.int64, buf, offset=HEADER + s * per_set) for s in range(2)
         ]
         self._slots = [
-            np.ndarray((self.world, self.slot_floats), F32, buf, offset=s * per_set + HEADER)
+            np.ndarray(
+                (self.world, self.slot_floats), F32, buf, offset=HEADER + s * per_set + HEADER
+            )
             for s in range(2)
         ]  # 2 x (world, slot_floats)
 
     def close(self) -> None:
         """Release the block (the parent also removes it)."""
         self._counts = self._slots = None
+        if isinstance(self.barrier, SpinBarrier):
+            self.barrier = None
         if self.shm is not None:
             self.shm.close()
             if self._owner:

@@ -35,35 +35,56 @@ from .comm import ShmComm
 from .sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
 
 log = logging.getLogger("engine")
-EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats")  # calls answered by every rank
+EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats", "pid")  # answered by every rank
+
+
+class Worker:
+    """One rank: its cut of the model (its stage's layers, its shard of them) and the calls
+    the engine makes on it. ``call`` answers the output rank's result, and every rank's for
+    EVERY_RANK's calls; an exception propagates to the loop that runs the worker."""
+
+    def __init__(self, rank: int, plan: dict, cfg, weights, engine_config, prev=None, nxt=None):
+        from threadpoolctl import threadpool_limits
+
+        from .rank_numpy import RankNumpyBackend
+
+        # the ranks share this host's cores: BLAS threads that outnumber them spin against each
+        # other between products (SmolLM2 at TP 3 on 2 cores: 2.2 s a step, 0.17 s with 1)
+        threadpool_limits(max(1, (os.cpu_count() or 1) // plan["world"]))
+        tp = plan["tp"]
+        stage, index = divmod(rank, tp)
+        self.comm = plan["comms"][stage].attach(index)
+        shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
+        self.backend = RankNumpyBackend(
+            cfg, weights, engine_config, shard, layers, self.comm, prev, nxt
+        )
+        self.answers = rank == plan["output_rank"]
+
+    def call(self, name: str, args: tuple):
+        if name == "sizes":
+            result = (self.backend.weights_bytes, self.backend.bytes_per_block)
+        elif name == "comm_stats":
+            result = (self.comm.calls, self.comm.seconds)
+        elif name == "pid":
+            result = os.getpid()
+        else:
+            result = getattr(self.backend, name)(*args)
+        # the output rank's logits stand for all (its stage's ranks have the same bits)
+        return result if self.answers or name in EVERY_RANK else None
 
 
 def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
-    """A rank's loop: build its cut, then run each call the engine sends until it closes."""
-    from threadpoolctl import threadpool_limits
-
-    from .rank_numpy import RankNumpyBackend
-
-    # the ranks share this host's cores: BLAS threads that outnumber them spin against each
-    # other between products (measured: SmolLM2 at TP 3 on 2 cores, 2.2 s a step, 0.17 s with 1)
-    threadpool_limits(max(1, (os.cpu_count() or 1) // plan["world"]))
-    tp = plan["tp"]
-    stage, index = divmod(rank, tp)
-    comm = plan["comms"][stage]
+    """A forked rank's loop: build its Worker, then run each call the engine sends until it
+    closes; an error goes back as the answer."""
     try:
-        comm.attach(index)
-        shard = Shard.of(cfg, index, tp)
-        layers = Stage.of(cfg, stage, plan["pp"])
-        prev, nxt = plan["links"].get((stage - 1, index)), plan["links"].get((stage, index))
-        backend = RankNumpyBackend(
-            cfg, weights, engine_config, shard, layers, comm, prev and prev[0], nxt and nxt[1]
-        )
+        prev, nxt = plan["links"].get((rank // plan["tp"] - 1, rank % plan["tp"])), None
+        nxt = plan["links"].get((rank // plan["tp"], rank % plan["tp"]))
+        worker = Worker(rank, plan, cfg, weights, engine_config, prev and prev[0], nxt and nxt[1])
         del weights
     except Exception as e:  # noqa: BLE001 - sent to the engine, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    answers = rank == plan["output_rank"]
     while True:
         try:
             name, args = conn.recv()
@@ -72,26 +93,19 @@ def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
         if name == "stop":
             return
         try:
-            if name == "sizes":
-                result = (backend.weights_bytes, backend.bytes_per_block)
-            elif name == "comm_stats":
-                result = (comm.calls, comm.seconds)
-            else:
-                result = getattr(backend, name)(*args)
-            # the output rank's logits stand for all (its stage's ranks have the same bits)
-            conn.send(("ok", result if answers or name in EVERY_RANK else None))
+            conn.send(("ok", worker.call(name, args)))
         except Exception as e:  # noqa: BLE001
             log.debug("rank %d: %s", rank, traceback.format_exc())
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class MultiprocExecutor(Backend):
-    """``tensor_parallel_size x pipeline_parallel_size`` NumPy ranks in worker processes. The
-    sizes the memory plan reads are the ranks' sums (they share this host's RAM)."""
+class Executor(Backend):
+    """``tensor_parallel_size x pipeline_parallel_size`` NumPy ranks behind one Backend: every
+    call runs on every rank (``_call``, over the subclass's channel). The sizes the memory plan
+    reads are the ranks' sums (they share this host's RAM)."""
 
-    name = "numpy-mp"
-
-    def __init__(self, cfg: ModelConfig, weights, engine_config, timeout: float = 60.0):
+    def _plan(self, cfg: ModelConfig, engine_config, timeout: float) -> int:
+        """Check the sizes and set what every executor knows; the shared-memory slot bytes."""
         tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
         check_tensor_parallel(cfg, tp)
         check_pipeline_parallel(cfg, pp)
@@ -100,30 +114,18 @@ class MultiprocExecutor(Backend):
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=False)
         self.output_rank = (pp - 1) * tp
-        ctx = mp.get_context("fork")
         tokens = engine_config.max_num_batched_tokens or engine_config.max_model_len or 2048
-        slot = tokens * cfg.hidden_size * 4
-        self.comms = [ShmComm(tp, slot, ctx, timeout) for _ in range(pp)]
-        links = {(s, i): ctx.Pipe(duplex=False) for s in range(pp - 1) for i in range(tp)}
-        plan = dict(tp=tp, pp=pp, world=self.world, comms=self.comms, links=links)
-        plan["output_rank"] = self.output_rank
-        self.procs, self.conns = [], []
-        for rank in range(self.world):
-            parent, child = ctx.Pipe()
-            args = (rank, plan, cfg, weights, engine_config, child)
-            proc = ctx.Process(target=_worker, args=args, name=f"rank-{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
-        for recv_end, send_end in links.values():  # the workers hold them now
-            recv_end.close()
-            send_end.close()
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.comms)
-        self._gather("starting")
+        return tokens * cfg.hidden_size * 4
+
+    def _started(self) -> None:
         self.rank_sizes = self._call("sizes", all_ranks=True)  # [(weights, per block)] per rank
+        self.pids = self._call("pid", all_ranks=True)
         for rank, (w, per_block) in enumerate(self.rank_sizes):
             self._log_rank(rank, w, per_block)
+
+    def _where(self, rank: int) -> str:
+        stage, index = divmod(rank, self.tp)
+        return f"worker rank {rank} (stage {stage}, tensor-parallel rank {index})"
 
     def _log_rank(self, rank: int, weights: int, per_block: int) -> None:
         stage, index = divmod(rank, self.tp)
@@ -133,7 +135,7 @@ class MultiprocExecutor(Backend):
             "MLP units %d-%d, vocabulary %d-%d; weights %s, %d KV bytes per block",
             rank,
             self.world,
-            self.procs[rank].pid,
+            self.pids[rank],
             stage,
             layers.start,
             layers.stop - 1,
@@ -189,6 +191,36 @@ class MultiprocExecutor(Backend):
     def shutdown(self) -> None:
         self._finalizer()
 
+
+class MultiprocExecutor(Executor):
+    """The ranks as forked worker processes, a pipe each."""
+
+    name = "numpy-mp"
+
+    def __init__(self, cfg: ModelConfig, weights, engine_config, timeout: float = 60.0):
+        slot = self._plan(cfg, engine_config, timeout)
+        ctx = mp.get_context("fork")
+        tp, pp = self.tp, self.pp
+        self.comms = [ShmComm(tp, slot, ctx, timeout) for _ in range(pp)]
+        links = {(s, i): ctx.Pipe(duplex=False) for s in range(pp - 1) for i in range(tp)}
+        plan = dict(tp=tp, pp=pp, world=self.world, comms=self.comms, links=links)
+        plan["output_rank"] = self.output_rank
+        self.procs, self.conns = [], []
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            args = (rank, plan, cfg, weights, engine_config, child)
+            proc = ctx.Process(target=_worker, args=args, name=f"rank-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        for recv_end, send_end in links.values():  # the workers hold them now
+            recv_end.close()
+            send_end.close()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.comms)
+        self._gather("starting")
+        self._started()
+
     # ---- the channel ----
     def _call(self, name: str, *args, all_ranks: bool = False):
         """Run ``name(*args)`` on every rank: the output rank's result (every rank's, in rank
@@ -197,7 +229,8 @@ class MultiprocExecutor(Backend):
             try:
                 conn.send((name, args))
             except (BrokenPipeError, OSError):
-                self._fail(rank, "its pipe is closed")
+                self.procs[rank].join(1)  # a killed worker's pipe closes as it dies
+                self._fail(rank, self._gone(rank))
         results = self._gather(name)
         return results if all_ranks else results[self.output_rank]
 
@@ -220,25 +253,28 @@ class MultiprocExecutor(Backend):
             for sentinel in ready:
                 rank = sentinels.get(sentinel)
                 if rank is not None and rank not in results and not self.conns[rank].poll(0):
-                    self._fail(rank, f"it died (exit code {self.procs[rank].exitcode})")
+                    self._fail(rank, self._gone(rank))
         return [results[r] for r in range(self.world)]
 
     def _recv(self, rank: int):
         try:
             status, value = self.conns[rank].recv()
         except (EOFError, OSError):  # closed, or reset by a killed worker
-            self._fail(rank, f"it died (exit code {self.procs[rank].exitcode})")
+            self.procs[rank].join(1)
+            self._fail(rank, self._gone(rank))
         if status == "error":
             self._fail(rank, value)
         return value
+
+    def _gone(self, rank: int) -> str:
+        code = self.procs[rank].exitcode
+        return "its pipe is closed" if code is None else f"it died (exit code {code})"
 
     def _fail(self, rank: int, why: str):
         for proc in self.procs:  # the others may wait in a collective for the failed one
             proc.kill()
         self._finalizer()
-        stage, index = divmod(rank, self.tp)
-        where = f"stage {stage}, tensor-parallel rank {index}"
-        raise RuntimeError(f"worker rank {rank} ({where}): {why}")
+        raise RuntimeError(f"{self._where(rank)}: {why}")
 
 
 def _stop(procs, conns, comms: list[ShmComm]) -> None:

@@ -1,0 +1,73 @@
+"""The ray executor: tensor-parallel ranks as Ray actors in a placement group on a local Ray
+instance (four logical CPUs, no dashboard, a small object store, one instance for the module),
+against the single process; a killed actor is an error naming its rank, in seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from engine.llm import run_to_completion
+from engine.sampling_params import SamplingParams
+from tests.utils import make_engine
+
+PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local test instance, on 127.0.0.1
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=80 << 20,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def _ray_engine(loaded, tp: int, **kw):
+    return make_engine(loaded, tensor_parallel_size=tp, distributed_executor_backend="ray", **kw)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ray_ranks_equal_one_process(tiny, tp):
+    one = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, GREEDY)
+    engine = _ray_engine(tiny, tp, record_logits=True)
+    assert engine.backend.name == "numpy-ray" and len(set(engine.backend.pids)) == tp
+    many = run_to_completion(engine, PROMPTS, GREEDY)
+    for a, b in zip(one, many, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = np.stack(b.outputs[0].step_logits), np.stack(a.outputs[0].step_logits)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    engine.backend.shutdown()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # Ray removes the placement group in the background
+    assert ray.available_resources().get("CPU") == 4
+
+
+def test_a_killed_actor_is_an_error_naming_its_rank(tiny):
+    engine = _ray_engine(tiny, 2)
+    engine.add_request("r", PROMPTS[0], GREEDY)
+    engine.step()
+    os.kill(engine.backend.pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    died = r"worker rank 1 \(stage 0, tensor-parallel rank 1\): its actor died"
+    with pytest.raises(RuntimeError, match=died):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+
+
+def test_pipeline_parallel_is_refused_on_ray(tiny):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not implemented on the"):
+        make_engine(tiny, pipeline_parallel_size=2, distributed_executor_backend="ray")
