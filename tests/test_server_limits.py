@@ -553,7 +553,7 @@ def _live(*types) -> int:
 
 def test_a_soak_leaves_nothing_behind(tiny):
     """scripts/soak_server.py's mix (streams left early, refusals, quarter-megabyte bodies),
-    160 requests after 40 of warm-up, 8 at a time, on a server of its own: no 500, the engine
+    120 requests after 40 of warm-up, 8 at a time, on a server of its own: no 500, the engine
     idle with every block free, no request object alive, and the process's memory flat."""
     from engine.async_llm import RequestStream
     from engine.output_processor import RequestState
@@ -575,7 +575,7 @@ def test_a_soak_leaves_nothing_behind(tiny):
         rng, codes = random.Random(0), collections.Counter()
         asyncio.run(soak(s.url, range(40), rng, codes))
         warm = _rss_mib()
-        asyncio.run(soak(s.url, range(40, 200), rng, codes))
+        asyncio.run(soak(s.url, range(40, 160), rng, codes))
         deadline = time.monotonic() + 10
         while s.engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.05)  # the engine aborts what the clients left
@@ -584,7 +584,7 @@ def test_a_soak_leaves_nothing_behind(tiny):
         assert not s.engine.has_unfinished_requests()
         assert bm.num_free_blocks == bm.num_blocks
         assert _live(Sequence, RequestState, RequestStream) == 0
-    assert 500 not in codes and codes[200] >= 100 and codes[400] >= 40, codes
+    assert 500 not in codes and codes[200] >= 100 and codes[400] >= 30, codes
     assert grown < 30, f"RSS grew {grown:.1f} MiB after warm-up"
 
 

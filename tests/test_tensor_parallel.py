@@ -272,7 +272,7 @@ def test_prefix_caching_under_tensor_parallel(tiny):
 
 def test_smollm2_tensor_3_pipeline_2_and_both(smollm2):
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     small = dict(num_gpu_blocks=32, max_model_len=128)
     one = run_to_completion(make_engine(smollm2, **small), prompts, params)
     for tp, pp in ((3, 1), (1, 2), (3, 2)):
