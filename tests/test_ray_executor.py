@@ -5,7 +5,6 @@ against the single process; a killed actor is an error naming its rank, in secon
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ import ray
 
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from tests.utils import make_engine
+from tests.utils import kill_rank_mid_run, make_engine
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -56,16 +55,8 @@ def test_ray_ranks_equal_one_process(tiny, tp):
 
 
 def test_a_killed_actor_is_an_error_naming_its_rank(tiny):
-    engine = _ray_engine(tiny, 2)
-    engine.add_request("r", PROMPTS[0], GREEDY)
-    engine.step()
-    os.kill(engine.backend.pids[1], signal.SIGKILL)
-    start = time.monotonic()
     died = r"worker rank 1 \(stage 0, tensor-parallel rank 1\): its actor died"
-    with pytest.raises(RuntimeError, match=died):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - start < 10
+    kill_rank_mid_run(_ray_engine(tiny, 2), 1, PROMPTS[0], died)
 
 
 def test_pipeline_parallel_is_refused_on_ray(tiny):

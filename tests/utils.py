@@ -86,3 +86,22 @@ def shared_prefix_workload(seed: int, n: int = 12) -> tuple[list[list[int]], lis
         temp = rng.choice([0.0, 0.9])
         params.append(SamplingParams(max_tokens=rng.randint(4, 20), temperature=temp, seed=i))
     return prompts, params
+
+
+def kill_rank_mid_run(engine: LLMEngine, rank: int, prompt: str, message: str) -> None:
+    """Start a request on a several-rank engine, SIGKILL rank ``rank``'s process, and check
+    that the next steps raise a RuntimeError matching ``message`` within 10 seconds."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    engine.step()
+    os.kill(engine.backend.pids[rank], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=message):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10

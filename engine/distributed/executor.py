@@ -229,7 +229,6 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send((name, args))
             except (BrokenPipeError, OSError):
-                self.procs[rank].join(1)  # a killed worker's pipe closes as it dies
                 self._fail(rank, self._gone(rank))
         results = self._gather(name)
         return results if all_ranks else results[self.output_rank]
@@ -260,13 +259,15 @@ class MultiprocExecutor(Executor):
         try:
             status, value = self.conns[rank].recv()
         except (EOFError, OSError):  # closed, or reset by a killed worker
-            self.procs[rank].join(1)
             self._fail(rank, self._gone(rank))
         if status == "error":
             self._fail(rank, value)
         return value
 
     def _gone(self, rank: int) -> str:
+        """Why a rank's pipe closed: its exit code (a process's pipes close as it exits, a
+        moment before it can be reaped: wait for that)."""
+        self.procs[rank].join(1)
         code = self.procs[rank].exitcode
         return "its pipe is closed" if code is None else f"it died (exit code {code})"
 
