@@ -149,12 +149,10 @@ def _rank_main(comm: ShmComm, rank: int, seed: int, out, bad: bool) -> None:
         out.put(("error", rank, str(e)))
 
 
-def _run_ranks(
-    world: int, seed: int, bad: bool = False, die: int | None = None, spin: bool = False
-) -> dict:
-    """Each rank's answers; ``spin``: the barrier in shared memory (Ray's), not inherited."""
+def _run_ranks(world: int, seed: int, bad: bool = False, die: int | None = None) -> dict:
+    """Each rank's answers, from forked processes."""
     ctx = mp.get_context("fork")
-    comm = ShmComm(world, 256 * 4, None if spin else ctx, timeout=1.0)
+    comm = ShmComm(world, 256 * 4, timeout=1.0)
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(comm, r, seed, out, bad)) for r in range(world)]
     for r, p in enumerate(procs):
@@ -175,10 +173,9 @@ def _run_ranks(
     return got
 
 
-@pytest.mark.parametrize("spin", [False, True], ids=["inherited-barrier", "spin-barrier"])
-def test_all_reduce_and_all_gather_give_every_rank_the_same_bits(spin):
+def test_all_reduce_and_all_gather_give_every_rank_the_same_bits():
     seed = int(np.random.default_rng().integers(1 << 30))
-    got = _run_ranks(3, seed, spin=spin)
+    got = _run_ranks(3, seed)
     xs = [np.random.default_rng(seed + r).standard_normal((37, 11)) for r in range(3)]
     want = xs[0].astype(np.float32) + xs[1].astype(np.float32) + xs[2].astype(np.float32)
     for r in range(3):
@@ -190,13 +187,12 @@ def test_all_reduce_and_all_gather_give_every_rank_the_same_bits(spin):
     assert got["big"][0].shape == (1000,)
 
 
-@pytest.mark.parametrize("spin", [False, True], ids=["inherited-barrier", "spin-barrier"])
-def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang(spin):
-    got = _run_ranks(3, 0, bad=True, spin=spin)
+def test_a_rank_that_breaks_the_rules_or_dies_is_an_error_not_a_hang():
+    got = _run_ranks(3, 0, bad=True)
     assert set(got["error"]) == {0, 1, 2}
     assert all("ranks gave [6, 7, 6] elements" in m for m in got["error"].values())
     start = time.monotonic()
-    got = _run_ranks(3, 0, die=2, spin=spin)  # rank 2 never comes: the others time out
+    got = _run_ranks(3, 0, die=2)  # rank 2 never comes: the others time out
     assert set(got["error"]) == {0, 1} and time.monotonic() - start < 10
     assert all("did not reach the collective within 1 s" in m for m in got["error"].values())
 

@@ -1,9 +1,9 @@
 """Collectives between the ranks of one host: a shared-memory all-reduce and all-gather.
 
 ``ShmComm`` is made by the parent before the workers start and handed to each (it pickles to the
-names of what it shares): forked workers wait at an inherited ``multiprocessing.Barrier``, Ray's
-actors at a ``SpinBarrier`` in the block itself. Each rank owns one slot in each of two slot
-sets in one shared-memory block. A collective writes the rank's array into its slot of the
+name of its block, so forked processes and Ray's actors take it alike). The ranks meet at a
+``SpinBarrier`` in the block itself. Each rank owns one slot in each of two slot sets in the
+block. A collective writes the rank's array into its slot of the
 current set, waits at the barrier for every rank to have written, and reads the others' slots.
 The sets alternate, so one barrier per collective is enough: a rank can write a set again only
 after the barrier of the collective in between, which no rank passes before every rank has
@@ -33,10 +33,12 @@ SPIN_YIELDS = 200  # a spinning barrier yields this many times before it starts 
 
 
 class SpinBarrier:
-    """A barrier in shared memory, for ranks that share no ``multiprocessing`` object (Ray
-    actors): each rank writes its own generation counter (one writer per int64, so no atomic
-    operation is needed) and waits until every counter has reached it. A rank's slot writes are
-    seen before its counter's (x86's stores are not reordered with other stores)."""
+    """A barrier in shared memory: each rank writes its own generation counter (one writer per
+    int64, so no atomic operation is needed) and waits until every counter has reached it,
+    yielding its core, then sleeping 20 us at a time. A rank's slot writes are seen before its
+    counter's (x86's stores are not reordered with other stores). Measured against
+    ``multiprocessing.Barrier`` (semaphores) on the 2-core VM, a (8, 576) all-reduce: 107 vs
+    249 us at 2 ranks, 127 vs 389 us at 3; SmolLM2's decode step at TP 3, 122-135 vs 149-180 ms."""
 
     def __init__(self, gens: np.ndarray, rank: int):
         self.gens, self.rank, self.gen = gens, rank, int(gens[rank])  # (world,) int64
@@ -53,10 +55,9 @@ class SpinBarrier:
 
 
 class ShmComm:
-    """``ctx``: a multiprocessing context whose Barrier the forked ranks inherit; None: a
-    SpinBarrier in the block itself (ranks that get this object pickled, as Ray's do)."""
+    """``world`` ranks, slots of ``slot_bytes``; a collective waits ``timeout`` seconds at most."""
 
-    def __init__(self, world: int, slot_bytes: int, ctx=None, timeout: float = 60.0):
+    def __init__(self, world: int, slot_bytes: int, timeout: float = 60.0):
         if not 1 <= world <= HEADER // 8:
             raise ValueError(f"ShmComm: world size must be 1..{HEADER // 8}, got {world}")
         self.world, self.timeout = world, timeout
@@ -65,7 +66,7 @@ class ShmComm:
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.shm.buf[:HEADER] = bytes(HEADER)  # the spin barrier's generations
         self.name = self.shm.name
-        self.barrier = None if ctx is None else ctx.Barrier(world)
+        self.barrier: SpinBarrier | None = None  # each rank's, made by attach
         self.rank: int | None = None
         self._flip = 0
         self._owner = True
@@ -78,13 +79,12 @@ class ShmComm:
             "timeout": self.timeout,
             "slot_floats": self.slot_floats,
             "name": self.name,
-            "barrier": self.barrier,
         }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.shm, self.rank, self._flip, self._owner = None, None, 0, False
-        self.calls, self.seconds = 0, 0.0
+        self.barrier, self.calls, self.seconds = None, 0, 0.0
 
     def attach(self, rank: int) -> ShmComm:
         """In the worker of rank ``rank``: open the shared block (a fork's copy is open already)."""
@@ -95,9 +95,7 @@ class ShmComm:
         self.rank = rank
         self._owner = False
         self._views()
-        if self.barrier is None:
-            gens = np.ndarray((self.world,), np.int64, self.shm.buf)
-            self.barrier = SpinBarrier(gens, rank)
+        self.barrier = SpinBarrier(np.ndarray((self.world,), np.int64, self.shm.buf), rank)
         return self
 
     def _views(self) -> None:
@@ -115,9 +113,7 @@ class ShmComm:
 
     def close(self) -> None:
         """Release the block (the parent also removes it)."""
-        self._counts = self._slots = None
-        if isinstance(self.barrier, SpinBarrier):
-            self.barrier = None
+        self._counts = self._slots = self.barrier = None
         if self.shm is not None:
             self.shm.close()
             if self._owner:

@@ -201,7 +201,7 @@ class MultiprocExecutor(Executor):
         slot = self._plan(cfg, engine_config, timeout)
         ctx = mp.get_context("fork")
         tp, pp = self.tp, self.pp
-        self.comms = [ShmComm(tp, slot, ctx, timeout) for _ in range(pp)]
+        self.comms = [ShmComm(tp, slot, timeout) for _ in range(pp)]
         links = {(s, i): ctx.Pipe(duplex=False) for s in range(pp - 1) for i in range(tp)}
         plan = dict(tp=tp, pp=pp, world=self.world, comms=self.comms, links=links)
         plan["output_rank"] = self.output_rank

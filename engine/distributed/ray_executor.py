@@ -7,8 +7,8 @@ a placement group packed onto as few nodes as it can, and starts the actors in i
 go to the actors through Ray's object store: one copy per node, mapped read-only by every actor
 there, each keeping its cut.
 
-The ranks' collectives are the shared-memory ones (comm.py), with the barrier in the shared
-block, so every rank must be on the engine's node: ranks placed on another node are refused
+The ranks' collectives are the shared-memory ones (comm.py), so every rank must be on the
+engine's node: ranks placed on another node are refused
 (an all-reduce across machines needs NCCL or a network collective, not built), and so is
 pipeline parallel, whose stage-to-stage pipes exist only between forked processes.
 
@@ -76,7 +76,7 @@ class RayExecutor(Executor):
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         self.ray = ray
         self.pg = placement_group([{"CPU": 1}] * self.world, strategy="PACK")
-        self.comms = [ShmComm(self.tp, slot, None, timeout)]
+        self.comms = [ShmComm(self.tp, slot, timeout)]
         self.actors: list = []
         self._finalizer = weakref.finalize(
             self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms
