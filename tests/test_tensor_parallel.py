@@ -310,3 +310,18 @@ def test_the_server_with_tensor_parallel(tiny):
         texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
         assert texts == [o.outputs[0].text for o in want]
         s.engine.backend.shutdown()
+
+
+def test_speculation_and_async_scheduling_under_tensor_parallel(tiny):
+    """The verification forward (every row of a drafted run) and the overlapped greedy steps go
+    through the executor like any other: the single process's tokens."""
+    prompts = ["a b c a b c a b c a b", *PROMPTS]
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    for extra in ({"speculative_config": ngram}, {"async_scheduling": True}):
+        one = run_to_completion(make_engine(tiny, **extra), prompts, GREEDY)
+        engine = make_engine(tiny, tensor_parallel_size=2, **extra)
+        many = run_to_completion(engine, prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+        if "speculative_config" in extra:
+            assert engine.spec_stats.num_accepted_tokens > 0
+        engine.backend.shutdown()

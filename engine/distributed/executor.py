@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import time
 import traceback
 import weakref
@@ -75,7 +76,9 @@ class Worker:
 
 def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
     """A forked rank's loop: build its Worker, then run each call the engine sends until it
-    closes; an error goes back as the answer."""
+    closes; an error goes back as the answer. Ctrl-C reaches the whole process group: the
+    engine's process decides what stops, so the workers ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         prev, nxt = plan["links"].get((rank // plan["tp"] - 1, rank % plan["tp"])), None
         nxt = plan["links"].get((rank // plan["tp"], rank % plan["tp"]))
