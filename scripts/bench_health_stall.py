@@ -33,7 +33,7 @@ TEXT = "the quick brown fox " * (15 * MiB // 20)
 
 def bodies(model: str) -> dict[str, tuple[str, dict]]:
     hi = {"model": model, "prompt": "hi", "max_tokens": 1}
-    bias = {i: 1 for i in range(N)}
+    bias = {i: 1 for i in range(N // 5)}  # 26,200 members: just under the bound
     quarter = "summer day " * 23_800  # 261,800 characters
     return {
         "15 MiB text prompt": ("/v1/completions", {**hi, "prompt": TEXT}),
@@ -48,7 +48,7 @@ def bodies(model: str) -> dict[str, tuple[str, dict]]:
             "/v1/chat/completions",
             {"model": model, "messages": [{"role": "user", "content": "hi"}] * 1024},
         ),
-        "131k logit_bias entries": ("/v1/completions", {**hi, "logit_bias": bias}),
+        "26k logit_bias entries": ("/v1/completions", {**hi, "logit_bias": bias}),
         "131k stop strings": ("/v1/completions", {**hi, "stop": ["ab"] * N}),
         "256 Ki chars to /tokenize": ("/tokenize", {"model": model, "prompt": quarter}),
     }  # fmt: skip
