@@ -144,6 +144,9 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stopping = threading.Event()
         self.errored: BaseException | None = None
+        # held while a caller queues a command and while the loop ends: a command is either
+        # queued before the loop ends (and then answered by its drain) or refused
+        self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -207,18 +210,20 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine thread (running requests end with it)."""
-        self._stopping.set()
+        with self._gate:
+            self._stopping.set()
         self._commands.put((lambda: None, None))  # wake it
         self._thread.join(timeout)
 
     async def _call(self, fn: Callable):
         """Run fn on the engine thread between steps; its result or exception comes back."""
-        if self.errored is not None:
-            raise EngineDeadError(f"engine loop died: {self.errored!r}")
-        if self._stopping.is_set():
-            raise RuntimeError("the engine is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        with self._gate:
+            if self.errored is not None:
+                raise EngineDeadError(f"engine loop died: {self.errored!r}")
+            if self._stopping.is_set():
+                raise RuntimeError("the engine is shutting down")
+            self._commands.put((fn, fut))
         try:
             return await asyncio.wrap_future(fut)
         finally:  # fut holds the exception whose traceback holds this frame: no cycle
@@ -278,10 +283,22 @@ class AsyncLLM:
                     self._log_stats(engine_snapshot(self.engine, time.monotonic()))
         except BaseException as e:  # noqa: BLE001 - every caller must hear of it
             log.exception("engine loop died")
-            self.errored = e
+            with self._gate:
+                self.errored = e
+            dead = f"engine loop died: {e!r}"
             for stream in self._streams.values():
-                stream.put(EngineDeadError(f"engine loop died: {e!r}"))
+                stream.put(EngineDeadError(dead))
             self._streams.clear()
+            self._refuse_queued(lambda: EngineDeadError(dead))
+        else:
+            self._refuse_queued(lambda: RuntimeError("the engine is shutting down"))
+
+    def _refuse_queued(self, error: Callable[[], BaseException]) -> None:
+        """Answer every command still queued (the gate lets no new one in) with an error."""
+        while (item := self._next_command(False)) is not None:
+            fut = item[1]
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(error())
 
     def _drain_commands(self, block: bool) -> int:
         """Run the queued adds and aborts (how many); wait for one first when the engine is idle."""

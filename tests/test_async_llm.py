@@ -2,10 +2,11 @@
 
 import asyncio
 import logging
+import threading
 
 import pytest
 
-from engine.async_llm import AsyncLLM, LoggingStatLogger, QueueFullError
+from engine.async_llm import AsyncLLM, EngineDeadError, LoggingStatLogger, QueueFullError
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, make_engine
@@ -82,3 +83,31 @@ def test_stats_log_line(allm, caplog):
         asyncio.run(_final(allm, "hi my name is", GREEDY))
     line = next(r.message for r in caplog.records if "throughput" in r.message)
     assert "running" in line and "KV cache usage" in line and "prefix cache hit rate" in line
+
+
+def test_a_request_queued_as_the_engine_dies_is_refused_not_left_waiting(tiny):
+    """An add queued while the engine thread is in the step that kills it: the thread must
+    answer it (EngineDeadError) as it dies, or its caller would wait for ever."""
+    in_step, release = threading.Event(), threading.Event()
+
+    def die(_stats):
+        in_step.set()
+        release.wait(5)
+        raise RuntimeError("boom")
+
+    llm = AsyncLLM(make_engine(tiny), stat_loggers=[die])
+
+    async def run():
+        first = asyncio.ensure_future(_final(llm, "hi", GREEDY))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 5)
+        second = asyncio.ensure_future(llm.add_requests(["hello"], GREEDY))  # queued now
+        await asyncio.sleep(0.1)
+        release.set()
+        for task in (first, second):
+            with pytest.raises(EngineDeadError, match="engine loop died: RuntimeError"):
+                await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
