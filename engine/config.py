@@ -200,14 +200,8 @@ class EngineConfig:
         self._check_types()
         self._check_ranges()
         self._check_choices()
-        self._check_parallel()
         self.speculative = parse_speculative_config(self.speculative_config)
-        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
-        if ranks > 1 and self.speculative is not None and self.speculative.method == "draft_model":
-            raise ValueError(
-                "EngineConfig: speculative decoding with a draft model is not implemented under "
-                "tensor or pipeline parallel (the ngram method is)"
-            )
+        self._check_parallel()
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "
@@ -256,7 +250,7 @@ class EngineConfig:
             n = getattr(self, name)
             if not is_int(n) or not 1 <= n <= 8:
                 raise _bad(name, n, "an integer in [1, 8]")
-        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        ranks = self.world_size
         if ranks > 8:
             raise ValueError(
                 f"EngineConfig: tensor_parallel_size x pipeline_parallel_size is {ranks} ranks, "
@@ -279,6 +273,17 @@ class EngineConfig:
                 f"EngineConfig: tensor or pipeline parallel runs on the numpy backend only (the "
                 f"{self.backend} backend's NCCL path is not built); got backend {self.backend!r}"
             )
+        draft = self.speculative is not None and self.speculative.method == "draft_model"
+        if ranks > 1 and draft:
+            raise ValueError(
+                "EngineConfig: speculative decoding with a draft model is not implemented under "
+                "tensor or pipeline parallel (the ngram method is)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def swap_gib(self) -> float:

@@ -21,7 +21,6 @@ goes in slot-sized pieces, one barrier each.
 
 from __future__ import annotations
 
-import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 
@@ -51,7 +50,7 @@ class SpinBarrier:
             spins += 1
             time.sleep(0 if spins < SPIN_YIELDS else 20e-6)
             if spins % 1000 == 0 and time.monotonic() > deadline:
-                raise threading.BrokenBarrierError
+                raise TimeoutError
 
 
 class ShmComm:
@@ -133,7 +132,7 @@ class ShmComm:
         counts[self.rank] = x.size
         try:
             self.barrier.wait(self.timeout)
-        except threading.BrokenBarrierError:
+        except TimeoutError:
             raise RuntimeError(
                 f"rank {self.rank}: another tensor-parallel rank did not reach the collective "
                 f"within {self.timeout:g} s (it died or diverged)"

@@ -44,7 +44,7 @@ class Worker:
     the engine makes on it. ``call`` answers the output rank's result, and every rank's for
     EVERY_RANK's calls; an exception propagates to the loop that runs the worker."""
 
-    def __init__(self, rank: int, plan: dict, cfg, weights, engine_config, prev=None, nxt=None):
+    def __init__(self, rank: int, plan: dict, cfg, weights, engine_config):
         from threadpoolctl import threadpool_limits
 
         from .rank_numpy import RankNumpyBackend
@@ -56,8 +56,10 @@ class Worker:
         stage, index = divmod(rank, tp)
         self.comm = plan["comms"][stage].attach(index)
         shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
+        prev = plan["links"].get((stage - 1, index))  # (receive end, send end) of a pipe
+        nxt = plan["links"].get((stage, index))
         self.backend = RankNumpyBackend(
-            cfg, weights, engine_config, shard, layers, self.comm, prev, nxt
+            cfg, weights, engine_config, shard, layers, self.comm, prev and prev[0], nxt and nxt[1]
         )
         self.answers = rank == plan["output_rank"]
 
@@ -80,9 +82,7 @@ def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
     engine's process decides what stops, so the workers ignore it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        prev, nxt = plan["links"].get((rank // plan["tp"] - 1, rank % plan["tp"])), None
-        nxt = plan["links"].get((rank // plan["tp"], rank % plan["tp"]))
-        worker = Worker(rank, plan, cfg, weights, engine_config, prev and prev[0], nxt and nxt[1])
+        worker = Worker(rank, plan, cfg, weights, engine_config)
         del weights
     except Exception as e:  # noqa: BLE001 - sent to the engine, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -112,13 +112,12 @@ class Executor(Backend):
         tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
         check_tensor_parallel(cfg, tp)
         check_pipeline_parallel(cfg, pp)
-        self.cfg, self.tp, self.pp, self.world = cfg, tp, pp, tp * pp
+        self.cfg, self.tp, self.pp, self.world = cfg, tp, pp, engine_config.world_size
         self.timeout = timeout
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=False)
         self.output_rank = (pp - 1) * tp
-        tokens = engine_config.max_num_batched_tokens or engine_config.max_model_len or 2048
-        return tokens * cfg.hidden_size * 4
+        return engine_config.max_num_batched_tokens * cfg.hidden_size * 4  # (T, D) float32
 
     def _started(self) -> None:
         self.rank_sizes = self._call("sizes", all_ranks=True)  # [(weights, per block)] per rank
