@@ -234,15 +234,15 @@ def test_health_answers_while_hostile_requests_run(server, path, body, status):
 def test_a_big_bodys_sampling_parameters_are_built_off_the_event_loop(server, monkeypatch):
     """SamplingParams checks each logit_bias entry in Python: for a big body that runs in a
     worker thread, not on the event loop (where 130,000 entries held /health 190-260 ms)."""
-    import engine.entrypoints.api_server as api
+    from engine.entrypoints.protocol import SamplingRequest
 
-    threads, build = [], api._params
+    threads, build = [], SamplingRequest.sampling_params
 
     def spy(*args):
         threads.append(threading.current_thread().name)
         return build(*args)
 
-    monkeypatch.setattr(api, "_params", spy)
+    monkeypatch.setattr(SamplingRequest, "sampling_params", spy)
     big = {**GOOD, "logit_bias": {str(i): 1 for i in range(3000)}}  # 36 KB: a big body
     server.http.post("/v1/completions", json=big)
     server.http.post("/v1/completions", json=GOOD)  # a small one stays on the loop

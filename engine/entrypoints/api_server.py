@@ -509,8 +509,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         prompt_lps = max((k for k in wanted if k is not None), default=None)
         given = 1 if echo_only else max_tokens  # the engine makes one token at least
         defaults = server.sampling_defaults
-        args = (req, given, req.logprobs, defaults, constraint, prompt_lps)
-        params = await server.run(size, _params, *args)  # checks each logit_bias entry
+        args = (given, req.logprobs, defaults, constraint, prompt_lps)
+        params = await server.run(size, _call, req.sampling_params, *args)  # checks logit_bias
         prompts = await server.run(size, server.prompt_ids, req)
         await server.compile(named)
         streams = await server.start(prompts, params)
@@ -535,14 +535,14 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         # every field is checked before the template runs; unset, max_tokens is what fits
         given = server.max_model_len if max_tokens is None else max_tokens
         defaults = server.sampling_defaults
-        args = (req, given, top, defaults, constraint, req.prompt_logprobs)
-        params = await server.run(size, _params, *args)
+        args = (given, top, defaults, constraint, req.prompt_logprobs)
+        params = await server.run(size, _call, req.sampling_params, *args)
         conv = _call(req.conversation)
         tools, agp = req.template_tools(), req.add_generation_prompt
         ids = await server.run(size, server.chat_ids, conv, agp, server.max_prompt_chars, tools)
         if max_tokens is None:
             fits = max(server.max_model_len - len(ids), 1)
-            params = _replace(params, max_tokens=fits)
+            params = _call(dataclasses.replace, params, max_tokens=fits)
         await server.compile(named)
         streams = await server.start([ids], params)
         fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
@@ -567,24 +567,10 @@ async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
             raise ApiError(499, "client disconnected", "ClientDisconnected")
 
 
-def _call(fn, *args):
-    """fn(*args), its ValueError a 400."""
+def _call(fn, *args, **kwargs):
+    """fn(*args, **kwargs), its ValueError a 400."""
     try:
-        return fn(*args)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-
-
-def _params(req: SamplingRequest, max_tokens: int, logprobs, defaults, constraint, prompt_lps):
-    try:
-        return req.sampling_params(max_tokens, logprobs, defaults, constraint, prompt_lps)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-
-
-def _replace(params, **changes):
-    try:
-        return dataclasses.replace(params, **changes)
+        return fn(*args, **kwargs)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
