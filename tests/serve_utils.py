@@ -56,6 +56,12 @@ class LiveServer:
             time.sleep(0.01)
         return self
 
+    def openai_client(self):
+        """The openai package's client for this server, retries off."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)

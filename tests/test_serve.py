@@ -5,7 +5,6 @@ completions and chat (streamed and not), n > 1, stop, seeds, logprobs, greedy te
 import time
 
 import httpx
-import openai
 import pytest
 
 from engine.llm import LLM
@@ -24,7 +23,7 @@ def server(tiny):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,13 @@ def tiny_server(tiny):
 
 @pytest.fixture(scope="module")
 def tiny_client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    return tiny_server.openai_client()
 
 
 @pytest.fixture(scope="module")
 def smol_client(smollm2):
     with LiveServer(smollm2, max_model_len=512, num_gpu_blocks=128) as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        yield s.openai_client()
 
 
 # ---- response_format with a pydantic model (SmolLM2) ----

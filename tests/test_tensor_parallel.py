@@ -30,12 +30,12 @@ PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def _cfg(h: int, hkv: int, f: int = 100, v: int = 97) -> ModelConfig:
+def _cfg(h: int, hkv: int, f: int = 100, v: int = 97, layers: int = 1) -> ModelConfig:
     return ModelConfig(
         vocab_size=v,
         hidden_size=8 * h,
         intermediate_size=f,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=h,
         num_key_value_heads=hkv,
         head_dim=8,
@@ -74,8 +74,7 @@ def test_shard_weights_are_the_rows_and_columns_of_the_whole(tiny):
 
 
 def test_stages_partition_the_layers():
-    cfg = _cfg(4, 2)
-    cfg = type(cfg)(**{**cfg.__dict__, "num_hidden_layers": 30, "rope": None})
+    cfg = _cfg(4, 2, layers=30)
     stages = [Stage.of(cfg, s, 4) for s in range(4)]
     assert [list(s.layers) for s in stages] == [
         list(range(0, 7)), list(range(7, 15)), list(range(15, 22)), list(range(22, 30))
