@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from .core import QueueFullError  # noqa: F401 - raised by add_request, caught by name here
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -32,10 +33,6 @@ log = logging.getLogger("engine.async")
 
 class EngineDeadError(RuntimeError):
     """The engine thread has died: every request in flight, and every new one, gets this."""
-
-
-class QueueFullError(RuntimeError):
-    """More sequences would wait than ``max_waiting_requests`` allows; retry later."""
 
 
 @dataclasses.dataclass
@@ -57,18 +54,17 @@ class StepStats:
 
 
 def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
-    """Queue sizes, KV usage and cache counters of an engine (no step counts yet)."""
-    sched, bm = engine.scheduler, engine.block_manager
-    used = 1.0 - bm.num_free_blocks / max(bm.num_blocks, 1)
+    """Queue sizes, KV usage and cache counters of an engine's core (no step counts yet)."""
+    c = engine.core_stats()
     return StepStats(
         now=now,
-        num_running=len(sched.running),
-        num_waiting=len(sched.waiting),
-        num_swapped=len(sched.swapped),
-        kv_cache_usage=used,
-        prefix_cache_queries=sched.prefix_cache_queries,
-        prefix_cache_hits=sched.prefix_cache_hits,
-        num_preemptions=sched.num_preemptions,
+        num_running=c.num_running,
+        num_waiting=c.num_waiting,
+        num_swapped=c.num_swapped,
+        kv_cache_usage=c.kv_cache_usage,
+        prefix_cache_queries=c.prefix_cache_queries,
+        prefix_cache_hits=c.prefix_cache_hits,
+        num_preemptions=c.num_preemptions,
         prompt_tokens=0,
         generation_tokens=0,
         finished=[],
@@ -203,6 +199,10 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop died: {self.errored!r}")
         if not self._thread.is_alive():
             raise RuntimeError("engine loop is not running")
+        try:
+            self.engine.check_core()
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from None
 
     @property
     def num_unfinished(self) -> int:
@@ -214,6 +214,7 @@ class AsyncLLM:
             self._stopping.set()
         self._commands.put((lambda: None, None))  # wake it
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     async def _call(self, fn: Callable):
         """Run fn on the engine thread between steps; its result or exception comes back."""
@@ -248,25 +249,8 @@ class AsyncLLM:
             raise
 
     def _add(self, rid: str, prompt, params, stream: _Stream) -> None:
-        n = params.n if isinstance(params, SamplingParams) else 1
-        self._check_queue(n)
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, max_waiting=self.max_waiting_requests)
         self._streams[rid] = stream
-
-    def _check_queue(self, n: int) -> None:
-        """QueueFullError if n more sequences would leave more than max_waiting_requests
-        waiting once the next step has filled the free run slots."""
-        limit = self.max_waiting_requests
-        if limit is None:
-            return
-        sched = self.engine.scheduler
-        busy = len(sched.running) + len(sched.swapped)
-        free = max(self.engine.config.max_num_seqs - busy, 0)
-        if len(sched.waiting) + n - free > limit:
-            raise QueueFullError(
-                f"the queue is full: {len(sched.waiting)} sequences wait for {free} free run "
-                f"slots and at most {limit} may wait beyond them"
-            )
 
     def _abort(self, rid: str) -> None:
         if self._streams.pop(rid, None) is not None:
@@ -281,6 +265,8 @@ class AsyncLLM:
                     self._step()
                 elif drained:  # aborts may have emptied the engine: the loggers hear of it
                     self._log_stats(engine_snapshot(self.engine, time.monotonic()))
+                else:  # idle: a core process that died is found now, not at the next request
+                    self.engine.check_core()
         except BaseException as e:  # noqa: BLE001 - every caller must hear of it
             log.exception("engine loop died")
             with self._gate:

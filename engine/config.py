@@ -170,6 +170,12 @@ class EngineConfig:
         "the device's forward; only steps of plain-greedy decodes are overlapped, outputs are "
         "identical",
     )
+    engine_core_process: bool = option(
+        False,
+        "run the engine core (scheduler, KV cache, executor, sampler) in a process of its own, "
+        "fed over ZMQ: this process keeps tokenizing, detokenizing, stop strings and the "
+        "outputs, so their cost overlaps the core's steps",
+    )
 
     tensor_parallel_size: int = option(
         1,
@@ -216,6 +222,7 @@ class EngineConfig:
             "enable_prefix_caching",
             "enforce_eager",
             "async_scheduling",
+            "engine_core_process",
         )
         for name in bools:
             if not isinstance(getattr(self, name), bool):

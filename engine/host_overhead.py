@@ -25,11 +25,16 @@ from .sampling_params import SamplingParams
 from .utils import cdiv
 
 # the parts of a step, as (name, attribute path on the engine) of the method that does each
+# ("core": the engine core's whole step; the four after it are parts of it, "deltas" its
+# token-id deltas for the frontend; "detok+stops" and "outputs" are the frontend's)
 PARTS = (
-    ("schedule", "scheduler.schedule"),
-    ("prepare", "runner.prepare"),
-    ("forward", "backend.forward_greedy"),
-    ("update+detok", "_update"),
+    ("core", "core.step"),
+    ("schedule", "core.scheduler.schedule"),
+    ("prepare", "core.runner.prepare"),
+    ("forward", "core.backend.forward_greedy"),
+    ("update", "core._update"),
+    ("deltas", "core._outputs"),
+    ("detok+stops", "output_processor.process"),
     ("outputs", "output_processor.outputs"),
 )
 

@@ -1,9 +1,11 @@
-"""Per-request state after the forward: detokenizing, stop checks, and the ``RequestOutput``s.
+"""The frontend's per-request state: detokenizing, stop strings, and the ``RequestOutput``s.
 
-The engine hands each sampled token here (``process_token``), which says whether the sequence
-stops ("stop": EOS, a stop token id or a stop string; "length": max_tokens or max_model_len).
-``outputs()`` then builds one ``RequestOutput`` per request touched in the step, or with
-``stream=False`` per request finished in it, and forgets the finished ones.
+The engine core (engine/core.py) sends each step's news as ``SampleDelta``s: new token ids, and
+how a sample ended when the core ended it (EOS, a stop token id, the length limits, an error).
+``process`` appends the ids, looks for stop strings in their text (a sample one ends, whose core
+sequence still runs, is handed back for the core to finish), and ``outputs()`` builds one
+``RequestOutput`` per request touched, or with ``stream=False`` per request finished, and forgets
+the finished ones.
 
 Text is detokenized when it is read: every token at once for a sample with stop strings (they are
 looked for in the text added, by ``str.find`` for a few, an automaton for more:
@@ -21,22 +23,22 @@ import numpy as np
 from reference.tokenizer import IncrementalDetokenizer
 
 from . import tracing
+from .core import SampleDelta
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .sequence import Sequence
 from .stop_strings import StopStrings
 
 FEW_STOPS = 8  # up to this many stop strings, str.find each; more: one automaton for them all
 
 
 class SampleState:
-    """One of a request's n samples: its sequence, its index, its text and what was streamed."""
+    """One of a request's n samples: its tokens, its text and what was streamed."""
 
-    def __init__(self, index, seq: Sequence, detok, generator, stops: StopStrings | None = None):
+    def __init__(self, index, detok, stops: StopStrings | None = None):
         self.index = index  # CompletionOutput.index
-        self.seq = seq
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
         self.detok: IncrementalDetokenizer = detok
-        self.generator = generator
         self.text = ""  # of the first ``detokenized`` output ids (``sync_text`` catches up)
         self.detokenized = 0
         self.emitted = 0  # characters of text already streamed
@@ -49,9 +51,13 @@ class SampleState:
         self.stop_node = 0  # where this sample's text has taken it
         self.stop_hit: tuple[int, int] | None = None  # (start, stop index) in the text last added
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
     def sync_text(self) -> None:
         """Detokenize the output ids not yet in text."""
-        ids = self.seq.output_token_ids
+        ids = self.token_ids
         if self.detokenized < len(ids):
             self.text += "".join(map(self.detok.add, ids[self.detokenized :]))
             self.detokenized = len(ids)
@@ -65,23 +71,22 @@ class SampleState:
         """The sample ended: every id into text, then what the detokenizer still holds back."""
         if self.truncated:  # cut at a stop string: every id is in, nothing more to add
             return
-        ids = self.seq.output_token_ids
+        ids = self.token_ids
         self.text += self.detok.add_last(ids[self.detokenized :])
         self.detokenized = len(ids)
 
     def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
         """The CompletionOutput so far, with the text that is new since the previous one."""
-        seq = self.seq
         self.sync_text()
         # while running, hold back a possible stop-string prefix so no emitted text is retracted
-        ready = len(self.text) if seq.is_finished else max(len(self.text) - hold_back, 0)
+        ready = len(self.text) if self.finished else max(len(self.text) - hold_back, 0)
         delta = self.text[self.emitted : ready]
         self.emitted = max(self.emitted, ready)
         return CompletionOutput(
             index=self.index,
             text=self.text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if params.logprobs is not None else None,
             text_delta=delta,
@@ -119,7 +124,7 @@ class RequestTimes:
 
 
 class RequestState:
-    """One request: its samples (one per sequence), prompt and latency metrics."""
+    """One request: its samples, prompt and latency metrics."""
 
     def __init__(self, request_id, prompt, prompt_ids, params, samples, times: RequestTimes):
         self.request_id = request_id
@@ -127,16 +132,14 @@ class RequestState:
         self.prompt_ids: list[int] = prompt_ids
         self.params: SamplingParams = params
         self.samples: list[SampleState] = samples
-        self.index = {s.seq.seq_id: s.index for s in samples}  # seq_id -> sample index
         self.times = times
         self.hold_back = _hold_back(params)
+        self.num_cached_tokens: int | None = None  # the first sample's
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # once complete
 
     @property
     def finished(self) -> bool:
-        return all(s.seq.is_finished for s in self.samples)
-
-    def sample(self, seq: Sequence) -> SampleState:
-        return self.samples[self.index[seq.seq_id]]
+        return all(s.finished for s in self.samples)
 
     def on_token_time(self, token: int, now: float) -> None:
         """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
@@ -157,16 +160,9 @@ class RequestState:
             outputs=outs,
             finished=finished,
             metrics=self.times.metrics(),
-            num_cached_tokens=self.samples[0].seq.num_cached_tokens,
-            prompt_logprobs=_prompt_logprobs(self.samples[0].seq),
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
-
-
-def _prompt_logprobs(seq: Sequence) -> list | None:
-    """The prompt's log-probabilities once every prompt token has one (else None)."""
-    if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs) < seq.num_prompt_tokens:
-        return None
-    return list(seq.prompt_logprobs)
 
 
 def _hold_back(params: SamplingParams) -> int:
@@ -196,12 +192,11 @@ def _stop_hit(sample: SampleState, stops: list[str], before: int) -> tuple[int, 
 
 
 class OutputProcessor:
-    """Every live request's state; turns sampled tokens into text, stop decisions and outputs."""
+    """Every live request's state; turns the core's token-id deltas into text, stop-string
+    decisions and outputs."""
 
-    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, record_logits):
+    def __init__(self, tokenizer, record_logits: bool = False):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.record_logits = record_logits
         self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
@@ -214,12 +209,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id, prompt, prompt_ids, params, seqs, generators, arrival):
+    def add_request(self, request_id, prompt, prompt_ids, params: SamplingParams, arrival):
         """Start the state of one request: one sample per sequence, each with its detokenizer."""
         stops = StopStrings(params.stop) if len(params.stop) > FEW_STOPS else None
         samples = [
-            SampleState(i, seq, self._detokenizer(prompt_ids, params), gen, stops)
-            for i, (seq, gen) in enumerate(zip(seqs, generators, strict=True))
+            SampleState(i, self._detokenizer(prompt_ids, params), stops) for i in range(params.n)
         ]
         times = RequestTimes(arrival, self.wall_offset)
         req = RequestState(request_id, prompt, prompt_ids, params, samples, times)
@@ -235,65 +229,66 @@ class OutputProcessor:
         self._ended.pop(request_id, None)
         return self.requests.pop(request_id, None) is not None
 
-    def generator(self, seq: Sequence) -> np.random.Generator:
-        return self.requests[seq.request_id].sample(seq).generator
+    def process(self, deltas: list[SampleDelta], now: float) -> list[tuple[str, int, int]]:
+        """Take one core step's deltas; (request id, sample index, output tokens kept) for
+        every sample a stop string ended that the core still runs (it must finish them)."""
+        stopped = []
+        for d in deltas:
+            req = self.requests.get(d.request_id)
+            if req is None or req.samples[d.index].finished:
+                continue  # aborted, or ended by a stop string since the core sent it
+            sample = req.samples[d.index]
+            if self._process_delta(req, sample, d, now) and d.finish_reason is None:
+                stopped.append((d.request_id, d.index, len(sample.token_ids)))
+        return stopped
 
-    def process_rejected(self, rejected: list[tuple[Sequence, str]]) -> None:
-        """Sequences the scheduler finished because they can never run; an abort keeps why."""
-        for seq, reason in rejected:
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            self._touched[req.request_id] = req
-            self._ended[req.request_id] = req
-            if seq.finish_reason == "abort":
-                req.sample(seq).error = reason
-
-    def process_token(self, seq: Sequence, logprob, logits_row, now: float) -> str | None:
-        """Record seq's new last token; the finish reason if it stops here, else None."""
-        req = self.requests[seq.request_id]
+    def _process_delta(self, req: RequestState, sample: SampleState, d: SampleDelta, now):
+        """Add the delta's tokens one by one, each through the stop strings; True if one ended
+        the sample (the tokens after it are dropped). Otherwise the core's end is the sample's."""
         self._touched[req.request_id] = req
-        sample = req.sample(seq)
-        if sample.index == 0:
-            req.on_token_time(seq.last_token_id, now)
-        if logprob is not None:
-            sample.logprobs.append(logprob)
-        if self.record_logits:
-            sample.step_logits.append(np.array(logits_row, dtype=np.float32))
-        before = len(sample.text)
-        if seq.params.stop:  # stop strings are looked for in the text: it is needed now
-            sample.sync_text()
-            sample.scan_stops(before)  # every step, min_tokens or not: it keeps its place
-        reason = self._stop_reason(sample, before)
-        if reason is not None:
-            sample.flush_text()
+        if d.index == 0:
+            req.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            req.prompt_logprobs = d.prompt_logprobs
+        sample.logprobs += d.logprobs or ()
+        sample.step_logits += d.logits or ()
+        hit = self._add_tokens(req, sample, d, now)
+        if hit is not None:
+            kept = len(sample.token_ids)
+            del sample.logprobs[kept:], sample.step_logits[kept:]
+        elif d.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = d.finish_reason, d.stop_reason
+            sample.error = d.error
+            if d.finish_reason != "abort":
+                sample.flush_text()
+        if sample.finished:
             self._ended[req.request_id] = req
-        return reason
+        return hit is not None
 
-    def _stop_reason(self, sample: SampleState, before: int) -> str | None:
-        """EOS, a stop token id or a stop string once min_tokens are out; else length limits.
-        A stop string ends the text: the text is cut before it (after it with
-        include_stop_str_in_output). The stop token id or string is the sample's stop_reason."""
-        seq, p = sample.seq, sample.seq.params
-        if seq.matcher is not None and seq.matcher.is_stopped():
-            return "stop"  # its grammar is complete: nothing but EOS could follow
-        if seq.num_output_tokens >= p.min_tokens:
-            token = seq.last_token_id
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                sample.stop_reason = token
-                return "stop"
-            hit = _stop_hit(sample, p.stop, before) if p.stop else None
+    def _add_tokens(self, req: RequestState, sample: SampleState, d: SampleDelta, now):
+        """Append d's tokens; with stop strings, detokenize each and look for them once
+        min_tokens are out (not on a last token the core ended otherwise: EOS, a stop token id
+        and a refused token come first). The stop string that ended the sample, else None."""
+        p, last = req.params, len(d.token_ids) - 1
+        for k, token in enumerate(d.token_ids):
+            sample.token_ids.append(token)
+            if d.index == 0:
+                req.on_token_time(token, now)
+            if not p.stop or (k == last and d.finish_reason in ("stop", "abort")):
+                continue
+            before = len(sample.text)
+            sample.sync_text()
+            sample.scan_stops(before)  # every token, min_tokens or not: it keeps its place
+            if len(sample.token_ids) < p.min_tokens:
+                continue
+            hit = _stop_hit(sample, p.stop, before)
             if hit is not None:
                 at, stop = hit
                 end = at + len(stop) if p.include_stop_str_in_output else at
                 sample.text = sample.text[:end]
                 sample.truncated = True
-                sample.stop_reason = stop
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return stop
         return None
 
     def outputs(self, stream: bool = True) -> list[RequestOutput]:

@@ -58,6 +58,16 @@ class Sequence:
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | None = None  # the stop token id that ended it
+        self.error: str | None = None  # why it was aborted (a refused token, a failed sample)
+        # the engine core's: which of the request's samples, its RNG, and what the frontend has
+        # been sent (output tokens so far; the logprobs and logits rows of the tokens since)
+        self.index = 0
+        self.generator = None
+        self.num_sent = 0
+        self.new_logprobs: list[dict[int, float]] = []
+        self.new_logits: list = []
+        self.prompt_logprobs_sent = False
         # the sampler's per-request rules beyond SamplingParams: bad words as token ids, and
         # the grammar state of a structured-output request (engine/structured/matcher.py)
         self.bad_words_ids: list[list[int]] = []
@@ -108,3 +118,12 @@ class Sequence:
         self.token_ids.pop()
         self.num_tokens -= 1
         self.last_token_id = self.token_ids[-1] if self.token_ids else None
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first ``num_output_tokens`` output tokens (a finished sequence whose
+        frontend found a stop string before its last tokens)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:], self.token_ids[-drop:]
+            self.num_tokens -= drop
+            self.last_token_id = self.token_ids[-1] if self.token_ids else None

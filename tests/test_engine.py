@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.core import SampleDelta
 from engine.golden import read_golden
 from engine.llm import run_to_completion
 from engine.output_processor import OutputProcessor
@@ -202,17 +202,26 @@ def test_stop_token_ids_stop_strings_and_min_tokens(tiny):
     assert o.finish_reason == "stop" and o.text == text[: text.index(stop)]
 
 
+class _OneText:
+    """A detokenizer whose every token reads as the same text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def add(self, token: int) -> str:
+        return self.text
+
+
 @pytest.mark.parametrize("stop", [["dying", "stu"], ["stu", "dying"], ["udy", "dying", "stu"]])
 def test_the_earliest_stop_string_wins_whatever_the_order(stop):
-    """One token brings "studying": every stop string matches; the text ends before the first."""
-    op = OutputProcessor(tokenizer=None, eos_token_ids=[], max_model_len=64, record_logits=False)
-    params = SamplingParams(stop=stop)
-    seq = SimpleNamespace(
-        params=params, num_output_tokens=3, last_token_id=5, num_tokens=9, matcher=None
-    )
-    sample = SimpleNamespace(seq=seq, text="I was studying", truncated=False)
-    assert op._stop_reason(sample, before=len("I was ")) == "stop"
-    assert sample.text == "I was " and sample.truncated
+    """One token brings "I was studying": every stop string matches; the text ends before the
+    first, and the core is told to finish the sample."""
+    op = OutputProcessor(tokenizer=None)
+    op._detokenizer = lambda ids, params: _OneText("I was studying")
+    op.add_request("r", None, [1, 2], SamplingParams(stop=stop, max_tokens=8), 0.0)
+    assert op.process([SampleDelta("r", 0, [5])], 1.0) == [("r", 0, 1)]
+    (out,) = op.outputs()
+    assert out.finished and out.outputs[0].text == "I was " and out.outputs[0].stop_reason == "stu"
 
 
 def _greedy() -> dict:
@@ -223,7 +232,7 @@ def test_eos_ends_unless_ignored(tiny):
     engine = make_engine(tiny)
     (full,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
     eos = full.token_ids[3]  # pretend the model's EOS is it
-    engine.output_processor.eos_token_ids = engine.sampler.eos_token_ids = [eos]
+    engine.core.eos_token_ids = engine.sampler.eos_token_ids = [eos]
     (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24))
     assert o.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
     assert o.finish_reason == "stop"

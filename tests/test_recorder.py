@@ -36,7 +36,8 @@ class DraftSpy:
     """Wraps ``Scheduler.schedule``, ``SpecStats.record`` and ``Scheduler.end_speculation``: per
     step, one row per speculated sequence (in ``out.scheduled``'s order, the order the engine
     verifies them in) with its drafts, its output before the step, the drafts the verifier
-    accepted and the tokens the sequence took."""
+    accepted and the tokens the sequence took (read at the next schedule, or ``settle()``:
+    the frontend may have cut them at a stop string after the step)."""
 
     def __init__(self, engine):
         sched, stats = engine.scheduler, engine.spec_stats
@@ -49,7 +50,16 @@ class DraftSpy:
         stats.record = self.record
         self.steps: list[list[dict]] = []
 
+    def settle(self) -> None:
+        """The last step's rows: the tokens each sequence kept, and whether it finished."""
+        for row in self.steps[-1] if self.steps else ():
+            seq = row.pop("seq", None)
+            if seq is not None:
+                row["gained"] = seq.output_token_ids[len(row["out"]) :]
+                row["finished"] = seq.is_finished
+
     def schedule(self):
+        self.settle()
         out = self._schedule()
         rows = [
             {"sid": s.seq_id, "req": int(s.request_id), "drafts": list(out.drafts[s.seq_id])}
@@ -68,8 +78,7 @@ class DraftSpy:
         self._record(num_draft_tokens, num_accepted)
 
     def end_speculation(self, seq) -> None:
-        row = self._rows[seq.seq_id]
-        row["gained"], row["finished"] = seq.output_token_ids[len(row["out"]) :], seq.is_finished
+        self._rows[seq.seq_id]["seq"] = seq
         self._end(seq)
 
 
@@ -101,6 +110,7 @@ def check_speculation(data: dict, spy: DraftSpy, engine) -> None:
     drafts the sequence took (the verifier's count, fewer when it stopped on one); the extra
     token, the one it took after them; drop, the accepted drafts no sequence took. The totals
     are ``spec_stats``'."""
+    spy.settle()
     frames, sid = data["frames"], [s["sid"] for s in data["seqs"]]
     assert len(frames) == len(spy.steps) + 1 and "spec" not in frames[-1]
 

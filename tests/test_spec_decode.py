@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from engine import SamplingParams
+from engine.core import DraftPrefix
 from engine.llm import run_to_completion
-from engine.llm_engine import DraftPrefix
 from engine.sequence import Sequence
 from engine.spec_decode import (
     accept_greedy,
@@ -592,7 +592,7 @@ def test_draft_model_refusals(tiny):
     startup, naming what is wrong."""
     import copy
 
-    from engine.llm_engine import check_draft
+    from engine.core import check_draft
 
     small_vocab = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, vocab_size=256))
     with pytest.raises(ValueError, match="vocab_size 256 != the target's 320"):
@@ -680,7 +680,7 @@ def test_each_verify_row_is_the_samplers_row_after_its_drafts(tiny):
         drafts = rng.integers(3, 12, 4).tolist()
         rows = (3 * rng.standard_normal((5, V))).astype(np.float32)  # (k+1, V)
         views = [DraftPrefix(seq, drafts[:j]) for j in range(5)]
-        got = engine._target_probs(rows, views)  # (k+1, V)
+        got = engine.core._target_probs(rows, views)  # (k+1, V)
         for j in range(5):
             alone = Sequence("r", seq.prompt_token_ids, params, 0.0)
             for t in seq.output_token_ids + drafts[:j]:

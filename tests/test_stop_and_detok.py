@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine import SamplingParams
+from engine.core import SampleDelta
 from engine.llm import run_to_completion
 from engine.output_processor import OutputProcessor
-from engine.sequence import Sequence
 from tests.utils import SEED_PROMPTS, make_engine
 
 PROMPT = SEED_PROMPTS[0]
@@ -46,7 +45,7 @@ def test_eos_has_no_stop_reason(tiny):
     engine = make_engine(tiny)
     full = _run(engine, _greedy())
     eos = full.token_ids[3]
-    engine.output_processor.eos_token_ids = engine.sampler.eos_token_ids = [eos]
+    engine.core.eos_token_ids = engine.sampler.eos_token_ids = [eos]
     o = _run(engine, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[eos]))
     assert (o.finish_reason, o.stop_reason) == ("stop", None)  # EOS first, as in vLLM
 
@@ -65,16 +64,14 @@ def test_include_stop_str_in_output_in_text_and_stream(tiny, include):
 
 
 def _processor(tok, params: SamplingParams, ids: list[int]) -> list:
-    """Feed ids one by one through an OutputProcessor; every output of the request."""
-    op = OutputProcessor(tok, eos_token_ids=[], max_model_len=256, record_logits=False)
-    seq = Sequence("r", [5, 6], params)
-    op.add_request("r", None, [5, 6], params, [seq], [np.random.default_rng(0)], 0.0)
+    """Feed ids one by one through an OutputProcessor, as the core's deltas (the last one
+    ending the sample by length); every output of the request."""
+    op = OutputProcessor(tok)
+    op.add_request("r", None, [5, 6], params, 0.0)
     outs = []
-    for token in ids:
-        seq.append_token(token)
-        seq.finish_reason = op.process_token(seq, None, None, 1.0)
-        if seq.finish_reason is not None:
-            seq.status = type(seq.status).FINISHED
+    for k, token in enumerate(ids):
+        end = "length" if k == len(ids) - 1 else None
+        op.process([SampleDelta("r", 0, [token], finish_reason=end)], 1.0)
         outs += op.outputs()
     return outs
 

@@ -14,7 +14,7 @@ def test_tracer_keeps_only_live_sequences(tiny, caplog):
     sequences (those of the last step), and nothing once every request is done."""
     engine = make_engine(tiny, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    tables = engine.trace_schedule.tables
+    tables = engine.core.trace_schedule.tables
     with caplog.at_level(logging.INFO, logger="engine.trace"):
         for i in range(60):
             engine.add_request(f"r{i}", [5 + i % 7, 9, 11], params)

@@ -27,8 +27,8 @@ def random_tokens(n: int) -> list[int]:
 
 def make_engine(loaded, **engine_args) -> LLMEngine:
     """An engine on an already loaded model, with a small fixed pool unless engine_args say."""
-    kw = {"num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01, **engine_args}
-    return LLMEngine(loaded=loaded, model="test", **kw)
+    kw = {"model": "test", "num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01}
+    return LLMEngine(loaded=loaded, **{**kw, **engine_args})
 
 
 def make_seq(

@@ -1,0 +1,100 @@
+"""The engine core in its own process (``engine_core_process``): the same outputs as the
+in-process core, refusals by name, stop strings finished in the core, and a killed core an
+error for every caller within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from engine import SamplingParams
+from engine.llm import run_to_completion
+from engine.structured.params import StructuredOutputsParams
+from tests.serve_utils import MODEL, LiveServer
+from tests.utils import SEED_PROMPTS, make_engine
+
+PROMPTS = [*SEED_PROMPTS, "the cat sat on the"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny, tiny_model_dir):
+    """(core in a process, core in this one) over the tiny model."""
+    far = make_engine(tiny, model=str(tiny_model_dir), engine_core_process=True)
+    yield far, make_engine(tiny)
+    far.shutdown()
+    assert far.core.proc.poll() is not None, "the core process outlived its shutdown"
+
+
+def _workload(near) -> list[list[SamplingParams]]:
+    """Per prompt: greedy; seeded samples with logprobs; a stop string, then a stop token id,
+    from the first prompt's greedy text, so it ends on them (its max_tokens, which the core
+    would run on to, beyond the others')."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (full,) = run_to_completion(near, PROMPTS[:1], greedy)
+    text, ids = full.outputs[0].text, full.token_ids
+    stop = next(text[i : i + 2] for i in range(6, len(text) - 2) if text[i : i + 2].strip())
+    short = [SamplingParams(temperature=0.0, max_tokens=8)] * (len(PROMPTS) - 1)
+    long = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=12, logprobs=2)
+    return [
+        [greedy] * len(PROMPTS),
+        [sampled] * len(PROMPTS),
+        [SamplingParams(**long, stop=[stop]), *short],
+        [SamplingParams(**long, stop_token_ids=[ids[9]]), *short],
+    ]
+
+
+def test_the_core_process_gives_the_in_process_outputs(engines):
+    far, near = engines
+    for params in _workload(near):
+        got = run_to_completion(far, PROMPTS, params)
+        want = run_to_completion(near, PROMPTS, params)
+        for g, w, p in zip(got, want, params, strict=True):
+            assert len(g.outputs) == len(w.outputs) == p.n
+            for a, b in zip(g.outputs, w.outputs, strict=True):
+                assert (a.token_ids, a.text) == (b.token_ids, b.text), p
+                assert (a.finish_reason, a.stop_reason) == (b.finish_reason, b.stop_reason)
+                if p.logprobs is not None:  # the same tokens; floats from other batches
+                    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                        assert x.keys() == y.keys()
+                        assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+        assert got[0].finish_reason == "stop" or params[0].max_tokens < 200
+        # every sequence ended in the core too (a stop string's when its Finish ran, before
+        # the check's): nothing runs, every block is free
+        far.check_invariants()
+        stats = far.core.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_refusals_in_the_core_come_back_by_name(engines):
+    far, _ = engines
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(ValueError, match="regex"):
+        far.add_request("bad", "hi", bad)
+    assert "bad" not in far.output_processor and not far.has_unfinished_requests()
+    with pytest.raises(ValueError, match="prompt"):  # the frontend's own checks, before
+        far.add_request("long", list(range(300)))
+    (out,) = run_to_completion(far, ["hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3  # and it goes on serving
+
+
+def test_a_killed_core_fails_the_server_within_seconds(tiny, tiny_model_dir):
+    """kill -9 of the core process: /health and every request are 503 naming it, within 10 s."""
+    args = dict(model=str(tiny_model_dir), engine_core_process=True)
+    with LiveServer(tiny, **args) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        os.kill(s.engine.core.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while http.get("/health").status_code == 200:
+            assert time.monotonic() - t0 < 10, "/health still 200 10 s after the core died"
+            time.sleep(0.05)
+        health = http.get("/health")
+        assert health.status_code == 503 and "killed by SIGKILL" in health.text
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "killed by SIGKILL" in r.text
