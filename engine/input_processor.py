@@ -2,14 +2,18 @@
 
 Bad input is a one-line ValueError for that request only; the engine keeps running the others.
 Text longer than ``max_prompt_chars`` is refused before it is tokenized (tokenizing megabytes
-takes seconds), and token ids must be a flat sequence of integers inside the vocabulary.
+takes seconds), and token ids must be a flat sequence of integers inside the vocabulary. An
+arrival time must be on ``time.monotonic()``'s clock; bad words become the token ids the sampler
+bans.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from .sampling_params import is_integer
+from .sampling_params import is_integer, is_real
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -76,3 +80,35 @@ def _token_ids(prompt, vocab_size: int, max_model_len: int) -> list[int]:
         if not 0 <= t < vocab_size:
             raise ValueError(f"prompt token id {t} is outside [0, {vocab_size})")
     return [int(t) for t in prompt]
+
+
+# arrival_time is on time.monotonic()'s clock; a value further ahead than this is another clock
+# (time.time() is ~1.7e9 s, far beyond any monotonic reading)
+ARRIVAL_SLACK_S = 60.0
+
+
+def check_arrival_time(arrival_time) -> float:
+    """arrival_time (None: now) as a float on time.monotonic()'s clock, else a ValueError."""
+    now = time.monotonic()
+    if arrival_time is None:
+        return now
+    if not is_real(arrival_time) or not np.isfinite(arrival_time):
+        raise ValueError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
+    if arrival_time > now + ARRIVAL_SLACK_S:
+        raise ValueError(
+            f"arrival_time must be on time.monotonic()'s clock (now {now:.1f} s, at most "
+            f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
+        )
+    return float(arrival_time)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word as tokenized alone and with a leading space (as it reads after
+    another word); both spellings are banned."""
+    out = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

@@ -15,52 +15,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Iterator
-
-import numpy as np
 
 from reference.loader import LoadedModel, default_model, load_model
 
 from .config import EngineConfig, make_config
 from .core import CoreRequest, CoreStats, EngineCore
-from .input_processor import max_prompt_chars, tokenize_prompt
+from .input_processor import (
+    bad_words_token_ids,
+    check_arrival_time,
+    max_prompt_chars,
+    tokenize_prompt,
+)
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
-from .sampling_params import SamplingParams, generation_defaults, is_real
+from .sampling_params import SamplingParams, generation_defaults
 
 log = logging.getLogger("engine")
-
-# arrival_time is on time.monotonic()'s clock; a value further ahead than this is another clock
-# (time.time() is ~1.7e9 s, far beyond any monotonic reading)
-ARRIVAL_SLACK_S = 60.0
-
-
-def check_arrival_time(arrival_time) -> float:
-    """arrival_time (None: now) as a float on time.monotonic()'s clock, else a ValueError."""
-    now = time.monotonic()
-    if arrival_time is None:
-        return now
-    if not is_real(arrival_time) or not np.isfinite(arrival_time):
-        raise ValueError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
-    if arrival_time > now + ARRIVAL_SLACK_S:
-        raise ValueError(
-            f"arrival_time must be on time.monotonic()'s clock (now {now:.1f} s, at most "
-            f"{ARRIVAL_SLACK_S:g} s ahead), got {arrival_time!r}"
-        )
-    return float(arrival_time)
-
-
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's rule: each word as tokenized alone and with a leading space (as it reads after
-    another word); both spellings are banned."""
-    out = []
-    for word in words:
-        for text in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
 
 
 class LLMEngine:
