@@ -111,8 +111,8 @@ class CoreClient:
         self._buffered: collections.deque[CoreOutputs] = collections.deque()
         self._compiler = None
         self.dead: str | None = None
-        level = logging.getLogger("engine").getEffectiveLevel()
-        args = [to_core, from_core, str(os.getpid()), str(level)]
+        levels = [logging.getLogger(n).getEffectiveLevel() for n in ("engine", "engine.trace")]
+        args = [to_core, from_core, str(os.getpid()), *map(str, levels)]
         # a fresh interpreter (not multiprocessing's spawn, which imports the caller's main
         # module again), the config on its stdin
         root = str(Path(__file__).resolve().parent.parent)
@@ -246,33 +246,43 @@ class CoreClient:
 
 
 # ---- the core process ----
-def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, level: int):
+def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, levels):
     """The core process: load the model, build the EngineCore, then serve its loop until a
     Shutdown or until the frontend's process is gone. A failure is sent as ``dead``."""
     from reference.loader import load_model
 
     from .core import EngineCore
 
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s (core): %(message)s")
+    logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (core): %(message)s")
+    logging.getLogger("engine.trace").setLevel(levels[1])  # the request trace, if it is on
+    core = failed = None
+    try:  # before any ZMQ context: tensor-parallel workers are forked from this process
+        core = EngineCore(load_model(config.model), config)
+    except BaseException:  # noqa: BLE001 - the frontend must hear of it
+        failed = traceback.format_exc(limit=8).strip()
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(to_core)
     outbox.connect(from_core)
     encode = msgspec.msgpack.Encoder().encode
     try:
-        core = EngineCore(load_model(config.model), config)
+        if failed is not None:
+            raise RuntimeError(failed)
         plan = core.kv_plan
         ready = Ready(plan.num_blocks, plan.num_cpu_blocks, core.stats())
         outbox.send_multipart([b"ready", encode(ready)])
         CoreLoop(core, inbox, outbox, parent).run()
     except BaseException:  # noqa: BLE001 - the frontend must hear of it
-        outbox.send_multipart([b"dead", encode(traceback.format_exc(limit=8).strip())])
+        why = failed or traceback.format_exc(limit=8).strip()
+        outbox.send_multipart([b"dead", encode(why)])
         time.sleep(0.2)  # let the message leave before the sockets close
         raise SystemExit(1) from None
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
+        if core is not None:
+            getattr(core.backend, "shutdown", lambda: None)()  # tensor-parallel workers
 
 
 class CoreLoop:
@@ -333,5 +343,5 @@ class CoreLoop:
 
 
 if __name__ == "__main__":
-    to_core, from_core, parent, level = sys.argv[1:5]
-    run_core(pickle.load(sys.stdin.buffer), to_core, from_core, int(parent), int(level))
+    to_core, from_core, parent, *levels = sys.argv[1:6]
+    run_core(pickle.load(sys.stdin.buffer), to_core, from_core, int(parent), list(map(int, levels)))

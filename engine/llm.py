@@ -22,6 +22,11 @@ class LLM:
     ``generate`` or ``chat``, writes the run so far there as a self-contained HTML replay."""
 
     def __init__(self, model: str | None = None, trace_html: str | None = None, **engine_args):
+        if trace_html and engine_args.get("engine_core_process"):
+            raise ValueError(
+                "trace_html records the scheduler and block pool of an in-process engine core: "
+                "not with engine_core_process"
+            )
         self.engine = LLMEngine(model, **engine_args)
         self._batch = 0
         self.trace_html = trace_html

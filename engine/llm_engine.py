@@ -75,8 +75,8 @@ class LLMEngine:
             local = dict(record_logits=record_logits, draft_loaded=draft_loaded)
             local["backend_factory"] = backend_factory
             CoreClient.check_local(local)
-            self.core = CoreClient(self.config, self.loaded)
             self.loaded = dataclasses.replace(self.loaded, weights=None)  # the core's, not ours
+            self.core = CoreClient(self.config, self.loaded)
         else:
             self.core = EngineCore(
                 self.loaded,

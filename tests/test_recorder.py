@@ -14,7 +14,7 @@ import re
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.llm import run_to_completion
+from engine.llm import LLM, run_to_completion
 from engine.recorder import DATA_MARK, Recorder, replay_tables
 from tests.spies import ScheduleSpy
 from tests.utils import make_engine, shared_prefix_workload
@@ -270,3 +270,16 @@ def test_generate_cli_trace_html_in_a_missing_directory_is_one_line(tmp_path, ca
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: --trace-html {str(path)!r}: not a file in an existing directory"
     ]
+
+
+def test_trace_html_with_a_core_process_is_refused_by_name(tmp_path, capsys):
+    """The replay reads the in-process core's scheduler and pool: refused before any load."""
+    from engine.entrypoints.generate import main
+
+    argv = ["--prompt", "hi", "--trace-html", str(tmp_path / "run.html")]
+    assert main([*argv, "--engine-core-process"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --trace-html records an in-process engine core: not with --engine-core-process"
+    ]
+    with pytest.raises(ValueError, match="not with engine_core_process"):
+        LLM(trace_html=str(tmp_path / "run.html"), engine_core_process=True)

@@ -113,10 +113,15 @@ def check_n(params: SamplingParams, max_num_seqs: int) -> None:
         raise ValueError(f"--n must be at most --max-num-seqs ({max_num_seqs}), got {params.n}")
 
 
-def check_trace_html(path: str | None) -> None:
-    """--trace-html must name a file in an existing directory (checked before the run)."""
+def check_trace_html(path: str | None, core_process: bool = False) -> None:
+    """--trace-html must name a file in an existing directory (checked before the run), and
+    record an in-process engine core."""
     if path is None:
         return
+    if core_process:
+        raise ValueError(
+            "--trace-html records an in-process engine core: not with --engine-core-process"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(folder):
         raise ValueError(f"--trace-html {path!r}: not a file in an existing directory")
@@ -234,7 +239,7 @@ def run(args) -> int:
     params = sampling_params(args)  # bad values fail before the model loads
     check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
-    check_trace_html(args.trace_html)
+    check_trace_html(args.trace_html, args.engine_core_process)
     llm = LLM(trace_html=args.trace_html, **engine_kwargs(args))
     params = sampling_params(args, llm.engine.sampling_defaults)
     tokenizer = llm.get_tokenizer()
