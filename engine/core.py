@@ -119,6 +119,7 @@ class DraftPrefix:
         self.bad_words_ids = seq.bad_words_ids
         assert seq.matcher is None, "structured-output requests do not speculate"
         self.matcher = None
+        self.always_plain = False
 
 
 def backoff(seq: Sequence, num_accepted: int) -> None:
@@ -275,11 +276,15 @@ class EngineCore:
             raise ValueError(f"request_id {req.request_id!r} is not a new string id")
         if max_waiting is not None:
             self._check_queue(params.n, max_waiting)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids).union(eos)
         seqs = []
         for index in range(params.n):
             seq = Sequence(req.request_id, req.prompt_token_ids, params, req.arrival_time)
             seq.index, seq.generator = index, self._generator(params, index)
             seq.bad_words_ids = req.bad_words_ids
+            seq.stop_ids = stop_ids
+            seq.max_num_tokens = min(seq.max_num_tokens, self.config.max_model_len)
             seqs.append(seq)
         if params.structured_outputs is not None:
             compiler = self.structured_compiler()
@@ -411,15 +416,24 @@ class EngineCore:
 
     def _outputs(self) -> CoreOutputs:
         touched, self._touched = self._touched, {}
-        deltas = [self._delta(seq) for seq in touched.values()]
+        deltas = []
+        for seq in touched.values():
+            sent = seq.num_sent
+            if sent and seq.always_plain and not seq.new_logits and seq.finish_reason is None:
+                seq.num_sent = seq.num_output_tokens  # a running plain decode: the common case
+                deltas.append(SampleDelta(seq.request_id, seq.index, seq.output_token_ids[sent:]))
+            else:
+                deltas.append(self._delta(seq))
         return CoreOutputs(deltas, time.monotonic(), self.stats())
 
     @staticmethod
     def _delta(seq: Sequence) -> SampleDelta:
-        """seq's tokens (and logprobs, logits) since its last delta; how it ended, once."""
-        new = seq.output_token_ids[seq.num_sent :]
-        seq.num_sent = seq.num_output_tokens
-        d = SampleDelta(seq.request_id, seq.index, new, num_cached_tokens=seq.num_cached_tokens)
+        """seq's tokens (and logprobs, logits) since its last delta; how it ended, once; its
+        cached prompt tokens with its first delta and its last."""
+        sent, seq.num_sent = seq.num_sent, seq.num_output_tokens
+        d = SampleDelta(seq.request_id, seq.index, seq.output_token_ids[sent:])
+        if not sent or seq.is_finished:
+            d.num_cached_tokens = seq.num_cached_tokens
         if seq.params.logprobs is not None:
             d.logprobs, seq.new_logprobs = seq.new_logprobs, []
         if seq.new_logits:
@@ -697,18 +711,16 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """A finished grammar; EOS or a stop token id once min_tokens are out (the token id is
-        the stop_reason); else the length limits. Stop strings are the frontend's."""
-        p = seq.params
+        the stop_reason; EOS comes first); else the length limits, max_tokens and
+        max_model_len (``seq.max_num_tokens``). Stop strings are the frontend's."""
         if seq.matcher is not None and seq.matcher.is_stopped():
             return "stop"  # its grammar is complete: nothing but EOS could follow
-        if seq.num_output_tokens >= p.min_tokens:
-            token = seq.last_token_id
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
+        token, p = seq.last_token_id, seq.params
+        if token in seq.stop_ids and seq.num_output_tokens >= p.min_tokens:
+            if p.ignore_eos or token not in self.eos_token_ids:
                 seq.stop_reason = token
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "stop"
+        if seq.num_tokens >= seq.max_num_tokens:
             return "length"
         return None
 

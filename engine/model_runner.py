@@ -33,8 +33,13 @@ def output_row_counts(output: SchedulerOutput) -> list[int]:
 
 
 def needs_rows(output: SchedulerOutput) -> bool:
-    """Whether any sequence gets back more than its last row."""
-    return bool(output.drafts) or any(wants_prompt_rows(s) for s, _ in output.scheduled)
+    """Whether any sequence gets back more than its last row (asked once per step: the
+    answer is kept on the output)."""
+    if output.needs_rows is None:
+        output.needs_rows = bool(output.drafts) or any(
+            not s.always_plain and wants_prompt_rows(s) for s, _ in output.scheduled
+        )
+    return output.needs_rows
 
 
 class BlockTables:

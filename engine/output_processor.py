@@ -246,7 +246,7 @@ class OutputProcessor:
         """Add the delta's tokens one by one, each through the stop strings; True if one ended
         the sample (the tokens after it are dropped). Otherwise the core's end is the sample's."""
         self._touched[req.request_id] = req
-        if d.index == 0:
+        if d.index == 0 and d.num_cached_tokens is not None:
             req.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None:
             req.prompt_logprobs = d.prompt_logprobs

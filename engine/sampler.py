@@ -72,10 +72,19 @@ def bad_word_bans(output_ids: list[int], bad_words_ids: list[list[int]]) -> list
     return bans
 
 
+def always_plain_greedy(p: SamplingParams) -> bool:
+    """Whether every row of a request is plain greedy, whatever its state: greedy, no
+    penalty, no restriction, no min_tokens, no logprobs of any kind."""
+    plain = p.greedy and p.logprobs is None and p.prompt_logprobs is None and not p.min_tokens
+    return plain and not _has_penalty(p) and not p.restricts_tokens
+
+
 def plain_greedy(seq) -> bool:
     """Whether seq's row is an argmax of the raw logits: greedy, no penalty, no min_tokens ban
     still due, no logprobs of its tokens or of the prompt it is running (the backend can take
     the argmax and send back only the id)."""
+    if seq.always_plain:
+        return True
     p = seq.params
     prompt_rows = p.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
     return p.greedy and p.logprobs is None and not prompt_rows and not edits_logits(seq)

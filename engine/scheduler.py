@@ -52,6 +52,7 @@ class SchedulerOutput:
     # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
     # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    needs_rows: bool | None = None  # model_runner.needs_rows' answer, once asked
 
     @property
     def is_empty(self) -> bool:

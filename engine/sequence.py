@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from engine.sampler import always_plain_greedy
 from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -68,6 +69,11 @@ class Sequence:
         self.new_logprobs: list[dict[int, float]] = []
         self.new_logits: list = []
         self.prompt_logprobs_sent = False
+        # the engine core's stop checks, set for its requests: the ids that end it (EOS unless
+        # ignored, stop_token_ids) and its length limit (max_tokens, max_model_len)
+        self.stop_ids: frozenset[int] = frozenset()
+        self.max_num_tokens = self.num_tokens + self.params.max_tokens
+        self.always_plain = always_plain_greedy(self.params)  # every row an argmax of raw logits
         # the sampler's per-request rules beyond SamplingParams: bad words as token ids, and
         # the grammar state of a structured-output request (engine/structured/matcher.py)
         self.bad_words_ids: list[list[int]] = []
