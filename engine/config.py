@@ -191,7 +191,7 @@ class EngineConfig:
     distributed_executor_backend: str | None = option(
         None,
         "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
-        "one Ray actor per rank, in a placement group on this node (tensor parallel only)",
+        "one Ray actor per rank, in a placement group on this node",
         choices=EXECUTORS,
         default_help="uni for one rank, mp for more",
     )

@@ -1,6 +1,6 @@
-"""The ray executor: tensor-parallel ranks as Ray actors in a placement group on a local Ray
-instance (four logical CPUs, no dashboard, a small object store, one instance for the module),
-against the single process; a killed actor is an error naming its rank, in seconds."""
+"""The ray executor: tensor- and pipeline-parallel ranks as Ray actors in a placement group on a
+local Ray instance (four logical CPUs, no dashboard, a small object store, one instance for the
+module), against the single process; a killed actor is an error naming its rank, in seconds."""
 
 from __future__ import annotations
 
@@ -59,6 +59,23 @@ def test_a_killed_actor_is_an_error_naming_its_rank(tiny):
     kill_rank_mid_run(_ray_engine(tiny, 2), 1, PROMPTS[0], died)
 
 
-def test_pipeline_parallel_is_refused_on_ray(tiny):
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not implemented on the"):
-        make_engine(tiny, pipeline_parallel_size=2, distributed_executor_backend="ray")
+def test_pipeline_parallel_on_ray_equals_one_process(tiny):
+    """TP 2 x PP 2: each stage's hidden state reaches the next through the object store."""
+    one = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, GREEDY)
+    engine = _ray_engine(tiny, 2, pipeline_parallel_size=2, record_logits=True)
+    many = run_to_completion(engine, PROMPTS, GREEDY)
+    for a, b in zip(one, many, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = np.stack(b.outputs[0].step_logits), np.stack(a.outputs[0].step_logits)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    greedy = run_to_completion(make_engine(tiny), PROMPTS, GREEDY)  # the argmax path too
+    assert [o.token_ids for o in run_to_completion(engine, PROMPTS, GREEDY)] == [
+        o.token_ids for o in greedy
+    ]
+    engine.backend.shutdown()
+
+
+def test_a_killed_first_stage_actor_is_an_error_naming_its_rank(tiny):
+    died = r"worker rank 1 \(stage 0, tensor-parallel rank 1\): its actor died"
+    engine = _ray_engine(tiny, 2, pipeline_parallel_size=2)
+    kill_rank_mid_run(engine, 1, PROMPTS[0], died)

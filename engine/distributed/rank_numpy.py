@@ -51,15 +51,29 @@ class RankNumpyBackend(NumpyBackend):
         return None if logits is None else greedy_ids(logits)
 
     def _logits(self, batch):
+        out = self._stage(batch, None if self.stage.first else self._receive())
+        if not self.stage.last:
+            self.next.send(out)
+            return None
+        return out
+
+    def forward_stage(self, batch, hidden, greedy: bool):
+        """This stage's part of a step, its input given (the ray executor hands the stages'
+        hidden states on itself): the (hidden, residual) for the next stage, or on the last the
+        logits ((B,) argmax ids with ``greedy``)."""
+        if hidden is not None:  # read-only views of Ray's object store: the layers add in place
+            hidden = tuple(np.array(a) for a in hidden)
+        out = self._stage(batch, hidden)
+        return greedy_ids(out) if greedy and self.stage.last else out
+
+    def _stage(self, batch, hidden):
+        """(T, D) hidden and residual after this stage's layers; the (B, V) logits on the last."""
         if self.stage.first:
             x, residual = self._embed(batch.token_ids), None  # (T, D)
         else:
-            x, residual = self._receive()
+            x, residual = hidden
         x, residual = self._run_layers(x, residual, batch)
-        if not self.stage.last:
-            self.next.send((x, residual))
-            return None
-        return self._head(x, residual, batch)
+        return self._head(x, residual, batch) if self.stage.last else (x, residual)
 
     def _receive(self) -> tuple[np.ndarray, np.ndarray]:
         if not self.prev.poll(self.timeout):

@@ -8,9 +8,11 @@ go to the actors through Ray's object store: one copy per node, mapped read-only
 there, each keeping its cut.
 
 The ranks' collectives are the shared-memory ones (comm.py), so every rank must be on the
-engine's node: ranks placed on another node are refused
-(an all-reduce across machines needs NCCL or a network collective, not built), and so is
-pipeline parallel, whose stage-to-stage pipes exist only between forked processes.
+engine's node: ranks placed on another node are refused (an all-reduce across machines needs
+NCCL or a network collective, not built). Pipeline parallel hands each stage's hidden state to
+the next as an object ref: every stage's call is submitted at once, and Ray starts a stage's
+task when the one before has put its (hidden, residual) in the object store, the engine never
+holding them.
 
 A rank that raises comes back as a RuntimeError naming it; a rank whose actor dies, the same
 within seconds (Ray marks its calls failed); either way every actor is killed and the placement
@@ -48,6 +50,12 @@ class RayWorker:
     def call(self, name: str, args: tuple):
         return self.worker.call(name, args)
 
+    def stage(self, name: str, batch, hidden):
+        """Pipeline parallel: this rank's stage of ``name`` (forward or forward_greedy) on the
+        previous stage's (hidden, residual), which Ray resolved from its object store."""
+        out = self.worker.backend.forward_stage(batch, hidden, name == "forward_greedy")
+        return out if self.worker.answers or not self.worker.backend.stage.last else None
+
     def node(self) -> str:
         return _ray().get_runtime_context().get_node_id()
 
@@ -63,11 +71,6 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         slot = self._plan(cfg, engine_config, timeout)
-        if self.pp > 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1 is not implemented on the ray executor (its stages "
-                "hand their hidden states over pipes between forked processes); use 'mp'"
-            )
         if not ray.is_initialized():
             address = engine_config.ray_address or os.environ.get("RAY_ADDRESS")
             # a new local instance gets a logical CPU per rank at least (a CPU is a label to
@@ -76,7 +79,7 @@ class RayExecutor(Executor):
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         self.ray = ray
         self.pg = placement_group([{"CPU": 1}] * self.world, strategy="PACK")
-        self.comms = [ShmComm(self.tp, slot, timeout)]
+        self.comms = [ShmComm(self.tp, slot, timeout) for _ in range(self.pp)]
         self.actors: list = []
         self._finalizer = weakref.finalize(
             self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms
@@ -88,7 +91,7 @@ class RayExecutor(Executor):
             raise RuntimeError(
                 f"ray: no room for {self.world} ranks of one CPU each ({have:g} CPUs free)"
             )
-        plan = dict(tp=self.tp, pp=1, world=self.world, comms=self.comms, links={})
+        plan = dict(tp=self.tp, pp=self.pp, world=self.world, comms=self.comms, links={})
         plan["output_rank"] = self.output_rank
         actor = ray.remote(num_cpus=1)(RayWorker)
         weights_ref = ray.put(weights)
@@ -113,6 +116,28 @@ class RayExecutor(Executor):
     def _call(self, name: str, *args, all_ranks: bool = False):
         results = self._gather([a.call.remote(name, args) for a in self.actors], name)
         return results if all_ranks else results[self.output_rank]
+
+    def forward(self, batch):
+        return self._staged("forward", batch) if self.pp > 1 else self._call("forward", batch)
+
+    def forward_greedy(self, batch):
+        if self.pp > 1:
+            return self._staged("forward_greedy", batch)
+        return self._call("forward_greedy", batch)
+
+    def _staged(self, name: str, batch):
+        """A step stage by stage: every call goes out at once, each rank of stage s + 1 taking
+        the object ref of the same tensor-parallel rank's output in stage s (Ray starts it when
+        that is ready and hands it over in its object store); the output rank's answer."""
+        batch_ref, tp = self.ray.put(batch), self.tp
+        hidden, refs = [None] * tp, []
+        for s in range(self.pp):
+            ranks = self.actors[s * tp : (s + 1) * tp]
+            hidden = [
+                a.stage.remote(name, batch_ref, h) for a, h in zip(ranks, hidden, strict=True)
+            ]
+            refs += hidden
+        return self._gather(refs, name)[self.output_rank]
 
     def _gather(self, refs: list, what: str) -> list:
         """Each rank's answer, in rank order; RuntimeError naming the first rank that raised,
