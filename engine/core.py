@@ -60,6 +60,18 @@ class QueueFullError(RuntimeError):
     """More sequences would wait than ``max_waiting_requests`` allows; retry later."""
 
 
+def check_queue(n: int, limit: int, waiting: int, busy: int, max_num_seqs: int) -> None:
+    """QueueFullError if n more sequences would leave more than ``limit`` waiting once the
+    next step has filled the free run slots (``max_num_seqs`` less the ``busy``: running or
+    swapped)."""
+    free = max(max_num_seqs - busy, 0)
+    if waiting + n - free > limit:
+        raise QueueFullError(
+            f"the queue is full: {waiting} sequences wait for {free} free run slots and at "
+            f"most {limit} may wait beyond them"
+        )
+
+
 class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     """What the frontend hands the core: a tokenized, validated request."""
 
@@ -95,6 +107,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_added_seqs: int = 0  # cumulative: sequences queued
     # speculative decoding: [drafts, draft tokens, accepted tokens, accepted by position]
     spec_decode: list | None = None
 
@@ -235,6 +248,7 @@ class EngineCore:
         )
         self._counter = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}  # live requests' sequences, by sample
+        self.num_added_seqs = 0  # every sequence ever queued (a core process's frontend counts)
         self._touched: dict[int, Sequence] = {}  # seq_id -> sequence with news in this step
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
@@ -292,21 +306,15 @@ class EngineCore:
             for seq in seqs:
                 seq.matcher = compiler.matcher(params.structured_outputs)
         self.requests[req.request_id] = seqs
+        self.num_added_seqs += len(seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         tracing.queued(req.request_id, req.prompt_token_ids, len(self.scheduler.waiting))
 
     def _check_queue(self, n: int, limit: int) -> None:
-        """QueueFullError if n more sequences would leave more than ``limit`` waiting once the
-        next step has filled the free run slots."""
         sched = self.scheduler
         busy = len(sched.running) + len(sched.swapped)
-        free = max(self.config.max_num_seqs - busy, 0)
-        if len(sched.waiting) + n - free > limit:
-            raise QueueFullError(
-                f"the queue is full: {len(sched.waiting)} sequences wait for {free} free run "
-                f"slots and at most {limit} may wait beyond them"
-            )
+        check_queue(n, limit, len(sched.waiting), busy, self.config.max_num_seqs)
 
     def structured_compiler(self):
         """The structured-output compiler over the model's tokenizer, built on first use (about
@@ -375,6 +383,7 @@ class EngineCore:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
+            num_added_seqs=self.num_added_seqs,
             spec_decode=spec_counters(self.spec_stats) if self.config.speculative else None,
         )
 

@@ -1,18 +1,21 @@
 """The engine core in a process of its own (``engine_core_process``): ``CoreClient`` is the
 frontend's handle on it, ``run_core`` the process.
 
-frontend (LLMEngine, AsyncLLM, the server)            core process (spawned)
+frontend (LLMEngine, AsyncLLM, the server)            core process (a fresh interpreter)
   CoreClient.add_request ---- Add ------------------>  EngineCore.add_request
-                         <--- Ack (None or the error)
   CoreClient.abort / finish_sample ---- Abort / Finish --->  EngineCore.abort / finish_sample
   CoreClient.step        <--- CoreOutputs ------------  EngineCore.step, while it has requests
+  CoreClient.check_invariants -- Check --> <-- Ack ---  EngineCore.check_invariants (tests)
 
 Two ZMQ sockets over ipc:// (a PUSH each way); every message is msgspec's msgpack, a kind frame
-then the payload. The core steps as long as it has requests and sends each step's token-id deltas
-without waiting for the frontend, which detokenizes step N while the core computes step N + 1; a
-stop string the frontend finds comes back as a Finish (the core may have run a step past it: that
-token is dropped). A core that dies (killed, an exception) is a RuntimeError in the frontend's
-next call within POLL_S; the core exits when the frontend's process is gone.
+then the payload. Nothing the frontend sends waits for an answer: what the core would refuse is
+checked before (a constraint compiled here too, the queue bound from the core's latest counters
+and the adds sent since), and a request it still refuses ends at once, aborted with the reason.
+The core steps as long as it has requests and sends each step's token-id deltas without waiting
+for the frontend, which detokenizes step N while the core computes step N + 1; a stop string
+the frontend finds comes back as a Finish (the core may have run a step past it: that token is
+dropped). A core that dies (killed, an exception) is a RuntimeError in the frontend's next call
+within POLL_S; the core exits when the frontend's process is gone.
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ import msgspec
 import zmq
 
 from .config import EngineConfig
-from .core import CoreOutputs, CoreRequest, CoreStats, QueueFullError
+from .core import (
+    CoreOutputs,
+    CoreRequest,
+    CoreStats,
+    QueueFullError,
+    SampleDelta,
+    check_queue,
+)
 from .spec_decode import SpecStats
 
 log = logging.getLogger("engine.core")
@@ -44,7 +54,6 @@ IDLE_POLL_MS = 200  # the idle core's wait for a command between checks that its
 
 class Add(msgspec.Struct, tag="add", array_like=True):
     request: CoreRequest
-    max_waiting: int | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -71,7 +80,7 @@ Command = Add | Abort | Finish | Check | Shutdown
 class Ack(msgspec.Struct, array_like=True):
     request_id: str
     error: str | None = None
-    error_type: str | None = None  # "ValueError" | "QueueFullError" | "AssertionError"
+    error_type: str | None = None  # "AssertionError": an invariant broken
     stats: CoreStats | None = None  # a Check's: the core's state once every command before ran
 
 
@@ -79,9 +88,6 @@ class Ready(msgspec.Struct, array_like=True):
     num_blocks: int
     num_cpu_blocks: int
     stats: CoreStats
-
-
-ERRORS = {"ValueError": ValueError, "QueueFullError": QueueFullError}
 
 
 class CoreClient:
@@ -109,6 +115,7 @@ class CoreClient:
             b"dead": msgspec.msgpack.Decoder(str),
         }
         self._buffered: collections.deque[CoreOutputs] = collections.deque()
+        self._num_sent_seqs = 0  # sequences of the adds sent (the core counts those it queued)
         self._compiler = None
         self.dead: str | None = None
         levels = [logging.getLogger(n).getEffectiveLevel() for n in ("engine", "engine.trace")]
@@ -138,10 +145,19 @@ class CoreClient:
 
     # ---- the frontend's calls ----
     def add_request(self, req: CoreRequest, max_waiting: int | None = None) -> None:
-        self._send(Add(req, max_waiting))
-        ack = self._wait(b"ack")
-        if ack.error is not None:
-            raise ERRORS.get(ack.error_type, RuntimeError)(ack.error)
+        """Check here what the core would refuse (a constraint that does not compile, the
+        queue bound as of the core's latest counters and the adds sent since), then send
+        it without waiting: the core reads it before its next step."""
+        params = req.params
+        if params.structured_outputs is not None:
+            self.structured_compiler().compile(params.structured_outputs)
+        if max_waiting is not None:
+            st = self.stats()
+            waiting = st.num_waiting + self._num_sent_seqs - st.num_added_seqs
+            busy = st.num_running + st.num_swapped
+            check_queue(params.n, max_waiting, waiting, busy, self.config.max_num_seqs)
+        self._send(Add(req))
+        self._num_sent_seqs += params.n
 
     def abort(self, request_id: str) -> bool:
         self._send(Abort(request_id))
@@ -292,6 +308,7 @@ class CoreLoop:
         self.core, self.inbox, self.outbox, self.parent = core, inbox, outbox, parent
         self.decode = msgspec.msgpack.Decoder(Command).decode
         self.encode = msgspec.msgpack.Encoder().encode
+        self.refused: list[SampleDelta] = []  # requests the core could not queue, as ends
 
     def run(self) -> None:
         core = self.core
@@ -306,9 +323,12 @@ class CoreLoop:
                 log.warning("the frontend's process is gone: the engine core exits")
                 return
             if core.has_unfinished():
-                self.send(b"out", core.step())
+                out = core.step()
+                out.deltas[:0], self.refused = self.refused, []
+                self.send(b"out", out)
             elif handled:  # aborts may have emptied it: the frontend hears the counters
-                self.send(b"out", CoreOutputs([], time.monotonic(), core.stats()))
+                refused, self.refused = self.refused, []
+                self.send(b"out", CoreOutputs(refused, time.monotonic(), core.stats()))
 
     def send(self, kind: bytes, msg) -> None:
         self.outbox.send_multipart([kind, self.encode(msg)])
@@ -317,10 +337,7 @@ class CoreLoop:
         """Run one command; False for Shutdown."""
         core = self.core
         if isinstance(cmd, Add):
-            self.send(
-                b"ack",
-                self._ack(cmd.request.request_id, core.add_request, cmd.request, cmd.max_waiting),
-            )
+            self._add(cmd.request)
         elif isinstance(cmd, Abort):
             core.abort(cmd.request_id)
         elif isinstance(cmd, Finish):
@@ -333,11 +350,23 @@ class CoreLoop:
             return False
         return True
 
+    def _add(self, req: CoreRequest) -> None:
+        """Queue a request; one the core refuses (its frontend checked what it could) ends at
+        once, each sample aborted with the reason, in the next outputs."""
+        try:
+            self.core.add_request(req)
+        except (ValueError, QueueFullError) as e:
+            self.core.num_added_seqs += req.params.n  # counted as queued, and ended
+            why = f"refused by the engine core: {e}"
+            for i in range(req.params.n):
+                end = SampleDelta(req.request_id, i, [], finish_reason="abort", error=why)
+                self.refused.append(end)
+
     @staticmethod
     def _ack(request_id: str, fn, *args) -> Ack:
         try:
             fn(*args)
-        except (ValueError, QueueFullError, AssertionError) as e:
+        except AssertionError as e:
             return Ack(request_id, str(e), type(e).__name__)
         return Ack(request_id)
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from engine import SamplingParams
+from engine.core import CoreRequest, QueueFullError
+from engine.core_client import Add, CoreLoop
 from engine.llm import run_to_completion
 from engine.structured.params import StructuredOutputsParams
 from tests.serve_utils import MODEL, LiveServer
@@ -80,6 +82,39 @@ def test_refusals_in_the_core_come_back_by_name(engines):
         far.add_request("long", list(range(300)))
     (out,) = run_to_completion(far, ["hi"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.token_ids) == 3  # and it goes on serving
+
+
+def test_the_queue_bound_counts_the_adds_the_core_has_not_read(engines):
+    """max_waiting checked in the frontend: the core's counters and the adds sent since."""
+    far, _ = engines
+    n = far.config.max_num_seqs
+    params = SamplingParams(n=n, max_tokens=2, ignore_eos=True)
+    far.add_request("fills", "hi", params, max_waiting=0)  # every free slot, nobody waits
+    with pytest.raises(QueueFullError, match="queue is full"):
+        far.add_request("waits", "hi", SamplingParams(max_tokens=2), max_waiting=0)
+    assert "waits" not in far.output_processor
+    while far.has_unfinished_requests():
+        far.step()
+    far.check_invariants()  # the core has read every add: the bound sees the slots free again
+    far.add_request("runs", "hi", SamplingParams(max_tokens=2), max_waiting=0)
+    while far.has_unfinished_requests():
+        far.step()
+
+
+def test_a_request_the_core_refuses_ends_aborted_with_why(tiny):
+    """The core's own refusal (here a reused id, which the frontend would have caught) ends
+    each sample at once with the reason, in the next outputs."""
+    core = make_engine(tiny).core
+    loop = CoreLoop(core, None, None, os.getpid())
+    req = CoreRequest("r", [5, 6, 7], SamplingParams(n=2), 0.0)
+    loop.handle(Add(req))
+    loop.handle(Add(req))
+    assert [(d.request_id, d.index, d.finish_reason) for d in loop.refused] == [
+        ("r", 0, "abort"),
+        ("r", 1, "abort"),
+    ]
+    assert all("request_id 'r' is not a new string id" in d.error for d in loop.refused)
+    assert core.num_added_seqs == 4  # the refused sequences count as queued (and ended)
 
 
 def test_a_killed_core_fails_the_server_within_seconds(tiny, tiny_model_dir):
