@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -131,6 +132,9 @@ class CoreClient:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
+        # a client dropped or left at exit without shutdown(): the core goes too (it would also
+        # see its parent gone), and the socket directory with it
+        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._ctx, self._dir)
         ready = self._wait(b"ready")
         self.num_blocks, self.num_cpu_blocks = ready.num_blocks, ready.num_cpu_blocks
         self._stats = ready.stats
@@ -206,13 +210,11 @@ class CoreClient:
             try:
                 self._send(Shutdown())
                 self.proc.wait(timeout)
-            except (RuntimeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout)
+            except (RuntimeError, zmq.ZMQError, subprocess.TimeoutExpired):
+                pass
         self._in.close()
         self._out.close()
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._finalizer()
 
     # ---- messages ----
     def _send(self, command) -> None:
@@ -261,6 +263,15 @@ class CoreClient:
             raise RuntimeError(self.dead)
 
 
+def _stop_core(proc: subprocess.Popen, ctx, folder: str) -> None:
+    """Kill a core that has not exited, close the sockets, remove their directory."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+    ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 # ---- the core process ----
 def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, levels):
     """The core process: load the model, build the EngineCore, then serve its loop until a
@@ -269,6 +280,9 @@ def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, le
 
     from .core import EngineCore
 
+    # Ctrl-C reaches the whole process group: the frontend decides what stops (it aborts its
+    # requests and shuts the core down), so the core ignores it, as the rank workers do
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (core): %(message)s")
     logging.getLogger("engine.trace").setLevel(levels[1])  # the request trace, if it is on
     core = failed = None

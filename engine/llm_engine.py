@@ -69,6 +69,7 @@ class LLMEngine:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
+        self._core_ids = itertools.count()
         if self.config.engine_core_process:
             from .core_client import CoreClient
 
@@ -153,9 +154,14 @@ class LLMEngine:
         )
         self._check_token_ids(params)
         bad = bad_words_token_ids(self.tokenizer, params.bad_words or [])
-        self.output_processor.add_request(request_id, text, ids, params, arrival)
+        # a core process may still send about an earlier request of this id: its own id there
+        core_id = (
+            f"{request_id}@{next(self._core_ids)}" if self.config.engine_core_process else None
+        )
+        self.output_processor.add_request(request_id, text, ids, params, arrival, core_id)
+        req = CoreRequest(core_id or request_id, ids, params, arrival, bad)
         try:
-            self.core.add_request(CoreRequest(request_id, ids, params, arrival, bad), max_waiting)
+            self.core.add_request(req, max_waiting)
         except BaseException:
             self.output_processor.abort(request_id)
             raise
@@ -181,9 +187,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back at once. False if unknown."""
-        if not self.output_processor.abort(request_id):
+        core_id = self.output_processor.abort(request_id)
+        if core_id is None:
             return False
-        self.core.abort(request_id)
+        self.core.abort(core_id)
         return True
 
     abort_request = abort  # vLLM's name

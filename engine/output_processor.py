@@ -126,8 +126,9 @@ class RequestTimes:
 class RequestState:
     """One request: its samples, prompt and latency metrics."""
 
-    def __init__(self, request_id, prompt, prompt_ids, params, samples, times: RequestTimes):
+    def __init__(self, request_id, prompt, prompt_ids, params, samples, times, core_id=None):
         self.request_id = request_id
+        self.core_id = request_id if core_id is None else core_id  # its id in the core
         self.prompt: str | None = prompt
         self.prompt_ids: list[int] = prompt_ids
         self.params: SamplingParams = params
@@ -200,6 +201,7 @@ class OutputProcessor:
         self.record_logits = record_logits
         self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
+        self.by_core_id: dict[str, RequestState] = {}  # the same requests, by their core ids
         self._touched: dict[str, RequestState] = {}  # requests with news in this step
         self._ended: dict[str, RequestState] = {}  # requests with a sample that ended in it
 
@@ -209,32 +211,41 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id, prompt, prompt_ids, params: SamplingParams, arrival):
-        """Start the state of one request: one sample per sequence, each with its detokenizer."""
+    def add_request(
+        self, request_id, prompt, prompt_ids, params: SamplingParams, arrival, core_id=None
+    ):
+        """Start the state of one request: one sample per sequence, each with its detokenizer.
+        ``core_id``: the request's id in the core's deltas (default: request_id)."""
         stops = StopStrings(params.stop) if len(params.stop) > FEW_STOPS else None
         samples = [
             SampleState(i, self._detokenizer(prompt_ids, params), stops) for i in range(params.n)
         ]
         times = RequestTimes(arrival, self.wall_offset)
-        req = RequestState(request_id, prompt, prompt_ids, params, samples, times)
-        self.requests[request_id] = req
+        req = RequestState(request_id, prompt, prompt_ids, params, samples, times, core_id)
+        self.requests[request_id] = self.by_core_id[req.core_id] = req
 
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
         skip = params.skip_special_tokens
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip)
 
-    def abort(self, request_id: str) -> bool:
-        """Forget a request (no output follows); False if unknown."""
+    def abort(self, request_id: str) -> str | None:
+        """Forget a request (no output follows); its core id, None if unknown."""
         self._touched.pop(request_id, None)
         self._ended.pop(request_id, None)
-        return self.requests.pop(request_id, None) is not None
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        del self.by_core_id[req.core_id]
+        return req.core_id
 
     def process(self, deltas: list[SampleDelta], now: float) -> list[tuple[str, int, int]]:
-        """Take one core step's deltas; (request id, sample index, output tokens kept) for
-        every sample a stop string ended that the core still runs (it must finish them)."""
+        """Take one core step's deltas; (core id, sample index, output tokens kept) for every
+        sample a stop string ended that the core still runs (it must finish them). A delta
+        whose core id is not a live request's (aborted, or an earlier request of the same id
+        that a core process ran on) is dropped."""
         stopped = []
         for d in deltas:
-            req = self.requests.get(d.request_id)
+            req = self.by_core_id.get(d.request_id)
             if req is None or req.samples[d.index].finished:
                 continue  # aborted, or ended by a stop string since the core sent it
             sample = req.samples[d.index]
@@ -303,6 +314,7 @@ class OutputProcessor:
                 if req.times.finish is None:
                     req.times.finish = time.monotonic()
                 self.requests.pop(req.request_id, None)
+                self.by_core_id.pop(req.core_id, None)
             if finished or stream:
                 outputs.append(req.output(self.record_logits, finished))
         return outputs

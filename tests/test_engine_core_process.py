@@ -72,6 +72,22 @@ def test_the_core_process_gives_the_in_process_outputs(engines):
         assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
+def test_a_reused_request_id_takes_none_of_the_earlier_requests_tokens(engines):
+    """An id aborted (or finished by a stop string) while the core ran on, reused at once: the
+    core's late deltas for the earlier request must not reach the new one."""
+    far, near = engines
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (want,) = run_to_completion(near, PROMPTS[1:2], short)
+    for _ in range(3):
+        far.add_request("0", PROMPTS[0], long)
+        for _ in range(3):
+            far.step()
+        far.abort("0")
+        (got,) = run_to_completion(far, PROMPTS[1:2], short)  # id "0" again
+        assert got.token_ids == want.token_ids
+
+
 def test_refusals_in_the_core_come_back_by_name(engines):
     far, _ = engines
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
