@@ -61,7 +61,9 @@ class LLMEngine:
             name, why = default_model()
             log.info("model: %s (%s)", name, why)
             config = dataclasses.replace(config, model=name)
-        self.loaded = loaded if loaded is not None else load_model(config.model)
+        if loaded is None:  # beside a core process, which loads the weights, none here
+            loaded = load_model(config.model, weights=not config.engine_core_process)
+        self.loaded = loaded
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)

@@ -136,25 +136,29 @@ def _with_eos(cfg: ModelConfig, eos_ids: list[int]) -> ModelConfig:
     return cfg if merged == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_ids=merged)
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+def load_hf_dir(path: Path, weights: bool = True) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     cfg = ModelConfig.from_json(path / "config.json")
     tokenizer = Tokenizer.from_hf_dir(path)
-    return _with_eos(cfg, tokenizer.eos_token_ids), load_hf_weights(path, cfg), tokenizer
+    w = load_hf_weights(path, cfg) if weights else None
+    return _with_eos(cfg, tokenizer.eos_token_ids), w, tokenizer
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+def load_gguf(path: Path, weights: bool = True) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     from .gguf_file import gguf_weights, read_gguf  # gguf is imported only for a .gguf file
 
     gf = read_gguf(path)
     tokenizer = Tokenizer.from_gguf(gf.metadata)
-    return _with_eos(gf.config, tokenizer.eos_token_ids), gguf_weights(gf), tokenizer
+    w = gguf_weights(gf) if weights else None
+    return _with_eos(gf.config, tokenizer.eos_token_ids), w, tokenizer
 
 
-def load_model(model: str | os.PathLike) -> LoadedModel:
-    """Config, weights and tokenizer for any model argument ``resolve_model`` accepts."""
+def load_model(model: str | os.PathLike, weights: bool = True) -> LoadedModel:
+    """Config, weights and tokenizer for any model argument ``resolve_model`` accepts;
+    ``weights=False``: no weights (None), for a process that only tokenizes and detokenizes."""
     model = str(model)
     path = resolve_model(model)
-    cfg, weights, tokenizer = load_gguf(path) if path.is_file() else load_hf_dir(path)
+    load = load_gguf if path.is_file() else load_hf_dir
+    cfg, weights, tokenizer = load(path, weights)
     source = str(path) if str(path) == model else f"{model} ({path})"
     gen = {} if path.is_file() else read_generation_config(path)
     return LoadedModel(cfg, weights, tokenizer, source, gen)

@@ -16,6 +16,7 @@ from engine.core import CoreRequest, QueueFullError
 from engine.core_client import Add, CoreLoop
 from engine.llm import run_to_completion
 from engine.structured.params import StructuredOutputsParams
+from reference.loader import load_model
 from tests.serve_utils import MODEL, LiveServer
 from tests.utils import SEED_PROMPTS, make_engine
 
@@ -86,6 +87,15 @@ def test_a_reused_request_id_takes_none_of_the_earlier_requests_tokens(engines):
         far.abort("0")
         (got,) = run_to_completion(far, PROMPTS[1:2], short)  # id "0" again
         assert got.token_ids == want.token_ids
+
+
+def test_the_frontend_holds_no_weights(engines, tiny, tiny_model_dir):
+    """The core loads the weights; beside it the frontend loads the config and tokenizer."""
+    far, _ = engines
+    assert far.loaded.weights is None
+    bare = load_model(str(tiny_model_dir), weights=False)
+    assert bare.weights is None and bare.config == tiny.config
+    assert bare.tokenizer.encode("hi there") == tiny.tokenizer.encode("hi there")
 
 
 def test_refusals_in_the_core_come_back_by_name(engines):
