@@ -705,18 +705,26 @@ class EngineCore:
     def _process_tokens(self, grown: list[Sequence], extra: dict) -> None:
         """Stop checks on each sequence's new last token; the stopped ones finish. Its
         logprobs (and logits row) wait for the next delta."""
+        touched, record = self._touched, self.record_logits
         for seq in grown:
             if seq.matcher is not None and not self._advance_grammar(seq):
                 continue
-            self._touched[seq.seq_id] = seq
-            logprob, logits_row = extra.get(seq.seq_id, (None, None))
-            if logprob is not None:
-                seq.new_logprobs.append(logprob)
-            if self.record_logits:
-                seq.new_logits.append(np.array(logits_row, dtype=np.float32))
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason)
+            touched[seq.seq_id] = seq
+            if extra:
+                logprob, logits_row = extra.get(seq.seq_id, (None, None))
+                if logprob is not None:
+                    seq.new_logprobs.append(logprob)
+                if record:
+                    seq.new_logits.append(np.array(logits_row, dtype=np.float32))
+            # most tokens end nothing: the full checks only where one could
+            if (
+                seq.last_token_id in seq.stop_ids
+                or seq.num_tokens >= seq.max_num_tokens
+                or seq.matcher is not None
+            ):
+                reason = self._stop_reason(seq)
+                if reason is not None:
+                    self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """A finished grammar; EOS or a stop token id once min_tokens are out (the token id is

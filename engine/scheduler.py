@@ -162,17 +162,19 @@ class Scheduler:
         A sequence takes its sampled token only once all its tokens are computed (a chunk of a
         prefill samples nothing). Returns the sequences that got a new token.
         """
-        grown = []
+        grown, running, drafts = [], SequenceStatus.RUNNING, output.drafts
         for seq, n in output.scheduled:
-            if seq.status != SequenceStatus.RUNNING:  # finished or aborted since schedule()
+            if seq.status is not running:  # finished or aborted since schedule()
                 continue
-            if seq.seq_id in output.drafts:  # speculated: the engine appends what is accepted
+            if drafts and seq.seq_id in drafts:  # speculated: the engine appends what is accepted
                 continue
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its end"
-            if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
-                seq.append_token(sampled[seq.seq_id])
-                grown.append(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            assert computed <= seq.num_tokens, f"{seq} computed past its end"
+            if computed == seq.num_tokens:
+                token = sampled.get(seq.seq_id)
+                if token is not None:
+                    seq.append_token(token)
+                    grown.append(seq)
         self._end_step()
         return grown
 
