@@ -134,7 +134,10 @@ class CoreClient:
         self.proc.stdin.close()
         # a client dropped or left at exit without shutdown(): the core goes too (it would also
         # see its parent gone), and the socket directory with it
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._ctx, self._dir)
+        stop = msgspec.msgpack.encode(Shutdown())
+        self._finalizer = weakref.finalize(
+            self, _stop_core, self.proc, self._out, stop, self._ctx, self._dir
+        )
         ready = self._wait(b"ready")
         self.num_blocks, self.num_cpu_blocks = ready.num_blocks, ready.num_cpu_blocks
         self._stats = ready.stats
@@ -204,17 +207,9 @@ class CoreClient:
             )
         return self._compiler
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask the core to exit; kill it after ``timeout``."""
-        if self.proc.poll() is None:
-            try:
-                self._send(Shutdown())
-                self.proc.wait(timeout)
-            except (RuntimeError, zmq.ZMQError, subprocess.TimeoutExpired):
-                pass
-        self._in.close()
-        self._out.close()
-        self._finalizer()
+    def shutdown(self) -> None:
+        """Ask the core to exit; kill it after 5 s."""
+        self._finalizer()  # Shutdown, then a kill if need be
 
     # ---- messages ----
     def _send(self, command) -> None:
@@ -263,11 +258,17 @@ class CoreClient:
             raise RuntimeError(self.dead)
 
 
-def _stop_core(proc: subprocess.Popen, ctx, folder: str) -> None:
-    """Kill a core that has not exited, close the sockets, remove their directory."""
+def _stop_core(proc: subprocess.Popen, out, stop: bytes, ctx, folder: str) -> None:
+    """Ask a core that has not exited to stop (it then stops its workers and frees their
+    shared memory), kill it if it has not within 5 s; close the sockets, remove their
+    directory."""
     if proc.poll() is None:
-        proc.kill()
-        proc.wait(5)
+        try:
+            out.send(stop, zmq.NOBLOCK)
+            proc.wait(5)
+        except (zmq.ZMQError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait(5)
     ctx.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -280,9 +281,10 @@ def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, le
 
     from .core import EngineCore
 
-    # Ctrl-C reaches the whole process group: the frontend decides what stops (it aborts its
-    # requests and shuts the core down), so the core ignores it, as the rank workers do
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and a SIGTERM sent to the whole process group or cgroup (timeout, systemd),
+    # reach the core too: the frontend decides what stops (it finishes or aborts its requests,
+    # then shuts the core down), so the core ignores both, as the rank workers ignore Ctrl-C
+    _ignore_stop_signals()
     logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (core): %(message)s")
     logging.getLogger("engine.trace").setLevel(levels[1])  # the request trace, if it is on
     core = failed = None
@@ -290,6 +292,7 @@ def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, le
         core = EngineCore(load_model(config.model), config)
     except BaseException:  # noqa: BLE001 - the frontend must hear of it
         failed = traceback.format_exc(limit=8).strip()
+    _ignore_stop_signals()  # again: ray.init (the ray executor) installs its own handlers
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(to_core)
@@ -313,6 +316,11 @@ def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, le
         ctx.term()
         if core is not None:
             getattr(core.backend, "shutdown", lambda: None)()  # tensor-parallel workers
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class CoreLoop:
