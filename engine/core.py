@@ -165,6 +165,21 @@ def spec_counters(stats: SpecStats) -> list:
     ]
 
 
+def model_eos_ids(loaded: LoadedModel) -> list[int]:
+    """The ids that end a sequence: the model config's, else the tokenizer's."""
+    return list(loaded.config.eos_token_ids or loaded.tokenizer.eos_token_ids)
+
+
+def structured_compiler(loaded: LoadedModel, eos_token_ids: list[int]):
+    """A structured-output compiler over the model's tokenizer (about half a second to build
+    for a 49k vocabulary)."""
+    from .structured import StructuredOutputCompiler
+
+    return StructuredOutputCompiler(
+        loaded.tokenizer, vocab_size=loaded.config.vocab_size, eos_token_ids=eos_token_ids
+    )
+
+
 def check_draft(draft: LoadedModel, target: LoadedModel, max_model_len: int) -> None:
     """A ValueError naming what makes ``draft`` unfit to propose for ``target``."""
     dv, tv = draft.config.vocab_size, target.config.vocab_size
@@ -241,7 +256,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.runner = ModelRunner(mc, cfg, self.backend)
-        self.eos_token_ids = list(mc.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.eos_token_ids = model_eos_ids(self.loaded)
         self.sampler = Sampler(self.eos_token_ids)
         self.trace_schedule = tracing.ScheduleTracer(
             self.block_manager, cfg.block_size, cfg.preemption_mode
@@ -317,16 +332,9 @@ class EngineCore:
         check_queue(n, limit, len(sched.waiting), busy, self.config.max_num_seqs)
 
     def structured_compiler(self):
-        """The structured-output compiler over the model's tokenizer, built on first use (about
-        half a second for a 49k vocabulary)."""
+        """The sampler's structured-output compiler, built on first use."""
         if self.sampler.structured is None:
-            from .structured import StructuredOutputCompiler
-
-            self.sampler.structured = StructuredOutputCompiler(
-                self.tokenizer,
-                vocab_size=self.model_config.vocab_size,
-                eos_token_ids=self.eos_token_ids,
-            )
+            self.sampler.structured = structured_compiler(self.loaded, self.eos_token_ids)
         return self.sampler.structured
 
     def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
@@ -340,9 +348,9 @@ class EngineCore:
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
             return False
-        for seq in seqs:
+        for seq in seqs:  # its own sequences: no search of the scheduler's queues
             self._touched.pop(seq.seq_id, None)
-        self.scheduler.abort(request_id)
+            self.scheduler.finish(seq, "abort")  # a no-op for one already finished
         self._release_drafts()
         return True
 
@@ -362,9 +370,13 @@ class EngineCore:
         self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
         free = self.block_manager.num_free_blocks
         tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
-        seqs = self.requests.get(seq.request_id)
+        self._forget_if_done(seq.request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        """A request whose every sequence has finished is no longer the core's."""
+        seqs = self.requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
-            del self.requests[seq.request_id]
+            del self.requests[request_id]
 
     def _release_drafts(self) -> None:
         if self.drafter is not None:  # the draft's blocks of sequences no longer running
@@ -463,9 +475,7 @@ class EngineCore:
             if seq.finish_reason == "abort":
                 seq.error = reason
             self._touched[seq.seq_id] = seq
-            seqs = self.requests[seq.request_id]
-            if all(s.is_finished for s in seqs):
-                del self.requests[seq.request_id]
+            self._forget_if_done(seq.request_id)
 
     # ---- speculative decoding ----
     def _propose(self) -> None:

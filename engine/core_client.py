@@ -45,6 +45,8 @@ from .core import (
     QueueFullError,
     SampleDelta,
     check_queue,
+    model_eos_ids,
+    structured_compiler,
 )
 from .spec_decode import SpecStats
 
@@ -79,10 +81,11 @@ Command = Add | Abort | Finish | Check | Shutdown
 
 
 class Ack(msgspec.Struct, array_like=True):
-    request_id: str
-    error: str | None = None
-    error_type: str | None = None  # "AssertionError": an invariant broken
-    stats: CoreStats | None = None  # a Check's: the core's state once every command before ran
+    """A Check's answer: the invariant it found broken, if any, and the core's state once
+    every command before it has run."""
+
+    error: str | None
+    stats: CoreStats
 
 
 class Ready(msgspec.Struct, array_like=True):
@@ -198,13 +201,7 @@ class CoreClient:
         """This side's compiler over the same tokenizer: constraints are refused here, before
         they travel (the core compiles its own)."""
         if self._compiler is None:
-            from .structured import StructuredOutputCompiler
-
-            mc, tok = self.loaded.config, self.loaded.tokenizer
-            eos = list(mc.eos_token_ids or tok.eos_token_ids)
-            self._compiler = StructuredOutputCompiler(
-                tok, vocab_size=mc.vocab_size, eos_token_ids=eos
-            )
+            self._compiler = structured_compiler(self.loaded, model_eos_ids(self.loaded))
         return self._compiler
 
     def shutdown(self) -> None:
@@ -365,9 +362,12 @@ class CoreLoop:
         elif isinstance(cmd, Finish):
             core.finish_sample(cmd.request_id, cmd.index, cmd.num_tokens)
         elif isinstance(cmd, Check):
-            ack = self._ack("", core.check_invariants)
-            ack.stats = core.stats()
-            self.send(b"ack", ack)
+            try:
+                core.check_invariants()
+                broken = None
+            except AssertionError as e:
+                broken = str(e)
+            self.send(b"ack", Ack(broken, core.stats()))
         else:
             return False
         return True
@@ -383,14 +383,6 @@ class CoreLoop:
             for i in range(req.params.n):
                 end = SampleDelta(req.request_id, i, [], finish_reason="abort", error=why)
                 self.refused.append(end)
-
-    @staticmethod
-    def _ack(request_id: str, fn, *args) -> Ack:
-        try:
-            fn(*args)
-        except AssertionError as e:
-            return Ack(request_id, str(e), type(e).__name__)
-        return Ack(request_id)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,13 @@ class LLMEngine:
         if self.config.engine_core_process:
             from .core_client import CoreClient
 
-            local = dict(record_logits=record_logits, draft_loaded=draft_loaded)
-            local["backend_factory"] = backend_factory
-            CoreClient.check_local(local)
+            CoreClient.check_local(
+                dict(
+                    record_logits=record_logits,
+                    draft_loaded=draft_loaded,
+                    backend_factory=backend_factory,
+                )
+            )
             self.loaded = dataclasses.replace(self.loaded, weights=None)  # the core's, not ours
             self.core = CoreClient(self.config, self.loaded)
         else:
