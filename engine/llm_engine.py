@@ -128,9 +128,18 @@ class LLMEngine:
     spec_stats = property(lambda self: self.core.spec_stats)
     kv_plan = property(lambda self: self.core.kv_plan)
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
-    recorder = property(
-        lambda self: self.core.recorder, lambda self, r: setattr(self.core, "recorder", r)
-    )
+
+    @property
+    def recorder(self):
+        return self.core.recorder
+
+    @recorder.setter
+    def recorder(self, recorder) -> None:
+        if not isinstance(self.core, EngineCore):  # it reads the scheduler and block pool
+            raise ValueError(
+                "a Recorder records an in-process engine core: not with engine_core_process"
+            )
+        self.core.recorder = recorder
 
     # ---- requests ----
     def add_request(

@@ -15,6 +15,7 @@ from engine import SamplingParams
 from engine.core import CoreRequest, QueueFullError
 from engine.core_client import Add, CoreLoop
 from engine.llm import run_to_completion
+from engine.recorder import Recorder
 from engine.structured.params import StructuredOutputsParams
 from reference.loader import load_model
 from tests.serve_utils import MODEL, LiveServer
@@ -93,6 +94,8 @@ def test_the_frontend_holds_no_weights(engines, tiny, tiny_model_dir):
     """The core loads the weights; beside it the frontend loads the config and tokenizer."""
     far, _ = engines
     assert far.loaded.weights is None
+    with pytest.raises(ValueError, match="Recorder records an in-process engine core"):
+        Recorder(far)  # it reads the core's scheduler and pool: refused, not left unread
     bare = load_model(str(tiny_model_dir), weights=False)
     assert bare.weights is None and bare.config == tiny.config
     assert bare.tokenizer.encode("hi there") == tiny.tokenizer.encode("hi there")
