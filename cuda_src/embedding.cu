@@ -1,6 +1,7 @@
-// embedding.cu: out[t] = table[token_ids[t]] * scale, rows split as in rms_norm.cu, in vectors
-// of up to 16 bytes; an id outside [0, V) writes zeros (the Python wrapper rejects such ids
-// before launching). scale (Gemma's sqrt(hidden)) multiplies in float32 and rounds once; 1
+// embedding.cu: out[t] = table[token_ids[t] - vocab_start] * scale, rows split as in
+// rms_norm.cu, in vectors of up to 16 bytes. An id outside [vocab_start, vocab_start + V)
+// writes zeros: a tensor-parallel rank holds rows vocab_start.. of the vocabulary, and the
+// ranks' outputs sum to the whole embedding. scale (Gemma's sqrt(hidden)) multiplies in float32 and rounds once; 1
 // copies the row bit for bit.
 #include "common.cuh"
 
@@ -10,12 +11,12 @@ __device__ __forceinline__ void embedding(T* __restrict__ out,                //
                                           const int* __restrict__ token_ids,  // (T,)
                                           const T* __restrict__ table,        // (V, D)
                                           int rows, int vocab, int dim, int row_threads,
-                                          float scale) {
+                                          float scale, int vocab_start) {
   const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
   const int lane = threadIdx.x % row_threads, group = row_threads < kWarpSize ? row_threads : kWarpSize;
   // the id read once per lane group (per warp of a longer row), then shared by a shuffle
   int id = lane % group == 0 && row < rows ? token_ids[row] : 0;
-  id = __shfl_sync(kFullMask, id, 0, group);
+  id = __shfl_sync(kFullMask, id, 0, group) - vocab_start;
   if (row >= rows) return;
   const bool valid = id >= 0 && id < vocab;
   const T* src = table + size_t(valid ? id : 0) * dim;
@@ -36,4 +37,4 @@ __device__ __forceinline__ void embedding(T* __restrict__ out,                //
   });
 }
 
-DTYPE_ENTRY_POINTS(embedding, 8)
+DTYPE_ENTRY_POINTS(embedding, 9)

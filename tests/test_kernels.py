@@ -137,6 +137,24 @@ def test_embedding(order, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_embedding_of_a_vocabulary_slice(order, dtype, rng):
+    """A tensor-parallel rank's rows [start, start + n) of the vocabulary: its ids embed as
+    their rows (scaled), every other id as zeros, so the ranks' outputs sum to the whole."""
+    for T, D in OPTION_SHAPES:
+        whole = randn(rng, (300, D), dtype)
+        ids = rng.integers(0, 300, T).astype(np.int32)
+        parts = []
+        for start, stop in ((0, 97), (97, 210), (210, 300)):
+            out = poisoned((T, D), dtype)
+            kern().embedding(out, ids, whole[start:stop].copy(), 2.0, vocab_start=start)
+            mine = (ids >= start) & (ids < stop)
+            np.testing.assert_array_equal(out[~mine], 0)
+            np.testing.assert_array_equal(out[mine], N.embedding(ids[mine], whole, 2.0))
+            parts.append(out.astype(np.float32))
+        np.testing.assert_array_equal(sum(parts), N.embedding(ids, whole, 2.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_silu_and_mul(order, dtype, rng):
     for T, F in ROW_SHAPES:
         gate_up = randn(rng, (T, 2 * F), dtype, scale=3.0)

@@ -155,8 +155,9 @@ class Kernels:
             fn = self._fn(op, f"{op}_{_suffix(op, a)}")
             fn(grid, block, args + (i32(T), i32(D), i32(row_threads), *tail))
 
-    def embedding(self, out, token_ids, table, scale: float = 1.0) -> None:
-        """out[t] = table[token_ids[t]] * scale (float32, rounded once; 1: an exact copy)."""
+    def embedding(self, out, token_ids, table, scale: float = 1.0, vocab_start: int = 0) -> None:
+        """out[t] = table[token_ids[t] - vocab_start] * scale (float32, rounded once; 1: an exact
+        copy); an id outside the table's rows (another tensor-parallel rank's) gives zeros."""
         V, D = table.shape
         T = token_ids.shape[0]
         _check("embedding", "token_ids", token_ids, (T,), np.int32)
@@ -167,7 +168,7 @@ class Kernels:
             grid, block, row_threads = row_launch(T, D, np.dtype(table.dtype).itemsize)
             fn = self._fn("embedding", f"embedding_{_suffix('embedding', table)}")
             args = (out, token_ids, table, i32(T), i32(V), i32(D), i32(row_threads))
-            fn(grid, block, args + (f32(scale),))
+            fn(grid, block, args + (f32(scale), i32(vocab_start)))
 
     def rms_norm(self, out, x, weight, eps: float, offset: float = 0.0) -> None:
         """out = x * rsqrt(mean(x^2) + eps) * (offset + weight): offset 1 for Gemma's norms."""
