@@ -180,8 +180,8 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1,
         "ranks the model is split across: attention heads, MLP units and vocabulary rows "
-        "sharded, one all-reduce after attention and one after the MLP (numpy backend, one "
-        "worker process per rank)",
+        "sharded, one all-reduce after attention and one after the MLP (one worker process "
+        "per rank; on the cuda backends the collectives are NCCL's)",
     )
     pipeline_parallel_size: int = option(
         1,
@@ -275,10 +275,10 @@ class EngineConfig:
                 f"EngineConfig: distributed_executor_backend 'uni' runs one rank; "
                 f"{ranks} ranks (tensor x pipeline parallel) need 'mp'"
             )
-        if ranks > 1 and self.backend not in ("auto", "numpy"):
+        if self.pipeline_parallel_size > 1 and self.backend not in ("auto", "numpy"):
             raise ValueError(
-                f"EngineConfig: tensor or pipeline parallel runs on the numpy backend only (the "
-                f"{self.backend} backend's NCCL path is not built); got backend {self.backend!r}"
+                f"EngineConfig: pipeline parallel runs on the numpy backend only; the "
+                f"{self.backend} backend's ranks split by tensor parallel alone"
             )
         draft = self.speculative is not None and self.speculative.method == "draft_model"
         if ranks > 1 and draft:

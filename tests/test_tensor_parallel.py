@@ -114,7 +114,10 @@ def test_world_sizes_the_heads_cannot_take_are_refused(h, hkv, n, message):
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
             "'uni' runs one rank; 2 ranks \\(tensor x pipeline parallel\\) need 'mp'",
         ),
-        ({"tensor_parallel_size": 2, "backend": "cuda-cpu"}, "runs on the numpy backend only"),
+        (
+            {"pipeline_parallel_size": 2, "backend": "cuda-cpu"},
+            "pipeline parallel runs on the numpy backend only; the cuda-cpu backend's ranks",
+        ),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ],
 )

@@ -149,6 +149,7 @@ class CupyBackend(Backend):
         self.embed_scale = float(self.dtype.type(c.embed_scale))
         windows = [c.window(i) for i in range(c.num_hidden_layers)]
         self.split_window = 0 if 0 in windows else max(windows)  # sizes the decode split
+        self.logits_cols = c.vocab_size  # the LM head's output columns (a rank's: its slice)
         self.kv_cache = self.cpu_cache = None
         self.graphs: dict[int, object] = {}
         self._startup(weights)
@@ -408,7 +409,7 @@ class CupyBackend(Backend):
             last_x=empty(B, D),
             last_res=empty(B, D),
             last_h=empty(B, D),
-            logits=empty(B, c.vocab_size, dtype=np.float32),
+            logits=empty(B, self.logits_cols, dtype=np.float32),
         )
 
     def _step(self, inp: StepInputs, T: int, R: int, nd: int, max_ctx: int):
@@ -417,7 +418,7 @@ class CupyBackend(Backend):
         a graph can capture it."""
         k, c, ws = self.k, self.cfg, self._workspace(T, R)
         eps, off = c.rms_norm_eps, c.norm_offset  # norms scale by (off + w): Gemma's 1 + w
-        k.embedding(ws.residual, inp.token_ids, self.embed, self.embed_scale)  # (T, D)
+        self._embed(ws.residual, inp.token_ids)  # (T, D)
         k.rms_norm(ws.h, ws.residual, self.layers[0].attn_norm, eps, off)
         for i, lw in enumerate(self.layers):
             if i:  # residual += previous MLP output; h = norm(residual)
@@ -427,12 +428,23 @@ class CupyBackend(Backend):
             self.gemm(ws.h, lw.w_gate_up, ws.gate_up)  # (T, 2F)
             k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
             self.gemm(ws.act, lw.w_down, ws.x)  # (T, D)
+            self._reduce(ws.x)
         x, res = ws.x, ws.residual
         if inp.rows is not None:  # only each sequence's last token (a run's rows) is sampled
             self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
             self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
             x, res = ws.last_x, ws.last_res  # (B, D)
         k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
+        return self._lm_head(ws)  # (B, V) float32
+
+    # What a tensor-parallel rank (``engine.distributed.rank_cupy``) does across its ranks.
+    def _embed(self, out, token_ids) -> None:
+        self.k.embedding(out, token_ids, self.embed, self.embed_scale)  # (T, D)
+
+    def _reduce(self, x) -> None:
+        """The sum over the ranks of a row-sharded product's partial output: one rank, as is."""
+
+    def _lm_head(self, ws: Workspace):
         self.gemm(ws.last_h, self.lm_head, ws.logits)  # (B, V) float32
         return ws.logits
 
@@ -480,6 +492,7 @@ class CupyBackend(Backend):
                 window=window,
             )
         self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
+        self._reduce(ws.x)
 
     # ---- CUDA graphs for decode ----
     def _graph_buffers(self, xp_zeros, Bmax: int, M: int):

@@ -8,6 +8,7 @@ A device hands ``CupyBackend`` everything that differs between the two:
     empty, zeros, upload, download, download_async, pinned_empty, copy_to, synchronize
     active()       a context in which the device's work runs (its stream made current)
     capture(fn)    a CUDA graph of ``fn``; calling the result replays it
+    nccl           the NCCL library of tensor-parallel ranks (``cupy.cuda.nccl``, or emulated)
     measure_peak   peak device memory held while a call runs
 
 ``CupyDevice`` needs a GPU and imports CuPy when it is built, so importing this module never
@@ -205,6 +206,13 @@ class CupyDevice(Device):
         return a.data.ptr
 
     @property
+    def nccl(self):
+        """NCCL for tensor parallel (``cupy.cuda.nccl``; a ValueError when CuPy has none)."""
+        from engine.distributed.nccl import cupy_nccl
+
+        return cupy_nccl()
+
+    @property
     def cupy_cublas(self):
         """CuPy's own cuBLAS module (only the tests call it: it refuses during capture)."""
         from cupy.cuda import cublas
@@ -369,6 +377,13 @@ class EmulatedDevice(Device):
     @staticmethod
     def ptr(a: np.ndarray) -> int:
         return a.ctypes.data
+
+    @property
+    def nccl(self):
+        """The emulated NCCL (``engine.distributed.nccl_emu``): NCCL's rules, between processes."""
+        from engine.distributed.nccl_emu import EMULATED_NCCL
+
+        return EMULATED_NCCL
 
     def cupy_cublas_handle(self) -> int:
         return self.cupy_cublas.handle

@@ -1,9 +1,12 @@
-"""Several ranks for one model on one host: tensor and pipeline parallel, a worker process per
-rank, on the numpy backend.
+"""Several ranks for one model: tensor and pipeline parallel on the numpy backend, tensor parallel
+on the GPU backend, a worker process or Ray actor per rank.
 
 sharding.py     which layers (stage), heads, MLP units and vocabulary rows each rank holds
 comm.py         the shared-memory all-reduce and all-gather between the ranks of a stage
 rank_numpy.py   one rank of the NumPy backend: the same forward over its cut
+nccl.py         NCCL for the GPU backend's ranks (``cupy.cuda.nccl``, or the emulation's)
+nccl_emu.py     NCCL on the emulated device, its rules enforced
+rank_cupy.py    one rank of the GPU backend: CupyBackend over its cut, collectives over NCCL
 executor.py     the ranks behind the engine's Backend interface; the ``mp`` executor (forked
                 worker processes)
 ray_executor.py the ``ray`` executor (Ray actors in a placement group)
@@ -15,18 +18,19 @@ from ..backends import resolve_backend_name
 
 
 def executor_backend(model_config, weights, config):
-    """The backend of an engine whose executor is ``mp`` or ``ray`` (the numpy backend's
-    ranks, as worker processes or Ray actors)."""
+    """The backend of an engine whose executor is ``mp`` or ``ray``: ranks of the numpy backend
+    (tensor and pipeline parallel), or of the GPU backend (``cuda``, ``cuda-cpu``: tensor
+    parallel over NCCL), as worker processes or Ray actors."""
     name = resolve_backend_name(config.backend)
-    if name != "numpy":
+    if name != "numpy" and config.pipeline_parallel_size > 1:
         raise ValueError(
-            f"tensor and pipeline parallel run on the numpy backend only; backend auto picked "
-            f"{name}"
+            f"pipeline_parallel_size {config.pipeline_parallel_size} runs on the numpy backend "
+            f"only; the {name} backend's ranks split by tensor parallel alone"
         )
     if config.distributed_executor_backend == "ray":
         from .ray_executor import RayExecutor
 
-        return RayExecutor(model_config, weights, config)
+        return RayExecutor(model_config, weights, config, name)
     from .executor import MultiprocExecutor
 
-    return MultiprocExecutor(model_config, weights, config)
+    return MultiprocExecutor(model_config, weights, config, name)

@@ -16,7 +16,9 @@ seconds for the others (a dead rank breaks the barrier for all: a RuntimeError, 
 The rules a collective keeps, checked on every call: float32, and the same size on every rank
 for an all-reduce (the slots carry no shape: each rank writes its element count beside its
 slot, and a count that differs is a ValueError on every rank). An array larger than a slot
-goes in slot-sized pieces, one barrier each.
+goes in slot-sized pieces, one barrier each. Beside the count, a rank may write a few more
+integers of its own about the call (``meta``): the emulated NCCL (``nccl_emu.py``) compares
+the ranks' calls with them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 F32 = np.dtype(np.float32)
-HEADER = 64  # bytes before each slot set: one int64 element count per rank (up to 8 ranks)
+MAX_RANKS = 8
+META = 8  # int64s per rank before each slot set: its element count, then the caller's meta
+HEADER = 64  # bytes of the spin barrier's generations, one int64 per rank
+SET_HEADER = MAX_RANKS * META * 8  # bytes before each slot set
 SPIN_YIELDS = 200  # a spinning barrier yields this many times before it starts to sleep
 
 
@@ -56,14 +61,15 @@ class SpinBarrier:
 class ShmComm:
     """``world`` ranks, slots of ``slot_bytes``; a collective waits ``timeout`` seconds at most."""
 
-    def __init__(self, world: int, slot_bytes: int, timeout: float = 60.0):
-        if not 1 <= world <= HEADER // 8:
-            raise ValueError(f"ShmComm: world size must be 1..{HEADER // 8}, got {world}")
+    def __init__(self, world: int, slot_bytes: int, timeout: float = 60.0, name: str | None = None):
+        if not 1 <= world <= MAX_RANKS:
+            raise ValueError(f"ShmComm: world size must be 1..{MAX_RANKS}, got {world}")
         self.world, self.timeout = world, timeout
         self.slot_floats = max(slot_bytes // F32.itemsize, 1)
-        size = HEADER + 2 * (HEADER + world * self.slot_floats * F32.itemsize)
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
-        self.shm.buf[:HEADER] = bytes(HEADER)  # the spin barrier's generations
+        size = HEADER + 2 * (SET_HEADER + world * self.slot_floats * F32.itemsize)
+        # a new block is zeros (the barrier's generations among them): ranks that open it by
+        # name the moment it exists may already be counting
+        self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         self.name = self.shm.name
         self.barrier: SpinBarrier | None = None  # each rank's, made by attach
         self.rank: int | None = None
@@ -85,6 +91,16 @@ class ShmComm:
         self.shm, self.rank, self._flip, self._owner = None, None, 0, False
         self.barrier, self.calls, self.seconds = None, 0, 0.0
 
+    @classmethod
+    def join(cls, name: str, world: int, slot_bytes: int, timeout: float) -> ShmComm:
+        """A comm over the block ``name`` that another process made with these sizes (not yet
+        attached; ``attach`` opens it)."""
+        comm = cls.__new__(cls)
+        comm.__setstate__(
+            dict(world=world, timeout=timeout, slot_floats=max(slot_bytes // 4, 1), name=name)
+        )
+        return comm
+
     def attach(self, rank: int) -> ShmComm:
         """In the worker of rank ``rank``: open the shared block (a fork's copy is open already)."""
         if self.shm is None:
@@ -98,21 +114,22 @@ class ShmComm:
         return self
 
     def _views(self) -> None:
-        per_set = HEADER + self.world * self.slot_floats * F32.itemsize
+        per_set = SET_HEADER + self.world * self.slot_floats * F32.itemsize
         buf = self.shm.buf
-        self._counts = [
-            np.ndarray((HEADER // 8,), np.int64, buf, offset=HEADER + s * per_set) for s in range(2)
-        ]
+        self._meta = [
+            np.ndarray((MAX_RANKS, META), np.int64, buf, offset=HEADER + s * per_set)
+            for s in range(2)
+        ]  # 2 x (ranks, count | meta)
         self._slots = [
             np.ndarray(
-                (self.world, self.slot_floats), F32, buf, offset=HEADER + s * per_set + HEADER
+                (self.world, self.slot_floats), F32, buf, offset=HEADER + s * per_set + SET_HEADER
             )
             for s in range(2)
         ]  # 2 x (world, slot_floats)
 
     def close(self) -> None:
         """Release the block (the parent also removes it)."""
-        self._counts = self._slots = self.barrier = None
+        self._meta = self._slots = self.barrier = None
         if self.shm is not None:
             self.shm.close()
             if self._owner:
@@ -120,16 +137,18 @@ class ShmComm:
             self.shm = None
 
     # ---- collectives ----
-    def _exchange(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write x into this rank's slot, wait for every rank: (the slots, their counts)."""
+    def _exchange(self, x: np.ndarray, meta=()) -> tuple[np.ndarray, np.ndarray]:
+        """Write x (and up to META - 1 integers of ``meta``) into this rank's slot, wait for
+        every rank: (the slots, their counts); ``exchanged_meta``: every rank's meta."""
         if x.dtype != F32:
             raise ValueError(f"ShmComm: collectives take float32, got {x.dtype}")
         start = time.perf_counter()
         s = self._flip
         self._flip ^= 1
-        slots, counts = self._slots[s], self._counts[s]
+        slots, table = self._slots[s], self._meta[s]
         slots[self.rank, : x.size] = x.reshape(-1)
-        counts[self.rank] = x.size
+        table[self.rank, 1 : 1 + len(meta)] = meta
+        table[self.rank, 0] = x.size
         try:
             self.barrier.wait(self.timeout)
         except TimeoutError:
@@ -139,7 +158,8 @@ class ShmComm:
             ) from None
         self.calls += 1
         self.seconds += time.perf_counter() - start  # the copy in and the wait; not the sum
-        return slots, counts[: self.world]
+        self.exchanged_meta = table[: self.world, 1:]  # (world, META - 1)
+        return slots, table[: self.world, 0]
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         """The sum of every rank's x (same shape on every rank), in rank order: the same bits

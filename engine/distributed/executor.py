@@ -36,7 +36,8 @@ from .comm import ShmComm
 from .sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
 
 log = logging.getLogger("engine")
-EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats", "pid")  # answered by every rank
+EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats", "pid", "unique_id", "join")
+EVERY_RANK += ("device_memory",)  # answered by every rank
 
 
 class Worker:
@@ -47,33 +48,63 @@ class Worker:
     def __init__(self, rank: int, plan: dict, cfg, weights, engine_config):
         from threadpoolctl import threadpool_limits
 
-        from .rank_numpy import RankNumpyBackend
-
         # the ranks share this host's cores: BLAS threads that outnumber them spin against each
         # other between products (SmolLM2 at TP 3 on 2 cores: 2.2 s a step, 0.17 s with 1)
         threadpool_limits(max(1, (os.cpu_count() or 1) // plan["world"]))
         tp = plan["tp"]
-        stage, index = divmod(rank, tp)
-        self.comm = plan["comms"][stage].attach(index)
+        self.stage, self.index = stage, index = divmod(rank, tp)
         shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
+        self.answers = rank == plan["output_rank"]
+        if plan["backend"] != "numpy":  # the GPU backend's ranks: NCCL, joined by ``join``
+            self.comm = None
+            self.backend = _rank_cupy(plan["backend"], cfg, weights, engine_config, shard)
+            return
+        from .rank_numpy import RankNumpyBackend
+
+        self.comm = plan["comms"][stage].attach(index)
         prev = plan["links"].get((stage - 1, index))  # (receive end, send end) of a pipe
         nxt = plan["links"].get((stage, index))
         self.backend = RankNumpyBackend(
             cfg, weights, engine_config, shard, layers, self.comm, prev and prev[0], nxt and nxt[1]
         )
-        self.answers = rank == plan["output_rank"]
+
+    def close(self) -> None:
+        """Leave the NCCL communicator (the first rank's emulated one removes its block)."""
+        comm = getattr(self.backend, "comm", None)
+        if self.comm is None and comm is not None:
+            comm.close()
 
     def call(self, name: str, args: tuple):
         if name == "sizes":
             result = (self.backend.weights_bytes, self.backend.bytes_per_block)
         elif name == "comm_stats":
-            result = (self.comm.calls, self.comm.seconds)
+            comm = self.comm or self.backend.comm
+            result = (comm.calls, getattr(comm, "seconds", float("nan")))
+        elif name == "unique_id":  # NCCL's: made by the first rank of each stage
+            result = self.backend.unique_id() if self.index == 0 else None
+        elif name == "join":
+            result = self.backend.join(args[0][self.stage])
+        elif name == "device_memory":  # (which device, its bytes)
+            result = (self.backend.device.name, self.backend.total_memory_bytes())
         elif name == "pid":
             result = os.getpid()
         else:
             result = getattr(self.backend, name)(*args)
         # the output rank's logits stand for all (its stage's ranks have the same bits)
         return result if self.answers or name in EVERY_RANK else None
+
+
+def _rank_cupy(backend: str, cfg, weights, engine_config, shard: Shard):
+    """A GPU-backend rank: on the emulated device (``cuda-cpu``), or on GPU ``rank % GPUs``
+    (several ranks may share one: NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL >= 2.30)."""
+    from ..backends.devices import CupyDevice, EmulatedDevice, gpu_count
+    from .rank_cupy import RankCupyBackend
+
+    if backend == "cuda-cpu":
+        device = EmulatedDevice()
+    else:
+        device = CupyDevice(shard.rank % max(gpu_count(), 1))
+    return RankCupyBackend(cfg, weights, engine_config, shard, device)
 
 
 def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
@@ -92,8 +123,9 @@ def _worker(rank: int, plan: dict, cfg, weights, engine_config, conn) -> None:
         try:
             name, args = conn.recv()
         except EOFError:  # the engine is gone
-            return
+            name = "stop"
         if name == "stop":
+            worker.close()
             return
         try:
             conn.send(("ok", worker.call(name, args)))
@@ -107,19 +139,27 @@ class Executor(Backend):
     call runs on every rank (``_call``, over the subclass's channel). The sizes the memory plan
     reads are the ranks' sums (they share this host's RAM)."""
 
-    def _plan(self, cfg: ModelConfig, engine_config, timeout: float) -> int:
-        """Check the sizes and set what every executor knows; the shared-memory slot bytes."""
+    def _plan(self, cfg: ModelConfig, engine_config, timeout: float, backend: str) -> int:
+        """Check the sizes and set what every executor knows; the shared-memory slot bytes.
+        ``backend``: the ranks' (numpy, cuda or cuda-cpu)."""
         tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
         check_tensor_parallel(cfg, tp)
         check_pipeline_parallel(cfg, pp)
         self.cfg, self.tp, self.pp, self.world = cfg, tp, pp, engine_config.world_size
         self.timeout = timeout
+        self.rank_backend, self.name = backend, f"{backend}-{self.kind}"
         self.block_size = engine_config.block_size
-        self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=False)
+        self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=backend == "cuda")
         self.output_rank = (pp - 1) * tp
+        self.nccl_version = None
         return engine_config.max_num_batched_tokens * cfg.hidden_size * 4  # (T, D) float32
 
     def _started(self) -> None:
+        if self.rank_backend != "numpy":  # NCCL: each stage's first rank makes the unique id
+            ids = self._call("unique_id", all_ranks=True)
+            versions = self._call("join", ids[:: self.tp], all_ranks=True)
+            self.nccl_version = versions[0]
+            log.info("NCCL %s: %d ranks joined", self.nccl_version, self.world)
         self.rank_sizes = self._call("sizes", all_ranks=True)  # [(weights, per block)] per rank
         self.pids = self._call("pid", all_ranks=True)
         for rank, (w, per_block) in enumerate(self.rank_sizes):
@@ -162,6 +202,10 @@ class Executor(Backend):
     def bytes_per_block(self) -> int:
         return sum(b for _, b in self.rank_sizes)
 
+    def total_memory_bytes(self) -> int:
+        """The memory of the ranks' devices, each device once (ranks may share one)."""
+        return sum(dict(self._call("device_memory", all_ranks=True)).values())
+
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         peaks = self._call("profile_peak_bytes", num_tokens, max_seq_len, num_seqs, all_ranks=True)
         return sum(peaks)
@@ -197,15 +241,20 @@ class Executor(Backend):
 class MultiprocExecutor(Executor):
     """The ranks as forked worker processes, a pipe each."""
 
-    name = "numpy-mp"
+    kind = "mp"
 
-    def __init__(self, cfg: ModelConfig, weights, engine_config, timeout: float = 60.0):
-        slot = self._plan(cfg, engine_config, timeout)
-        ctx = mp.get_context("fork")
+    def __init__(
+        self, cfg: ModelConfig, weights, engine_config, backend="numpy", timeout: float = 60.0
+    ):
+        slot = self._plan(cfg, engine_config, timeout, backend)
+        # a GPU is unusable in a process forked after CUDA started (asking how many GPUs there
+        # are starts it): the cuda backend's ranks start afresh, their weights pickled to them
+        ctx = mp.get_context("spawn" if backend == "cuda" else "fork")
         tp, pp = self.tp, self.pp
-        self.comms = [ShmComm(tp, slot, timeout) for _ in range(pp)]
+        self.comms = [ShmComm(tp, slot, timeout) for _ in range(pp)] if backend == "numpy" else []
         links = {(s, i): ctx.Pipe(duplex=False) for s in range(pp - 1) for i in range(tp)}
         plan = dict(tp=tp, pp=pp, world=self.world, comms=self.comms, links=links)
+        plan["backend"] = backend
         plan["output_rank"] = self.output_rank
         self.procs, self.conns = [], []
         for rank in range(self.world):

@@ -63,14 +63,16 @@ class RayWorker:
 class RayExecutor(Executor):
     """The ranks as Ray actors on the engine's node."""
 
-    name = "numpy-ray"
+    kind = "ray"
 
-    def __init__(self, cfg: ModelConfig, weights, engine_config, timeout: float = 60.0):
+    def __init__(
+        self, cfg: ModelConfig, weights, engine_config, backend="numpy", timeout: float = 60.0
+    ):
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        slot = self._plan(cfg, engine_config, timeout)
+        slot = self._plan(cfg, engine_config, timeout, backend)
         if not ray.is_initialized():
             address = engine_config.ray_address or os.environ.get("RAY_ADDRESS")
             # a new local instance gets a logical CPU per rank at least (a CPU is a label to
@@ -78,8 +80,10 @@ class RayExecutor(Executor):
             cpus = None if address else max(os.cpu_count() or 1, self.world)
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         self.ray = ray
-        self.pg = placement_group([{"CPU": 1}] * self.world, strategy="PACK")
-        self.comms = [ShmComm(self.tp, slot, timeout) for _ in range(self.pp)]
+        bundle = {"CPU": 1, "GPU": 1} if backend == "cuda" else {"CPU": 1}
+        self.pg = placement_group([bundle] * self.world, strategy="PACK")
+        numpy_ranks = backend == "numpy"  # the GPU backend's ranks have NCCL instead
+        self.comms = [ShmComm(self.tp, slot, timeout) for _ in range(self.pp) if numpy_ranks]
         self.actors: list = []
         self._finalizer = weakref.finalize(
             self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms
@@ -87,13 +91,14 @@ class RayExecutor(Executor):
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
             self._finalizer()
-            have = ray.available_resources().get("CPU", 0)
+            free = ray.available_resources()
+            have = ", ".join(f"{free.get(k, 0):g} {k}" for k in bundle)
             raise RuntimeError(
-                f"ray: no room for {self.world} ranks of one CPU each ({have:g} CPUs free)"
+                f"ray: no room for {self.world} ranks of {bundle} each ({have} free)"
             )
         plan = dict(tp=self.tp, pp=self.pp, world=self.world, comms=self.comms, links={})
-        plan["output_rank"] = self.output_rank
-        actor = ray.remote(num_cpus=1)(RayWorker)
+        plan["output_rank"], plan["backend"] = self.output_rank, backend
+        actor = ray.remote(num_cpus=1, num_gpus=bundle.get("GPU", 0))(RayWorker)
         weights_ref = ray.put(weights)
         for rank in range(self.world):
             place = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
@@ -105,7 +110,7 @@ class RayExecutor(Executor):
         nodes = self._gather([a.node.remote() for a in self.actors], "starting")
         here = ray.get_runtime_context().get_node_id()
         away = [r for r, n in enumerate(nodes) if n != here]
-        if away:
+        if away and numpy_ranks:
             self._finalizer()
             raise ValueError(
                 f"ray placed ranks {away} on another node; the shared-memory all-reduce needs "
