@@ -4,16 +4,20 @@ Bad input is a one-line ValueError for that request only; the engine keeps runni
 Text longer than ``max_prompt_chars`` is refused before it is tokenized (tokenizing megabytes
 takes seconds), and token ids must be a flat sequence of integers inside the vocabulary. An
 arrival time must be on ``time.monotonic()``'s clock; bad words become the token ids the sampler
-bans.
+bans; the token ids of ``logit_bias`` and ``allowed_token_ids`` must be in the vocabulary. The
+model's generation_config.json gives the default sampling parameters.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
-from .sampling_params import is_integer, is_real
+from .sampling_params import generation_defaults, is_integer, is_real
+
+log = logging.getLogger("engine")
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -112,3 +116,34 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def check_token_ids(params, vocab_size: int) -> None:
+    """Token ids in logit_bias and allowed_token_ids must be in the vocabulary."""
+    for name, ids in (
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", params.allowed_token_ids),
+    ):
+        bad = [t for t in ids or () if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"SamplingParams: {name} has token id {bad[0]}, not below the vocab size "
+                f"{vocab_size}"
+            )
+
+
+def model_sampling_defaults(config, loaded) -> dict:
+    """The model's default SamplingParams fields (generation_config 'auto'), else {}."""
+    if config.generation_config != "auto":
+        return {}
+    try:
+        defaults = generation_defaults(loaded.generation_config)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json: {e}") from None
+    if defaults:
+        log.info(
+            "default sampling parameters from the model's generation_config.json: %s "
+            "(--generation-config ignore to use SamplingParams' own)",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+        )
+    return defaults

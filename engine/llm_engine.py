@@ -24,12 +24,14 @@ from .core import CoreRequest, CoreStats, EngineCore
 from .input_processor import (
     bad_words_token_ids,
     check_arrival_time,
+    check_token_ids,
     max_prompt_chars,
+    model_sampling_defaults,
     tokenize_prompt,
 )
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamChunk
-from .sampling_params import SamplingParams, generation_defaults
+from .sampling_params import SamplingParams
 
 log = logging.getLogger("engine")
 
@@ -67,7 +69,7 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.config = config.resolve(self.model_config)
-        self.sampling_defaults = self._sampling_defaults()
+        self.sampling_defaults = model_sampling_defaults(self.config, self.loaded)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
@@ -92,22 +94,6 @@ class LLMEngine:
                 draft_loaded=draft_loaded,
                 backend_factory=backend_factory,
             )
-
-    def _sampling_defaults(self) -> dict:
-        """The model's default SamplingParams fields (generation_config 'auto'), else {}."""
-        if self.config.generation_config != "auto":
-            return {}
-        try:
-            defaults = generation_defaults(self.loaded.generation_config)
-        except ValueError as e:
-            raise ValueError(f"generation_config.json: {e}") from None
-        if defaults:
-            log.info(
-                "default sampling parameters from the model's generation_config.json: %s "
-                "(--generation-config ignore to use SamplingParams' own)",
-                ", ".join(f"{k}={v}" for k, v in defaults.items()),
-            )
-        return defaults
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams for a request that sets only ``overrides``: the model's defaults
@@ -167,7 +153,7 @@ class LLMEngine:
         text, ids = tokenize_prompt(
             prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
         )
-        self._check_token_ids(params)
+        check_token_ids(params, mc.vocab_size)
         bad = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         # a core process may still send about an earlier request of this id: its own id there
         core_id = (
@@ -181,19 +167,6 @@ class LLMEngine:
             self.output_processor.abort(request_id)
             raise
         return ids
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids in logit_bias and allowed_token_ids must be in the vocabulary."""
-        v = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias),
-            ("allowed_token_ids", params.allowed_token_ids),
-        ):
-            bad = [t for t in ids or () if t >= v]
-            if bad:
-                raise ValueError(
-                    f"SamplingParams: {name} has token id {bad[0]}, not below the vocab size {v}"
-                )
 
     def structured_compiler(self):
         """The core's structured-output compiler (this process's own beside a core process):
