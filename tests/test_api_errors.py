@@ -141,7 +141,9 @@ def serve_others_after(engine, add_bad, message):
 
 
 @pytest.mark.parametrize(
-    "arrival", ["x", float("nan"), float("inf"), -float("inf"), time.time(), 1e300, [1.0]]
+    "arrival",
+    ["x", float("nan"), float("inf"), -float("inf"), time.time(), 1e300, [1.0]],
+    ids=["str", "nan", "inf", "-inf", "wall-clock", "1e300", "list"],
 )
 def test_bad_arrival_time_is_refused(engine, arrival):
     add = lambda: engine.add_request("bad", "hi", GREEDY, arrival_time=arrival)  # noqa: E731
