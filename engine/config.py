@@ -186,12 +186,12 @@ class EngineConfig:
     pipeline_parallel_size: int = option(
         1,
         "stages the layers are split into, each of tensor_parallel_size ranks; each stage "
-        "hands its hidden state to the next (numpy backend, one worker process per rank)",
+        "hands its hidden state to the next (numpy backend only, one worker process per rank)",
     )
     distributed_executor_backend: str | None = option(
         None,
         "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
-        "one Ray actor per rank, in a placement group on this node",
+        "one Ray actor per rank, in a placement group (numpy ranks: on this node)",
         choices=EXECUTORS,
         default_help="uni for one rank, mp for more",
     )

@@ -11,6 +11,9 @@
 #   smoke   every kernel once vs NumPy, a bf16 gemm, a captured graph
 #           holding a gemm, a pinned copy                                 -> smoke.log, smoke.json
 #   tests   REQUIRE_GPU=1 pytest -m gpu -x                                -> pytest.log
+#   tp      tensor parallel 2 on the tiny model against one process, two
+#           ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), NCCL's
+#           version                                                       -> tp.log, tp.json
 #   bench   python -m engine.bench_gpu, graphs and eager                  -> bench.log, bench.json
 # summary.md: each stage's exit status and seconds, then the tests' and the benchmark's ends.
 # --emulate: backend cuda-cpu, the tiny model, PAGEDLLM_EMULATE_GPU=1 for the gpu tests, a small
@@ -74,7 +77,9 @@ stage models 50 models.log "$PY" scripts/make_random_model.py "$MODELS" $TINY_ON
 stage smoke 45 smoke.log "$PY" scripts/gpu_smoke.py --out "$OUT" $EMULATE
 stage tests 80 pytest.log env REQUIRE_GPU=1 "$PY" -m pytest -m gpu -x -q -rs \
   -p no:cacheprovider tests/test_gpu.py tests/test_capture_rules.py
-stage bench 100 bench.log "$PY" -m engine.bench_gpu --model "$BENCH_MODEL" \
+stage tp 40 tp.log env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" scripts/gpu_tp_check.py \
+  --model "$MODELS/tiny" --json "$OUT/tp.json" $EMULATE
+stage bench 90 bench.log "$PY" -m engine.bench_gpu --model "$BENCH_MODEL" \
   --json "$OUT/bench.json" $EMULATE
 
 {
@@ -82,6 +87,11 @@ stage bench 100 bench.log "$PY" -m engine.bench_gpu --model "$BENCH_MODEL" \
   echo "## tests (last lines)"
   echo '```'
   tail -n 15 "$OUT/pytest.log" 2>/dev/null
+  echo '```'
+  echo
+  echo "## tp"
+  echo '```'
+  tail -n 1 "$OUT/tp.log" 2>/dev/null
   echo '```'
   echo
   echo "## bench"

@@ -13,8 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = ["summary.md", "env.log", "models.log", "smoke.log", "smoke.json", "pytest.log"]
-FILES += ["bench.log", "bench.json"]
-STAGES = ["env", "models", "smoke", "tests", "bench"]
+FILES += ["tp.log", "tp.json", "bench.log", "bench.json"]
+STAGES = ["env", "models", "smoke", "tests", "tp", "bench"]
 FIGURES = ["device", "copy", "gemm", "load", "itl_graphs", "throughput_graphs"]
 FIGURES += ["itl_eager", "throughput_eager"]
 
@@ -49,6 +49,9 @@ def test_gpu_check_passes_on_the_emulated_device(tmp_path):
     assert bench["itl_graphs"]["graphs"] == [1] and bench["itl_eager"]["graphs"] == []
     assert bench["throughput_graphs"]["tokens_per_s"] > 0
     assert "passed" in (tmp_path / "pytest.log").read_text()
+    tp = json.loads((tmp_path / "tp.json").read_text())
+    assert tp["tokens_equal"] == [True] * 3 and tp["max_logit_diff"] < 1e-4
+    assert tp["nccl_version"] == "2.30.1" and len(set(tp["collectives_per_rank"])) == 1
 
 
 def test_gpu_check_reports_stages_it_could_not_run(tmp_path):

@@ -1,6 +1,7 @@
 """The ray executor: tensor- and pipeline-parallel ranks as Ray actors in a placement group on a
 local Ray instance (four logical CPUs, no dashboard, a small object store, one instance for the
-module), against the single process; a killed actor is an error naming its rank, in seconds."""
+module), against the single process, on the numpy backend and (tensor parallel, the emulated
+NCCL) on cuda-cpu; a killed actor is an error naming its rank, in seconds."""
 
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ def _ray_engine(loaded, tp: int, **kw):
     return make_engine(loaded, tensor_parallel_size=tp, distributed_executor_backend="ray", **kw)
 
 
-@pytest.mark.parametrize("tp", [2])  # four actors: the pipeline test's TP 2 x PP 2
-def test_ray_ranks_equal_one_process(tiny, tp):
-    one = run_to_completion(make_engine(tiny, record_logits=True), PROMPTS, GREEDY)
-    engine = _ray_engine(tiny, tp, record_logits=True)
-    assert engine.backend.name == "numpy-ray" and len(set(engine.backend.pids)) == tp
+@pytest.mark.parametrize("backend", ["numpy", "cuda-cpu"])  # cuda-cpu: the emulated NCCL
+def test_ray_ranks_equal_one_process(tiny, backend):
+    tp = 2  # four actors: the pipeline test's TP 2 x PP 2
+    one = run_to_completion(make_engine(tiny, backend=backend, record_logits=True), PROMPTS, GREEDY)
+    engine = _ray_engine(tiny, tp, backend=backend, record_logits=True)
+    assert engine.backend.name == f"{backend}-ray" and len(set(engine.backend.pids)) == tp
     many = run_to_completion(engine, PROMPTS, GREEDY)
     for a, b in zip(one, many, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
