@@ -217,7 +217,7 @@ class Scheduler:
         NOTE: admission is strictly FCFS, so a seq still mid-prefill (chunked) is always the
         newest running one: every decode is scheduled before it takes the rest of the budget.
         """
-        i = 0
+        i = self._plain_decodes(step)  # the common case, in one tight loop
         while i < len(self.running):
             seq = self.running[i]
             if seq.spec_tokens and self._speculate(seq, step, out, len(self.running) - i - 1):
@@ -243,6 +243,28 @@ class Scheduler:
             self._allocate(seq, n)
             step.add(seq, n, is_decode)
             i += 1
+
+    def _plain_decodes(self, step: _StepBuilder) -> int:
+        """``_plain_decode`` for the running seqs from the oldest on, as long as each is one (no
+        drafts either): the index of the first that is not. The same decisions, in one loop."""
+        bm, limit, bs = self.block_manager, self.config.max_model_len, self.block_manager.block_size
+        cache, decodes, budget, i = bm.cache_full_blocks, step.decodes, step.budget, 0
+        for seq in self.running:
+            n = seq.num_tokens
+            if (
+                seq.spec_tokens
+                or n - seq.num_computed_tokens != 1
+                or n > limit
+                or budget < 1
+                or len(seq.block_table) * bs < n
+            ):
+                break
+            cache(seq, n)
+            decodes.append((seq, 1))
+            budget -= 1
+            i += 1
+        step.budget = budget
+        return i
 
     def _plain_decode(self, seq: Sequence, step: _StepBuilder) -> bool:
         """Schedule seq's decode token if it needs nothing else: a budget token, no new block,
