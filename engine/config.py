@@ -197,9 +197,15 @@ class EngineConfig:
     )
     ray_address: str | None = option(
         None,
-        "the Ray cluster to join with the ray executor (host:port, or 'auto' for the one "
-        "running here)",
+        "the Ray cluster to join with the ray executor or data parallel (host:port, or 'auto' "
+        "for the one running here)",
         default_help="RAY_ADDRESS, else a new local cluster",
+    )
+    data_parallel_size: int = option(
+        1,
+        "replicas of the whole engine (each with its tensor x pipeline parallel ranks) behind "
+        "one endpoint, on Ray Serve, a router choosing the replica of each request (the "
+        "server only: python -m engine.serve)",
     )
 
     def __post_init__(self):
@@ -266,8 +272,14 @@ class EngineConfig:
         ex = self.distributed_executor_backend
         if ex is not None and ex not in EXECUTORS:
             raise _bad("distributed_executor_backend", ex, "one of " + ", ".join(EXECUTORS))
-        if self.ray_address is not None and ex != "ray":
-            raise ValueError("EngineConfig: ray_address needs distributed_executor_backend 'ray'")
+        dp = self.data_parallel_size
+        if not is_int(dp) or not 1 <= dp <= 64:
+            raise _bad("data_parallel_size", dp, "an integer in [1, 64]")
+        if self.ray_address is not None and ex != "ray" and dp == 1:
+            raise ValueError(
+                "EngineConfig: ray_address needs distributed_executor_backend 'ray' or "
+                "data_parallel_size above 1"
+            )
         if ex is None:
             self.distributed_executor_backend = "uni" if ranks == 1 else "mp"
         elif ex == "uni" and ranks > 1:

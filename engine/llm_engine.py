@@ -59,6 +59,11 @@ class LLMEngine:
     ):
         if config is None:
             config = make_config(model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size: replicas run behind the server (python -m engine.serve "
+                "--data-parallel-size N); one engine is one replica"
+            )
         if not config.model and loaded is None:
             name, why = default_model()
             log.info("model: %s (%s)", name, why)

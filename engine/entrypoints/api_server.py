@@ -406,7 +406,9 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        replicated = getattr(server.llm, "render_metrics", None)  # data parallel: every replica's
+        body = await replicated() if replicated else server.metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):

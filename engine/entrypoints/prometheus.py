@@ -18,9 +18,13 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str):
+    """``engine``: a replica's name, an ``engine`` label on every metric (data parallel)."""
+
+    def __init__(self, model_name: str, engine: str | None = None):
         self.registry = CollectorRegistry()
-        labels = dict(labelnames=["model_name"], registry=self.registry)
+        names = ["model_name"] + ([] if engine is None else ["engine"])
+        self.label_values = [model_name] + ([] if engine is None else [engine])
+        labels = dict(labelnames=names, registry=self.registry)
         gauge = {
             "num_requests_running": "sequences in the running queue",
             "num_requests_waiting": "sequences waiting to be scheduled",
@@ -52,27 +56,29 @@ class PrometheusStatLogger:
         self.per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "draft tokens accepted, by position in the draft",
-            labelnames=["model_name", "position"],
+            labelnames=[*names, "position"],
             registry=self.registry,
         )
+        for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
+            metric.labels(*self.label_values)  # every series from the start, at 0
         self.model_name = model_name
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._spec_last: dict = {}
 
     def __call__(self, s: StepStats) -> None:
-        m = self.model_name
-        self.gauges["num_requests_running"].labels(m).set(s.num_running)
-        self.gauges["num_requests_waiting"].labels(m).set(s.num_waiting)
-        self.gauges["num_requests_swapped"].labels(m).set(s.num_swapped)
-        self.gauges["kv_cache_usage_perc"].labels(m).set(s.kv_cache_usage)
+        m = self.label_values
+        self.gauges["num_requests_running"].labels(*m).set(s.num_running)
+        self.gauges["num_requests_waiting"].labels(*m).set(s.num_waiting)
+        self.gauges["num_requests_swapped"].labels(*m).set(s.num_swapped)
+        self.gauges["kv_cache_usage_perc"].labels(*m).set(s.kv_cache_usage)
         rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        self.gauges["prefix_cache_hit_rate"].labels(m).set(rate)
+        self.gauges["prefix_cache_hit_rate"].labels(*m).set(rate)
         for name in self._last:  # cumulative engine counters -> increments
             value = getattr(s, name)
-            self.counters[name].labels(m).inc(max(value - self._last[name], 0))
+            self.counters[name].labels(*m).inc(max(value - self._last[name], 0))
             self._last[name] = value
-        self.counters["prompt_tokens"].labels(m).inc(s.prompt_tokens)
-        self.counters["generation_tokens"].labels(m).inc(s.generation_tokens)
+        self.counters["prompt_tokens"].labels(*m).inc(s.prompt_tokens)
+        self.counters["generation_tokens"].labels(*m).inc(s.generation_tokens)
         for out in s.finished:
             self._observe(out.metrics)
         if s.spec_decode is not None:
@@ -80,7 +86,7 @@ class PrometheusStatLogger:
 
     def _spec(self, st) -> None:
         """Speculative decoding's cumulative counters -> increments."""
-        m = self.model_name
+        m = self.label_values
         now = {
             "spec_decode_num_drafts": st.num_drafts,
             "spec_decode_num_draft_tokens": st.num_draft_tokens,
@@ -91,19 +97,19 @@ class PrometheusStatLogger:
             inc = value - self._spec_last.get(key, 0)
             self._spec_last[key] = value
             if isinstance(key, tuple):
-                self.per_pos.labels(m, str(key[1])).inc(inc)
+                self.per_pos.labels(*m, str(key[1])).inc(inc)
             else:
-                self.counters[key].labels(m).inc(inc)
+                self.counters[key].labels(*m).inc(inc)
 
     def _observe(self, metrics) -> None:
-        m = self.model_name
-        self.counters["request_success"].labels(m).inc()
+        m = self.label_values
+        self.counters["request_success"].labels(*m).inc()
         if metrics.ttft is not None:
-            self.hists["time_to_first_token_seconds"].labels(m).observe(metrics.ttft)
+            self.hists["time_to_first_token_seconds"].labels(*m).observe(metrics.ttft)
         for gap in metrics.itl:
-            self.hists["inter_token_latency_seconds"].labels(m).observe(gap)
+            self.hists["inter_token_latency_seconds"].labels(*m).observe(gap)
         if metrics.e2e_latency is not None:
-            self.hists["e2e_request_latency_seconds"].labels(m).observe(metrics.e2e_latency)
+            self.hists["e2e_request_latency_seconds"].labels(*m).observe(metrics.e2e_latency)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

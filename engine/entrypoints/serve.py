@@ -16,6 +16,7 @@ import signal
 import sys
 
 from engine.async_llm import AsyncLLM, LoggingStatLogger
+from engine.distributed.routing import POLICIES
 from engine.llm_engine import LLMEngine
 
 from .api_server import build_app, check_api_key
@@ -63,8 +64,49 @@ def build_parser() -> CliParser:
         help="seconds between throughput log lines while requests run (default 5)",
     )
     p.add_argument("--trace", action="store_true", help="log the life of every request")
+    add_replica_args(p)
     add_limit_args(p)
     return add_engine_args(p)
+
+
+def add_replica_args(p) -> None:
+    g = p.add_argument_group(
+        "data parallel (with --data-parallel-size above 1: engine replicas on Ray Serve)"
+    )
+    g.add_argument(
+        "--router",
+        choices=POLICIES,
+        default="prefix-aware",
+        help="how a request's replica is chosen: prefix-aware (the replica that was sent the "
+        "longest prefix of its prompt, unless the replicas' queues differ by more than "
+        "--router-imbalance, then the least loaded), least-loaded, or round-robin "
+        "(default prefix-aware)",
+    )
+    g.add_argument(
+        "--router-imbalance",
+        type=int,
+        default=4,
+        help="queued requests by which replicas may differ before prefix-aware routing sends "
+        "to the least loaded instead (default 4)",
+    )
+    g.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="with --max-replicas: autoscaling's lower bound (default 1)",
+    )
+    g.add_argument(
+        "--max-replicas",
+        type=int,
+        help="autoscale between --min-replicas and this, starting at --data-parallel-size "
+        "(default: a fixed --data-parallel-size replicas)",
+    )
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="autoscaling: requests in flight per replica that Serve aims for (default 16)",
+    )
 
 
 def make_async_llm(args) -> tuple[AsyncLLM, str]:
@@ -90,12 +132,30 @@ def check_server_args(args) -> ServerLimits:
     return limits_from_args(args)
 
 
+def check_replica_args(args, n: int) -> None:
+    if args.router_imbalance < 0:
+        raise ValueError(f"--router-imbalance must be >= 0, got {args.router_imbalance}")
+    if args.max_replicas is not None:
+        if n == 1:
+            raise ValueError("--max-replicas (autoscaling) needs --data-parallel-size above 1")
+        if not 1 <= args.min_replicas <= n <= args.max_replicas:
+            raise ValueError(
+                f"autoscaling needs 1 <= --min-replicas ({args.min_replicas}) <= "
+                f"--data-parallel-size ({n}) <= --max-replicas ({args.max_replicas})"
+            )
+    if args.target_ongoing_requests <= 0:
+        raise ValueError("--target-ongoing-requests must be > 0")
+
+
 def run(args) -> int:
     import uvicorn
 
     setup_logging(args.trace)
     limits = check_server_args(args)
-    check_engine_args(args)  # bad engine values and --model fail before the model loads
+    config = check_engine_args(args)  # bad engine values and --model fail before the model loads
+    check_replica_args(args, config.data_parallel_size)
+    if config.data_parallel_size > 1:
+        return run_replicated(args, limits)
     llm, name = make_async_llm(args)
     aliases = [llm.engine.config.model]
     app = build_app(llm, name, args.api_key, aliases, limits, args.protect_metrics)
@@ -116,6 +176,30 @@ def run(args) -> int:
         server.run()  # returns after SIGINT/SIGTERM/SIGHUP and the grace period
     finally:
         llm.shutdown()
+    log.info("server stopped")
+    return 0
+
+
+def run_replicated(args, limits) -> int:
+    """The same API over --data-parallel-size engine replicas on Ray Serve
+    (engine/distributed/replicas.py), until SIGINT/SIGTERM/SIGHUP, which drain them."""
+    import threading
+
+    from engine.distributed.replicas import serve_replicas
+
+    kwargs = engine_kwargs(args)
+    name = args.served_model_name or kwargs.get("model") or "default"
+    server = dict(
+        model_name=name,
+        api_key=args.api_key,
+        aliases=[kwargs.get("model")] if kwargs.get("model") else [],
+        limits=limits,
+        protect=args.protect_metrics,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: (_stopped(signum, None), stop.set()))
+    serve_replicas(args, kwargs, server, stop)
     log.info("server stopped")
     return 0
 

@@ -1,0 +1,354 @@
+"""Data parallel: ``data_parallel_size`` replicas of the engine behind one OpenAI endpoint, on Ray
+Serve (``python -m engine.serve --data-parallel-size N``).
+
+    HTTP -> Serve's proxy -> Ingress (the same FastAPI app as one engine's: engine/entrypoints)
+              tokenize, check, SamplingParams     ReplicatedLLM.add_requests
+              -> the engine deployment's handle: PolicyRequestRouter picks a replica
+                 (routing.py: round-robin, least-loaded or prefix-aware)
+              -> EngineReplica (one AsyncLLM each: its engine core, its executor's ranks)
+              <- a stream of RequestOutputs
+              detokenized text, stop strings: already in each RequestOutput
+
+The ingress loads the tokenizer and config only (no weights). A replica's first message for a
+request says it was queued (or raises the refusal: a 400 or 503 as on one engine); a request
+whose replica dies before that goes to another; one whose replica dies after it ends with an
+error, never silently short. Serve restarts a dead replica (``check_health`` fails when its
+engine thread has died). ``/metrics`` gathers every replica's metrics, each with an ``engine``
+label, and adds the router's counters; ``/health`` answers 200 while some replica answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from reference.loader import load_model
+
+from ..async_llm import AsyncLLM, EngineDeadError
+from ..config import make_config
+from ..input_processor import max_prompt_chars, model_sampling_defaults
+
+log = logging.getLogger("engine.replicas")
+ACCEPTED = "accepted"  # a replica's first message: the request is queued
+RETRIES = 3  # times a request whose replica died before queueing it is sent again
+PUBLISH_S = 0.5  # seconds between a replica's metrics updates on the board
+STALE_S = 5.0  # a replica silent this long is gone (its metrics leave /metrics)
+
+
+def _replica_name() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class EngineReplica:
+    """One replica of the engine deployment: an AsyncLLM over its own LLMEngine."""
+
+    def __init__(self, engine_kwargs: dict, model_name: str, max_waiting: int | None, board):
+        from ..entrypoints.prometheus import PrometheusStatLogger
+        from ..llm_engine import LLMEngine
+
+        self.name, self.board = _replica_name(), board
+        self.metrics = PrometheusStatLogger(model_name, engine=self.name)
+        engine = LLMEngine(**engine_kwargs)
+        self.llm = AsyncLLM(engine, max_waiting, [self.metrics])
+        self._stop = threading.Event()
+        threading.Thread(target=self._publish, name="metrics-board", daemon=True).start()
+        log.info("engine replica %s ready (pid %d)", self.name, os.getpid())
+
+    def _publish(self) -> None:
+        """The replica's metrics to the board every PUBLISH_S seconds, while it lives."""
+        while not self._stop.is_set():
+            self.board.put.remote(self.name, self.metrics.render().decode())
+            self._stop.wait(PUBLISH_S)
+
+    async def generate(self, request: dict):
+        """ACCEPTED once queued (a refusal raises), then each RequestOutput of the request."""
+        ids, params, rid = request["prompt_token_ids"], request["params"], request["request_id"]
+        stream = await self.llm.add_request(ids, params, rid)
+        yield ACCEPTED
+        async for out in stream:  # leaving early (the caller cancelled) aborts the request
+            yield out
+
+    def metrics_text(self) -> str:
+        return self.metrics.render().decode()
+
+    def ping(self) -> str:
+        return self.name
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: a dead engine thread fails it, and Serve restarts us."""
+        await self.llm.check_health()
+
+    def __del__(self):
+        if hasattr(self, "_stop"):
+            self._stop.set()
+            self.llm.shutdown()
+
+
+class FrontendView:
+    """What the server reads of an engine, for an ingress that holds no engine: the config,
+    the tokenizer, the prompt bounds, the model's sampling defaults, a structured-output
+    compiler (a constraint that compiles here compiles in the replicas)."""
+
+    def __init__(self, engine_kwargs: dict):
+        config = make_config(**engine_kwargs)
+        loaded = load_model(config.model, weights=False)
+        self.config = config.resolve(loaded.config)
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
+        self.sampling_defaults = model_sampling_defaults(self.config, loaded)
+        self._loaded = loaded
+
+    def structured_compiler(self):
+        from ..core import model_eos_ids, structured_compiler
+
+        return structured_compiler(self._loaded, model_eos_ids(self._loaded))
+
+
+class RemoteStream:
+    """One request's outputs from its replica, as ``async_llm.RequestStream`` gives them."""
+
+    def __init__(self, request_id: str, response, first):
+        self.request_id, self._response, self.finished = request_id, response, False
+        self._iter = first
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._response.cancel()
+
+    async def __aiter__(self):
+        try:
+            async for out in self._iter:
+                self.finished = out.finished
+                yield out
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died or failed mid-request
+            raise EngineDeadError(f"the engine replica serving this request failed: {e}") from e
+        finally:
+            self.abort()
+
+
+class ReplicatedLLM:
+    """``AsyncLLM``'s interface to the server, over the engine deployment's replicas."""
+
+    def __init__(self, handle, view: FrontendView, model_name: str, board):
+        self.handle, self.engine, self.tokenizer = handle, view, view.tokenizer
+        self.board = board
+        self.model_name = model_name
+        self.stat_loggers: list = []  # the server's own logger sees no steps here: unused
+
+    async def add_requests(self, prompts: list, params=None, request_ids=None) -> list:
+        """Route each prompt to a replica; all queued, or none (the first refusal raises)."""
+        import uuid
+
+        rids = request_ids or [uuid.uuid4().hex for _ in prompts]
+        streams: list[RemoteStream] = []
+        try:
+            for rid, ids in zip(rids, prompts, strict=True):
+                streams.append(await self._start(rid, ids, params))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def _start(self, rid: str, ids, params) -> RemoteStream:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        request = {"prompt_token_ids": list(ids), "params": params, "request_id": rid}
+        for attempt in range(RETRIES + 1):
+            response = self.handle.options(stream=True).generate.remote(request)
+            it = response.__aiter__()
+            try:
+                first = await it.__anext__()
+            except (ActorDiedError, ActorUnavailableError) as e:  # not queued: another replica
+                if attempt == RETRIES:
+                    raise EngineDeadError(f"no engine replica took the request: {e}") from None
+                log.warning("replica died before queueing %s; routing it again", rid)
+                continue
+            assert first == ACCEPTED, first
+            return RemoteStream(rid, response, it)
+        raise AssertionError("unreachable")
+
+    def abort(self, request_id: str) -> None:
+        """Requests are aborted through their stream (cancelling the replica's generator)."""
+
+    async def check_health(self) -> None:
+        """Healthy while some replica answers within 5 s."""
+        try:
+            await asyncio.wait_for(self.handle.ping.remote(), 5.0)
+        except Exception as e:  # noqa: BLE001 - no live replica, or none in time
+            raise EngineDeadError(f"no engine replica answers: {type(e).__name__}: {e}") from None
+
+    async def render_metrics(self) -> bytes:
+        """Every replica's metrics (one per replica, each with its ``engine`` label) and the
+        router's counters, in Prometheus text."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        texts, routed = await self.board.snapshot.remote()
+        registry = CollectorRegistry()
+        registry.register(_Merged(texts, routed, self.model_name))
+        return generate_latest(registry)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MetricsBoard:
+    """A Ray actor, named ``BOARD`` in Serve's namespace: each replica's latest metrics text
+    (with when it came: a replica that has not published for ``STALE_S`` is gone), and the
+    router's decisions, counted by replica and reason."""
+
+    def __init__(self):
+        self.texts: dict[str, tuple[float, str]] = {}
+        self.routed: dict[tuple[str, str], int] = {}
+
+    def put(self, name: str, text: str) -> None:
+        self.texts[name] = (time.monotonic(), text)
+
+    def count(self, replica: str, reason: str) -> None:
+        self.routed[(replica, reason)] = self.routed.get((replica, reason), 0) + 1
+
+    def snapshot(self) -> tuple[list[str], dict]:
+        """(the live replicas' texts, the router's counts)."""
+        now = time.monotonic()
+        live = [text for t, text in self.texts.values() if now - t < STALE_S]
+        return live, dict(self.routed)
+
+
+class _Merged:
+    """A collector of the replicas' metric families, merged by name, and the router's."""
+
+    def __init__(self, texts: list[str], routed: dict, model_name: str):
+        self.texts, self.routed, self.model_name = texts, routed, model_name
+
+    def collect(self):
+        families: dict = {}
+        for text in self.texts:
+            seen = set()
+            for fam in text_string_to_metric_families(text):
+                key = (fam.name, fam.type)
+                if key in families and key not in seen:
+                    families[key].samples += fam.samples
+                elif key not in families:
+                    families[key] = fam
+                seen.add(key)
+        yield from families.values()
+        routed = CounterMetricFamily(
+            "pagedllm:router_requests",
+            "requests the router sent to each engine replica, and why (prefix, load, turn)",
+            labels=["model_name", "engine", "reason"],
+        )
+        for (replica, reason), n in sorted(self.routed.items()):
+            routed.add_metric([self.model_name, replica, reason], n)
+        yield routed
+
+
+class Ingress:
+    """The ingress deployment: the server's FastAPI app over a ReplicatedLLM (built on the
+    replica, by Serve's ``__serve_build_asgi_app__``)."""
+
+    def __init__(self, engine_handle, engine_kwargs: dict, server: dict, board):
+        view = FrontendView(engine_kwargs)
+        self.llm = ReplicatedLLM(engine_handle, view, server["model_name"], board)
+        self.server = server
+
+    def __serve_build_asgi_app__(self):
+        from ..entrypoints.api_server import build_app
+
+        o = self.server
+        return build_app(
+            self.llm, o["model_name"], o["api_key"], o["aliases"], o["limits"], o["protect"]
+        )
+
+
+def replica_engine_kwargs(kwargs: dict, n: int, ram: int) -> dict:
+    """One replica's engine arguments: one replica of its own, in the cluster already joined;
+    on a host backend each replica's memory plan gets 1/n of 0.9 x the RAM, unless the pool is
+    sized by hand (``num_gpu_blocks`` or ``memory_budget_bytes``)."""
+    out = dict(kwargs, data_parallel_size=1, ray_address=None)
+    host = kwargs.get("backend") in ("numpy", "cuda-cpu")
+    if host and not kwargs.get("num_gpu_blocks") and not kwargs.get("memory_budget_bytes"):
+        out["memory_budget_bytes"] = int(0.9 * ram / n)
+    return out
+
+
+def engine_deployment_options(args, config, n: int) -> dict:
+    """Serve's options for the engine deployment: replicas (or autoscaling), resources, the
+    router, health checks, the drain on shutdown."""
+    from ray.serve.config import RequestRouterConfig
+
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    # GPUs for the replica's own ranks (mp or uni); the ray executor reserves its own bundles
+    gpus = ranks if config.backend == "cuda" and config.distributed_executor_backend != "ray" else 0
+    cpus = max(1, (os.cpu_count() or 1) // n) if ranks == 1 else 1
+    options = dict(
+        name="engine",
+        max_ongoing_requests=max(4 * config.max_num_seqs, 64),  # the engine queues the rest
+        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class="engine.distributed.serve_router:PolicyRequestRouter",
+            request_router_kwargs={"policy": args.router, "imbalance": args.router_imbalance},
+        ),
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+    )
+    if args.max_replicas is not None:
+        options["autoscaling_config"] = {
+            "min_replicas": args.min_replicas,
+            "initial_replicas": n,
+            "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests,
+        }
+    else:
+        options["num_replicas"] = n
+    return options
+
+
+def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
+    """Run the Serve application until ``stop`` (a threading.Event) is set, then drain it."""
+    import ray
+    from ray import serve
+
+    from ..memory import available_ram_bytes
+
+    config = make_config(**kwargs)
+    n = config.data_parallel_size
+    if not ray.is_initialized():
+        address = config.ray_address or os.environ.get("RAY_ADDRESS")
+        cpus = None if address else max(os.cpu_count() or 1, n)
+        ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    from .serve_router import BOARD
+
+    board = ray.remote(MetricsBoard).options(name=BOARD, namespace="serve", num_cpus=0).remote()
+    replica_kwargs = replica_engine_kwargs(kwargs, n, available_ram_bytes())
+    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(args, config, n))
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
+    )
+    bound = engine.bind(replica_kwargs, server["model_name"], args.max_waiting_requests, board)
+    app = ingress.bind(bound, replica_kwargs, server, board)
+    serve.run(app, name="pagedllm", route_prefix="/")
+    log.info(
+        "serving %s on http://%s:%d with %d engine replicas, router %s",
+        server["model_name"],
+        args.host,
+        args.port,
+        n,
+        args.router,
+    )
+    try:
+        stop.wait()
+    finally:
+        log.info("draining the replicas (up to %g s)", args.shutdown_timeout)
+        serve.shutdown()
