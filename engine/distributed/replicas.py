@@ -60,7 +60,10 @@ class EngineReplica:
         self.llm = AsyncLLM(engine, max_waiting, [self.metrics])
         self._stop = threading.Event()
         threading.Thread(target=self._publish, name="metrics-board", daemon=True).start()
-        log.info("engine replica %s ready (pid %d)", self.name, os.getpid())
+        # Serve's logger: a replica's own loggers have no handler; this one reaches the driver
+        logging.getLogger("ray.serve").info(
+            "engine replica %s ready (pid %d)", self.name, os.getpid()
+        )
 
     def _publish(self) -> None:
         """The replica's metrics to the board every PUBLISH_S seconds, while it lives."""
@@ -316,8 +319,13 @@ def engine_deployment_options(args, config, n: int) -> dict:
 
 def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
     """Run the Serve application until ``stop`` (a threading.Event) is set, then drain it."""
-    import ray
-    from ray import serve
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise ValueError(
+            f"--data-parallel-size needs Ray Serve (pip install 'ray[serve]'): {e}"
+        ) from None
 
     from ..memory import available_ram_bytes
 

@@ -1,0 +1,149 @@
+"""``python -m engine.serve --data-parallel-size 2``: two engine replicas of the tiny model on Ray
+Serve (a local instance the server starts, dashboard off), one server for the module. Through
+the official openai client the greedy text is one engine's; /metrics has both replicas' series
+and the router's counters; a replica killed under load ends its requests with an error status,
+never a hang or a short success, and the endpoint keeps answering."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.llm import run_to_completion
+from engine.sampling_params import SamplingParams
+from tests.utils import make_engine
+
+PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """(base url, the server's log path) of a server with two replicas."""
+    port, log = _free_port(), tmp_path_factory.mktemp("dp") / "server.log"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
+    cmd = [sys.executable, "-m", "engine.serve", "--model", str(tiny_model_dir)]
+    cmd += ["--data-parallel-size", "2", "--port", str(port), "--backend", "numpy"]
+    cmd += ["--enable-prefix-caching", "--max-model-len", "256", "--served-model-name", "tiny"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the server did not come up:\n{log.read_text()[-3000:]}")
+        yield url, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _replica_pids(log) -> set[int]:
+    return {int(p) for p in re.findall(r"engine replica \w+ ready \(pid (\d+)\)", log.read_text())}
+
+
+def test_the_replicas_answer_one_engines_text(server, tiny):
+    from openai import OpenAI
+
+    url, _ = server
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].text for o in run_to_completion(make_engine(tiny), PROMPTS, params)]
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    for prompt, text in zip(PROMPTS * 2, want * 2, strict=True):
+        r = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.choices[0].text == text
+    chunks = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == want[1]
+
+
+def test_metrics_show_every_replica_and_the_router(server):
+    url, log = server
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # replicas publish their metrics every half second
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        engines = set(re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"', text))
+        if len(engines) == 2:
+            break
+        time.sleep(0.5)
+    assert len(engines) == 2, text[-2000:]
+    routed = re.findall(
+        r'pagedllm:router_requests_total\{engine="(\w+)".*reason="(\w+)"\} (\S+)', text
+    )
+    assert routed and {e for e, _, _ in routed} <= engines
+    assert sum(float(n) for _, _, n in routed) >= 7  # the completions of the test before
+    assert {r for _, r, _ in routed} <= {"prefix", "load", "fallback"}
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert len(_replica_pids(log)) == 2
+
+
+def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(server):
+    url, log = server
+    body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    def ask(i: int):
+        try:
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={**body, "prompt": f"{i} {PROMPTS[i % 3]}"},
+                timeout=60,
+            )
+        except httpx.HTTPError as e:
+            return ("transport", str(e))
+        return (r.status_code, r.json())
+
+    victim = sorted(_replica_pids(log))[0]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(ask, i) for i in range(12)]
+        time.sleep(1.5)
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result(timeout=90) for f in futures]
+    ok = [r for s, r in results if s == 200]
+    failed = [(s, r) for s, r in results if s != 200]
+    for r in ok:  # a success is whole, never cut short by the death
+        assert (
+            r["usage"]["completion_tokens"] == 200 and r["choices"][0]["finish_reason"] == "length"
+        )
+    assert failed, "the killed replica had requests in flight"
+    assert all(s in (500, 503) for s, _ in failed), failed
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the other replica serves now; Serve restarts this one
+        r = httpx.post(
+            f"{url}/v1/completions", json={**body, "prompt": "after", "max_tokens": 4}, timeout=30
+        )
+        if r.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
