@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -147,3 +148,19 @@ def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(se
             break
         time.sleep(0.5)
     assert r.status_code == 200, r.text
+
+
+def test_a_serve_config_file_builds_the_application(tiny_model_dir):
+    """deploy/serve_config.yaml's builder: the server's flags as names; a bad one is refused."""
+    import yaml
+    from ray.serve import Application
+
+    from engine.distributed.replicas import app
+
+    path = Path(__file__).resolve().parents[1] / "deploy" / "serve_config.yaml"
+    config = yaml.safe_load(path.read_text())["applications"][0]
+    assert config["import_path"] == "engine.distributed.replicas:app"
+    args = {**config["args"], "model": str(tiny_model_dir)}
+    assert isinstance(app(args), Application)
+    with pytest.raises(ValueError, match="--router-imbalance must be >= 0, got -1"):
+        app({**args, "router_imbalance": -1})

@@ -50,11 +50,11 @@ def _replica_name() -> str:
 class EngineReplica:
     """One replica of the engine deployment: an AsyncLLM over its own LLMEngine."""
 
-    def __init__(self, engine_kwargs: dict, model_name: str, max_waiting: int | None, board):
+    def __init__(self, engine_kwargs: dict, model_name: str, max_waiting: int | None):
         from ..entrypoints.prometheus import PrometheusStatLogger
         from ..llm_engine import LLMEngine
 
-        self.name, self.board = _replica_name(), board
+        self.name, self.board = _replica_name(), metrics_board()
         self.metrics = PrometheusStatLogger(model_name, engine=self.name)
         engine = LLMEngine(**engine_kwargs)
         self.llm = AsyncLLM(engine, max_waiting, [self.metrics])
@@ -142,9 +142,9 @@ class RemoteStream:
 class ReplicatedLLM:
     """``AsyncLLM``'s interface to the server, over the engine deployment's replicas."""
 
-    def __init__(self, handle, view: FrontendView, model_name: str, board):
+    def __init__(self, handle, view: FrontendView, model_name: str):
         self.handle, self.engine, self.tokenizer = handle, view, view.tokenizer
-        self.board = board
+        self.board = metrics_board()
         self.model_name = model_name
         self.stat_loggers: list = []  # the server's own logger sees no steps here: unused
 
@@ -259,9 +259,9 @@ class Ingress:
     """The ingress deployment: the server's FastAPI app over a ReplicatedLLM (built on the
     replica, by Serve's ``__serve_build_asgi_app__``)."""
 
-    def __init__(self, engine_handle, engine_kwargs: dict, server: dict, board):
+    def __init__(self, engine_handle, engine_kwargs: dict, server: dict):
         view = FrontendView(engine_kwargs)
-        self.llm = ReplicatedLLM(engine_handle, view, server["model_name"], board)
+        self.llm = ReplicatedLLM(engine_handle, view, server["model_name"])
         self.server = server
 
     def __serve_build_asgi_app__(self):
@@ -317,7 +317,67 @@ def engine_deployment_options(args, config, n: int) -> dict:
     return options
 
 
-def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
+def metrics_board():
+    """The metrics board of this cluster's app: made by the first that asks, found by the rest
+    (detached: a Serve config deployed from a short-lived process outlives it)."""
+    import ray
+
+    from .serve_router import BOARD
+
+    actor = ray.remote(MetricsBoard).options(
+        name=BOARD, namespace="serve", lifetime="detached", get_if_exists=True, num_cpus=0
+    )
+    return actor.remote()
+
+
+def build_application(args, kwargs: dict, server: dict):
+    """The Serve application: the ingress over ``data_parallel_size`` engine replicas."""
+    from ray import serve
+
+    from ..memory import available_ram_bytes
+
+    config = make_config(**kwargs)
+    n = config.data_parallel_size
+    replica_kwargs = replica_engine_kwargs(kwargs, n, available_ram_bytes())
+    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(args, config, n))
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
+    )
+    bound = engine.bind(replica_kwargs, server["model_name"], args.max_waiting_requests)
+    return ingress.bind(bound, replica_kwargs, server)
+
+
+def app(config: dict):
+    """For a Serve config file (``import_path: engine.distributed.replicas:app``): ``args``
+    are the server's flags, as names without the dashes (``data_parallel_size: 2``); the
+    cluster is the one ``serve deploy`` talks to."""
+    from ..entrypoints.engine_args import engine_kwargs
+    from ..entrypoints.serve import build_parser, check_replica_args, check_server_args
+
+    argv = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [] if value is False else [flag, str(value)]
+    args = build_parser().parse_args(argv)
+    limits = check_server_args(args)
+    kwargs = engine_kwargs(args)
+    check_replica_args(args, make_config(**kwargs).data_parallel_size)
+    return build_application(args, kwargs, server_options(args, kwargs, limits))
+
+
+def server_options(args, kwargs: dict, limits) -> dict:
+    """What the ingress's app needs of the server's flags."""
+    name = args.served_model_name or kwargs.get("model") or "default"
+    return dict(
+        model_name=name,
+        api_key=args.api_key,
+        aliases=[kwargs["model"]] if kwargs.get("model") else [],
+        limits=limits,
+        protect=args.protect_metrics,
+    )
+
+
+def serve_replicas(args, kwargs: dict, limits, stop) -> None:
     """Run the Serve application until ``stop`` (a threading.Event) is set, then drain it."""
     try:
         import ray
@@ -327,8 +387,6 @@ def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
             f"--data-parallel-size needs Ray Serve (pip install 'ray[serve]'): {e}"
         ) from None
 
-    from ..memory import available_ram_bytes
-
     config = make_config(**kwargs)
     n = config.data_parallel_size
     if not ray.is_initialized():
@@ -336,17 +394,9 @@ def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
         cpus = None if address else max(os.cpu_count() or 1, n)
         ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": args.host, "port": args.port})
-    from .serve_router import BOARD
-
-    board = ray.remote(MetricsBoard).options(name=BOARD, namespace="serve", num_cpus=0).remote()
-    replica_kwargs = replica_engine_kwargs(kwargs, n, available_ram_bytes())
-    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(args, config, n))
-    ingress = serve.deployment(serve.ingress()(Ingress)).options(
-        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
-    )
-    bound = engine.bind(replica_kwargs, server["model_name"], args.max_waiting_requests, board)
-    app = ingress.bind(bound, replica_kwargs, server, board)
-    serve.run(app, name="pagedllm", route_prefix="/")
+    server = server_options(args, kwargs, limits)
+    board = metrics_board()
+    serve.run(build_application(args, kwargs, server), name="pagedllm", route_prefix="/")
     log.info(
         "serving %s on http://%s:%d with %d engine replicas, router %s",
         server["model_name"],
@@ -360,3 +410,4 @@ def serve_replicas(args, kwargs: dict, server: dict, stop) -> None:
     finally:
         log.info("draining the replicas (up to %g s)", args.shutdown_timeout)
         serve.shutdown()
+        ray.kill(board)

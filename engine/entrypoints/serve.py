@@ -188,18 +188,10 @@ def run_replicated(args, limits) -> int:
     from engine.distributed.replicas import serve_replicas
 
     kwargs = engine_kwargs(args)
-    name = args.served_model_name or kwargs.get("model") or "default"
-    server = dict(
-        model_name=name,
-        api_key=args.api_key,
-        aliases=[kwargs.get("model")] if kwargs.get("model") else [],
-        limits=limits,
-        protect=args.protect_metrics,
-    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: (_stopped(signum, None), stop.set()))
-    serve_replicas(args, kwargs, server, stop)
+    serve_replicas(args, kwargs, limits, stop)
     log.info("server stopped")
     return 0
 
