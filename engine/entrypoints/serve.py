@@ -183,15 +183,9 @@ def run(args) -> int:
 def run_replicated(args, limits) -> int:
     """The same API over --data-parallel-size engine replicas on Ray Serve
     (engine/distributed/replicas.py), until SIGINT/SIGTERM/SIGHUP, which drain them."""
-    import threading
-
     from engine.distributed.replicas import serve_replicas
 
-    kwargs = engine_kwargs(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: (_stopped(signum, None), stop.set()))
-    serve_replicas(args, kwargs, limits, stop)
+    serve_replicas(args, engine_kwargs(args), limits)
     log.info("server stopped")
     return 0
 

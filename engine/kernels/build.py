@@ -271,3 +271,13 @@ def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None
     jobs = [(n, d) for n in names or kernel_names() for d in define_sets(n, defines)]
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda job: compile_cpu(job[0], defines=job[1]), jobs))
+
+
+def build_everything(workers: int = 2) -> None:
+    """``make setup``: every kernel's CPU build, plain and under ASan (what the tests load),
+    ahead of the tests; cached by content hash, so a build already there is skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(n, d, asan) for asan in (False, True) for n in kernel_names() for d in define_sets(n)]
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda j: compile_cpu(j[0], asan=j[2], defines=j[1]), jobs))
