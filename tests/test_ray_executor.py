@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import pytest
 import ray
 
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from tests.utils import kill_rank_mid_run, make_engine
+from tests.utils import assert_same_greedy, kill_rank_mid_run, make_engine
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -46,10 +45,7 @@ def test_ray_ranks_equal_one_process(tiny, backend):
     engine = _ray_engine(tiny, tp, backend=backend, record_logits=True)
     assert engine.backend.name == f"{backend}-ray" and len(set(engine.backend.pids)) == tp
     many = run_to_completion(engine, PROMPTS, GREEDY)
-    for a, b in zip(one, many, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        got, want = np.stack(b.outputs[0].step_logits), np.stack(a.outputs[0].step_logits)
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_same_greedy(one, many)
     engine.backend.shutdown()
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:

@@ -105,3 +105,14 @@ def kill_rank_mid_run(engine: LLMEngine, rank: int, prompt: str, message: str) -
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - start < 10
+
+
+def assert_same_greedy(one: list, many: list, tol: float = 1e-4) -> None:
+    """Several ranks' outputs against one process's: the same greedy tokens, and each step's
+    recorded logits (``record_logits``) within ``tol``."""
+    import numpy as np
+
+    for a, b in zip(one, many, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = np.stack(b.outputs[0].step_logits), np.stack(a.outputs[0].step_logits)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
