@@ -183,3 +183,36 @@ def test_a_serve_config_file_builds_the_application(tiny_model_dir):
     assert isinstance(app(args), Application)
     with pytest.raises(ValueError, match="--router-imbalance must be >= 0, got -1"):
         app({**args, "router_imbalance": -1})
+
+
+def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
+    """--max-replicas turns on Serve's autoscaler between the bounds, starting at the size; a
+    host backend's replicas split the RAM; bad bounds are one line."""
+    from engine.config import make_config
+    from engine.distributed.replicas import engine_deployment_options, replica_engine_kwargs
+    from engine.entrypoints.engine_args import engine_kwargs
+    from engine.entrypoints.serve import build_parser, check_replica_args
+
+    argv = "--data-parallel-size 2 --min-replicas 1 --max-replicas 4 --router round-robin"
+    args = build_parser().parse_args(argv.split())
+    config = make_config(data_parallel_size=2, backend="numpy")
+    options = engine_deployment_options(args, config, 2)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 16.0
+    }  # fmt: skip
+    assert options["request_router_config"].request_router_kwargs["policy"] == "round-robin"
+    kwargs = replica_engine_kwargs({"backend": "numpy", "data_parallel_size": 2}, 2, 10 << 30)
+    assert kwargs["data_parallel_size"] == 1 and kwargs["memory_budget_bytes"] == int(
+        0.45 * (10 << 30)
+    )
+    bounds = r"--data-parallel-size \(3\) <= --max-replicas \(2\)"
+    one = r"--max-replicas \(autoscaling\) needs --data-parallel-size above 1"
+    for argv, message in [
+        ("--data-parallel-size 3 --max-replicas 2", bounds),
+        ("--max-replicas 2", one),
+    ]:
+        args = build_parser().parse_args(argv.split())
+        n = make_config(**engine_kwargs(args)).data_parallel_size
+        with pytest.raises(ValueError, match=message):
+            check_replica_args(args, n)
