@@ -57,13 +57,12 @@ class NcclComm:
         self.lib, self.world, self.rank, self.device = lib, world, rank, device
         self.comm = lib.NcclCommunicator(world, uid, rank)
         self.calls = 0  # collectives queued
-        self.bytes = 0  # bytes each rank contributed to them
 
     def all_reduce(self, x) -> None:
         """x = the sum of every rank's x (same shape and dtype on every rank), in place."""
         ptr, stream = self.device.ptr(x), self.device.stream.ptr
         self.comm.allReduce(ptr, ptr, x.size, nccl_type(x.dtype), NCCL_SUM, stream)
-        self._count(x)
+        self.calls += 1
 
     def all_gather(self, send, recv) -> None:
         """recv (world, *send.shape) = every rank's send, in rank order."""
@@ -71,11 +70,7 @@ class NcclComm:
         stream = self.device.stream.ptr
         send_ptr, recv_ptr = self.device.ptr(send), self.device.ptr(recv)
         self.comm.allGather(send_ptr, recv_ptr, send.size, nccl_type(send.dtype), stream)
-        self._count(send)
-
-    def _count(self, x) -> None:
         self.calls += 1
-        self.bytes += int(x.nbytes)
 
     def close(self) -> None:
         if self.comm is not None:

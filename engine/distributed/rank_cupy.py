@@ -26,7 +26,7 @@ import numpy as np
 from engine.utils import cdiv
 
 from ..backends.cupy_backend import CupyBackend, Workspace
-from .nccl import NcclComm
+from .nccl import NcclComm, nccl_version
 from .sharding import Shard
 
 
@@ -51,8 +51,6 @@ class RankCupyBackend(CupyBackend):
 
     def join(self, uid) -> str:
         """Join the ranks' communicator; NCCL's version."""
-        from .nccl import nccl_version
-
         lib = self.device.nccl
         with self.device.active():
             self.comm = NcclComm(lib, self.world, uid, self.shard.rank, self.device)

@@ -81,9 +81,6 @@ class EngineReplica:
         async for out in stream:  # leaving early (the caller cancelled) aborts the request
             yield out
 
-    def metrics_text(self) -> str:
-        return self.metrics.render().decode()
-
     def ping(self) -> str:
         return self.name
 
@@ -109,12 +106,15 @@ class FrontendView:
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
         self.sampling_defaults = model_sampling_defaults(self.config, loaded)
-        self._loaded = loaded
+        self._loaded, self._compiler = loaded, None
 
     def structured_compiler(self):
+        """Built on first use (half a second for a 49k vocabulary), then kept with its cache."""
         from ..core import model_eos_ids, structured_compiler
 
-        return structured_compiler(self._loaded, model_eos_ids(self._loaded))
+        if self._compiler is None:
+            self._compiler = structured_compiler(self._loaded, model_eos_ids(self._loaded))
+        return self._compiler
 
 
 class RemoteStream:
@@ -192,9 +192,6 @@ class ReplicatedLLM:
             self._draining = await self.board.is_draining.remote()
         return self._draining
 
-    def abort(self, request_id: str) -> None:
-        """Requests are aborted through their stream (cancelling the replica's generator)."""
-
     async def check_health(self) -> None:
         """Healthy while some replica answers within 5 s."""
         try:
@@ -212,9 +209,6 @@ class ReplicatedLLM:
         registry.register(_Merged(texts, routed, self.model_name))
         return generate_latest(registry)
 
-    def shutdown(self) -> None:
-        pass
-
 
 class MetricsBoard:
     """A Ray actor, named ``BOARD`` in Serve's namespace: each replica's latest metrics text
@@ -226,7 +220,7 @@ class MetricsBoard:
         self.routed: dict[tuple[str, str], int] = {}
         self.draining = False
 
-    def put(self, name: str, text: str, unfinished: int = 0) -> None:
+    def put(self, name: str, text: str, unfinished: int) -> None:
         self.texts[name] = (time.monotonic(), text, unfinished)
 
     def drain(self) -> None:
@@ -258,16 +252,14 @@ class _Merged:
         self.texts, self.routed, self.model_name = texts, routed, model_name
 
     def collect(self):
-        families: dict = {}
+        families: dict = {}  # (name, type) -> the first replica's family, the others' samples added
         for text in self.texts:
-            seen = set()
             for fam in text_string_to_metric_families(text):
                 key = (fam.name, fam.type)
-                if key in families and key not in seen:
+                if key in families:
                     families[key].samples += fam.samples
-                elif key not in families:
+                else:
                     families[key] = fam
-                seen.add(key)
         yield from families.values()
         routed = CounterMetricFamily(
             "pagedllm:router_requests",

@@ -61,7 +61,6 @@ class PrometheusStatLogger:
         )
         for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
             metric.labels(*self.label_values)  # every series from the start, at 0
-        self.model_name = model_name
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._spec_last: dict = {}
 
