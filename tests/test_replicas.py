@@ -187,7 +187,8 @@ def test_a_serve_config_file_builds_the_application(tiny_model_dir):
 
 def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
     """--max-replicas turns on Serve's autoscaler between the bounds, starting at the size; a
-    host backend's replicas split the RAM; bad bounds are one line."""
+    host backend's replicas split the RAM; bad bounds, and a replica flag where it would do
+    nothing (one engine, or no autoscaler), are one line."""
     from engine.config import make_config
     from engine.distributed.replicas import engine_deployment_options, replica_engine_kwargs
     from engine.entrypoints.engine_args import engine_kwargs
@@ -208,9 +209,14 @@ def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
     )
     bounds = r"--data-parallel-size \(3\) <= --max-replicas \(2\)"
     one = r"--max-replicas \(autoscaling\) needs --data-parallel-size above 1"
+    alone = r"needs --data-parallel-size above 1 \(one engine, no replicas\)"
     for argv, message in [
         ("--data-parallel-size 3 --max-replicas 2", bounds),
         ("--max-replicas 2", one),
+        ("--router round-robin", f"--router {alone}"),  # one engine: it would be ignored
+        ("--router-imbalance 2", f"--router-imbalance {alone}"),
+        ("--data-parallel-size 2 --min-replicas 2", r"--min-replicas needs --max-replicas"),
+        ("--data-parallel-size 2 --target-ongoing-requests 4", "--target-ongoing-requests needs"),
     ]:
         args = build_parser().parse_args(argv.split())
         n = make_config(**engine_kwargs(args)).data_parallel_size

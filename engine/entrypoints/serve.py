@@ -69,6 +69,10 @@ def build_parser() -> CliParser:
     return add_engine_args(p)
 
 
+REPLICA_DEFAULTS = {"router": "prefix-aware", "router_imbalance": 4, "min_replicas": 1}
+REPLICA_DEFAULTS |= {"max_replicas": None, "target_ongoing_requests": 16.0}
+
+
 def add_replica_args(p) -> None:
     g = p.add_argument_group(
         "data parallel (with --data-parallel-size above 1: engine replicas on Ray Serve)"
@@ -76,7 +80,7 @@ def add_replica_args(p) -> None:
     g.add_argument(
         "--router",
         choices=POLICIES,
-        default="prefix-aware",
+        default=REPLICA_DEFAULTS["router"],
         help="how a request's replica is chosen: prefix-aware (the replica that was sent the "
         "longest prefix of its prompt, unless the replicas' queues differ by more than "
         "--router-imbalance, then the least loaded), least-loaded, or round-robin "
@@ -85,14 +89,14 @@ def add_replica_args(p) -> None:
     g.add_argument(
         "--router-imbalance",
         type=int,
-        default=4,
+        default=REPLICA_DEFAULTS["router_imbalance"],
         help="queued requests by which replicas may differ before prefix-aware routing sends "
         "to the least loaded instead (default 4)",
     )
     g.add_argument(
         "--min-replicas",
         type=int,
-        default=1,
+        default=REPLICA_DEFAULTS["min_replicas"],
         help="with --max-replicas: autoscaling's lower bound (default 1)",
     )
     g.add_argument(
@@ -104,7 +108,7 @@ def add_replica_args(p) -> None:
     g.add_argument(
         "--target-ongoing-requests",
         type=float,
-        default=16.0,
+        default=REPLICA_DEFAULTS["target_ongoing_requests"],
         help="autoscaling: requests in flight per replica that Serve aims for (default 16)",
     )
 
@@ -133,11 +137,19 @@ def check_server_args(args) -> ServerLimits:
 
 
 def check_replica_args(args, n: int) -> None:
+    """The data-parallel flags: each given only where it acts (one engine has no router, no
+    autoscaler), and in its range."""
+    if args.max_replicas is not None and n == 1:
+        raise ValueError("--max-replicas (autoscaling) needs --data-parallel-size above 1")
+    for name, default in REPLICA_DEFAULTS.items():
+        flag, given = "--" + name.replace("_", "-"), getattr(args, name) != default
+        if n == 1 and given:
+            raise ValueError(f"{flag} needs --data-parallel-size above 1 (one engine, no replicas)")
+        if name in ("min_replicas", "target_ongoing_requests") and given and not args.max_replicas:
+            raise ValueError(f"{flag} needs --max-replicas (autoscaling)")
     if args.router_imbalance < 0:
         raise ValueError(f"--router-imbalance must be >= 0, got {args.router_imbalance}")
     if args.max_replicas is not None:
-        if n == 1:
-            raise ValueError("--max-replicas (autoscaling) needs --data-parallel-size above 1")
         if not 1 <= args.min_replicas <= n <= args.max_replicas:
             raise ValueError(
                 f"autoscaling needs 1 <= --min-replicas ({args.min_replicas}) <= "
