@@ -185,6 +185,20 @@ def test_a_serve_config_file_builds_the_application(tiny_model_dir):
         app({**args, "router_imbalance": -1})
 
 
+def test_without_a_model_the_default_is_chosen_once_for_every_replica(tiny_model_dir):
+    """No --model: the ingress and the replicas are given the same, resolved name (each
+    resolving it alone could differ, and the ingress had no name to tokenize with)."""
+    from engine.distributed.replicas import server_options, with_model
+    from engine.entrypoints.serve import build_parser
+    from reference.loader import default_model
+
+    assert with_model({"model": str(tiny_model_dir)})["model"] == str(tiny_model_dir)
+    kwargs = with_model({"backend": "numpy"})
+    assert kwargs["model"] == default_model()[0] and kwargs["backend"] == "numpy"
+    options = server_options(build_parser().parse_args([]), kwargs, None)
+    assert options["model_name"] == kwargs["model"] and options["aliases"] == [kwargs["model"]]
+
+
 def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
     """--max-replicas turns on Serve's autoscaler between the bounds, starting at the size; a
     host backend's replicas split the RAM; bad bounds, and a replica flag where it would do

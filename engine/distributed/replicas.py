@@ -29,7 +29,7 @@ import time
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from reference.loader import load_model
+from reference.loader import default_model, load_model
 
 from ..async_llm import AsyncLLM, EngineDeadError
 from ..config import make_config
@@ -376,18 +376,28 @@ def app(config: dict):
         argv += [flag] if value is True else [] if value is False else [flag, str(value)]
     args = build_parser().parse_args(argv)
     limits = check_server_args(args)
-    kwargs = engine_kwargs(args)
+    kwargs = with_model(engine_kwargs(args))
     check_replica_args(args, make_config(**kwargs).data_parallel_size)
     return build_application(args, kwargs, server_options(args, kwargs, limits))
 
 
+def with_model(kwargs: dict) -> dict:
+    """The engine arguments with the model named: the default model is chosen here, once, so
+    the ingress and every replica load the same one."""
+    if kwargs.get("model"):
+        return kwargs
+    name, why = default_model()
+    log.info("model: %s (%s)", name, why)
+    return dict(kwargs, model=name)
+
+
 def server_options(args, kwargs: dict, limits) -> dict:
     """What the ingress's app needs of the server's flags."""
-    name = args.served_model_name or kwargs.get("model") or "default"
+    name = args.served_model_name or kwargs["model"]
     return dict(
         model_name=name,
         api_key=args.api_key,
-        aliases=[kwargs["model"]] if kwargs.get("model") else [],
+        aliases=[kwargs["model"]],
         limits=limits,
         protect=args.protect_metrics,
     )
@@ -403,6 +413,7 @@ def serve_replicas(args, kwargs: dict, limits) -> None:
             f"--data-parallel-size needs Ray Serve (pip install 'ray[serve]'): {e}"
         ) from None
 
+    kwargs = with_model(kwargs)
     config = make_config(**kwargs)
     n = config.data_parallel_size
     if not ray.is_initialized():

@@ -11,18 +11,21 @@ replica whose actor died is forgotten.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import ray
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from engine.distributed.routing import Router
 
 BOARD = "pagedllm_board"  # the metrics board's actor name, in Serve's namespace
+PENDING = 4096  # decisions kept for requests not yet routed (a cancelled one never is)
 
 
 class PolicyRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "prefix-aware", imbalance: int = 4, **_):
         self.router = Router(policy, imbalance)
-        self.decided: dict = {}  # Serve's request id -> (token ids, replica, reason)
+        self.decided: OrderedDict = OrderedDict()  # Serve's request id -> (ids, replica, reason)
         self.board = None  # the metrics board, found by name at the first routed request
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -41,6 +44,8 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
             pick,
             reason,
         )
+        while len(self.decided) > PENDING:  # the oldest were cancelled before they were routed
+            self.decided.popitem(last=False)
         rest = [r for name, r in by_name.items() if name != pick]
         return [[by_name[pick]], rest] if rest else [[by_name[pick]]]
 
