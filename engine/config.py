@@ -20,7 +20,7 @@ from .utils import GiB
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's names
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
-BACKENDS = ("auto", "numpy", "cuda", "cuda-cpu")
+BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
 EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
@@ -125,9 +125,10 @@ class EngineConfig:
     )
     backend: str = option(
         "auto",
-        "auto: cuda when CuPy sees a GPU, else numpy; numpy: NumPy on the host; cuda: the "
-        "kernels on a GPU through CuPy; cuda-cpu: the cuda backend on an emulated device (the "
-        "kernels' CPU builds, CUDA's capture rules checked)",
+        "auto: cuda when CuPy sees a GPU, else cpu (numpy without g++); cpu: native C++ "
+        "kernels on the host, multi-threaded, NumPy's BLAS for the products; numpy: NumPy on "
+        "the host, the plain one; cuda: the kernels on a GPU through CuPy; cuda-cpu: the cuda "
+        "backend on an emulated device (the kernels' CPU builds, CUDA's capture rules checked)",
         choices=BACKENDS,
     )
     seed: int = option(0, "engine seed for sampling (a request's own seed overrides it)")

@@ -32,7 +32,7 @@ from .utils import cdiv, mib
 log = logging.getLogger("engine")
 
 # their "GPU" pool is host memory
-HOST_BACKENDS = ("numpy", "numpy-mp", "numpy-ray", "cuda-cpu", "cuda-cpu-mp", "cuda-cpu-ray")
+HOST_BACKENDS = ("cpu", "numpy", "numpy-mp", "numpy-ray", "cuda-cpu", "cuda-cpu-mp", "cuda-cpu-ray")
 HOST_RAM_FRACTION = 0.5  # of available RAM, for the default host plan: room for other processes
 PEAK_FIX = "lower max_num_batched_tokens or max_num_seqs, or give more memory"
 

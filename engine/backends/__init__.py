@@ -1,10 +1,12 @@
-"""Backends: one interface (``base.Backend``), two implementations, three devices.
+"""Backends: one interface (``base.Backend``), three implementations, four devices.
 
-numpy     ``NumpyBackend``: NumPy on the host (ops: ``fast_ops``), the fast host backend
+cpu       ``CpuBackend``: the NumPy backend's forward with native C++ kernels between its
+          matrix products (ops: ``cpu_ops`` over ``cpu_src/``), the fast host backend
+numpy     ``NumpyBackend``: NumPy on the host (ops: ``fast_ops``), the plain, readable one
 cuda      ``CupyBackend`` on a GPU through CuPy: the project's kernels, cuBLAS, CUDA graphs
 cuda-cpu  ``CupyBackend`` on the emulated device: the same code, the kernels' CPU builds, and
           CUDA's and CuPy's rules checked (``devices.EmulatedDevice``)
-auto      cuda when CuPy sees a GPU, else numpy
+auto      cuda when CuPy sees a GPU, else cpu (numpy where there is no g++ to build it)
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ def resolve_backend_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     if name == "auto":
+        from .cpu_native import compiler_available
         from .devices import gpu_count
 
         n = gpu_count()
-        picked = "cuda" if n else "numpy"
-        why = f"CuPy sees {n} GPU(s)" if n else "CuPy sees no GPU"
+        if n:
+            picked, why = "cuda", f"CuPy sees {n} GPU(s)"
+        elif compiler_available():
+            picked, why = "cpu", "CuPy sees no GPU"
+        else:
+            picked, why = "numpy", "CuPy sees no GPU, and there is no g++ for the cpu backend"
         log.info("backend auto -> %s (%s)", picked, why)
         return picked
     return name
@@ -36,6 +43,10 @@ def get_backend(name: str, model_config, weights, engine_config):
     name = resolve_backend_name(name)
     if name == "numpy":
         backend = NumpyBackend(model_config, weights, engine_config)
+    elif name == "cpu":
+        from .cpu_backend import CpuBackend
+
+        backend = CpuBackend(model_config, weights, engine_config)
     else:
         from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
 

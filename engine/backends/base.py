@@ -42,6 +42,29 @@ def resolve_kv_dtype(dtype: str, model_config: ModelConfig, on_gpu: bool) -> str
     return dtype
 
 
+_retained: list = []  # [True] once malloc was told to keep freed memory
+
+
+def retain_freed_memory() -> None:
+    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS
+    (large blocks are otherwise mapped fresh and unmapped on free). A host backend's step
+    allocates the same large temporaries every layer; fresh pages fault in on first touch, and
+    on this project's VMs a fault costs tens of microseconds (measured: a 6 GB array's first
+    fill 68 s, its second 0.8 s). Not glibc: nothing to do."""
+    if _retained:
+        return
+    _retained.append(True)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)  # blocks up to 64 MB come from the heap
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap is not trimmed
+
+
 def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """(L, 2, num_blocks, block_size, Hkv, hd): the KV pool of every backend."""
     L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim

@@ -18,7 +18,8 @@ from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
 from . import fast_ops
-from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype
+from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype, retain_freed_memory
+from .fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
 
 log = logging.getLogger("engine.backend")
 
@@ -76,22 +77,6 @@ def pack_weights(
     return layers, rest
 
 
-SMALL_M = 8  # products of 2..7 rows run as 8 (see matmul)
-
-
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (M, K) @ w (K, N). NOTE: OpenBLAS's float32 gemm takes longer for 2 to 7 rows than
-    for 8 on this project's machines (measured: lm_head's (576, 49152), 5 rows 12.0 ms, 8 rows
-    7.1 ms, 1 row 2.8 ms), so such products are padded with zero rows to 8: a speculated row
-    of 1 + 4 tokens, or a decode batch of 2 to 7."""
-    m = x.shape[0]
-    if not 1 < m < SMALL_M:
-        return x @ w
-    padded = np.zeros((SMALL_M, x.shape[1]), x.dtype)  # (8, K)
-    padded[:m] = x
-    return (padded @ w)[:m]
-
-
 def greedy_ids(logits: np.ndarray) -> np.ndarray:
     """(B, V) -> (B,) int32 first argmax, NaN ignored; -1 where no value is above -inf."""
     clean = np.where(np.isnan(logits), -np.inf, logits)  # (B, V)
@@ -106,6 +91,7 @@ class NumpyBackend(Backend):
     name = "numpy"
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config, ops=None):
+        retain_freed_memory()
         self.cfg = model_config
         self.ops = ops if ops is not None else fast_ops
         self.block_size = engine_config.block_size
@@ -183,8 +169,8 @@ class NumpyBackend(Backend):
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            act = ops.act_and_mul(matmul(h, lw.w_gate_up), c.hidden_act)  # (T, 2F) -> (T, F)
-            x = self._reduce(matmul(act, lw.w_down))  # (T, D)
+            act = ops.act_and_mul(ops.matmul(h, lw.w_gate_up), c.hidden_act)  # (T, 2F) -> (T, F)
+            x = self._reduce(ops.matmul(act, lw.w_down))  # (T, D)
         return x, residual
 
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
@@ -204,25 +190,15 @@ class NumpyBackend(Backend):
         return x
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
-        return matmul(h, self.lm_head)  # (R, D) -> (R, V)
+        return self.ops.matmul(h, self.lm_head)  # (R, D) -> (R, V)
 
     def _attention(self, h: np.ndarray, lw: PackedLayer, layer: int, b: ForwardBatch):
         # h: (T, D) normalized -> (T, D)
         c, ops, n = self.cfg, self.ops, h.shape[0]
-        qkv = matmul(h, lw.w_qkv)  # (T, H*hd + 2*Hkv*hd)
-        if lw.b_qkv is not None:
-            qkv += lw.b_qkv
-        q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
-        k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
-        v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
-        if lw.q_norm is not None:  # each head RMS-normalised before RoPE
-            q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
-            k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
-        q, k = ops.rotary(q, k, b.positions, c.rope)
-        window = c.window(layer)
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
-        ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
-        out = np.empty_like(q)  # (T, H, hd)
+        q = self._rotary_cache(ops.matmul(h, lw.w_qkv), lw, k_cache, v_cache, b)  # (T, H, hd)
+        window = c.window(layer)
+        out = np.empty(q.shape, F32)  # (T, H, hd)
         nd = b.num_decodes
         if nd:  # decodes: rows 0..nd-1, one per sequence
             out[:nd] = ops.paged_attention_decode(
@@ -246,4 +222,20 @@ class NumpyBackend(Backend):
                 self.scale,
                 window,
             )
-        return self._reduce(matmul(out.reshape(n, c.q_dim), lw.w_o))
+        return self._reduce(ops.matmul(out.reshape(n, c.q_dim), lw.w_o))
+
+    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
+        """qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k and v rotated and written into
+        their cache slots (the native CPU backend does all of it in one kernel)."""
+        c, ops, n = self.cfg, self.ops, qkv.shape[0]
+        if lw.b_qkv is not None:
+            qkv += lw.b_qkv
+        q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
+        k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
+        v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
+        if lw.q_norm is not None:  # each head RMS-normalised before RoPE
+            q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
+            k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
+        q, k = ops.rotary(q, k, b.positions, c.rope)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
+        return q

@@ -22,6 +22,13 @@ def executor_backend(model_config, weights, config):
     (tensor and pipeline parallel), or of the GPU backend (``cuda``, ``cuda-cpu``: tensor
     parallel over NCCL), as worker processes or Ray actors."""
     name = resolve_backend_name(config.backend)
+    if name == "cpu":  # its ranks are the numpy backend's
+        if config.backend != "auto":
+            raise ValueError(
+                "the cpu backend runs one rank; tensor and pipeline parallel ranks run on the "
+                "numpy backend (--backend numpy)"
+            )
+        name = "numpy"
     if name != "numpy" and config.pipeline_parallel_size > 1:
         raise ValueError(
             f"pipeline_parallel_size {config.pipeline_parallel_size} runs on the numpy backend "

@@ -294,7 +294,7 @@ def replica_engine_kwargs(kwargs: dict, n: int, ram: int) -> dict:
     on a host backend each replica's memory plan gets 1/n of 0.9 x the RAM, unless the pool is
     sized by hand (``num_gpu_blocks`` or ``memory_budget_bytes``)."""
     out = dict(kwargs, data_parallel_size=1, ray_address=None)
-    host = kwargs.get("backend") in ("numpy", "cuda-cpu")
+    host = kwargs.get("backend") in ("cpu", "numpy", "cuda-cpu")
     if host and not kwargs.get("num_gpu_blocks") and not kwargs.get("memory_budget_bytes"):
         out["memory_budget_bytes"] = int(0.9 * ram / n)
     return out

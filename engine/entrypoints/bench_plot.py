@@ -130,7 +130,7 @@ def decode_step_split(engine: LLMEngine, run_engine, prompt, n: int) -> dict[str
     """Mean ms per batch-1 decode step by part (see the module docstring); their sum is the
     run's mean ITL. A backend without host ``ops`` (the GPU ones) gives the ITL alone."""
     backend = engine.backend
-    if backend.name != "numpy":
+    if backend.name not in ("cpu", "numpy"):
         outs, _ = run_engine(engine, [prompt], [n])
         itl = outs[0].metrics.itl
         return {f"decode step ({backend.name}, not split)": 1e3 * sum(itl) / len(itl)}

@@ -1,0 +1,103 @@
+// Shared by the native CPU kernels (engine/backends/cpu_ops.py calls them through ctypes):
+// the cache's element types, an exp the compiler can vectorize, and the thread rule.
+//
+// Activations are float32; a KV cache is float32, float16 or bfloat16 (DT_* below), read as
+// float32 and written with one rounding to nearest even, as NumPy's assignment into it rounds.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+struct bf16 {
+  uint16_t bits;
+};
+typedef _Float16 f16;
+
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(f16 x) { return (float)x; }
+static inline float to_f32(bf16 x) {
+  uint32_t u = (uint32_t)x.bits << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T> static inline T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline f16 from_f32<f16>(float x) { return (f16)x; }
+template <> inline bf16 from_f32<bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(uint16_t)((u >> 16) | 0x40)};  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return bf16{(uint16_t)(u >> 16)};
+}
+
+// e^x in float32 (Cephes' polynomial after x = n ln2 + r), within 2 ulp; -inf and anything
+// below -87.3 give 0, NaN stays NaN. Branch-free, so a loop over it vectorizes.
+static inline float exp_f32(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  const float e = y * scale;
+  return x != x ? x : (x < -87.3f ? 0.0f : e);
+}
+
+// Eight float32 lanes (GCC's vector extension: AVX2 or AVX-512 registers under -march=native,
+// plain code elsewhere); load8/store8 need no alignment. Head dims are multiples of 8.
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline float dot_f32(const float* a, const float* b, int n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// A row of a cache as float32: the row itself for a float32 cache, else converted into buf.
+template <typename T> static inline const float* row_f32(const T* row, float* buf, int n) {
+  if constexpr (sizeof(T) == 4) {
+    return reinterpret_cast<const float*>(row);
+  } else {
+#pragma omp simd
+    for (int i = 0; i < n; i++) buf[i] = to_f32(row[i]);
+    return buf;
+  }
+}
+
+// Threads: a kernel runs on `threads` OpenMP threads only when it has at least this many
+// float operations' worth of work; below it, waking the threads costs more than they save.
+static const long PARALLEL_WORK = 1L << 15;
+static inline int threads_for(long work, int threads) {
+  return work >= PARALLEL_WORK ? threads : 1;
+}
+
+#define DISPATCH_CACHE(dtype, CALL)          \
+  switch (dtype) {                           \
+    case DT_F32: { typedef float T; CALL; } break; \
+    case DT_F16: { typedef f16 T; CALL; } break;   \
+    default: { typedef bf16 T; CALL; } break;      \
+  }

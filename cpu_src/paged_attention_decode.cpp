@@ -1,0 +1,146 @@
+// Paged decode attention: one query row per sequence over its paged K/V.
+// Threads: one task per sequence, or per (sequence, KV head) when there are too few sequences
+// to keep every thread busy; tasks go to the threads as they free up. A task walks the block
+// table once, a tile of keys at a time; each K and V row is read once for all the query heads
+// that share it (converted to float32 once, for a 16-bit cache), with an online softmax
+// (running max and sum per query head, the accumulator rescaled once per tile). A query head's
+// q row and accumulator stay in registers while it runs over the tile's keys.
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+const int TILE = 32;  // keys per tile
+const int MAX_HD = 256;
+
+// The tile's key (or value) rows of KV head h as float32: (nt, hd) at rows (pointers into
+// the cache for a float32 one, else converted into buf).
+template <typename T>
+void tile_rows(const float** rows, float* buf, const T* cache, const int32_t* table, int t0,
+               int nt, int bs, long row, int h, int hd) {
+  for (int j = 0; j < nt; j++) {
+    const int t = t0 + j;
+    rows[j] = row_f32(cache + ((long)table[t / bs] * bs + t % bs) * row + (long)h * hd,
+                      buf + (long)j * hd, hd);
+  }
+}
+
+// One query head over one tile: scores s[j] = q . k_j * scale. HD: the head dim, or 0 for hd.
+template <int HD>
+inline void scores(float* s, const float* q, const float* const* k, int nt, float scale,
+                   int hd_rt) {
+  const int hd = HD ? HD : hd_rt;
+  v8 qv[MAX_HD / 8];
+  for (int i = 0; i < hd / 8; i++) qv[i] = load8(q + 8 * i);
+  for (int j = 0; j < nt; j++) {
+    v8 a = qv[0] * load8(k[j]);
+    for (int i = 1; i < hd / 8; i++) a += qv[i] * load8(k[j] + 8 * i);
+    s[j] = hsum8(a) * scale;
+  }
+}
+
+// acc = acc * corr + sum_j p_j v_j for one query head.
+template <int HD>
+inline void accumulate(float* acc, const float* p, const float* const* v, int nt, float corr,
+                       int hd_rt) {
+  const int hd = HD ? HD : hd_rt;
+  v8 a[MAX_HD / 8];
+  for (int i = 0; i < hd / 8; i++) a[i] = load8(acc + 8 * i) * corr;
+  for (int j = 0; j < nt; j++)
+    for (int i = 0; i < hd / 8; i++) a[i] += p[j] * load8(v[j] + 8 * i);
+  for (int i = 0; i < hd / 8; i++) store8(acc + 8 * i, a[i]);
+}
+
+template <int HD, typename T>
+void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                 int lo, int n, int bs, int hkv, int hd, int group, float scale, int h0, int h1,
+                 float* out) {
+  // q, out: (H, hd) rows of one sequence; this task: KV heads h0..h1-1, keys lo..n-1
+  const int nh = (h1 - h0) * group;  // query heads of the task
+  std::vector<float> m(nh, -INFINITY), l(nh, 0.0f), acc((size_t)nh * hd, 0.0f);
+  std::vector<float> kbuf(sizeof(T) == 4 ? 0 : (size_t)TILE * hd), vbuf(kbuf.size());
+  const float* krows[TILE];
+  const float* vrows[TILE];
+  float s[TILE];
+  const long row = (long)hkv * hd;
+  for (int t0 = lo; t0 < n; t0 += TILE) {
+    const int nt = std::min(TILE, n - t0);
+    for (int h = h0; h < h1; h++) {
+      tile_rows(krows, kbuf.data(), k_cache, table, t0, nt, bs, row, h, hd);
+      tile_rows(vrows, vbuf.data(), v_cache, table, t0, nt, bs, row, h, hd);
+      for (int g = 0; g < group; g++) {
+        const int r = (h - h0) * group + g;  // the task's query head
+        scores<HD>(s, q + (long)(h * group + g) * hd, krows, nt, scale, hd);
+        float mx = m[r];
+        for (int j = 0; j < nt; j++) mx = std::max(mx, s[j]);
+        const float corr = exp_f32(m[r] - mx);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < nt; j++) {
+          s[j] = exp_f32(s[j] - mx);
+          sum += s[j];
+        }
+        m[r] = mx;
+        l[r] = l[r] * corr + sum;
+        accumulate<HD>(acc.data() + (size_t)r * hd, s, vrows, nt, corr, hd);
+      }
+    }
+  }
+  float* o = out + (long)h0 * group * hd;
+  for (int r = 0; r < nh; r++) {
+    const float inv = 1.0f / l[r];
+    for (int d = 0; d < hd; d++) o[(long)r * hd + d] = acc[(size_t)r * hd + d] * inv;
+  }
+}
+
+template <int HD, typename T>
+void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
+            const int32_t* block_tables, const int32_t* context_lens, int B, int max_blocks,
+            int H, int hkv, int hd, int bs, float scale, int window, int threads) {
+  const int group = H / hkv;
+  long work = 0;
+  for (int b = 0; b < B; b++) work += (long)context_lens[b] * H * hd * 4;
+  const int nt = threads_for(work, threads);
+  const int per_seq = B >= 2 * nt ? 1 : hkv;  // tasks per sequence
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (long task = 0; task < (long)B * per_seq; task++) {
+    const int b = (int)(task / per_seq), part = (int)(task % per_seq);
+    const int h0 = per_seq == 1 ? 0 : part, h1 = per_seq == 1 ? hkv : part + 1;
+    const int n = context_lens[b];
+    const int lo = window > 0 ? std::max(0, n - window) : 0;
+    const long at = (long)b * H * hd;
+    decode_task<HD>(q + at, k_cache, v_cache, block_tables + (long)b * max_blocks, lo, n, bs,
+                    hkv, hd, group, scale, h0, h1, out + at);
+  }
+}
+
+template <typename T>
+void decode_any(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
+                const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
+                int window, int threads) {
+  if (hd == 64)
+    decode<64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+  else if (hd == 128)
+    decode<128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+  else
+    decode<0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+}
+
+}  // namespace
+
+// out, q: (B, H, hd) float32; k_cache, v_cache: (N, bs, Hkv, hd) of `dtype`;
+// block_tables: (B, max_blocks) int32; context_lens: (B,) int32, each >= 1.
+// Returns 0, or 1 for shapes beyond the kernel's limits (the caller checks them first).
+extern "C" int paged_attention_decode(float* out, const float* q, const void* k_cache,
+                                      const void* v_cache, int dtype,
+                                      const int32_t* block_tables,
+                                      const int32_t* context_lens, int B, int max_blocks, int H,
+                                      int hkv, int hd, int bs, float scale, int window,
+                                      int threads) {
+  if (H % hkv || hd > MAX_HD || hd % 8) return 1;
+  DISPATCH_CACHE(dtype, decode_any<T>(out, q, (const T*)k_cache, (const T*)v_cache,
+                                      block_tables, context_lens, B, max_blocks, H, hkv, hd, bs,
+                                      scale, window, threads));
+  return 0;
+}

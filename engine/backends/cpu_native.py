@@ -1,0 +1,170 @@
+"""The native CPU kernels of ``cpu_src/``: built with g++ at first use into one shared library
+(cached by the sources' hash, the flags and this CPU's instruction set), loaded with ctypes, and
+the threads they run on.
+
+Threads: as many as the cores this process may use (``os.sched_getaffinity``), or
+``PAGEDLLM_CPU_THREADS``. OpenMP's idle threads sleep rather than spin (``OMP_WAIT_POLICY``
+defaults to PASSIVE here), so between two kernels they leave the cores to the matrix library's
+threads; nothing is pinned. A machine whose load average is above its cores is logged once:
+a run under contention was measured many times slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from ..kernels.build import REPO, build_dir
+
+log = logging.getLogger("engine.backend")
+
+SRC = REPO / "cpu_src"
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-Wall",
+    "-Werror",
+]
+THREADS_ENV = "PAGEDLLM_CPU_THREADS"
+
+_lock = threading.Lock()
+_lib: list = []  # [the loaded library], once built
+
+
+class NativeBuildError(RuntimeError):
+    """No C++ compiler, or it rejected cpu_src/."""
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), part of the build's cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def compiler_available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def library_path() -> Path:
+    """Build cpu_src/ (if this exact build is not cached) -> the shared library's path."""
+    if not compiler_available():
+        raise NativeBuildError("the cpu backend needs g++ (apt install g++); none on the PATH")
+    sources = sorted(SRC.glob("*.cpp"))
+    h = hashlib.sha256(" ".join(FLAGS).encode() + cpu_flags().encode())
+    for f in sources + sorted(SRC.glob("*.h")):
+        h.update(f.name.encode() + f.read_bytes())
+    out = build_dir() / "native" / f"libpagedllm_cpu-{h.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    log.info("building the native CPU kernels (g++, once per source change) -> %s", out)
+    result = subprocess.run(
+        ["g++", *FLAGS, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise NativeBuildError(f"g++ failed on cpu_src/:\n{result.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+def library() -> ctypes.CDLL:
+    """The native kernels, built and loaded once per process."""
+    with _lock:
+        if not _lib:
+            lib = ctypes.CDLL(str(library_path()))
+            _declare(lib)
+            _lib.append(lib)
+        return _lib[0]
+
+
+P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.paged_attention_decode.argtypes = [P, P, P, P, I, P, P, I, I, I, I, I, I, F, I, I]
+    lib.paged_attention_decode.restype = I
+    lib.paged_attention_prefill.argtypes = [P, P, P, P, I, P, P, P, I, I, I, I, I, I, F, I, I]
+    lib.paged_attention_prefill.restype = I
+    lib.rotary_cache.argtypes = [P, P, P, I, P, P, P, P, P, P, P, F, I, I, I, I, I]
+    lib.rotary_cache.restype = I
+    lib.fused_add_rms_norm.argtypes = [P, P, P, P, F, I, I, I]
+    lib.fused_add_rms_norm.restype = None
+    lib.silu_and_mul.argtypes = [P, P, I, I, I]
+    lib.silu_and_mul.restype = None
+    lib.matmul_init.argtypes = [P, P, P]
+    lib.matmul_init.restype = None
+    lib.matmul_f32.argtypes = [P, P, P, ctypes.c_long, ctypes.c_long, ctypes.c_long, I]
+    lib.matmul_f32.restype = None
+    blas = numpy_blas()
+    names = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
+    lib.matmul_init(*(ctypes.cast(getattr(blas, name), P) for name in names))
+
+
+def numpy_blas() -> ctypes.CDLL:
+    """The OpenBLAS that NumPy loaded (its wheels bundle one), found among this process's
+    mappings."""
+    import re
+
+    import numpy as np
+
+    np.ones((2, 2)) @ np.ones((2, 2))  # the library is loaded by now
+    maps = Path("/proc/self/maps").read_text()
+    found = sorted(set(re.findall(r"\S*openblas\S*\.so[\w.]*", maps)))
+    if not found:
+        raise NativeBuildError("the cpu backend needs NumPy's OpenBLAS; NumPy loaded none")
+    return ctypes.CDLL(found[0])
+
+
+_threads: list = []  # [the thread count], once decided
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads() -> int:
+    """The kernels' thread count: PAGEDLLM_CPU_THREADS, else the cores this process may use.
+    Logs once when the machine is oversubscribed (load average above the cores)."""
+    if not _threads:
+        cores = available_cores()
+        raw = os.environ.get(THREADS_ENV)
+        if raw is not None:
+            try:
+                n = int(raw)
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise ValueError(f"{THREADS_ENV} must be a positive int, got {raw!r}")
+        else:
+            n = cores
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if load > (os.cpu_count() or cores) + 0.5:
+            log.warning(
+                "the machine is oversubscribed (load average %.1f on %d cores): every step "
+                "waits for the cores, expect it many times slower",
+                load,
+                os.cpu_count() or cores,
+            )
+        _threads.append(n)
+    return _threads[0]

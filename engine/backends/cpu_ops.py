@@ -1,0 +1,178 @@
+"""The native CPU backend's operations: the functions of ``fast_ops`` (same arguments, same
+results within float rounding), the heavy ones run by the kernels of ``cpu_src/``
+(``cpu_native``); the rest (embedding, block copies, the GELU activations) are fast_ops' own.
+
+Activations are float32; the KV cache is float32, float16 or bfloat16. ``rotary_cache`` does
+what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the cos/sin table that
+``fast_ops`` computes once per forward. ``fused_add_rms_norm`` adds into ``residual`` in place
+(and returns it): the backend's residual is its own array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import fast_ops
+from .cpu_native import library, threads
+from .fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
+
+F32 = np.dtype(np.float32)
+CACHE_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _p(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def _c32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=F32)
+
+
+def _i32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _cache_code(cache: np.ndarray) -> int:
+    code = CACHE_DTYPES.get(cache.dtype.name)
+    if code is None or not cache.flags.c_contiguous:
+        raise ValueError(
+            f"a KV cache must be contiguous float32/float16/bfloat16, got {cache.dtype}"
+        )
+    return code
+
+
+def _check(status: int, name: str, shape) -> None:
+    if status:
+        raise ValueError(f"{name}: shape {shape} is beyond the native kernel's limits")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    # x: (T, D), weight: (D,) -> (T, D) float32, scaled by (offset + weight)
+    x, w = _c32(x), _c32(weight + np.float32(offset) if offset else weight)
+    out = np.empty_like(x)  # (T, D)
+    library().fused_add_rms_norm(
+        _p(out), _p(x), None, _p(w), eps, x.shape[0], x.shape[1], threads()
+    )
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps, offset: float = 0.0):
+    """residual += x (in place when it is a contiguous float32 array); -> (rms_norm(residual),
+    residual). x, residual: (T, D)."""
+    x, w = _c32(x), _c32(weight + np.float32(offset) if offset else weight)
+    residual = _c32(residual)
+    out = np.empty_like(x)  # (T, D)
+    n, d = x.shape
+    library().fused_add_rms_norm(_p(out), _p(x), _p(residual), _p(w), eps, n, d, threads())
+    return out, residual
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    # gate_up: (T, 2F), gate first then up -> (T, F) float32
+    gate_up = _c32(gate_up)
+    n, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((n, f), F32)  # (T, F)
+    library().silu_and_mul(_p(out), _p(gate_up), n, f, threads())
+    return out
+
+
+def act_and_mul(gate_up: np.ndarray, activation: str = "silu") -> np.ndarray:
+    # gate_up: (T, 2F) -> act(gate) * up, (T, F); the GELUs are fast_ops'
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    return fast_ops.act_and_mul(gate_up, activation)
+
+
+def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope):
+    return fast_ops.rotary(q, k, positions, rope)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    fast_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotary_cache(
+    qkv,
+    positions,
+    rope,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_heads: int,
+    bias=None,
+    q_norm=None,
+    k_norm=None,
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """qkv (T, (H + 2 Hkv) hd) rows q | k | v: + bias if given, q and k heads RMS-normed with
+    q_norm and k_norm (hd,) if given, then rotated; k and v written into their slots of the
+    (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd) float32.
+    rope: a reference.rope.RopeParams or a bare theta."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    qkv = _c32(qkv)
+    n, (hkv, hd) = qkv.shape[0], k_cache.shape[2:]
+    cos, sin = fast_ops._cos_sin(positions, hd, rope, F32)  # (T, hd) each
+    cos, sin = _c32(cos), _c32(sin)
+    q = np.empty((n, num_heads, hd), F32)  # (T, H, hd)
+    code = _cache_code(k_cache)
+    _cache_code(v_cache)
+    bias, q_norm, k_norm = (None if a is None else _c32(a) for a in (bias, q_norm, k_norm))
+    slots = _i32(slot_mapping)
+    status = library().rotary_cache(
+        _p(q), _p(k_cache), _p(v_cache), code, _p(qkv), _p(bias), _p(cos), _p(sin), _p(slots),
+        _p(q_norm), _p(k_norm), eps, n, num_heads, hkv, hd, threads(),
+    )  # fmt: skip
+    _check(status, "rotary_cache", qkv.shape)
+    return q
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
+    """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
+    Query b sits at position context_lens[b]-1 and sees every cached token, or with window > 0
+    the last ``window`` of them. -> (B, H, hd) float32"""
+    q, tables, lens = _c32(q), _i32(block_tables), _i32(context_lens)
+    b, h, hd = q.shape
+    out = np.empty_like(q)  # (B, H, hd)
+    if b == 0:
+        return out
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    code = _cache_code(k_cache)
+    _cache_code(v_cache)
+    status = library().paged_attention_decode(
+        _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(lens), b,
+        tables.shape[1], h, hkv, hd, bs, scale, window, threads(),
+    )  # fmt: skip
+    _check(status, "paged_attention_decode", q.shape)
+    return out
+
+
+def paged_attention_prefill(
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
+):
+    """Causal attention for variable-length query runs over paged K/V (already written).
+    q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
+    context_lens[b] tokens; window > 0: a query at p sees keys > p - window. -> (T, H, hd)"""
+    q, tables, lens = _c32(q), _i32(block_tables), _i32(context_lens)
+    qsl = _i32(query_start_loc)
+    t, h, hd = q.shape
+    out = np.empty_like(q)  # (T, H, hd)
+    if t == 0:
+        return out
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    code = _cache_code(k_cache)
+    _cache_code(v_cache)
+    status = library().paged_attention_prefill(
+        _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(qsl), _p(lens),
+        len(lens), tables.shape[1], h, hkv, hd, bs, scale, window, threads(),
+    )  # fmt: skip
+    _check(status, "paged_attention_prefill", q.shape)
+    return out
+
+
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    # x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads
+    m, k = x.shape
+    out = np.empty((m, w.shape[1]), F32)  # (M, N)
+    library().matmul_f32(_p(out), _p(x), _p(w), m, k, w.shape[1], threads())
+    return out

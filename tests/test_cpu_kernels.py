@@ -1,0 +1,160 @@
+"""The native CPU kernels (``cpu_src/`` through ``engine.backends.cpu_ops``) against their NumPy
+twins in ``tests/oracles/numpy_ops`` computed in float64 (a 16-bit cache read exactly), on ragged
+shapes: context lengths 1, 15, 16, 17 and over 1,000, GQA groups 1, 3 and 8, head dims 64 and
+128, float32 and bfloat16 caches (and float16 once), sliding windows; on one thread and on two,
+which give the same bits (a task's arithmetic does not depend on the thread that runs it)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engine.backends import cpu_ops
+from engine.utils import cdiv
+from tests.oracles import numpy_ops
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LENS = [1, 15, 16, 17, 1100]
+SHAPES = [(1, 1, 64, 0), (3, 3, 64, 0), (1, 8, 128, 0), (2, 8, 64, 20)]  # (Hkv, group, hd, window)
+NAMES = [f"hkv{h}-g{g}-hd{d}" + (f"-window{w}" if w else "") for h, g, d, w in SHAPES]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "threads", lambda: request.param)
+    return request.param
+
+
+def paged(rng, lens, hkv, hd, dtype, bs=16):
+    """K and V pools holding each sequence's rows in shuffled blocks, and the block tables."""
+    n_blocks = sum(cdiv(n, bs) for n in lens) + 2
+    k = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dtype)
+    v = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dtype)
+    ids, at = rng.permutation(n_blocks), 0
+    tables = np.full((len(lens), cdiv(max(lens), bs) + 1), -1, np.int32)
+    for b, n in enumerate(lens):
+        tables[b, : cdiv(n, bs)] = ids[at : at + cdiv(n, bs)]
+        at += cdiv(n, bs)
+    return k, v, tables
+
+
+def f64(a):
+    return a.astype(np.float64)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=NAMES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_attention(threads, shape, dtype):
+    hkv, group, hd, window = shape
+    rng = np.random.default_rng([hkv, group, hd, window, threads])
+    lens = rng.permutation(LENS)
+    k, v, tables = paged(rng, lens, hkv, hd, np.dtype(dtype) if dtype == "float32" else BF16)
+    q = rng.standard_normal((len(lens), hkv * group, hd), dtype=np.float32)
+    want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.125, window)
+    got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.125, window)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=NAMES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_attention(threads, shape, dtype):
+    """Runs of 1, 15, 3, 17 and 130 query rows; all but the first start part-way into their
+    sequence (a cached prefix)."""
+    hkv, group, hd, window = shape
+    rng = np.random.default_rng([hkv, group, hd, window, threads, 1])
+    lens = np.array(LENS, np.int32)
+    q_lens = np.array([1, 15, 3, 17, 130])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    k, v, tables = paged(rng, lens, hkv, hd, np.dtype(dtype) if dtype == "float32" else BF16)
+    q = rng.standard_normal((int(qsl[-1]), hkv * group, hd), dtype=np.float32)
+    args = (tables, qsl, lens, 0.125, window)
+    want = numpy_ops.paged_attention_prefill(f64(q), f64(k), f64(v), *args)
+    got = cpu_ops.paged_attention_prefill(q, k, v, *args)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch):
+    rng = np.random.default_rng(7)
+    lens = np.array(LENS * 3, np.int32)
+    k, v, tables = paged(rng, lens, 3, 64, BF16)
+    q = rng.standard_normal((len(lens), 9, 64), dtype=np.float32)
+    qsl = np.arange(len(lens) + 1, dtype=np.int32)
+    outs = []
+    for n in (1, 2, 3):
+        monkeypatch.setattr(cpu_ops, "threads", lambda n=n: n)
+        outs.append(cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.1))
+        outs.append(cpu_ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1))
+    for a, b in zip(outs[2:], outs[:-2], strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "bias-and-head-norms"])
+def test_rotary_fused_with_the_cache_write(threads, dtype, qk_norm):
+    """q rotated, k rotated and v written into their slots with one rounding to the cache's
+    dtype; padding slots (< 0) written nowhere."""
+    rng = np.random.default_rng([threads, qk_norm, len(dtype)])
+    n_tok, H, hkv, hd, bs, n_blocks = 37, 6, 2, 64, 16, 5
+    qkv = rng.standard_normal((n_tok, (H + 2 * hkv) * hd), dtype=np.float32)
+    positions = rng.integers(0, 4000, n_tok).astype(np.int32)
+    slots = rng.permutation(n_blocks * bs)[:n_tok].astype(np.int32)
+    slots[[3, 20]] = -1
+    extra = {}
+    if qk_norm:
+        extra = dict(
+            bias=rng.standard_normal(qkv.shape[1], dtype=np.float32),
+            q_norm=rng.standard_normal(hd, dtype=np.float32),
+            k_norm=rng.standard_normal(hd, dtype=np.float32),
+            eps=1e-6,
+        )
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    fill = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dt)
+    caches = {name: [fill.copy(), fill.copy()] for name in ("want", "got")}
+    want = numpy_ops.rotary_cache(qkv, positions, 1e4, *caches["want"], slots, H, **extra)
+    got = cpu_ops.rotary_cache(qkv, positions, 1e4, *caches["got"], slots, H, **extra)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(n_blocks * bs), slots)
+    for w, g in zip(caches["want"], caches["got"], strict=True):  # K, then V
+        np.testing.assert_allclose(
+            f64(g), f64(w), rtol=1e-2 if dtype != "float32" else 1e-5, atol=1e-6
+        )
+        if dtype != "float32":  # one rounding of nearly the same float: nearly always equal
+            assert (f64(g) == f64(w)).mean() > 0.99
+        assert np.array_equal(
+            g.reshape(-1, hkv, hd)[untouched], fill.reshape(-1, hkv, hd)[untouched]
+        )
+
+
+@pytest.mark.parametrize("rows", [1, 17, 700])
+def test_norms_and_silu(threads, rows):
+    rng = np.random.default_rng([rows, threads])
+    D, F = 576, 1536
+    x, r = (rng.standard_normal((rows, D), dtype=np.float32) for _ in range(2))
+    w = rng.standard_normal(D, dtype=np.float32)
+    np.testing.assert_allclose(
+        cpu_ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(f64(x), w, 1e-5), rtol=1e-5, atol=1e-5
+    )
+    want_out, want_res = numpy_ops.fused_add_rms_norm(f64(x), f64(r), w, 1e-5, offset=1.0)
+    got_out, got_res = cpu_ops.fused_add_rms_norm(x, r.copy(), w, 1e-5, offset=1.0)
+    np.testing.assert_allclose(got_res, want_res, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
+    gate_up = 4 * rng.standard_normal((rows, 2 * F), dtype=np.float32)
+    gate_up[0, :3] = [-100.0, 100.0, 0.0]  # e^-g beyond float32 both ways
+    np.testing.assert_allclose(
+        cpu_ops.silu_and_mul(gate_up), numpy_ops.silu_and_mul(f64(gate_up)), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_matmul_on_the_kernels_threads(threads, rows):
+    """Column slices per thread (a row: runs of W's rows, partial sums added), through the BLAS
+    NumPy ships; widths that do not split evenly."""
+    rng = np.random.default_rng([rows, threads, 3])
+    for k, n in [(576, 960), (1536, 577), (64, 49)]:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        got = cpu_ops.matmul(x, w)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
