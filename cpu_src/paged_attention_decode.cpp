@@ -26,6 +26,19 @@ void tile_rows(const float** rows, float* buf, const T* cache, const int32_t* ta
   }
 }
 
+// Ask for the next tile's rows of KV heads h0..h1-1 ahead of use: a sequence's blocks are
+// scattered over the pool, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+void prefetch_tile(const T* cache, const int32_t* table, int t0, int nt, int bs, long row,
+                   int h0, int h1, int hd) {
+  const long bytes = (long)(h1 - h0) * hd * sizeof(T);
+  for (int j = 0; j < nt; j++) {
+    const int t = t0 + j;
+    const char* p = (const char*)(cache + ((long)table[t / bs] * bs + t % bs) * row + (long)h0 * hd);
+    for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
+}
+
 // One query head over one tile: scores s[j] = q . k_j * scale. HD: the head dim, or 0 for hd.
 template <int HD>
 inline void scores(float* s, const float* q, const float* const* k, int nt, float scale,
@@ -66,6 +79,11 @@ void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32
   const long row = (long)hkv * hd;
   for (int t0 = lo; t0 < n; t0 += TILE) {
     const int nt = std::min(TILE, n - t0);
+    if (t0 + TILE < n) {
+      const int next = std::min(TILE, n - t0 - TILE);
+      prefetch_tile(k_cache, table, t0 + TILE, next, bs, row, h0, h1, hd);
+      prefetch_tile(v_cache, table, t0 + TILE, next, bs, row, h0, h1, hd);
+    }
     for (int h = h0; h < h1; h++) {
       tile_rows(krows, kbuf.data(), k_cache, table, t0, nt, bs, row, h, hd);
       tile_rows(vrows, vbuf.data(), v_cache, table, t0, nt, bs, row, h, hd);

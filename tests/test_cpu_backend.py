@@ -59,3 +59,21 @@ def test_an_oversubscribed_machine_is_logged_once(fresh_threads, caplog):
 def test_tensor_parallel_on_cpu_is_refused_by_name(tiny):
     with pytest.raises(ValueError, match="the cpu backend runs one rank"):
         make_engine(tiny, backend="cpu", tensor_parallel_size=2)
+
+
+def test_a_cpu_backend_that_cannot_be_built_is_numpy_under_auto_and_an_error_by_name(
+    tiny, monkeypatch, caplog
+):
+    from engine.backends import devices
+
+    def no_build():
+        raise cpu_native.NativeBuildError("g++ failed on cpu_src/:\nsome log")
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    monkeypatch.setattr(cpu_native, "_lib", [])
+    monkeypatch.setattr(cpu_native, "library_path", no_build)
+    with caplog.at_level(logging.WARNING, logger="engine.backend"):
+        assert make_engine(tiny).backend.name == "numpy"
+    assert "backend auto -> numpy: g++ failed on cpu_src/:" in caplog.text
+    with pytest.raises(ValueError, match="^g\\+\\+ failed on cpu_src/:$"):
+        make_engine(tiny, backend="cpu")

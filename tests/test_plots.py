@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from engine.backends import fast_ops
 from engine.entrypoints import bench, bench_plot, bench_serve, plots
 from engine.entrypoints.bench_plot import OUTSIDE_FORWARD, REST_OF_FORWARD
 from tests.serve_utils import LiveServer
@@ -59,8 +58,10 @@ def test_split_parts_add_up_to_the_itl():
         bench_plot._split_ms(ops_s, fwd_s, itl[:2])
 
 
-def test_decode_step_split_times_the_numpy_ops(tiny):
-    engine = make_engine(tiny)
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_decode_step_split_times_the_host_ops(tiny, backend):
+    engine = make_engine(tiny, backend=backend)
+    ops = engine.backend.ops
     seen = []
 
     def run_engine(eng, prompts, out_lens):  # bench.run_engine, keeping the outputs
@@ -72,10 +73,11 @@ def test_decode_step_split_times_the_numpy_ops(tiny):
     parts = bench_plot.decode_step_split(engine, run_engine, prompt, 12)
     itl = seen[0][0].metrics.itl  # (11,) seconds
     assert sum(parts.values()) == pytest.approx(1e3 * np.mean(itl))
-    for label in ("attention", "RMS norms", "rotary", "KV cache writes", REST_OF_FORWARD):
+    fused = ["rotary + KV cache writes"] if backend == "cpu" else ["rotary", "KV cache writes"]
+    for label in ("attention", "RMS norms", "matrix products", *fused, REST_OF_FORWARD):
         assert parts[label] > 0, label
     assert parts[OUTSIDE_FORWARD] > 0
-    assert engine.backend.ops is fast_ops and "forward" not in vars(engine.backend)  # restored
+    assert engine.backend.ops is ops and "forward" not in vars(engine.backend)  # restored
 
 
 def test_bench_plots_and_sweep(tiny_model_dir, tmp_path, capsys):

@@ -38,15 +38,27 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
+def _cpu_backend(model_config, weights, engine_config):
+    """The cpu backend; where ``auto`` chose it and it cannot be built, the numpy one."""
+    from .cpu_backend import CpuBackend
+    from .cpu_native import NativeBuildError
+
+    try:
+        return CpuBackend(model_config, weights, engine_config)
+    except NativeBuildError as e:
+        if engine_config.backend != "auto":
+            raise ValueError(str(e).splitlines()[0]) from e
+        log.warning("backend auto -> numpy: %s", str(e).splitlines()[0])
+        return NumpyBackend(model_config, weights, engine_config)
+
+
 def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
     if name == "numpy":
         backend = NumpyBackend(model_config, weights, engine_config)
     elif name == "cpu":
-        from .cpu_backend import CpuBackend
-
-        backend = CpuBackend(model_config, weights, engine_config)
+        backend = _cpu_backend(model_config, weights, engine_config)
     else:
         from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
 

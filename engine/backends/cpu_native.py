@@ -114,21 +114,24 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_f32.restype = None
     blas = numpy_blas()
     names = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
+    missing = [name for name in names if not hasattr(blas, name)]
+    if missing:
+        raise NativeBuildError(
+            f"the cpu backend needs the OpenBLAS that NumPy's PyPI wheels bundle "
+            f"(scipy-openblas64); this NumPy's lacks {missing[0]}"
+        )
     lib.matmul_init(*(ctypes.cast(getattr(blas, name), P) for name in names))
 
 
 def numpy_blas() -> ctypes.CDLL:
-    """The OpenBLAS that NumPy loaded (its wheels bundle one), found among this process's
-    mappings."""
-    import re
-
+    """The OpenBLAS that NumPy loaded (its wheels bundle one), as threadpoolctl finds it."""
     import numpy as np
+    from threadpoolctl import threadpool_info
 
     np.ones((2, 2)) @ np.ones((2, 2))  # the library is loaded by now
-    maps = Path("/proc/self/maps").read_text()
-    found = sorted(set(re.findall(r"\S*openblas\S*\.so[\w.]*", maps)))
+    found = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas"]
     if not found:
-        raise NativeBuildError("the cpu backend needs NumPy's OpenBLAS; NumPy loaded none")
+        raise NativeBuildError("the cpu backend needs NumPy built with OpenBLAS; this one is not")
     return ctypes.CDLL(found[0])
 
 

@@ -36,7 +36,7 @@ from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
 HOST_BATCHES = (1, 64, 256)  # --host-overhead
-ENGINE_DEFAULTS = dict(model="smollm2", backend="numpy", max_num_seqs=64, swap_space=0.5)
+ENGINE_DEFAULTS = dict(model="smollm2", backend="auto", max_num_seqs=64, swap_space=0.5)
 
 
 WORKLOADS = ("random", "copy", "open")
@@ -153,18 +153,39 @@ def run_engine(engine: LLMEngine, prompts, out_lens, ignore_eos=True) -> tuple[l
 
 
 def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:
-    """Best time of one step's matrix products alone (every layer + LM head) at this batch."""
+    """Best time of one step's matrix products alone (every layer + LM head) at this batch,
+    through the backend's own product (``ops.matmul``)."""
     x = np.random.default_rng(0).standard_normal((batch, backend.cfg.hidden_size), np.float32)
+    mm, c = backend.ops.matmul, backend.cfg
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for lw in backend.layers:
-            qkv = x @ lw.w_qkv
-            _ = qkv[:, : backend.cfg.q_dim] @ lw.w_o
-            _ = (x @ lw.w_gate_up)[:, : backend.cfg.intermediate_size] @ lw.w_down
-        _ = x @ backend.lm_head
+            qkv = mm(x, lw.w_qkv)
+            _ = mm(np.ascontiguousarray(qkv[:, : c.q_dim]), lw.w_o)
+            _ = mm(np.ascontiguousarray(mm(x, lw.w_gate_up)[:, : c.intermediate_size]), lw.w_down)
+        _ = mm(x, backend.lm_head)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def time_full_decode_steps(engine: LLMEngine, batch: int) -> list[float]:
+    """Install a timer on the backend's forwards; the list it returns fills with the seconds of
+    each step in which ``batch`` sequences all decode (one token each)."""
+    backend, times = engine.backend, []
+
+    def timed(fn):
+        def forward(b):
+            t0 = time.perf_counter()
+            out = fn(b)
+            if b.num_seqs == batch and b.num_decodes == batch and len(b.token_ids) == batch:
+                times.append(time.perf_counter() - t0)
+            return out
+
+        return forward
+
+    backend.forward, backend.forward_greedy = map(timed, (backend.forward, backend.forward_greedy))
+    return times
 
 
 def batch1_itl_ms(engine: LLMEngine, prompt, n: int) -> list[float]:
@@ -270,6 +291,7 @@ def main(argv=None) -> int:
         return parser.fail(e)
     prompts, out_lens = workload(args, engine.model_config.vocab_size, engine.tokenizer)
     run_engine(engine, [prompts[0][:16]], [4])  # warm-up
+    full_steps = time_full_decode_steps(engine, args.max_num_seqs)
     outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random")
     stats = summarize(outputs, wall) | spec_stats(engine)
     print(f"engine ({engine.backend.name}, {args.num_requests} requests):")
@@ -282,6 +304,12 @@ def main(argv=None) -> int:
     print(f"{itl_line}; matrix products alone {mm:.1f} ms per step -> {ratio}")
     batch_mm = matmul_only_ms(engine.backend, args.max_num_seqs, 3)
     print(f"matrix products alone at batch {args.max_num_seqs}: {batch_mm:.1f} ms per step")
+    if full_steps:
+        step = 1e3 * float(np.median(full_steps))
+        print(
+            f"decode steps of all {args.max_num_seqs} sequences: p50 {step:.1f} ms over "
+            f"{len(full_steps)} steps -> {step / batch_mm:.2f}x the matmul time"
+        )
     bench_plot.run_extras(args, engine, run_engine, outputs, (prompts, out_lens), mm)
     if args.peer:
         try:

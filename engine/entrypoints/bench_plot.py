@@ -3,9 +3,9 @@
 - ``sweep``: the same workload once per concurrency (the engine's ``max_num_seqs``; every request
   is queued at the start, so that is how many decode at once), on a fresh engine over the same
   loaded weights: output tokens/s per value.
-- ``decode_step_split``: a batch-1 decode run with a timer around each element-wise op of the
-  NumPy backend (``backend.ops``) and around the backend's forward. A decode step's mean time is
-  then: each op's time, the rest of the forward (its matrix products and Python), and the engine
+- ``decode_step_split``: a batch-1 decode run with a timer around each op of a host backend
+  (``backend.ops``, the matrix products included) and around the backend's forward. A decode
+  step's mean time is then: each op's time, the rest of the forward (Python), and the engine
   outside the forward (scheduling, sampling, outputs; the ITL minus the forward). The timers add
   about a microsecond per op call.
 - ``write_plots``: the charts of engine/entrypoints/plots.py from those numbers.
@@ -29,10 +29,12 @@ OP_LABELS = {
     "fused_add_rms_norm": "RMS norms",
     "rotary": "rotary",
     "reshape_and_cache": "KV cache writes",
+    "rotary_cache": "rotary + KV cache writes",  # the cpu backend's fused kernel
+    "matmul": "matrix products",
     "act_and_mul": "activation x mul",
     "embedding": "embedding",
 }
-REST_OF_FORWARD = "matrix products + rest of forward"
+REST_OF_FORWARD = "rest of forward"
 OUTSIDE_FORWARD = "engine outside forward"
 
 
