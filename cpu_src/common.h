@@ -77,6 +77,29 @@ static inline float dot_f32(const float* a, const float* b, int n) {
   return s;
 }
 
+// One tile of an online softmax: the scores s[0..nt) become e^(s - max), with max the running
+// maximum m updated by the tile; the running sum l is rescaled and adds the tile's. Returns the
+// factor the accumulator must be rescaled by (e^(old m - new m)). A tile with nothing visible
+// (every score -inf, the running max still -inf) changes nothing: its weights are 0, factor 1.
+static inline float softmax_tile(float* s, int nt, float& m, float& l) {
+  float mx = m;
+  for (int j = 0; j < nt; j++) mx = std::max(mx, s[j]);
+  if (mx == -INFINITY) {
+    for (int j = 0; j < nt; j++) s[j] = 0.0f;
+    return 1.0f;
+  }
+  const float corr = exp_f32(m - mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < nt; j++) {
+    s[j] = exp_f32(s[j] - mx);
+    sum += s[j];
+  }
+  m = mx;
+  l = l * corr + sum;
+  return corr;
+}
+
 // A row of a cache as float32: the row itself for a float32 cache, else converted into buf.
 template <typename T> static inline const float* row_f32(const T* row, float* buf, int n) {
   if constexpr (sizeof(T) == 4) {

@@ -90,17 +90,7 @@ void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32
       for (int g = 0; g < group; g++) {
         const int r = (h - h0) * group + g;  // the task's query head
         scores<HD>(s, q + (long)(h * group + g) * hd, krows, nt, scale, hd);
-        float mx = m[r];
-        for (int j = 0; j < nt; j++) mx = std::max(mx, s[j]);
-        const float corr = exp_f32(m[r] - mx);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < nt; j++) {
-          s[j] = exp_f32(s[j] - mx);
-          sum += s[j];
-        }
-        m[r] = mx;
-        l[r] = l[r] * corr + sum;
+        const float corr = softmax_tile(s, nt, m[r], l[r]);
         accumulate<HD>(acc.data() + (size_t)r * hd, s, vrows, nt, corr, hd);
       }
     }

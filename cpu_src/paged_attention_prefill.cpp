@@ -43,26 +43,13 @@ void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int3
         const int r = i * group + g;
         const float* qr = q + (long)i * H * hd + (long)(kvh * group + g) * hd;
         float* sr = s.data() + (size_t)r * KTILE;
-        float mx = m[r];
         for (int j = 0; j < nt; j++) {
           const int t = t0 + j;
           sr[j] = (t > p || t < lo_key) ? -INFINITY
                                          : dot_f32(qr, kt.data() + (size_t)j * hd, hd) * scale;
-          mx = std::max(mx, sr[j]);
         }
-        if (mx == -INFINITY) {  // nothing visible to this row in this tile
-          for (int j = 0; j < nt; j++) sr[j] = 0.0f;
-          continue;
-        }
-        const float corr = exp_f32(m[r] - mx);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < nt; j++) {
-          sr[j] = exp_f32(sr[j] - mx);
-          sum += sr[j];
-        }
-        m[r] = mx;
-        l[r] = l[r] * corr + sum;
+        const float corr = softmax_tile(sr, nt, m[r], l[r]);
+        if (m[r] == -INFINITY) continue;  // nothing visible to this row yet
         float* a = acc.data() + (size_t)r * hd;
         for (int j = 0; j < nt; j++) {  // a = a corr + sum_j p_j v_j, rescaled first
           const float pj = sr[j];
