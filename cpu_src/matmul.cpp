@@ -34,25 +34,30 @@ extern "C" void matmul_init(void* sgemm_ptr, void* sgemv_ptr, void* set_local_pt
   set_local_threads = (set_threads_fn)set_local_ptr;
 }
 
+// task(t) for t in 0..nt-1 on nt threads, the BLAS single-threaded on each of them.
+template <typename Task> void on_threads(int nt, Task task) {
+#pragma omp parallel num_threads(nt)
+  {
+    const int prev = set_local_threads(1);
+#pragma omp for schedule(static)
+    for (int t = 0; t < nt; t++) task(t);
+    set_local_threads(prev);
+  }
+}
+
 // One row, y = x W: each thread takes a run of W's rows (whole rows stream from memory
 // best), into its own partial sum; the partial sums are added at the end.
 static void matvec(float* out, const float* x, const float* w, long K, long N, int nt) {
   std::vector<float> parts((size_t)(nt - 1) * N);
   const long per = (K + nt - 1) / nt;
-#pragma omp parallel num_threads(nt)
-  {
-    const int prev = set_local_threads(1);
-#pragma omp for schedule(static)
-    for (int t = 0; t < nt; t++) {
-      const long k0 = t * per, k1 = std::min(K, k0 + per);
-      float* y = t == 0 ? out : parts.data() + (size_t)(t - 1) * N;
-      if (k1 > k0)
-        sgemv(ROW_MAJOR, TRANS, k1 - k0, N, 1.0f, w + k0 * N, N, x + k0, 1, 0.0f, y, 1);
-      else
-        std::fill(y, y + N, 0.0f);
-    }
-    set_local_threads(prev);
-  }
+  on_threads(nt, [&](int t) {
+    const long k0 = t * per, k1 = std::min(K, k0 + per);
+    float* y = t == 0 ? out : parts.data() + (size_t)(t - 1) * N;
+    if (k1 > k0)
+      sgemv(ROW_MAJOR, TRANS, k1 - k0, N, 1.0f, w + k0 * N, N, x + k0, 1, 0.0f, y, 1);
+    else
+      std::fill(y, y + N, 0.0f);
+  });
   for (int t = 1; t < nt; t++) {
     const float* y = parts.data() + (size_t)(t - 1) * N;
 #pragma omp simd
@@ -61,6 +66,7 @@ static void matvec(float* out, const float* x, const float* w, long K, long N, i
 }
 
 // out: (M, N), x: (M, K), w: (K, N), all float32 and row-major contiguous.
+// A matrix-vector product below MATVEC_WORK flops runs on one thread.
 extern "C" void matmul_f32(float* out, const float* x, const float* w, long M, long K, long N,
                            int threads) {
   const long work = M * K * N * 2;
@@ -70,16 +76,10 @@ extern "C" void matmul_f32(float* out, const float* x, const float* w, long M, l
   }
   const int nt = (int)std::min<long>(threads_for(work, threads), std::max(1L, N / COLS));
   const long per = (N + nt - 1) / nt;
-#pragma omp parallel num_threads(nt)
-  {
-    const int prev = set_local_threads(1);
-#pragma omp for schedule(static)
-    for (int t = 0; t < nt; t++) {
-      const long n0 = t * per, n1 = std::min(N, n0 + per);
-      if (n1 > n0)
-        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, M, n1 - n0, K, 1.0f, x, K, w + n0, N, 0.0f,
-              out + n0, N);
-    }
-    set_local_threads(prev);
-  }
+  on_threads(nt, [&](int t) {
+    const long n0 = t * per, n1 = std::min(N, n0 + per);
+    if (n1 > n0)
+      sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, M, n1 - n0, K, 1.0f, x, K, w + n0, N, 0.0f, out + n0,
+            N);
+  });
 }

@@ -125,10 +125,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def numpy_blas() -> ctypes.CDLL:
     """The OpenBLAS that NumPy loaded (its wheels bundle one), as threadpoolctl finds it."""
-    import numpy as np
+    import numpy  # noqa: F401  (importing NumPy loads its BLAS)
     from threadpoolctl import threadpool_info
 
-    np.ones((2, 2)) @ np.ones((2, 2))  # the library is loaded by now
     found = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas"]
     if not found:
         raise NativeBuildError("the cpu backend needs NumPy built with OpenBLAS; this one is not")

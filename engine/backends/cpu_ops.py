@@ -41,6 +41,13 @@ def _cache_code(cache: np.ndarray) -> int:
     return code
 
 
+def _pool(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[int, int, int]:
+    """(dtype code, block size, KV heads) of a layer's (N, bs, Hkv, hd) K and V caches, both
+    checked."""
+    _cache_code(v_cache)
+    return _cache_code(k_cache), k_cache.shape[1], k_cache.shape[2]
+
+
 def _check(status: int, name: str, shape) -> None:
     if status:
         raise ValueError(f"{name}: shape {shape} is beyond the native kernel's limits")
@@ -115,8 +122,7 @@ def rotary_cache(
     cos, sin = fast_ops._cos_sin(positions, hd, rope, F32)  # (T, hd) each
     cos, sin = _c32(cos), _c32(sin)
     q = np.empty((n, num_heads, hd), F32)  # (T, H, hd)
-    code = _cache_code(k_cache)
-    _cache_code(v_cache)
+    code = _pool(k_cache, v_cache)[0]
     bias, q_norm, k_norm = (None if a is None else _c32(a) for a in (bias, q_norm, k_norm))
     slots = _i32(slot_mapping)
     status = library().rotary_cache(
@@ -136,9 +142,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     out = np.empty_like(q)  # (B, H, hd)
     if b == 0:
         return out
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    code = _cache_code(k_cache)
-    _cache_code(v_cache)
+    code, bs, hkv = _pool(k_cache, v_cache)
     status = library().paged_attention_decode(
         _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(lens), b,
         tables.shape[1], h, hkv, hd, bs, scale, window, threads(),
@@ -159,9 +163,7 @@ def paged_attention_prefill(
     out = np.empty_like(q)  # (T, H, hd)
     if t == 0:
         return out
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    code = _cache_code(k_cache)
-    _cache_code(v_cache)
+    code, bs, hkv = _pool(k_cache, v_cache)
     status = library().paged_attention_prefill(
         _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(qsl), _p(lens),
         len(lens), tables.shape[1], h, hkv, hd, bs, scale, window, threads(),
@@ -172,6 +174,7 @@ def paged_attention_prefill(
 
 def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     # x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads
+    x, w = _c32(x), _c32(w)
     m, k = x.shape
     out = np.empty((m, w.shape[1]), F32)  # (M, N)
     library().matmul_f32(_p(out), _p(x), _p(w), m, k, w.shape[1], threads())
