@@ -147,3 +147,16 @@ def model_sampling_defaults(config, loaded) -> dict:
             ", ".join(f"{k}={v}" for k, v in defaults.items()),
         )
     return defaults
+
+
+class FrontendState:
+    """What the request checks read of an engine, set from its config and loaded model: the
+    resolved config, the tokenizer, the prompt bound, the model's sampling defaults.
+    ``LLMEngine`` has it, and so has an ingress in front of replicas that holds no engine."""
+
+    def init_frontend(self, config, loaded) -> None:
+        self.loaded = loaded
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        self.config = config.resolve(loaded.config)
+        self.sampling_defaults = model_sampling_defaults(self.config, loaded)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)

@@ -22,11 +22,10 @@ from reference.loader import LoadedModel, default_model, load_model
 from .config import EngineConfig, make_config
 from .core import CoreRequest, CoreStats, EngineCore
 from .input_processor import (
+    FrontendState,
     bad_words_token_ids,
     check_arrival_time,
     check_token_ids,
-    max_prompt_chars,
-    model_sampling_defaults,
     tokenize_prompt,
 )
 from .output_processor import OutputProcessor
@@ -36,7 +35,7 @@ from .sampling_params import SamplingParams
 log = logging.getLogger("engine")
 
 
-class LLMEngine:
+class LLMEngine(FrontendState):
     """``LLMEngine(model, **engine_args)``: engine_args are ``EngineConfig`` fields.
 
     ``record_logits=True`` keeps every sampled row of logits (for ``engine.diff``); ``loaded``
@@ -70,12 +69,7 @@ class LLMEngine:
             config = dataclasses.replace(config, model=name)
         if loaded is None:  # beside a core process, which loads the weights, none here
             loaded = load_model(config.model, weights=not config.engine_core_process)
-        self.loaded = loaded
-        self.model_config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.config = config.resolve(self.model_config)
-        self.sampling_defaults = model_sampling_defaults(self.config, self.loaded)
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
+        self.init_frontend(config, loaded)
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
         self._core_ids = itertools.count()

@@ -100,8 +100,13 @@ class Server:
         self.sampling_defaults = llm.engine.sampling_defaults
         self.metrics = PrometheusStatLogger(model_name)
         llm.stat_loggers.append(self.metrics)
+        # /metrics: this engine's, or (replicas behind this server) every replica's, gathered
+        self.render_metrics = getattr(llm, "render_metrics", None) or self._render_own_metrics
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
+
+    async def _render_own_metrics(self) -> bytes:
+        return self.metrics.render()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
@@ -406,8 +411,7 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        replicated = getattr(server.llm, "render_metrics", None)  # data parallel: every replica's
-        body = await replicated() if replicated else server.metrics.render()
+        body = await server.render_metrics()
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
