@@ -1,13 +1,16 @@
 """``python -m engine.serve --data-parallel-size 2``: two engine replicas of the tiny model on Ray
-Serve (a local instance the server starts, dashboard off), one server for the module. Through
-the official openai client the greedy text is one engine's; /metrics has both replicas' series
-and the router's counters; a replica killed under load ends its requests with an error status,
-never a hang or a short success, and the endpoint keeps answering; SIGTERM lets the running
-requests finish."""
+Serve (a local instance the server starts, dashboard off), autoscaling up to three, one server
+for the module. Through the official openai client the greedy text is one engine's; /metrics
+has both replicas' series and the router's counters; a replica killed under load ends its
+requests with an error status, never a hang or a short success, the endpoint keeps answering,
+Serve restarts the dead replica and the load scales the deployment up to three; SIGTERM lets
+the running requests finish. A request whose replica dies before queueing it goes to another."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -41,6 +45,10 @@ def server(tiny_model_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "engine.serve", "--model", str(tiny_model_dir)]
     cmd += ["--data-parallel-size", "2", "--port", str(port), "--backend", "numpy"]
     cmd += ["--enable-prefix-caching", "--max-model-len", "256", "--served-model-name", "tiny"]
+    # autoscaling from 2 up to 3 replicas at 2 requests in flight each, deciding in a second
+    fast = {"upscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1}
+    cmd += ["--min-replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2"]
+    cmd += ["--autoscaling-config", json.dumps(fast)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -66,6 +74,12 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def _replica_pids(log) -> set[int]:
     return {int(p) for p in re.findall(r"engine replica \w+ ready \(pid (\d+)\)", log.read_text())}
+
+
+def _live_engines(url: str) -> set[str]:
+    """The replicas whose metrics /metrics shows (a dead one's leave within seconds)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return set(re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"', text))
 
 
 def test_the_replicas_answer_one_engines_text(server, tiny):
@@ -95,12 +109,12 @@ def test_metrics_show_every_replica_and_the_router(server):
     url, log, _ = server
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # replicas publish their metrics every half second
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        engines = set(re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"', text))
+        engines = _live_engines(url)
         if len(engines) == 2:
             break
         time.sleep(0.5)
-    assert len(engines) == 2, text[-2000:]
+    assert len(engines) == 2, engines
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     routed = re.findall(
         r'pagedllm:router_requests_total\{engine="(\w+)".*reason="(\w+)"\} (\S+)', text
     )
@@ -111,7 +125,10 @@ def test_metrics_show_every_replica_and_the_router(server):
     assert len(_replica_pids(log)) == 2
 
 
-def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(server):
+def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(server):
+    """12 requests in flight on two replicas (Serve aims for 2 each): one replica is killed.
+    Its requests fail with an error status, the endpoint keeps answering, Serve replaces the
+    dead replica and adds a third: four replica processes have started, three are live."""
     url, log, _ = server
     body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -149,6 +166,15 @@ def test_a_killed_replica_fails_its_requests_and_the_endpoint_keeps_answering(se
             break
         time.sleep(0.5)
     assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the restart and the scale-up start in parallel
+        pids, engines = _replica_pids(log), _live_engines(url)
+        if len(pids) == 4 and len(engines) == 3:
+            break
+        time.sleep(1.0)
+    assert victim in pids and len(pids) == 4, pids
+    assert len(engines) == 3, engines
+    assert "Upscaling Deployment(name='engine'" in log.read_text()
 
 
 def test_a_stop_signal_lets_running_requests_finish(server):
@@ -210,17 +236,30 @@ def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
 
     argv = "--data-parallel-size 2 --min-replicas 1 --max-replicas 4 --router round-robin"
     args = build_parser().parse_args(argv.split())
-    config = make_config(data_parallel_size=2, backend="numpy")
-    options = engine_deployment_options(args, config, 2)
+    args.autoscaling_config = '{"upscale_delay_s": 3}'
+    config = make_config(data_parallel_size=2, backend="cpu")
+    options = engine_deployment_options(args, config, 2, "cpu")
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == {
-        "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 16.0
+        "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
+        "target_ongoing_requests": 16.0, "upscale_delay_s": 3,
     }  # fmt: skip
     assert options["request_router_config"].request_router_kwargs["policy"] == "round-robin"
-    kwargs = replica_engine_kwargs({"backend": "numpy", "data_parallel_size": 2}, 2, 10 << 30)
-    assert kwargs["data_parallel_size"] == 1 and kwargs["memory_budget_bytes"] == int(
-        0.45 * (10 << 30)
-    )
+    # each of the 4 replicas there may be: a quarter of the cores, as many kernel threads
+    cpus = max(1, (os.cpu_count() or 1) // 4)
+    actor = options["ray_actor_options"]
+    assert actor["num_cpus"] == cpus and actor["num_gpus"] == 0
+    assert actor["runtime_env"] == {"env_vars": {"PAGEDLLM_CPU_THREADS": str(cpus)}}
+    config = make_config(data_parallel_size=2, backend="cuda")
+    assert engine_deployment_options(args, config, 2, "cuda")["ray_actor_options"] == {
+        "num_cpus": cpus, "num_gpus": 1
+    }  # fmt: skip
+    one = {"backend": "auto", "data_parallel_size": 2}
+    kwargs = replica_engine_kwargs(one, 4, 10 << 30, "cpu")  # auto resolved to cpu: a RAM share
+    assert kwargs["data_parallel_size"] == 1
+    assert kwargs["memory_budget_bytes"] == int(0.9 * (10 << 30) / 4)
+    assert "memory_budget_bytes" not in replica_engine_kwargs(one, 4, 10 << 30, "cuda")
+    auto = "--data-parallel-size 2 --max-replicas 3 --autoscaling-config"
     bounds = r"--data-parallel-size \(3\) <= --max-replicas \(2\)"
     one = r"--max-replicas \(autoscaling\) needs --data-parallel-size above 1"
     alone = r"needs --data-parallel-size above 1 \(one engine, no replicas\)"
@@ -231,8 +270,75 @@ def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
         ("--router-imbalance 2", f"--router-imbalance {alone}"),
         ("--data-parallel-size 2 --min-replicas 2", r"--min-replicas needs --max-replicas"),
         ("--data-parallel-size 2 --target-ongoing-requests 4", "--target-ongoing-requests needs"),
+        ("--data-parallel-size 2 --autoscaling-config {}", "--autoscaling-config needs"),
+        (f"{auto} {{", "--autoscaling-config is not JSON"),
+        (f"{auto} [1]", "--autoscaling-config must be a JSON object, got list"),
+        (f'{auto} {{"max_replicas":3}}', "'max_replicas' is set by --max-replicas, not here"),
+        (f'{auto} {{"upscale_delay":1}}', "has no key 'upscale_delay'"),
+        (f'{auto} {{"upscale_delay_s":-1}}', "upscale_delay_s: Input should be greater"),
     ]:
-        args = build_parser().parse_args(argv.split())
+        args = build_parser().parse_args(argv.split(maxsplit=6))
         n = make_config(**engine_kwargs(args)).data_parallel_size
         with pytest.raises(ValueError, match=message):
             check_replica_args(args, n)
+
+
+class _DiesBeforeQueueing:
+    """A stand-in for the engine deployment's handle: the first ``dead`` replicas it routes to
+    die before their first message; the next one queues the request."""
+
+    def __init__(self, dead: int, error):
+        self.dead, self.error, self.sent = dead, error, []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        self.sent.append(request["request_id"])
+        return _Response(self.error if len(self.sent) <= self.dead else None)
+
+
+class _Response:
+    def __init__(self, error):
+        self.error, self.cancelled = error, False
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        from engine.distributed.replicas import ACCEPTED
+
+        if self.error is not None:
+            raise self.error
+        yield ACCEPTED
+        yield SimpleNamespace(text="an output", finished=True)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_request_whose_replica_dies_before_queueing_it_goes_to_another():
+    """Not yet queued: sent again (up to RETRIES times), then a one-line EngineDeadError."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from engine.async_llm import EngineDeadError
+    from engine.distributed.replicas import RETRIES, ReplicatedLLM
+
+    async def start(handle):
+        llm = ReplicatedLLM.__new__(ReplicatedLLM)
+        llm.handle = handle
+        stream = await llm._start("r1", [1, 2, 3], None)
+        return [out.text async for out in stream]
+
+    for error in (ActorDiedError(), ActorUnavailableError("replica unreachable", None)):
+        handle = _DiesBeforeQueueing(2, error)
+        assert asyncio.run(start(handle)) == ["an output"]
+        assert handle.sent == ["r1"] * 3
+    handle = _DiesBeforeQueueing(RETRIES + 1, ActorDiedError())
+    with pytest.raises(EngineDeadError, match="no engine replica took the request"):
+        asyncio.run(start(handle))
+    assert len(handle.sent) == RETRIES + 1

@@ -32,8 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference.loader import default_model, load_model
 
 from ..async_llm import AsyncLLM, EngineDeadError
+from ..backends import resolve_backend_name
+from ..backends.cpu_native import THREADS_ENV
 from ..config import make_config
-from ..input_processor import max_prompt_chars, model_sampling_defaults
+from ..input_processor import FrontendState
 
 log = logging.getLogger("engine.replicas")
 ACCEPTED = "accepted"  # a replica's first message: the request is queued
@@ -94,26 +96,22 @@ class EngineReplica:
             self.llm.shutdown()
 
 
-class FrontendView:
+class FrontendView(FrontendState):
     """What the server reads of an engine, for an ingress that holds no engine: the config,
     the tokenizer, the prompt bounds, the model's sampling defaults, a structured-output
     compiler (a constraint that compiles here compiles in the replicas)."""
 
     def __init__(self, engine_kwargs: dict):
         config = make_config(**engine_kwargs)
-        loaded = load_model(config.model, weights=False)
-        self.config = config.resolve(loaded.config)
-        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.config.max_model_len)
-        self.sampling_defaults = model_sampling_defaults(self.config, loaded)
-        self._loaded, self._compiler = loaded, None
+        self.init_frontend(config, load_model(config.model, weights=False))
+        self._compiler = None
 
     def structured_compiler(self):
         """Built on first use (half a second for a 49k vocabulary), then kept with its cache."""
         from ..core import model_eos_ids, structured_compiler
 
         if self._compiler is None:
-            self._compiler = structured_compiler(self._loaded, model_eos_ids(self._loaded))
+            self._compiler = structured_compiler(self.loaded, model_eos_ids(self.loaded))
         return self._compiler
 
 
@@ -289,30 +287,43 @@ class Ingress:
         )
 
 
-def replica_engine_kwargs(kwargs: dict, n: int, ram: int) -> dict:
+def most_replicas(args, n: int) -> int:
+    """The most replicas there may be: --max-replicas under autoscaling, else the size."""
+    return args.max_replicas or n
+
+
+def replica_engine_kwargs(kwargs: dict, n: int, ram: int, backend: str) -> dict:
     """One replica's engine arguments: one replica of its own, in the cluster already joined;
-    on a host backend each replica's memory plan gets 1/n of 0.9 x the RAM, unless the pool is
-    sized by hand (``num_gpu_blocks`` or ``memory_budget_bytes``)."""
+    on a host backend each of the ``n`` replicas there may be gets 1/n of 0.9 x the RAM for its
+    memory plan, unless the pool is sized by hand (``num_gpu_blocks`` or
+    ``memory_budget_bytes``). ``backend``: the one ``auto`` resolves to here."""
     out = dict(kwargs, data_parallel_size=1, ray_address=None)
-    host = kwargs.get("backend") in ("cpu", "numpy", "cuda-cpu")
-    if host and not kwargs.get("num_gpu_blocks") and not kwargs.get("memory_budget_bytes"):
+    by_hand = kwargs.get("num_gpu_blocks") or kwargs.get("memory_budget_bytes")
+    if backend != "cuda" and not by_hand:
         out["memory_budget_bytes"] = int(0.9 * ram / n)
     return out
 
 
-def engine_deployment_options(args, config, n: int) -> dict:
+def engine_deployment_options(args, config, n: int, backend: str) -> dict:
     """Serve's options for the engine deployment: replicas (or autoscaling), resources, the
-    router, health checks, the drain on shutdown."""
+    router, health checks, the drain on shutdown. On the host, each of the replicas there may
+    be reserves its share of the cores, and a ``cpu`` replica runs that many kernel threads
+    (each would take every core otherwise). ``backend``: the one ``auto`` resolves to here."""
     from ray.serve.config import RequestRouterConfig
+
+    from ..entrypoints.serve import autoscaling_keys
 
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size
     # GPUs for the replica's own ranks (mp or uni); the ray executor reserves its own bundles
-    gpus = ranks if config.backend == "cuda" and config.distributed_executor_backend != "ray" else 0
-    cpus = max(1, (os.cpu_count() or 1) // n) if ranks == 1 else 1
+    gpus = ranks if backend == "cuda" and config.distributed_executor_backend != "ray" else 0
+    cpus = max(1, (os.cpu_count() or 1) // most_replicas(args, n)) if ranks == 1 else 1
+    actor = {"num_cpus": cpus, "num_gpus": gpus}
+    if backend == "cpu":
+        actor["runtime_env"] = {"env_vars": {THREADS_ENV: str(cpus)}}
     options = dict(
         name="engine",
         max_ongoing_requests=max(4 * config.max_num_seqs, 64),  # the engine queues the rest
-        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+        ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class="engine.distributed.serve_router:PolicyRequestRouter",
             request_router_kwargs={"policy": args.router, "imbalance": args.router_imbalance},
@@ -322,11 +333,13 @@ def engine_deployment_options(args, config, n: int) -> dict:
         graceful_shutdown_timeout_s=args.shutdown_timeout,
     )
     if args.max_replicas is not None:
+        extra = autoscaling_keys(args.autoscaling_config) if args.autoscaling_config else {}
         options["autoscaling_config"] = {
             "min_replicas": args.min_replicas,
             "initial_replicas": n,
             "max_replicas": args.max_replicas,
             "target_ongoing_requests": args.target_ongoing_requests,
+            **extra,
         }
     else:
         options["num_replicas"] = n
@@ -354,8 +367,10 @@ def build_application(args, kwargs: dict, server: dict):
 
     config = make_config(**kwargs)
     n = config.data_parallel_size
-    replica_kwargs = replica_engine_kwargs(kwargs, n, available_ram_bytes())
-    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(args, config, n))
+    most, backend = most_replicas(args, n), resolve_backend_name(config.backend)
+    replica_kwargs = replica_engine_kwargs(kwargs, most, available_ram_bytes(), backend)
+    options = engine_deployment_options(args, config, n, backend)
+    engine = serve.deployment(EngineReplica).options(**options)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
@@ -418,7 +433,7 @@ def serve_replicas(args, kwargs: dict, limits) -> None:
     n = config.data_parallel_size
     if not ray.is_initialized():
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
-        cpus = None if address else max(os.cpu_count() or 1, n)
+        cpus = None if address else max(os.cpu_count() or 1, most_replicas(args, n))
         ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     stop = _stop_on_signals()  # after ray.init, which installs handlers of its own
     serve.start(http_options={"host": args.host, "port": args.port})

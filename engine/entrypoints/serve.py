@@ -10,6 +10,7 @@ seconds), then the engine thread stops and the process exits 0. Bad flags are on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -71,6 +72,11 @@ def build_parser() -> CliParser:
 
 REPLICA_DEFAULTS = {"router": "prefix-aware", "router_imbalance": 4, "min_replicas": 1}
 REPLICA_DEFAULTS |= {"max_replicas": None, "target_ongoing_requests": 16.0}
+REPLICA_DEFAULTS |= {"autoscaling_config": None}
+# Serve's autoscaling keys that have flags of their own (or follow from --data-parallel-size)
+FLAGGED_KEYS = {"min_replicas": "--min-replicas", "max_replicas": "--max-replicas"}
+FLAGGED_KEYS |= {"initial_replicas": "--data-parallel-size"}
+FLAGGED_KEYS |= {"target_ongoing_requests": "--target-ongoing-requests"}
 
 
 def add_replica_args(p) -> None:
@@ -111,6 +117,13 @@ def add_replica_args(p) -> None:
         default=REPLICA_DEFAULTS["target_ongoing_requests"],
         help="autoscaling: requests in flight per replica that Serve aims for (default 16)",
     )
+    g.add_argument(
+        "--autoscaling-config",
+        metavar="JSON",
+        help="with --max-replicas: more of Ray Serve's autoscaling_config keys as a JSON "
+        'object, e.g. \'{"upscale_delay_s": 5, "downscale_delay_s": 120}\' (Serve\'s defaults '
+        "otherwise: scale up after 30 s of load, down after 600 s)",
+    )
 
 
 def make_async_llm(args) -> tuple[AsyncLLM, str]:
@@ -145,7 +158,8 @@ def check_replica_args(args, n: int) -> None:
         flag, given = "--" + name.replace("_", "-"), getattr(args, name) != default
         if n == 1 and given:
             raise ValueError(f"{flag} needs --data-parallel-size above 1 (one engine, no replicas)")
-        if name in ("min_replicas", "target_ongoing_requests") and given and not args.max_replicas:
+        needs_max = ("min_replicas", "target_ongoing_requests", "autoscaling_config")
+        if name in needs_max and given and not args.max_replicas:
             raise ValueError(f"{flag} needs --max-replicas (autoscaling)")
     if args.router_imbalance < 0:
         raise ValueError(f"--router-imbalance must be >= 0, got {args.router_imbalance}")
@@ -157,6 +171,36 @@ def check_replica_args(args, n: int) -> None:
             )
     if args.target_ongoing_requests <= 0:
         raise ValueError("--target-ongoing-requests must be > 0")
+    if args.autoscaling_config is not None:
+        autoscaling_keys(args.autoscaling_config)
+
+
+def autoscaling_keys(text: str) -> dict:
+    """--autoscaling-config's JSON object, each key one that Ray Serve's AutoscalingConfig has
+    (Serve accepts unknown keys silently) and no flag of ours sets; values checked by Serve."""
+    what = "--autoscaling-config"
+    try:
+        keys = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(keys, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(keys).__name__}")
+    for key in keys:
+        if key in FLAGGED_KEYS:
+            raise ValueError(f"{what}: {key!r} is set by {FLAGGED_KEYS[key]}, not here")
+    try:
+        from ray.serve.config import AutoscalingConfig
+    except ImportError:  # checked again where Serve is imported
+        return keys
+    unknown = sorted(set(keys) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"{what}: Ray Serve's autoscaling_config has no key {unknown[0]!r}")
+    try:
+        AutoscalingConfig(min_replicas=1, max_replicas=2, **keys)
+    except ValueError as e:  # pydantic's ValidationError: the first error, on one line
+        err = e.errors()[0] if hasattr(e, "errors") else {"loc": ("?",), "msg": str(e)}
+        raise ValueError(f"{what}: {err['loc'][0]}: {err['msg']}") from None
+    return keys
 
 
 def run(args) -> int:
