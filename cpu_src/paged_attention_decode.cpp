@@ -4,7 +4,8 @@
 // table once, a tile of keys at a time; each K and V row is read once for all the query heads
 // that share it (converted to float32 once, for a 16-bit cache), with an online softmax
 // (running max and sum per query head, the accumulator rescaled once per tile). A query head's
-// q row and accumulator stay in registers while it runs over the tile's keys.
+// scores are four dot products at a time (four sums in flight, reduced together); its
+// accumulator stays in registers while it runs over the tile's values.
 #include <vector>
 
 #include "common.h"
@@ -39,17 +40,36 @@ void prefetch_tile(const T* cache, const int32_t* table, int t0, int nt, int bs,
   }
 }
 
+// q . k over hd for four keys at once (four independent sums in flight, one reduction).
+template <int HD>
+inline v4 dot4(const float* q, const float* k0, const float* k1, const float* k2,
+               const float* k3, int hd) {
+  v8 a0 = load8(q) * load8(k0), a1 = load8(q) * load8(k1);
+  v8 a2 = load8(q) * load8(k2), a3 = load8(q) * load8(k3);
+  for (int i = 8; i < (HD ? HD : hd); i += 8) {
+    const v8 qi = load8(q + i);
+    a0 += qi * load8(k0 + i);
+    a1 += qi * load8(k1 + i);
+    a2 += qi * load8(k2 + i);
+    a3 += qi * load8(k3 + i);
+  }
+  return hsum8x4(a0, a1, a2, a3);
+}
+
 // One query head over one tile: scores s[j] = q . k_j * scale. HD: the head dim, or 0 for hd.
 template <int HD>
 inline void scores(float* s, const float* q, const float* const* k, int nt, float scale,
                    int hd_rt) {
-  const int hd = HD ? HD : hd_rt;
-  v8 qv[MAX_HD / 8];
-  for (int i = 0; i < hd / 8; i++) qv[i] = load8(q + 8 * i);
-  for (int j = 0; j < nt; j++) {
-    v8 a = qv[0] * load8(k[j]);
-    for (int i = 1; i < hd / 8; i++) a += qv[i] * load8(k[j] + 8 * i);
-    s[j] = hsum8(a) * scale;
+  int j = 0;
+  for (; j + 4 <= nt; j += 4) {
+    const v4 d = dot4<HD>(q, k[j], k[j + 1], k[j + 2], k[j + 3], hd_rt) * scale;
+    std::memcpy(s + j, &d, sizeof d);
+  }
+  if (j < nt) {  // the last 1-3 keys, the last one repeated to make four
+    const int last = nt - 1;
+    const v4 d = dot4<HD>(q, k[j], k[std::min(j + 1, last)], k[std::min(j + 2, last)], k[last],
+                          hd_rt) * scale;
+    for (int r = 0; j + r < nt; r++) s[j + r] = d[r];
   }
 }
 
