@@ -5,22 +5,15 @@
 // Threads: one task per slice of COLS columns (the last slice shorter).
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
-
-namespace {
-
-typedef void (*sgemm_fn)(int order, int transa, int transb, long m, long n, long k, float alpha,
-                         const float* a, long lda, const float* b, long ldb, float beta, float* c,
-                         long ldc);
-typedef void (*sgemv_fn)(int order, int trans, long m, long n, float alpha, const float* a,
-                         long lda, const float* x, long incx, float beta, float* y, long incy);
-typedef int (*set_threads_fn)(int);
 
 sgemm_fn sgemm = nullptr;
 sgemv_fn sgemv = nullptr;
 set_threads_fn set_local_threads = nullptr;
 
-const int ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112;
+namespace {
+
 const long COLS = 64;  // columns per task at least
 const long MATVEC_WORK = 1L << 19;
 
@@ -32,17 +25,6 @@ extern "C" void matmul_init(void* sgemm_ptr, void* sgemv_ptr, void* set_local_pt
   sgemm = (sgemm_fn)sgemm_ptr;
   sgemv = (sgemv_fn)sgemv_ptr;
   set_local_threads = (set_threads_fn)set_local_ptr;
-}
-
-// task(t) for t in 0..nt-1 on nt threads, the BLAS single-threaded on each of them.
-template <typename Task> void on_threads(int nt, Task task) {
-#pragma omp parallel num_threads(nt)
-  {
-    const int prev = set_local_threads(1);
-#pragma omp for schedule(static)
-    for (int t = 0; t < nt; t++) task(t);
-    set_local_threads(prev);
-  }
 }
 
 // One row, y = x W: each thread takes a run of W's rows (whole rows stream from memory

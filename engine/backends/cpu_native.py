@@ -90,6 +90,8 @@ def library() -> ctypes.CDLL:
         if not _lib:
             lib = ctypes.CDLL(str(library_path()))
             _declare(lib)
+            isa = lib.matmul_quant_isa().decode()
+            log.info("native CPU kernels loaded; bf16/int8 weight products built for %s", isa)
             _lib.append(lib)
         return _lib[0]
 
@@ -112,6 +114,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_init.restype = None
     lib.matmul_f32.argtypes = [P, P, P, ctypes.c_long, ctypes.c_long, ctypes.c_long, I]
     lib.matmul_f32.restype = None
+    L = ctypes.c_long
+    lib.matmul_bf16.argtypes = [P, P, P, L, L, L, I]
+    lib.matmul_bf16.restype = None
+    lib.matmul_int8.argtypes = [P, P, P, P, L, L, L, I]
+    lib.matmul_int8.restype = None
+    lib.matmul_quant_isa.argtypes = []
+    lib.matmul_quant_isa.restype = ctypes.c_char_p
     blas = numpy_blas()
     names = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
     missing = [name for name in names if not hasattr(blas, name)]

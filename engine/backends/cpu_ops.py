@@ -2,7 +2,8 @@
 results within float rounding), the heavy ones run by the kernels of ``cpu_src/``
 (``cpu_native``); the rest (embedding, block copies, the GELU activations) are fast_ops' own.
 
-Activations are float32; the KV cache is float32, float16 or bfloat16. ``rotary_cache`` does
+Activations are float32; weights float32, or bf16 or int8 (``quant.QuantWeight``, for
+``matmul``); the KV cache is float32, float16 or bfloat16. ``rotary_cache`` does
 what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the cos/sin table that
 ``fast_ops`` computes once per forward. ``fused_add_rms_norm`` adds into ``residual`` in place
 (and returns it): the backend's residual is its own array.
@@ -13,10 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import fast_ops
+from .base import numpy_dtype
 from .cpu_native import library, threads
 from .fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
+from .quant import QuantWeight
 
 F32 = np.dtype(np.float32)
+BF16 = numpy_dtype("bfloat16")
 CACHE_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
@@ -172,10 +176,29 @@ def paged_attention_prefill(
     return out
 
 
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads
-    x, w = _c32(x), _c32(w)
+def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
+    """x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads. w: float32, or a
+    QuantWeight (bf16, or int8 with per-column scales) multiplied as its dequantized values."""
+    x = _c32(x)
     m, k = x.shape
-    out = np.empty((m, w.shape[1]), F32)  # (M, N)
-    library().matmul_f32(_p(out), _p(x), _p(w), m, k, w.shape[1], threads())
+    if len(w.shape) != 2 or w.shape[0] != k:
+        raise ValueError(f"matmul: x is {x.shape}, the weight {w.shape}; expected (M, K) @ (K, N)")
+    n, lib = w.shape[1], library()
+    out = np.empty((m, n), F32)  # (M, N)
+    if not isinstance(w, QuantWeight):
+        lib.matmul_f32(_p(out), _p(x), _p(_c32(w)), m, k, n, threads())
+    elif w.kind == "bf16":
+        lib.matmul_bf16(_p(out), _p(x), _p(_contiguous(w.data, BF16)), m, k, n, threads())
+    elif w.kind == "int8":
+        data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F32)
+        assert scales.shape == (n,), "an int8 weight has one scale per column"
+        lib.matmul_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
+    else:
+        raise ValueError(f"matmul: unknown weight kind {w.kind!r}")
     return out
+
+
+def _contiguous(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"a packed weight must be contiguous {dtype}, got {a.dtype}")
+    return a

@@ -1,0 +1,150 @@
+// Matrix products with the weights stored in fewer bytes: out (M, N) float32 = x (M, K) float32
+// @ W (K, N), W bf16 (the high half of a float32: same values, half the bytes) or int8 with one
+// float32 scale per column (W = q * scale[n], a quarter of the bytes). Accumulation is float32.
+// M <= GEMV_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes once,
+// each element converted once and used for every row of x. More rows: the columns split over
+// the threads, each dequantizing blocks of NB columns into its own float32 tile and multiplying
+// it with the BLAS's single-threaded sgemm (the tile's conversion is K * NB, the product
+// M * K * NB). The loops are plain C++ that GCC vectorizes for the -march it builds for
+// (AVX2 + FMA here: a shift or a sign-extension, a convert, an FMA per element).
+// Threads: the GEMV splits W's rows (whole rows stream best), partial sums added per column
+// slice after a barrier; the tiled product one task per slice of columns.
+#include <memory>
+#include <vector>
+
+#include "blas.h"
+#include "common.h"
+
+namespace {
+
+const long GEMV_ROWS = 4;     // rows of x the GEMV takes; more go through the tiles
+const long NB = 128;          // columns per dequantized tile
+const long ROWS_PER_PASS = 4; // W rows folded into the accumulator per pass of the GEMV
+const long GEMV_WORK = 1L << 19;
+
+inline float wf(uint16_t b) { return __builtin_bit_cast(float, (uint32_t)b << 16); }  // bf16
+inline float wf(int8_t q) { return (float)q; }  // int8: the column's scale comes after
+
+// acc (MR, N) += x[:, k0:k1) @ W[k0:k1, :] for the MR rows of x (row stride K).
+template <typename W, int MR>
+void gemv_rows(float* acc, const float* x, long K, const W* w, long N, long k0, long k1) {
+  long k = k0;
+  for (; k + ROWS_PER_PASS <= k1; k += ROWS_PER_PASS) {
+    const W *w0 = w + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    float a[MR][4];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < 4; r++) a[m][r] = x[m * K + k + r];
+#pragma omp simd
+    for (long n = 0; n < N; n++) {
+      const float v0 = wf(w0[n]), v1 = wf(w1[n]), v2 = wf(w2[n]), v3 = wf(w3[n]);
+      for (int m = 0; m < MR; m++)
+        acc[m * N + n] += (a[m][0] * v0 + a[m][1] * v1) + (a[m][2] * v2 + a[m][3] * v3);
+    }
+  }
+  for (; k < k1; k++) {
+    const W* wk = w + k * N;
+    for (int m = 0; m < MR; m++) {
+      const float a = x[m * K + k];
+#pragma omp simd
+      for (long n = 0; n < N; n++) acc[m * N + n] += a * wf(wk[n]);
+    }
+  }
+}
+
+// out (MR, N) = x (MR, K) @ W, times scale[n] when given. Each thread sums a run of W's rows
+// into its own (MR, N) partial; after the barrier each adds up a slice of the columns.
+template <typename W, int MR>
+void gemv(float* out, const float* x, const W* w, const float* scale, long K, long N, int nt) {
+  std::vector<float> parts((size_t)nt * MR * N, 0.0f);
+  const long per = ((K + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS;
+#pragma omp parallel num_threads(nt)
+  {
+#pragma omp for schedule(static)
+    for (int t = 0; t < nt; t++)
+      gemv_rows<W, MR>(parts.data() + (size_t)t * MR * N, x, K, w, N, std::min(K, t * per),
+                       std::min(K, (t + 1) * per));
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++)
+      for (int m = 0; m < MR; m++) {
+        float s = 0.0f;
+        for (int t = 0; t < nt; t++) s += parts[((size_t)t * MR + m) * N + n];
+        out[m * N + n] = scale ? s * scale[n] : s;
+      }
+  }
+}
+
+// tile (K, nb) float32 = W[:, b0:b0+nb) dequantized.
+template <typename W>
+void dequant_tile(float* tile, const W* w, const float* scale, long K, long N, long b0, long nb) {
+  for (long k = 0; k < K; k++) {
+    const W* row = w + k * N + b0;
+    float* t = tile + k * nb;
+    if (scale) {
+#pragma omp simd
+      for (long j = 0; j < nb; j++) t[j] = wf(row[j]) * scale[b0 + j];
+    } else {
+#pragma omp simd
+      for (long j = 0; j < nb; j++) t[j] = wf(row[j]);
+    }
+  }
+}
+
+// out (M, N) = x (M, K) @ W: per thread a slice of columns, NB at a time through a float32 tile.
+template <typename W>
+void gemm_tiles(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
+                int nt) {
+  const long per = ((N + nt - 1) / nt + 7) / 8 * 8;
+  on_threads(nt, [&](int t) {
+    const long n0 = t * per, n1 = std::min(N, n0 + per);
+    std::unique_ptr<float[]> tile(new float[K * NB]);  // (K, NB)
+    for (long b0 = n0; b0 < n1; b0 += NB) {
+      const long nb = std::min(NB, n1 - b0);
+      dequant_tile(tile.get(), w, scale, K, N, b0, nb);
+      sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, M, nb, K, 1.0f, x, K, tile.get(), nb, 0.0f, out + b0,
+            N);
+    }
+  });
+}
+
+template <typename W>
+void matmul_w(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
+              int threads) {
+  const long work = 2 * M * K * N;
+  if (M > GEMV_ROWS) {
+    gemm_tiles(out, x, w, scale, M, K, N, (int)std::min<long>(threads_for(work, threads), std::max(1L, N / NB)));
+    return;
+  }
+  const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, std::max(1L, K / 16));
+  switch (M) {
+    case 1: gemv<W, 1>(out, x, w, scale, K, N, nt); break;
+    case 2: gemv<W, 2>(out, x, w, scale, K, N, nt); break;
+    case 3: gemv<W, 3>(out, x, w, scale, K, N, nt); break;
+    case 4: gemv<W, 4>(out, x, w, scale, K, N, nt); break;
+    default: break;  // M == 0
+  }
+}
+
+}  // namespace
+
+// out: (M, N) float32; x: (M, K) float32; w: (K, N) bf16 bits; all row-major contiguous.
+extern "C" void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, long N,
+                            int threads) {
+  matmul_w(out, x, w, nullptr, M, K, N, threads);
+}
+
+// out: (M, N) float32; x: (M, K) float32; w: (K, N) int8; scale: (N,) float32.
+extern "C" void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale,
+                            long M, long K, long N, int threads) {
+  matmul_w(out, x, w, scale, M, K, N, threads);
+}
+
+// The vector instructions the loops above were compiled for.
+extern "C" const char* matmul_quant_isa() {
+#if defined(__AVX512F__)
+  return "AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "AVX2+FMA";
+#else
+  return "portable (no AVX2+FMA)";
+#endif
+}
