@@ -23,6 +23,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name
 BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
 EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
+QUANTIZATIONS = ("int8",)
+QUANT_BACKENDS = ("auto", "cpu", "numpy")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
 # sane upper bounds: past them a value is a typo, not a configuration
@@ -122,6 +124,17 @@ class EngineConfig:
         "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the host backends); "
         "half is float16, float is float32",
         choices=DTYPES,
+    )
+    quantization: str | None = option(
+        None,
+        "int8: weight-only int8 for the matrices of every layer and the LM head, symmetric, one "
+        "float32 scale per output channel (its absmax / 127), each weight rounded to the nearest "
+        "multiple of it; activations and accumulation stay float32. The cpu backend keeps them "
+        "as int8 (a quarter of float32's bytes); the numpy backend dequantizes them to float32 "
+        "at load (the plain reference for the same values). cpu and numpy backends, one rank",
+        choices=QUANTIZATIONS,
+        default_help="none: the weights in --dtype (on the cpu backend, bfloat16 keeps them in "
+        "bf16, half the bytes)",
     )
     backend: str = option(
         "auto",
@@ -257,6 +270,9 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        q = self.quantization
+        if q is not None and q not in QUANTIZATIONS:
+            raise _bad("quantization", q, "None or one of " + ", ".join(QUANTIZATIONS))
 
     def _check_parallel(self):
         """The parallel sizes and their executor; what is not built is refused by name."""
@@ -293,6 +309,10 @@ class EngineConfig:
                 f"EngineConfig: pipeline parallel runs on the numpy backend only; the "
                 f"{self.backend} backend's ranks split by tensor parallel alone"
             )
+        if self.quantization is not None:
+            why = quantization_refusal(self.quantization, self.backend, ranks)
+            if why:
+                raise ValueError(f"EngineConfig: {why}")
         draft = self.speculative is not None and self.speculative.method == "draft_model"
         if ranks > 1 and draft:
             raise ValueError(
@@ -346,6 +366,22 @@ class EngineConfig:
     @property
     def is_resolved(self) -> bool:
         return self.max_model_len is not None and self.max_num_batched_tokens is not None
+
+
+def quantization_refusal(quantization: str, backend: str, world_size: int = 1) -> str | None:
+    """Why ``quantization`` cannot run on this backend (a resolved name, or auto) and this many
+    ranks, in one line; None where it can."""
+    if backend not in QUANT_BACKENDS:
+        return (
+            f"--quantization {quantization} runs on the cpu and numpy backends (the {backend} "
+            f"backend has no {quantization} kernels)"
+        )
+    if world_size > 1:
+        return (
+            f"--quantization {quantization} runs on one rank; tensor_parallel_size x "
+            f"pipeline_parallel_size is {world_size}"
+        )
+    return None
 
 
 def make_config(model: str | None = None, **engine_args) -> EngineConfig:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import BACKENDS
+from ..config import BACKENDS, quantization_refusal
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("engine.backend")
@@ -55,6 +55,9 @@ def _cpu_backend(model_config, weights, engine_config):
 def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
+    quantization = getattr(engine_config, "quantization", None)
+    if quantization is not None and quantization_refusal(quantization, name):
+        raise ValueError(quantization_refusal(quantization, name))
     if name == "numpy":
         backend = NumpyBackend(model_config, weights, engine_config)
     elif name == "cpu":

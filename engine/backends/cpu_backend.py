@@ -3,6 +3,11 @@ BLAS), with everything between the products run by the C++ kernels of ``cpu_src/
 (``cpu_ops``): paged decode and prefill attention, rotary fused with the cache write, the
 residual add fused with RMSNorm, SiLU-and-mul, multi-threaded over (sequence, KV head).
 The same KV layout and interface; ``auto`` picks it where there is no GPU and g++ is there.
+
+Its matrices (every layer's four and the LM head) take fewer bytes where the values allow:
+with ``--dtype bfloat16`` they are kept as bf16 (the same values the numpy backend holds in
+float32, half the bytes), with ``--quantization int8`` as int8 and a scale per column (a
+quarter); ``cpu_ops.matmul`` multiplies them by a float32 x, accumulating in float32.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from ..forward_batch import ForwardBatch
 from . import cpu_ops
 from .cpu_native import library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
+from .quant import to_bf16, to_int8
 
 
 class CpuBackend(NumpyBackend):
@@ -23,6 +29,12 @@ class CpuBackend(NumpyBackend):
         library()  # build (once per source change) and load the kernels now, not mid-step
         threads()
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
+
+    def _matrix_store(self, quantization: str | None):
+        # int8 -> int8 + scales; bf16 values (--dtype bfloat16) -> bf16 bits; else float32
+        if quantization == "int8":
+            return to_int8
+        return to_bf16 if self.kv_dtype == "bfloat16" else None
 
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
         # qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k, v rotated and cached, one pass

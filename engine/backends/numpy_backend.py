@@ -20,20 +20,25 @@ from ..forward_batch import ForwardBatch
 from . import fast_ops
 from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype, retain_freed_memory
 from .fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
+from .quant import QuantWeight, to_int8
 
 log = logging.getLogger("engine.backend")
 
 F32 = np.dtype(np.float32)
+MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a PackedLayer's (K, N) matrices
 
 
 @dataclass
 class PackedLayer:
+    """A layer's weights. The four (K, N) matrices are float32, or on the cpu backend bf16 or
+    int8 (``quant.QuantWeight``), multiplied through ``ops.matmul`` either way."""
+
     attn_norm: np.ndarray  # (D,) the norm's scale, offset + w (Gemma's 1 + w)
-    w_qkv: np.ndarray  # (D, H*hd + 2*Hkv*hd): q | k | v columns
-    w_o: np.ndarray  # (H*hd, D)
+    w_qkv: np.ndarray | QuantWeight  # (D, H*hd + 2*Hkv*hd): q | k | v columns
+    w_o: np.ndarray | QuantWeight  # (H*hd, D)
     mlp_norm: np.ndarray  # (D,)
-    w_gate_up: np.ndarray  # (D, 2F): gate | up columns
-    w_down: np.ndarray  # (F, D)
+    w_gate_up: np.ndarray | QuantWeight  # (D, 2F): gate | up columns
+    w_down: np.ndarray | QuantWeight  # (F, D)
     b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
     q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
     k_norm: np.ndarray | None = None  # (hd,)
@@ -105,9 +110,28 @@ class NumpyBackend(Backend):
             rest["final_norm"],
             rest["lm_head"],
         )
+        self._store_matrices(self._matrix_store(getattr(engine_config, "quantization", None)))
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
+
+    # ---- weights in fewer bytes ----
+    def _matrix_store(self, quantization: str | None):
+        """How the packed matrices are kept: None (float32 as packed), or a function of a
+        (K, N) float32 matrix. int8 here: quantized and dequantized to float32 at once, the
+        plain reference for the cpu backend's int8 products."""
+        if quantization == "int8":
+            return lambda w: to_int8(w).dequantize()
+        return None
+
+    def _store_matrices(self, store) -> None:
+        # every layer's four matrices and the LM head, one at a time (the float32 one freed)
+        if store is None:
+            return
+        for lw in self.layers:
+            for name in MATRICES:
+                setattr(lw, name, store(getattr(lw, name)))
+        self.lm_head = store(self.lm_head)
 
     # ---- memory accounting ----
     @property
