@@ -2,11 +2,11 @@
 // @ W (K, N), W bf16 (the high half of a float32: same values, half the bytes) or int8 with one
 // float32 scale per column (W = q * scale[n], a quarter of the bytes). Accumulation is float32.
 // M <= GEMV_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes once,
-// each element converted once and used for every row of x. More rows: the columns split over
+// each weight converted once and used for every row of x. More rows: the columns split over
 // the threads, each dequantizing blocks of NB columns into its own float32 tile and multiplying
 // it with the BLAS's single-threaded sgemm (the tile's conversion is K * NB, the product
-// M * K * NB). The loops are plain C++ that GCC vectorizes for the -march it builds for
-// (AVX2 + FMA here: a shift or a sign-extension, a convert, an FMA per element).
+// M * K * NB). AVX2 + FMA builds convert 8 weights with one widening load and a shift (bf16)
+// or a convert (int8); other CPUs get a plain loop. The rest is GCC's vectorization.
 // Threads: the GEMV splits W's rows (whole rows stream best), partial sums added per column
 // slice after a barrier; the tiled product one task per slice of columns.
 #include <memory>
@@ -17,37 +17,62 @@
 
 namespace {
 
-const long GEMV_ROWS = 4;     // rows of x the GEMV takes; more go through the tiles
-const long NB = 128;          // columns per dequantized tile
-const long ROWS_PER_PASS = 4; // W rows folded into the accumulator per pass of the GEMV
+const long GEMV_ROWS = 8;  // rows of x the GEMV takes; more go through the tiles
+const long NB = 256;       // columns per dequantized tile
+const long PANEL = 8;      // W rows the GEMV walks together
 const long GEMV_WORK = 1L << 19;
 
 inline float wf(uint16_t b) { return __builtin_bit_cast(float, (uint32_t)b << 16); }  // bf16
 inline float wf(int8_t q) { return (float)q; }  // int8: the column's scale comes after
 
-// acc (MR, N) += x[:, k0:k1) @ W[k0:k1, :] for the MR rows of x (row stride K).
+// Eight weights as eight float32 lanes (v8, common.h). AVX2: one widening load and a shift
+// (bf16) or a convert (int8); elsewhere a plain loop.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+inline v8 load_w8(const uint16_t* p) {  // bf16: zero-extend, shift into the high half
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline v8 load_w8(const int8_t* p) {  // int8: sign-extend, convert
+  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+template <typename W> inline v8 load_w8(const W* p) {
+  v8 v;
+  for (int i = 0; i < 8; i++) v[i] = wf(p[i]);
+  return v;
+}
+#endif
+
+// acc (MR, N) += x[:, k0:k1) @ W[k0:k1, :] for the MR rows of x (row stride K). PANEL rows of
+// W at a time, walked together across blocks of 8 * NV columns: the block's MR x NV vectors of
+// sums stay in registers over the panel's rows, each weight converted once for all MR rows.
 template <typename W, int MR>
 void gemv_rows(float* acc, const float* x, long K, const W* w, long N, long k0, long k1) {
-  long k = k0;
-  for (; k + ROWS_PER_PASS <= k1; k += ROWS_PER_PASS) {
-    const W *w0 = w + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-    float a[MR][4];
-    for (int m = 0; m < MR; m++)
-      for (int r = 0; r < 4; r++) a[m][r] = x[m * K + k + r];
-#pragma omp simd
-    for (long n = 0; n < N; n++) {
-      const float v0 = wf(w0[n]), v1 = wf(w1[n]), v2 = wf(w2[n]), v3 = wf(w3[n]);
+  constexpr int NV = 8 / MR;
+  constexpr long CB = 8 * NV;
+  const long full = N / CB * CB;
+  for (long k = k0; k < k1; k += PANEL) {
+    const long p = std::min(PANEL, k1 - k);
+    for (long c = 0; c < full; c += CB) {
+      v8 sum[MR][NV];
       for (int m = 0; m < MR; m++)
-        acc[m * N + n] += (a[m][0] * v0 + a[m][1] * v1) + (a[m][2] * v2 + a[m][3] * v3);
+        for (int v = 0; v < NV; v++) sum[m][v] = load8(acc + m * N + c + 8 * v);
+      for (long r = 0; r < p; r++) {
+        const W* wr = w + (k + r) * N + c;
+        v8 wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = load_w8(wr + 8 * v);
+        for (int m = 0; m < MR; m++) {
+          const float a = x[m * K + k + r];
+          for (int v = 0; v < NV; v++) sum[m][v] += a * wv[v];
+        }
+      }
+      for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) store8(acc + m * N + c + 8 * v, sum[m][v]);
     }
-  }
-  for (; k < k1; k++) {
-    const W* wk = w + k * N;
-    for (int m = 0; m < MR; m++) {
-      const float a = x[m * K + k];
-#pragma omp simd
-      for (long n = 0; n < N; n++) acc[m * N + n] += a * wf(wk[n]);
-    }
+    for (long r = 0; r < p; r++)  // the last N - full columns
+      for (int m = 0; m < MR; m++)
+        for (long n = full; n < N; n++) acc[m * N + n] += x[m * K + k + r] * wf(w[(k + r) * N + n]);
   }
 }
 
@@ -56,7 +81,7 @@ void gemv_rows(float* acc, const float* x, long K, const W* w, long N, long k0, 
 template <typename W, int MR>
 void gemv(float* out, const float* x, const W* w, const float* scale, long K, long N, int nt) {
   std::vector<float> parts((size_t)nt * MR * N, 0.0f);
-  const long per = ((K + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS;
+  const long per = ((K + nt - 1) / nt + PANEL - 1) / PANEL * PANEL;
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
@@ -114,12 +139,16 @@ void matmul_w(float* out, const float* x, const W* w, const float* scale, long M
     gemm_tiles(out, x, w, scale, M, K, N, (int)std::min<long>(threads_for(work, threads), std::max(1L, N / NB)));
     return;
   }
-  const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, std::max(1L, K / 16));
+  const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, std::max(1L, K / PANEL));
   switch (M) {
     case 1: gemv<W, 1>(out, x, w, scale, K, N, nt); break;
     case 2: gemv<W, 2>(out, x, w, scale, K, N, nt); break;
     case 3: gemv<W, 3>(out, x, w, scale, K, N, nt); break;
     case 4: gemv<W, 4>(out, x, w, scale, K, N, nt); break;
+    case 5: gemv<W, 5>(out, x, w, scale, K, N, nt); break;
+    case 6: gemv<W, 6>(out, x, w, scale, K, N, nt); break;
+    case 7: gemv<W, 7>(out, x, w, scale, K, N, nt); break;
+    case 8: gemv<W, 8>(out, x, w, scale, K, N, nt); break;
     default: break;  // M == 0
   }
 }

@@ -39,12 +39,14 @@ def test_int8_round_trip_is_within_half_a_step_and_a_zero_column_stays_zero():
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64])
 def test_quantized_matmul_against_float64(threads, kind, rows):
-    """The GEMV (up to 4 rows) and the dequantize-to-tile + sgemm path (more), on widths that
-    are not multiples of the tiles (128 columns) or of the GEMV's 4 rows per pass."""
+    """The GEMV (up to 8 rows) and the dequantize-to-tile + sgemm path (more), on widths that
+    are not multiples of the tiles (256 columns), of the GEMV's 8-row panels or its column
+    blocks; (1539, 333) and (64, 777) are large enough to run on two threads, row runs and
+    column slices."""
     rng = np.random.default_rng()
-    for k, n in [(200, 333), (7, 5), (1539, 130)]:
+    for k, n in [(200, 333), (7, 5), (1539, 333), (64, 777)]:
         x = rng.standard_normal((rows, k), dtype=np.float32)
         w = rng.standard_normal((k, n), dtype=np.float32)
         qw = to_bf16(w) if kind == "bf16" else to_int8(w)  # bf16: w rounded to its values
