@@ -312,7 +312,7 @@ class EngineConfig:
         if self.quantization is not None:
             why = quantization_refusal(self.quantization, self.backend, ranks)
             if why:
-                raise ValueError(f"EngineConfig: {why}")
+                raise ValueError(why)
         draft = self.speculative is not None and self.speculative.method == "draft_model"
         if ranks > 1 and draft:
             raise ValueError(

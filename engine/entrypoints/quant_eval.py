@@ -122,7 +122,8 @@ def evaluate(
 
 
 def build_parser() -> CliParser:
-    p = CliParser(prog="python -m engine.quant_eval", description=__doc__.splitlines()[0])
+    about = " ".join(__doc__.split("\n\n")[1].split())  # the paragraph under the title
+    p = CliParser(prog="python -m engine.quant_eval", description=about)
     p.add_argument("--model", default="smollm2", help="HF directory, .gguf or 'smollm2' (default)")
     p.add_argument(
         "--backend",
@@ -151,14 +152,21 @@ def build_parser() -> CliParser:
     return p
 
 
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
+
+
 def run(args) -> int:
     if args.dtype == "float32" and args.quantization is None:
-        raise ValueError("nothing to compare: give --dtype bfloat16 or --quantization int8")
+        raise ValueError("--dtype float32 without --quantization: nothing to compare")
     if args.tokens < 2 or args.chunk < 1:
         raise ValueError(
             f"--tokens must be at least 2 and --chunk 1, got {args.tokens}, {args.chunk}"
         )
-    text = Path(args.text).read_text(encoding="utf-8") if args.text else project_text()
+    text = read_text(args.text) if args.text else project_text()
     config = EngineConfig(
         model=args.model, backend=args.backend, dtype=args.dtype, quantization=args.quantization
     )
