@@ -150,23 +150,19 @@ def smollm2_float32(smollm2):
     return tokens, teacher_forced_logits(backend, tokens, KL_TOKENS)
 
 
-# measured over these 128 tokens (2026-12-02): int8 mean KL 5.95e-3, top-1 96.1%; bf16 mean KL
-# 1.03e-4, top-1 99.2%. Bounds: 3x the mean, top-1 a few points under. int8 with every scale
-# 10% too large measured mean KL 0.18 (top-1 68.5%), twice as large 19.1: both fail.
-@pytest.mark.parametrize(
-    "setting, max_mean_kl, min_top1",
-    [({"quantization": "int8"}, 0.018, 0.93), ({"dtype": "bfloat16"}, 3e-4, 0.97)],
-    ids=["int8", "bf16"],
-)
-def test_smollm2_kl_against_float32(smollm2, smollm2_float32, setting, max_mean_kl, min_top1):
-    """Teacher-forced over the first tokens of the project's docs: KL(p_float32 || p) small,
-    the top-1 tokens nearly always the same, the perplexity within 5%."""
+# measured over these 128 tokens (2026-12-02): int8 mean KL 5.95e-3, top-1 96.1% (bf16: 1.03e-4,
+# 99.2%, not run here: its values are the numpy backend's, checked above). Bounds: 3x the mean,
+# top-1 a few points under. int8 with every scale 10% too large measured mean KL 0.18 (top-1
+# 68.5%), twice as large 19.1: both fail.
+def test_smollm2_int8_kl_against_float32(smollm2, smollm2_float32):
+    """Teacher-forced over the first tokens of the project's docs: KL(p_float32 || p_int8)
+    small, the top-1 tokens nearly always the same, the perplexity within 5%."""
     tokens, want = smollm2_float32
-    config = EngineConfig(model="smollm2", backend="cpu", **setting)
+    config = EngineConfig(model="smollm2", backend="cpu", quantization="int8")
     backend = get_backend("cpu", smollm2.config, smollm2.weights, config)
     got = agreement(want, teacher_forced_logits(backend, tokens, KL_TOKENS), tokens)
     assert got.tokens == KL_TOKENS - 1
-    assert 0 < got.mean_kl < max_mean_kl and got.top1 >= min_top1, got
+    assert 0 < got.mean_kl < 0.018 and got.top1 >= 0.93, got
     assert abs(np.log(got.ppl_quant / got.ppl_ref)) < 0.05, got
 
 

@@ -20,8 +20,9 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(w, F32)
     scales = (np.abs(w).max(axis=0) / np.float32(127)).astype(F32)  # (N,)
     safe = np.where(scales > 0, scales, np.float32(1))  # a zero column: q = 0, nothing divided
-    q = np.clip(np.rint(w / safe), -127, 127).astype(np.int8)  # (K, N)
-    return q, scales
+    r = np.divide(w, safe)  # (K, N) float32, rounded and clipped in place
+    np.clip(np.rint(r, out=r), -127, 127, out=r)
+    return r.astype(np.int8), scales
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
