@@ -56,8 +56,9 @@ def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
     quantization = getattr(engine_config, "quantization", None)
-    if quantization is not None and quantization_refusal(quantization, name):
-        raise ValueError(quantization_refusal(quantization, name))
+    why = quantization and quantization_refusal(quantization, name)  # auto resolved: cuda?
+    if why:
+        raise ValueError(why)
     if name == "numpy":
         backend = NumpyBackend(model_config, weights, engine_config)
     elif name == "cpu":
