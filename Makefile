@@ -31,8 +31,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (one per core of the 2-core CI machine), each test file on one worker so
+# its module fixtures (servers, Ray instances, kernel builds) are made once. Each worker's
+# kernels and BLAS run one thread: two workers with two threads each oversubscribe the cores,
+# and a two-thread kernel then waits at its barrier for a thread without a core. The kernel
+# tests still run their one- and two-thread cases (they set the count themselves).
 test: lint
-	$(PY) -m pytest -q
+	PAGEDLLM_CPU_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache replay.html

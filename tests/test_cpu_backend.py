@@ -32,6 +32,7 @@ def test_auto_is_cpu_without_a_gpu_and_numpy_without_a_compiler(monkeypatch):
 
 
 def test_threads_follow_the_affinity_or_the_environment(fresh_threads):
+    fresh_threads.delenv(cpu_native.THREADS_ENV, raising=False)  # `make test` sets it
     fresh_threads.setattr(cpu_native.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     fresh_threads.setattr(cpu_native.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cpu_native.threads() == 3
