@@ -27,3 +27,8 @@ template <typename Task> void on_threads(int nt, Task task) {
     set_local_threads(prev);
   }
 }
+
+// out (M, N) = x (M, K) @ w (K, N) float32 for 2 <= M <= 8 rows, W read once (matmul_quant.cpp).
+void matmul_f32_rows(float* out, const float* x, const float* w, long M, long K, long N,
+                     int threads);
+const long GEMV_MAX_ROWS = 8;

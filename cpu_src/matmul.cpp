@@ -2,6 +2,9 @@
 // the BLAS that NumPy ships (OpenBLAS's cblas_sgemm, found by cpu_native.py), each thread
 // computing a slice of the columns with the BLAS's own single-threaded kernel. One pool of
 // threads runs the products and the kernels between them, so no other pool spins beside it.
+// One row goes through the BLAS's sgemv; 2 to 8 rows through matmul_quant.cpp's GEMV, which
+// reads W once for every row (sgemm packs all of W for each call: 50-70 ms a SmolLM2 step for
+// 2-8 rows against 20-51 ms through the GEMV, measured).
 // Threads: one task per slice of COLS columns (the last slice shorter).
 #include <vector>
 
@@ -54,6 +57,10 @@ extern "C" void matmul_f32(float* out, const float* x, const float* w, long M, l
   const long work = M * K * N * 2;
   if (M == 1) {
     matvec(out, x, w, K, N, work < MATVEC_WORK ? 1 : threads);
+    return;
+  }
+  if (M <= GEMV_MAX_ROWS) {  // a few rows: the GEMV reads W once; sgemm would pack all of it
+    matmul_f32_rows(out, x, w, M, K, N, threads);
     return;
   }
   const int nt = (int)std::min<long>(threads_for(work, threads), std::max(1L, N / COLS));

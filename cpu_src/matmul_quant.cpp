@@ -1,7 +1,8 @@
 // Matrix products with the weights stored in fewer bytes: out (M, N) float32 = x (M, K) float32
 // @ W (K, N), W bf16 (the high half of a float32: same values, half the bytes) or int8 with one
 // float32 scale per column (W = q * scale[n], a quarter of the bytes). Accumulation is float32.
-// M <= GEMV_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes once,
+// M <= GEMV_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes once
+// (float32 weights take it too for 2 to GEMV_ROWS rows: matmul_f32_rows),
 // each weight converted once and used for every row of x. More rows: the columns split over
 // the threads, each dequantizing blocks of NB columns into its own float32 tile and multiplying
 // it with the BLAS's single-threaded sgemm (the tile's conversion is K * NB, the product
@@ -17,13 +18,14 @@
 
 namespace {
 
-const long GEMV_ROWS = 8;  // rows of x the GEMV takes; more go through the tiles
+const long GEMV_ROWS = GEMV_MAX_ROWS;  // rows of x the GEMV takes; more go through the tiles
 const long NB = 256;       // columns per dequantized tile
 const long PANEL = 8;      // W rows the GEMV walks together
 const long GEMV_WORK = 1L << 19;
 
 inline float wf(uint16_t b) { return __builtin_bit_cast(float, (uint32_t)b << 16); }  // bf16
 inline float wf(int8_t q) { return (float)q; }  // int8: the column's scale comes after
+inline float wf(float w) { return w; }           // float32: the few-rows product below
 
 // Eight weights as eight float32 lanes (v8, common.h). AVX2: one widening load and a shift
 // (bf16) or a convert (int8); elsewhere a plain loop.
@@ -36,6 +38,7 @@ inline v8 load_w8(const uint16_t* p) {  // bf16: zero-extend, shift into the hig
 inline v8 load_w8(const int8_t* p) {  // int8: sign-extend, convert
   return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline v8 load_w8(const float* p) { return load8(p); }
 #else
 template <typename W> inline v8 load_w8(const W* p) {
   v8 v;
@@ -165,6 +168,14 @@ extern "C" void matmul_bf16(float* out, const float* x, const uint16_t* w, long 
 extern "C" void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale,
                             long M, long K, long N, int threads) {
   matmul_w(out, x, w, scale, M, K, N, threads);
+}
+
+// out (M, N) = x (M, K) @ w (K, N), all float32, for 2 <= M <= GEMV_ROWS (matmul.cpp's few-rows
+// case): the GEMV above reads W once for every row, where the BLAS's sgemm packs all of W for
+// each call (3-4x the time of one row, measured, for 2-8 rows).
+void matmul_f32_rows(float* out, const float* x, const float* w, long M, long K, long N,
+                     int threads) {
+  matmul_w(out, x, w, nullptr, M, K, N, threads);
 }
 
 // The vector instructions the loops above were compiled for.

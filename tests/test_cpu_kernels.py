@@ -147,10 +147,10 @@ def test_norms_and_silu(threads, rows):
     )
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
 def test_matmul_on_the_kernels_threads(threads, rows):
-    """Column slices per thread (a row: runs of W's rows, partial sums added), through the BLAS
-    NumPy ships; widths that do not split evenly."""
+    """Column slices per thread through the BLAS NumPy ships (a row: runs of W's rows, partial
+    sums added; 2 to 8 rows: matmul_quant.cpp's GEMV); widths that do not split evenly."""
     rng = np.random.default_rng([rows, threads, 3])
     for k, n in [(576, 960), (1536, 577), (64, 49)]:
         x = rng.standard_normal((rows, k), dtype=np.float32)
