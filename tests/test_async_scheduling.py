@@ -133,11 +133,14 @@ def test_stops_and_aborts_match_sync(tiny):
 
 def test_stub_device_step_overlaps_the_host(tiny):
     """With a modelled 20 ms device step, an async step costs about the device step, a
-    synchronous one the device step plus the host's work; both produce the stub's tokens."""
-    sync = measure(tiny, 16, steps=6, warmup=2, device_step_s=0.02)
-    overlapped = measure(tiny, 16, steps=6, warmup=2, device_step_s=0.02, async_scheduling=True)
-    assert sync.median_ms >= 20.0
-    assert overlapped.median_ms < sync.median_ms
+    synchronous one the device step plus the host's work; both produce the stub's tokens.
+    Other work on the machine (the suite's other worker) only adds time to a step, so each
+    run's fastest step is compared: the host's work is always in the synchronous one."""
+    sync = measure(tiny, 32, steps=10, warmup=2, device_step_s=0.02)
+    overlapped = measure(tiny, 32, steps=10, warmup=2, device_step_s=0.02, async_scheduling=True)
+    assert min(sync.step_ms) >= 20.0
+    host = min(sync.cpu_ms)  # the synchronous step's own host work, 1.5-2.5 ms here
+    assert min(overlapped.step_ms) < min(sync.step_ms) - host / 2
 
 
 @pytest.mark.parametrize(
