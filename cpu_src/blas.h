@@ -28,7 +28,10 @@ template <typename Task> void on_threads(int nt, Task task) {
   }
 }
 
-// out (M, N) = x (M, K) @ w (K, N) float32 for 2 <= M <= 8 rows, W read once (matmul_quant.cpp).
+// Rows of x that matmul_quant.cpp's GEMV takes (W read once for every row); more go through
+// sgemm (float32) or dequantized tiles (bf16, int8).
+const long GEMV_MAX_ROWS = 8;
+
+// out (M, N) = x (M, K) @ w (K, N) float32 for 2 <= M <= GEMV_MAX_ROWS (matmul_quant.cpp).
 void matmul_f32_rows(float* out, const float* x, const float* w, long M, long K, long N,
                      int threads);
-const long GEMV_MAX_ROWS = 8;

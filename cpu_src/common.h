@@ -66,12 +66,9 @@ static inline v8 load8(const float* p) {
   return v;
 }
 static inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-static inline float hsum8(v8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
-// The lane sums of four vectors at once: (hsum8(a), hsum8(b), hsum8(c), hsum8(d)) as four
-// lanes, added in the same order as hsum8 (so the results are its bits).
+// The lane sums of four vectors at once, as four lanes, each added in the order
+// ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)).
 typedef float v4 __attribute__((vector_size(16)));
 typedef int i4 __attribute__((vector_size(16)));
 static inline v4 half_sum(v8 v) {  // lanes i + lanes i+4
@@ -83,8 +80,9 @@ static inline v4 half_sum(v8 v) {  // lanes i + lanes i+4
 static inline v4 hsum8x4(v8 a, v8 b, v8 c, v8 d) {
   const v4 ha = half_sum(a), hb = half_sum(b), hc = half_sum(c), hd = half_sum(d);
   // (a0 + a1, b0 + b1, a2 + a3, b2 + b3) and the same of c, d
-  const v4 ab = __builtin_shuffle(ha, hb, i4{0, 4, 2, 6}) + __builtin_shuffle(ha, hb, i4{1, 5, 3, 7});
-  const v4 cd = __builtin_shuffle(hc, hd, i4{0, 4, 2, 6}) + __builtin_shuffle(hc, hd, i4{1, 5, 3, 7});
+  const i4 even = {0, 4, 2, 6}, odd = {1, 5, 3, 7};
+  const v4 ab = __builtin_shuffle(ha, hb, even) + __builtin_shuffle(ha, hb, odd);
+  const v4 cd = __builtin_shuffle(hc, hd, even) + __builtin_shuffle(hc, hd, odd);
   return __builtin_shuffle(ab, cd, i4{0, 1, 4, 5}) + __builtin_shuffle(ab, cd, i4{2, 3, 6, 7});
 }
 

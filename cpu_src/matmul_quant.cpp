@@ -1,9 +1,9 @@
 // Matrix products with the weights stored in fewer bytes: out (M, N) float32 = x (M, K) float32
 // @ W (K, N), W bf16 (the high half of a float32: same values, half the bytes) or int8 with one
 // float32 scale per column (W = q * scale[n], a quarter of the bytes). Accumulation is float32.
-// M <= GEMV_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes once
-// (float32 weights take it too for 2 to GEMV_ROWS rows: matmul_f32_rows),
-// each weight converted once and used for every row of x. More rows: the columns split over
+// M <= GEMV_MAX_ROWS (decode at small batch, bound by memory): a GEMV that streams W's bytes
+// once (float32 weights take it too for 2 to GEMV_MAX_ROWS rows: matmul_f32_rows), each weight
+// converted once and used for every row of x. More rows: the columns split over
 // the threads, each dequantizing blocks of NB columns into its own float32 tile and multiplying
 // it with the BLAS's single-threaded sgemm (the tile's conversion is K * NB, the product
 // M * K * NB). AVX2 + FMA builds convert 8 weights with one widening load and a shift (bf16)
@@ -18,7 +18,6 @@
 
 namespace {
 
-const long GEMV_ROWS = GEMV_MAX_ROWS;  // rows of x the GEMV takes; more go through the tiles
 const long NB = 256;       // columns per dequantized tile
 const long PANEL = 8;      // W rows the GEMV walks together
 const long GEMV_WORK = 1L << 19;
@@ -138,8 +137,9 @@ template <typename W>
 void matmul_w(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
               int threads) {
   const long work = 2 * M * K * N;
-  if (M > GEMV_ROWS) {
-    gemm_tiles(out, x, w, scale, M, K, N, (int)std::min<long>(threads_for(work, threads), std::max(1L, N / NB)));
+  if (M > GEMV_MAX_ROWS) {
+    const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
+    gemm_tiles(out, x, w, scale, M, K, N, (int)nt);
     return;
   }
   const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, std::max(1L, K / PANEL));
@@ -170,9 +170,9 @@ extern "C" void matmul_int8(float* out, const float* x, const int8_t* w, const f
   matmul_w(out, x, w, scale, M, K, N, threads);
 }
 
-// out (M, N) = x (M, K) @ w (K, N), all float32, for 2 <= M <= GEMV_ROWS (matmul.cpp's few-rows
-// case): the GEMV above reads W once for every row, where the BLAS's sgemm packs all of W for
-// each call (3-4x the time of one row, measured, for 2-8 rows).
+// out (M, N) = x (M, K) @ w (K, N), all float32, for 2 <= M <= GEMV_MAX_ROWS (matmul.cpp's
+// few-rows case): the GEMV above reads W once for every row, where the BLAS's sgemm packs all
+// of W for each call (3-4x the time of one row, measured, for 2-8 rows).
 void matmul_f32_rows(float* out, const float* x, const float* w, long M, long K, long N,
                      int threads) {
   matmul_w(out, x, w, nullptr, M, K, N, threads);

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_ops, get_backend
+from engine.backends.numpy_backend import MATRICES
 from engine.backends.quant import QuantWeight, dequantize_int8, quantize_int8, to_bf16, to_int8
 from engine.config import EngineConfig
 from engine.entrypoints.quant_eval import agreement, project_text, teacher_forced_logits
@@ -74,12 +75,9 @@ def test_a_bad_weight_is_one_line():
         cpu_ops.matmul(x, bad)
 
 
-MATS = ("w_qkv", "w_o", "w_gate_up", "w_down")
-
-
 def matrices(backend) -> list:
     """The LM head and every layer's four matrices."""
-    return [backend.lm_head] + [getattr(lw, m) for lw in backend.layers for m in MATS]
+    return [backend.lm_head] + [getattr(lw, m) for lw in backend.layers for m in MATRICES]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from engine.backends import get_backend
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, token_slots
 from engine.kernels.build import REPO
+from engine.sampler import log_softmax
 from engine.utils import cdiv
 from reference.loader import load_model
 
@@ -74,18 +75,13 @@ def teacher_forced_logits(backend, tokens: np.ndarray, chunk: int, bar=None) -> 
     return out
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)  # (t, V)
-    x -= x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-
-
 def agreement(ref: np.ndarray, quant: np.ndarray, tokens: np.ndarray) -> Agreement:
     """(T, V) logits of both models over ``tokens`` (T,): position i predicts token i+1."""
     kls, nll_r, nll_q, same = [], [], [], []
     for s in range(0, len(tokens) - 1, 256):
         e = min(s + 256, len(tokens) - 1)
-        lp, lq = _log_softmax(ref[s:e]), _log_softmax(quant[s:e])  # (t, V)
+        lp = log_softmax(ref[s:e].astype(np.float64))  # (t, V)
+        lq = log_softmax(quant[s:e].astype(np.float64))
         kls.append((np.exp(lp) * (lp - lq)).sum(axis=1))
         rows, nxt = np.arange(e - s), tokens[s + 1 : e + 1]
         nll_r.append(-lp[rows, nxt])
