@@ -86,6 +86,8 @@ def library_path() -> Path:
 
 def library() -> ctypes.CDLL:
     """The native kernels, built and loaded once per process."""
+    if _lib:  # every kernel call asks: no lock once loaded
+        return _lib[0]
     with _lock:
         if not _lib:
             lib = ctypes.CDLL(str(library_path()))

@@ -11,6 +11,8 @@ what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the cos/sin ta
 
 from __future__ import annotations
 
+from ctypes import addressof, c_char
+
 import numpy as np
 
 from . import fast_ops
@@ -21,11 +23,19 @@ from .quant import QuantWeight
 
 F32 = np.dtype(np.float32)
 BF16 = numpy_dtype("bfloat16")
-CACHE_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+CACHE_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}  # (dtype.name is 5 us)
 
 
 def _p(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
+    """The address of a contiguous array's data. Through ctypes' buffer view (about 1 us);
+    ``a.ctypes.data`` (3 us) for what that refuses (read-only or empty arrays): a decode step
+    takes the address of about 1,300 arrays at batch 1."""
+    if a is None:
+        return None
+    try:
+        return addressof(c_char.from_buffer(a))
+    except (TypeError, ValueError):
+        return a.ctypes.data
 
 
 def _c32(a: np.ndarray) -> np.ndarray:
@@ -37,7 +47,7 @@ def _i32(a) -> np.ndarray:
 
 
 def _cache_code(cache: np.ndarray) -> int:
-    code = CACHE_DTYPES.get(cache.dtype.name)
+    code = CACHE_DTYPES.get(cache.dtype)
     if code is None or not cache.flags.c_contiguous:
         raise ValueError(
             f"a KV cache must be contiguous float32/float16/bfloat16, got {cache.dtype}"
