@@ -99,6 +99,7 @@ static inline float dot_f32(const float* a, const float* b, int n) {
 // (every score -inf, the running max still -inf) changes nothing: its weights are 0, factor 1.
 static inline float softmax_tile(float* s, int nt, float& m, float& l) {
   float mx = m;
+#pragma omp simd reduction(max : mx)
   for (int j = 0; j < nt; j++) mx = std::max(mx, s[j]);
   if (mx == -INFINITY) {
     for (int j = 0; j < nt; j++) s[j] = 0.0f;

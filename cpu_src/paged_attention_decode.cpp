@@ -15,27 +15,36 @@ namespace {
 const int TILE = 32;  // keys per tile
 const int MAX_HD = 256;
 
-// The tile's key (or value) rows of KV head h as float32: (nt, hd) at rows (pointers into
-// the cache for a float32 one, else converted into buf).
-template <typename T>
-void tile_rows(const float** rows, float* buf, const T* cache, const int32_t* table, int t0,
-               int nt, int bs, long row, int h, int hd) {
+// Where the keys t0..t0+nt-1 sit: at[j], the offset of key t0+j's row in the cache (in
+// elements; K and V share it). The block table is read once per block, with no division per key.
+void tile_slots(long* at, const int32_t* table, int t0, int nt, int bs, long row) {
+  int blk = t0 / bs, off = t0 % bs;
+  long base = (long)table[blk] * bs * row;
   for (int j = 0; j < nt; j++) {
-    const int t = t0 + j;
-    rows[j] = row_f32(cache + ((long)table[t / bs] * bs + t % bs) * row + (long)h * hd,
-                      buf + (long)j * hd, hd);
+    at[j] = base + off * row;
+    if (++off == bs && j + 1 < nt) {
+      off = 0;
+      base = (long)table[++blk] * bs * row;
+    }
   }
 }
 
-// Ask for the next tile's rows of KV heads h0..h1-1 ahead of use: a sequence's blocks are
-// scattered over the pool, so the hardware prefetcher cannot guess the next one.
+// The tile's key (or value) rows of KV head h as float32: (nt, hd) at rows (pointers into
+// the cache for a float32 one, else converted into buf).
 template <typename T>
-void prefetch_tile(const T* cache, const int32_t* table, int t0, int nt, int bs, long row,
-                   int h0, int h1, int hd) {
+void tile_rows(const float** rows, float* buf, const T* cache, const long* at, int nt, int h,
+               int hd) {
+  for (int j = 0; j < nt; j++)
+    rows[j] = row_f32(cache + at[j] + (long)h * hd, buf + (long)j * hd, hd);
+}
+
+// Ask for a tile's rows of KV heads h0..h1-1 ahead of use: a sequence's blocks are scattered
+// over the pool, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+void prefetch_tile(const T* cache, const long* at, int nt, int h0, int h1, int hd) {
   const long bytes = (long)(h1 - h0) * hd * sizeof(T);
   for (int j = 0; j < nt; j++) {
-    const int t = t0 + j;
-    const char* p = (const char*)(cache + ((long)table[t / bs] * bs + t % bs) * row + (long)h0 * hd);
+    const char* p = (const char*)(cache + at[j] + (long)h0 * hd);
     for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
   }
 }
@@ -96,17 +105,21 @@ void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32
   const float* krows[TILE];
   const float* vrows[TILE];
   float s[TILE];
+  long slots[2][TILE];  // this tile's key offsets and the next one's
   const long row = (long)hkv * hd;
-  for (int t0 = lo; t0 < n; t0 += TILE) {
+  tile_slots(slots[0], table, lo, std::min(TILE, n - lo), bs, row);
+  for (int t0 = lo, cur = 0; t0 < n; t0 += TILE, cur ^= 1) {
     const int nt = std::min(TILE, n - t0);
+    const long* at = slots[cur];
     if (t0 + TILE < n) {
       const int next = std::min(TILE, n - t0 - TILE);
-      prefetch_tile(k_cache, table, t0 + TILE, next, bs, row, h0, h1, hd);
-      prefetch_tile(v_cache, table, t0 + TILE, next, bs, row, h0, h1, hd);
+      tile_slots(slots[cur ^ 1], table, t0 + TILE, next, bs, row);
+      prefetch_tile(k_cache, slots[cur ^ 1], next, h0, h1, hd);
+      prefetch_tile(v_cache, slots[cur ^ 1], next, h0, h1, hd);
     }
     for (int h = h0; h < h1; h++) {
-      tile_rows(krows, kbuf.data(), k_cache, table, t0, nt, bs, row, h, hd);
-      tile_rows(vrows, vbuf.data(), v_cache, table, t0, nt, bs, row, h, hd);
+      tile_rows(krows, kbuf.data(), k_cache, at, nt, h, hd);
+      tile_rows(vrows, vbuf.data(), v_cache, at, nt, h, hd);
       for (int g = 0; g < group; g++) {
         const int r = (h - h0) * group + g;  // the task's query head
         scores<HD>(s, q + (long)(h * group + g) * hd, krows, nt, scale, hd);

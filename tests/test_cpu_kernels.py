@@ -57,6 +57,20 @@ def test_decode_attention(threads, shape, dtype):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("bs", [1, 8, 32, 48])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_attention_walks_any_block_size(threads, bs, dtype):
+    """A tile of keys (32) spans several blocks, one, or part of one: the key offsets are
+    walked block by block."""
+    rng = np.random.default_rng([bs, threads])
+    lens = rng.permutation(LENS[:4] + [int(rng.integers(90, 200))])
+    k, v, tables = paged(rng, lens, 2, 64, np.dtype(dtype), bs)
+    q = rng.standard_normal((len(lens), 6, 64), dtype=np.float32)
+    want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.125)
+    got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.125)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=NAMES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_attention(threads, shape, dtype):
