@@ -24,6 +24,7 @@ BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
 EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
 QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANT_BACKENDS = ("auto", "cpu", "numpy")
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
@@ -135,6 +136,15 @@ class EngineConfig:
         choices=QUANTIZATIONS,
         default_help="none: the weights in --dtype (on the cpu backend, bfloat16 keeps them in "
         "bf16, half the bytes)",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's dtype, apart from the weights': float16 or bfloat16 halve a float32 "
+        "cache's bytes (twice the tokens in the same memory, half the bytes decode attention "
+        "reads); K and V are rounded to it (to nearest even) when written, and attention still "
+        "computes in float32. cpu and numpy backends, one rank",
+        choices=KV_CACHE_DTYPES,
+        default_help="auto: the --dtype's",
     )
     backend: str = option(
         "auto",
@@ -266,6 +276,7 @@ class EngineConfig:
             ("preemption_mode", PREEMPTION_MODES),
             ("dtype", DTYPES),
             ("backend", BACKENDS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in choices:
                 raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
@@ -309,10 +320,9 @@ class EngineConfig:
                 f"EngineConfig: pipeline parallel runs on the numpy backend only; the "
                 f"{self.backend} backend's ranks split by tensor parallel alone"
             )
-        if self.quantization is not None:
-            why = quantization_refusal(self.quantization, self.backend, ranks)
-            if why:
-                raise ValueError(why)
+        why = host_only_refusal(self, self.backend, ranks)
+        if why:
+            raise ValueError(why)
         draft = self.speculative is not None and self.speculative.method == "draft_model"
         if ranks > 1 and draft:
             raise ValueError(
@@ -368,19 +378,24 @@ class EngineConfig:
         return self.max_model_len is not None and self.max_num_batched_tokens is not None
 
 
-def quantization_refusal(quantization: str, backend: str, world_size: int = 1) -> str | None:
-    """Why ``quantization`` cannot run on this backend (a resolved name, or auto) and this many
-    ranks, in one line; None where it can."""
-    if backend not in QUANT_BACKENDS:
-        return (
-            f"--quantization {quantization} runs on the cpu and numpy backends (the {backend} "
-            f"backend has no {quantization} kernels)"
-        )
-    if world_size > 1:
-        return (
-            f"--quantization {quantization} runs on one rank; tensor_parallel_size x "
-            f"pipeline_parallel_size is {world_size}"
-        )
+def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
+    """Why the options only the host backends build (``--quantization``, a ``--kv-cache-dtype``
+    other than auto) cannot run on this backend (a resolved name, or auto) and this many ranks,
+    in one line; None where they can."""
+    asked = []
+    if getattr(config, "quantization", None) is not None:
+        asked.append((f"--quantization {config.quantization}", f"{config.quantization} kernels"))
+    kv = getattr(config, "kv_cache_dtype", "auto")
+    if kv != "auto":
+        asked.append((f"--kv-cache-dtype {kv}", "cache dtype apart from --dtype"))
+    for flag, what in asked:
+        if backend not in QUANT_BACKENDS:
+            return f"{flag} runs on the cpu and numpy backends (the {backend} backend has no {what})"
+        if world_size > 1:
+            return (
+                f"{flag} runs on one rank; tensor_parallel_size x pipeline_parallel_size is "
+                f"{world_size}"
+            )
     return None
 
 

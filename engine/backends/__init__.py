@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import BACKENDS, quantization_refusal
+from ..config import BACKENDS, host_only_refusal
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("engine.backend")
@@ -55,8 +55,7 @@ def _cpu_backend(model_config, weights, engine_config):
 def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
-    quantization = getattr(engine_config, "quantization", None)
-    why = quantization and quantization_refusal(quantization, name)  # auto resolved: cuda?
+    why = host_only_refusal(engine_config, name)  # auto resolved: cuda?
     if why:
         raise ValueError(why)
     if name == "numpy":

@@ -32,8 +32,9 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def resolve_kv_dtype(dtype: str, model_config: ModelConfig, on_gpu: bool) -> str:
-    """The dtype of weights, activations and KV cache. ``auto``: the checkpoint's on a GPU
-    (bf16 for TinyLlama), float32 on the host (NumPy has no fast 16-bit products)."""
+    """The dtype of weights, activations and KV cache (the host backends' cache may differ:
+    ``--kv-cache-dtype``). ``auto``: the checkpoint's on a GPU (bf16 for TinyLlama), float32 on
+    the host (NumPy has no fast 16-bit products)."""
     if dtype == "auto":
         keep = on_gpu and model_config.torch_dtype in KV_DTYPES
         return model_config.torch_dtype if keep else "float32"
@@ -123,9 +124,16 @@ class Backend(ABC):
     def weights_bytes(self) -> int:
         """Bytes of the weights as the backend holds them."""
 
+    _cache_dtype: str | None = None  # set by a backend that keeps its cache apart
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: kv_dtype's, or ``--kv-cache-dtype``'s on the host backends."""
+        return self._cache_dtype or self.kv_dtype
+
     @property
     def bytes_per_block(self) -> int:
-        return self.cfg.kv_bytes_per_block(self.block_size, self.kv_dtype)
+        return self.cfg.kv_bytes_per_block(self.block_size, self.cache_dtype)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return cache_shape(self.cfg, num_blocks, self.block_size)

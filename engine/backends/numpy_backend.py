@@ -102,6 +102,8 @@ class NumpyBackend(Backend):
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, on_gpu=False)
         self.np_kv_dtype = numpy_dtype(self.kv_dtype)
+        cache = getattr(engine_config, "kv_cache_dtype", "auto")
+        self._cache_dtype = self.kv_dtype if cache == "auto" else cache
         self.layers, rest = pack_weights(weights, self.np_kv_dtype, model_config.norm_offset)
         # Gemma's sqrt(D), rounded to the weights' dtype as Hugging Face rounds it
         self.embed_scale = float(self.np_kv_dtype.type(model_config.embed_scale))
@@ -155,8 +157,9 @@ class NumpyBackend(Backend):
 
     # ---- cache ----
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.kv_cache = np.zeros(self.cache_shape(num_blocks), self.np_kv_dtype)
-        self.cpu_cache = np.zeros(self.cache_shape(num_cpu_blocks), self.np_kv_dtype)
+        dtype = numpy_dtype(self.cache_dtype)
+        self.kv_cache = np.zeros(self.cache_shape(num_blocks), dtype)
+        self.cpu_cache = np.zeros(self.cache_shape(num_cpu_blocks), dtype)
 
     def swap_out(self, pairs) -> None:
         copy_host_blocks(self.cpu_cache, self.kv_cache, pairs)
