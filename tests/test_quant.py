@@ -172,11 +172,15 @@ def test_quant_eval_command_line(tiny_model_dir, tmp_path, capsys):
     base = ["--model", str(tiny_model_dir), "--text", str(text), "--tokens", "40"]
     assert quant_eval_main([*base, "--quantization", "int8", "--chunk", "16"]) == 0
     out = capsys.readouterr().out
-    assert "float32 against dtype float32, quantization int8, LM head as the layers" in out
+    assert "against dtype float32, quantization int8, KV cache auto, LM head as the layers" in out
     assert "positions 39\n" in out and "top-1 agreement" in out and "perplexity float32" in out
     assert quant_eval_main([*base, "--dtype", "bfloat16", "--float32-lm-head"]) == 0
     assert "LM head float32" in capsys.readouterr().out
+    assert quant_eval_main([*base, "--kv-cache-dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    mean_kl = float(out.split(") mean ")[1].split(",")[0])
+    assert "KV cache bfloat16" in out and 0 < mean_kl < 0.01  # the cache alone costs little
     assert quant_eval_main(base) == 2
-    assert "--dtype float32 without --quantization: nothing to compare" in capsys.readouterr().err
+    assert "without --quantization or a 16-bit --kv-cache-dtype" in capsys.readouterr().err
     assert quant_eval_main([*base, "--quantization", "int8", "--tokens", "100000"]) == 2
     assert "fewer than --tokens 100000" in capsys.readouterr().err

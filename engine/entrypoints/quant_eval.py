@@ -1,7 +1,7 @@
 """``python -m engine.quant_eval``: what weights in fewer bytes cost in accuracy, measured.
 
-Runs the float32 model and the same model with ``--dtype bfloat16`` or ``--quantization int8``
-teacher-forced over one token sequence (prefills of ``--chunk`` tokens over the paged cache,
+Runs the float32 model and the same model with ``--dtype bfloat16``, ``--quantization int8`` or
+a 16-bit ``--kv-cache-dtype``, teacher-forced over one token sequence (prefills of ``--chunk`` tokens over the paged cache,
 logits at every position), and prints the KL divergence KL(p_float32 || p_quantized) per
 position (mean, p99, max), how often the two top-1 tokens agree, and both perplexities.
 
@@ -138,6 +138,12 @@ def build_parser() -> CliParser:
         "--quantization", choices=["int8"], help="weight quantization of the compared run"
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="KV-cache dtype of the compared run (default auto: the --dtype's)",
+    )
+    p.add_argument(
         "--float32-lm-head",
         action="store_true",
         help="keep the compared run's LM head in float32 (only its layers' matrices reduced)",
@@ -156,16 +162,23 @@ def read_text(path: str) -> str:
 
 
 def run(args) -> int:
-    if args.dtype == "float32" and args.quantization is None:
-        raise ValueError("--dtype float32 without --quantization: nothing to compare")
+    if args.dtype == "float32" and args.quantization is None and args.kv_cache_dtype in (
+        "auto",
+        "float32",
+    ):
+        raise ValueError(
+            "--dtype float32 without --quantization or a 16-bit --kv-cache-dtype: nothing to "
+            "compare"
+        )
     if args.tokens < 2 or args.chunk < 1:
         raise ValueError(
             f"--tokens must be at least 2 and --chunk 1, got {args.tokens}, {args.chunk}"
         )
     text = read_text(args.text) if args.text else project_text()
     config = EngineConfig(
-        model=args.model, backend=args.backend, dtype=args.dtype, quantization=args.quantization
-    )
+        model=args.model, backend=args.backend, dtype=args.dtype, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     loaded = load_model(args.model)
     tokens = loaded.tokenizer.encode(text)[: args.tokens]
     if len(tokens) < args.tokens:
@@ -175,7 +188,10 @@ def run(args) -> int:
         raise ValueError(f"--tokens {len(tokens)} is beyond the model's {limit} positions")
     result = evaluate(loaded, config, tokens, args.chunk, args.float32_lm_head, progress=True)
     head = "float32" if args.float32_lm_head else "as the layers"
-    what = f"dtype {args.dtype}, quantization {args.quantization or 'none'}, LM head {head}"
+    what = (
+        f"dtype {args.dtype}, quantization {args.quantization or 'none'}, KV cache "
+        f"{args.kv_cache_dtype}, LM head {head}"
+    )
     print(f"{args.model} on {args.backend}: float32 against {what}")
     print(result.lines())
     return 0
