@@ -390,7 +390,9 @@ def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
         asked.append((f"--kv-cache-dtype {kv}", "cache dtype apart from --dtype"))
     for flag, what in asked:
         if backend not in QUANT_BACKENDS:
-            return f"{flag} runs on the cpu and numpy backends (the {backend} backend has no {what})"
+            return (
+                f"{flag} runs on the cpu and numpy backends (the {backend} backend has no {what})"
+            )
         if world_size > 1:
             return (
                 f"{flag} runs on one rank; tensor_parallel_size x pipeline_parallel_size is "

@@ -294,7 +294,10 @@ def main(argv=None) -> int:
     full_steps = time_full_decode_steps(engine, args.max_num_seqs)
     outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random")
     stats = summarize(outputs, wall) | spec_stats(engine)
-    print(f"engine ({engine.backend.name}, {args.num_requests} requests):")
+    b = engine.backend
+    weights = getattr(engine.config, "quantization", None) or b.kv_dtype
+    what = f"{b.name}, weights {weights}, KV cache {b.cache_dtype}, {args.num_requests} requests"
+    print(f"engine ({what}):")
     print(format_stats(stats))
     itl = batch1_itl_ms(engine, prompts[0][:32], args.batch1_tokens)
     mean, p50, p99 = percentiles(itl)

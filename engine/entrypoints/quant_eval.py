@@ -1,9 +1,10 @@
 """``python -m engine.quant_eval``: what weights in fewer bytes cost in accuracy, measured.
 
 Runs the float32 model and the same model with ``--dtype bfloat16``, ``--quantization int8`` or
-a 16-bit ``--kv-cache-dtype``, teacher-forced over one token sequence (prefills of ``--chunk`` tokens over the paged cache,
-logits at every position), and prints the KL divergence KL(p_float32 || p_quantized) per
-position (mean, p99, max), how often the two top-1 tokens agree, and both perplexities.
+a 16-bit ``--kv-cache-dtype``, teacher-forced over one token sequence (prefills of ``--chunk``
+tokens over the paged cache, logits at every position), and prints the KL divergence
+KL(p_float32 || p_quantized) per position (mean, p99, max), how often the two top-1 tokens
+agree, and both perplexities.
 
     python -m engine.quant_eval --model smollm2 --quantization int8 --tokens 2000
 """
@@ -162,9 +163,14 @@ def read_text(path: str) -> str:
 
 
 def run(args) -> int:
-    if args.dtype == "float32" and args.quantization is None and args.kv_cache_dtype in (
-        "auto",
-        "float32",
+    if (
+        args.dtype == "float32"
+        and args.quantization is None
+        and args.kv_cache_dtype
+        in (
+            "auto",
+            "float32",
+        )
     ):
         raise ValueError(
             "--dtype float32 without --quantization or a 16-bit --kv-cache-dtype: nothing to "
