@@ -12,18 +12,60 @@ quarter); ``cpu_ops.matmul`` multiplies them by a float32 x, accumulating in flo
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
+
 from reference.config import ModelConfig
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
-from . import cpu_ops
+from . import cpu_ops, fast_ops
 from .cpu_native import library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
-from .quant import to_bf16, to_int8
+from .quant import QuantWeight, to_bf16, to_int8
+
+F32 = np.dtype(np.float32)
+_ptr, _i32c = ctypes.c_void_p, ctypes.c_int32
+
+
+class _Matrix(ctypes.Structure):  # cpu_src/decode_layers.cpp: Matrix
+    _fields_ = [("kind", _i32c), ("pad", _i32c), ("data", _ptr), ("scales", _ptr)]
+
+
+class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
+    _fields_ = [
+        *((name, _ptr) for name in ("attn_norm", "mlp_norm", "b_qkv", "q_norm", "k_norm")),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("window", ctypes.c_int64),
+        *((name, _Matrix) for name in ("qkv", "o", "gate_up", "down")),
+    ]
+
+
+_SIZES = ("T", "D", "H", "hkv", "hd", "F", "bs", "max_blocks", "cache_dtype", "threads")
+_ARRAYS = ("x", "residual", "h", "qkv", "q", "attn", "gate_up", "act", "cos", "sin", "slots")
+
+
+class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
+    _fields_ = [
+        *((name, _i32c) for name in _SIZES),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens")),
+    ]
+
+
+def _matrix(w) -> _Matrix:
+    if not isinstance(w, QuantWeight):
+        return _Matrix(0, 0, cpu_ops._p(w), None)
+    kind = {"bf16": 1, "int8": 2}[w.kind]
+    return _Matrix(kind, 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
 
 
 class CpuBackend(NumpyBackend):
     name = "cpu"
+    fuse_decode = True  # decode steps through cpu_src/decode_layers.cpp (False: the loop)
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config):
         library()  # build (once per source change) and load the kernels now, not mid-step
@@ -43,3 +85,69 @@ class CpuBackend(NumpyBackend):
             qkv, b.positions, c.rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
             lw.b_qkv, lw.q_norm, lw.k_norm, c.rms_norm_eps,
         )  # fmt: skip
+
+    # ---- every layer of a decode step in one native call ----
+    def _run_layers(self, x: np.ndarray, residual: np.ndarray | None, batch: ForwardBatch):
+        """A step of single-token decodes (SiLU models) runs cpu_src/decode_layers.cpp: the
+        same kernels in the same order as the loop it replaces, one ctypes call instead of
+        about ten a layer. Anything else takes the NumPy backend's loop."""
+        t = len(batch.token_ids)
+        fused = residual is None and batch.num_decodes == batch.num_seqs == t
+        if not (fused and self.fuse_decode) or self.cfg.hidden_act != "silu":
+            return super()._run_layers(x, residual, batch)
+        return self._decode_layers(x, batch)
+
+    def _layer_table(self):
+        """The layers' pointers for decode_layers, made once per KV cache."""
+        cache = self.kv_cache
+        if getattr(self, "_table_for", None) is not cache:
+            table = (_Layer * len(self.layers))()
+            for i, lw in enumerate(self.layers):
+                p = cpu_ops._p
+                table[i] = _Layer(
+                    p(lw.attn_norm), p(lw.mlp_norm), p(lw.b_qkv), p(lw.q_norm), p(lw.k_norm),
+                    p(cache[i, 0]), p(cache[i, 1]), self.cfg.window(i),
+                    _matrix(lw.w_qkv), _matrix(lw.w_o), _matrix(lw.w_gate_up),
+                    _matrix(lw.w_down),
+                )  # fmt: skip
+            self._table, self._table_for = table, cache
+        return self._table
+
+    def _decode_layers(self, x: np.ndarray, b: ForwardBatch):
+        c, t = self.cfg, len(b.token_ids)
+        x = np.ascontiguousarray(x, dtype=F32)  # (T, D), becomes the last layer's output
+        cos, sin = (np.ascontiguousarray(a, dtype=F32) for a in fast_ops._cos_sin(
+            b.positions, c.head_dim, c.rope, F32))  # fmt: skip
+        tables, lens, slots = (
+            np.ascontiguousarray(a, dtype=np.int32)
+            for a in (b.block_tables, b.context_lens, b.slot_mapping)
+        )
+        qkv_dim = c.q_dim + 2 * c.kv_dim
+        arrays = {
+            "x": x,
+            "residual": np.empty_like(x),
+            "h": np.empty_like(x),
+            "qkv": np.empty((t, qkv_dim), F32),
+            "q": np.empty((t, c.q_dim), F32),
+            "attn": np.empty((t, c.q_dim), F32),
+            "gate_up": np.empty((t, 2 * c.intermediate_size), F32),
+            "act": np.empty((t, c.intermediate_size), F32),
+            "cos": cos,
+            "sin": sin,
+            "slots": slots,
+        }
+        sizes = (
+            t, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, self.block_size, tables.shape[1],
+            cpu_ops.CACHE_DTYPES[self.kv_cache.dtype], cpu_ops.threads(),
+        )  # fmt: skip
+        step = _Step(
+            *sizes, c.rms_norm_eps, self.scale,
+            *(cpu_ops._p(arrays[name]) for name in _ARRAYS), cpu_ops._p(tables),
+            cpu_ops._p(lens),
+        )  # fmt: skip
+        table = self._layer_table()
+        status = library().decode_layers(table, len(table), ctypes.byref(step))
+        if status:
+            raise ValueError(f"decode_layers: shape {x.shape} is beyond the native kernels' limits")
+        return x, arrays["residual"]

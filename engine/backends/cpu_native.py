@@ -121,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_bf16.restype = None
     lib.matmul_int8.argtypes = [P, P, P, P, L, L, L, I]
     lib.matmul_int8.restype = None
+    lib.decode_layers.argtypes = [P, I, P]
+    lib.decode_layers.restype = I
     lib.matmul_quant_isa.argtypes = []
     lib.matmul_quant_isa.restype = ctypes.c_char_p
     blas = numpy_blas()

@@ -1,0 +1,113 @@
+// Every layer of a decode step in one call: the same kernels, in the same order, on the same
+// arrays as the Python loop of NumpyBackend._run_layers (norm, QKV product, rotary + cache
+// write, decode attention, O product, add + norm, gate/up product, SiLU-and-mul, down
+// product), without a Python round trip and a ctypes call per kernel (about 100 us a layer at
+// batch 1). The arithmetic is the kernels': the hidden states come out with the same bits.
+// Threads: each kernel's own.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void fused_add_rms_norm(float* out, const float* x, float* residual, const float* weight,
+                        float eps, int n_rows, int D, int threads);
+void silu_and_mul(float* out, const float* gate_up, int n_rows, int F, int threads);
+void matmul_f32(float* out, const float* x, const float* w, long M, long K, long N, int threads);
+void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, long N,
+                 int threads);
+void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale, long M, long K,
+                 long N, int threads);
+int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
+                 const float* bias, const float* cos, const float* sin, const int32_t* slots,
+                 const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
+                 int hd, int threads);
+int paged_attention_decode(float* out, const float* q, const void* k_cache, const void* v_cache,
+                           int dtype, const int32_t* block_tables, const int32_t* context_lens,
+                           int B, int max_blocks, int H, int hkv, int hd, int bs, float scale,
+                           int window, int threads);
+}
+
+namespace {
+
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+
+// A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and (int8) column scales.
+struct Matrix {
+  int32_t kind;
+  int32_t pad;
+  const void* data;
+  const float* scales;
+};
+
+// One layer's pointers (engine/backends/cpu_backend.py, LayerPointers: the same fields).
+struct Layer {
+  const float* attn_norm;  // (D,)
+  const float* mlp_norm;   // (D,)
+  const float* b_qkv;      // (qkv,) or NULL
+  const float* q_norm;     // (hd,) or NULL, with k_norm
+  const float* k_norm;
+  void* k_cache;  // (N, bs, Hkv, hd) of the cache dtype
+  void* v_cache;
+  int64_t window;  // 0: none
+  Matrix qkv, o, gate_up, down;
+};
+
+// A step's sizes and arrays (engine/backends/cpu_backend.py, StepArgs).
+struct Step {
+  int32_t T, D, H, hkv, hd, F, bs, max_blocks, cache_dtype, threads;
+  float eps, scale;
+  float* x;         // (T, D): in, the embeddings; out, the last layer's output
+  float* residual;  // (T, D): out, the residual stream
+  float* h;         // (T, D) scratch: normed hidden states
+  float* qkv;       // (T, (H + 2 Hkv) hd)
+  float* q;         // (T, H, hd)
+  float* attn;      // (T, H, hd)
+  float* gate_up;   // (T, 2F)
+  float* act;       // (T, F)
+  const float* cos;  // (T, hd)
+  const float* sin;
+  const int32_t* slots;         // (T,)
+  const int32_t* block_tables;  // (T, max_blocks)
+  const int32_t* context_lens;  // (T,)
+};
+
+void matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
+  switch (w.kind) {
+    case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
+    case W_INT8: matmul_int8(out, x, (const int8_t*)w.data, w.scales, M, K, N, threads); break;
+    default: matmul_f32(out, x, (const float*)w.data, M, K, N, threads); break;
+  }
+}
+
+}  // namespace
+
+// x (T, D) embeddings of T decoding sequences (one token each) through every layer: x becomes
+// the last layer's output and residual the residual stream (the head adds them). Returns 0,
+// or the failing kernel's status.
+extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
+  const int T = s->T, D = s->D, nt = s->threads;
+  const long q_dim = (long)s->H * s->hd, qkv_dim = q_dim + 2L * s->hkv * s->hd;
+  std::memcpy(s->residual, s->x, sizeof(float) * T * D);
+  for (int i = 0; i < n_layers; i++) {
+    const Layer& L = layers[i];
+    if (i == 0)  // residual = x; h = rms_norm(x)
+      fused_add_rms_norm(s->h, s->residual, nullptr, L.attn_norm, s->eps, T, D, nt);
+    else  // residual += x; h = rms_norm(residual)
+      fused_add_rms_norm(s->h, s->x, s->residual, L.attn_norm, s->eps, T, D, nt);
+    matmul(s->qkv, s->h, L.qkv, T, D, qkv_dim, nt);
+    int status = rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
+                              s->cos, s->sin, s->slots, L.q_norm, L.k_norm, s->eps, T, s->H,
+                              s->hkv, s->hd, nt);
+    status = status ? status
+                    : paged_attention_decode(s->attn, s->q, L.k_cache, L.v_cache,
+                                             s->cache_dtype, s->block_tables, s->context_lens,
+                                             T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
+                                             s->scale, (int)L.window, nt);
+    if (status) return status;
+    matmul(s->x, s->attn, L.o, T, q_dim, D, nt);
+    fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);
+    matmul(s->gate_up, s->h, L.gate_up, T, D, 2L * s->F, nt);
+    silu_and_mul(s->act, s->gate_up, T, s->F, nt);
+    matmul(s->x, s->act, L.down, T, s->F, D, nt);
+  }
+  return 0;
+}
