@@ -1,7 +1,8 @@
 """``--kv-cache-dtype``: a 16-bit KV cache under float32 weights on the host backends. K and V
 are rounded to it once, when written (checked against NumPy's own rounding of the float32
 engine's cache), the cpu backend agrees with the numpy one, the pool holds twice the blocks in
-the same memory, and where it is not built it is refused by name."""
+the same memory. Where it is not built it is refused by name (test_quant.py, with
+``--quantization``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 
 from engine.backends.base import numpy_dtype
-from engine.config import EngineConfig
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, assert_same_greedy, make_engine
@@ -62,35 +62,3 @@ def test_the_pool_holds_twice_the_blocks_in_the_same_memory(tiny):
     assert half_bytes * 2 == full_bytes == tiny.config.kv_bytes_per_block(16, "float32")
     assert b16.kv_cache.nbytes == half_blocks * half_bytes
     assert 1.9 * full_blocks <= half_blocks <= 2.1 * full_blocks
-
-
-@pytest.mark.parametrize(
-    "engine_args, message",
-    [
-        (
-            {"backend": "cuda-cpu"},
-            "--kv-cache-dtype bfloat16 runs on the cpu and numpy backends (the cuda-cpu backend "
-            "has no cache dtype apart from --dtype)",
-        ),
-        (
-            {"backend": "numpy", "tensor_parallel_size": 2},
-            "--kv-cache-dtype bfloat16 runs on one rank; tensor_parallel_size x "
-            "pipeline_parallel_size is 2",
-        ),
-    ],
-    ids=["cuda-cpu", "tensor-parallel"],
-)
-def test_where_it_cannot_run_it_is_refused_by_name(tiny, engine_args, message):
-    with pytest.raises(ValueError) as e:
-        make_engine(tiny, kv_cache_dtype="bfloat16", **engine_args)
-    assert str(e.value) == message
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
-        EngineConfig(kv_cache_dtype="fp8")
-
-
-def test_an_auto_backend_that_resolves_to_cuda_refuses_it(tiny, monkeypatch):
-    from engine.backends import devices
-
-    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    with pytest.raises(ValueError, match=r"^--kv-cache-dtype float16 runs on the cpu and numpy"):
-        make_engine(tiny, kv_cache_dtype="float16", backend="auto")

@@ -103,36 +103,44 @@ def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_pe
     assert ref.weights_bytes - cpu.weights_bytes == sum(f32) - sum(small)
 
 
-@pytest.mark.parametrize(
-    "engine_args, message",
-    [
-        (
-            {"backend": "cuda-cpu"},
-            "--quantization int8 runs on the cpu and numpy backends (the cuda-cpu backend has "
-            "no int8 kernels)",
-        ),
-        (
-            {"backend": "numpy", "tensor_parallel_size": 2},
-            "--quantization int8 runs on one rank; tensor_parallel_size x "
-            "pipeline_parallel_size is 2",
-        ),
-    ],
-    ids=["cuda-cpu", "tensor-parallel"],
-)
-def test_int8_where_it_cannot_run_is_refused_by_name(tiny, engine_args, message):
+HOST_ONLY = {  # the options only the host backends build: (engine args, flag, what a GPU lacks)
+    "int8": ({"quantization": "int8"}, "--quantization int8", "int8 kernels"),
+    "kv-cache": (
+        {"kv_cache_dtype": "bfloat16"},
+        "--kv-cache-dtype bfloat16",
+        "cache dtype apart from --dtype",
+    ),
+}
+
+
+@pytest.mark.parametrize("option", HOST_ONLY)
+@pytest.mark.parametrize("where", ["cuda-cpu", "tensor-parallel", "auto-to-cuda"])
+def test_host_only_options_where_they_cannot_run_are_refused_by_name(
+    tiny, monkeypatch, option, where
+):
+    args, flag, what = HOST_ONLY[option]
+    if where == "auto-to-cuda":
+        from engine.backends import devices
+
+        monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+        args = {**args, "backend": "auto"}
+        message = f"{flag} runs on the cpu and numpy backends (the cuda backend has no {what})"
+    elif where == "cuda-cpu":
+        args = {**args, "backend": "cuda-cpu"}
+        message = f"{flag} runs on the cpu and numpy backends (the cuda-cpu backend has no {what})"
+    else:
+        args = {**args, "backend": "numpy", "tensor_parallel_size": 2}
+        message = f"{flag} runs on one rank; tensor_parallel_size x pipeline_parallel_size is 2"
     with pytest.raises(ValueError) as e:
-        make_engine(tiny, quantization="int8", **engine_args)
+        make_engine(tiny, **args)
     assert str(e.value) == message
+
+
+def test_bad_values_of_the_host_only_options_are_one_line():
     with pytest.raises(ValueError, match="quantization must be None or one of int8, got 'int4'"):
         EngineConfig(quantization="int4")
-
-
-def test_an_auto_backend_that_resolves_to_cuda_refuses_int8(tiny, monkeypatch):
-    from engine.backends import devices
-
-    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    with pytest.raises(ValueError, match=r"^--quantization int8 runs on the cpu and numpy"):
-        make_engine(tiny, quantization="int8", backend="auto")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
+        EngineConfig(kv_cache_dtype="fp8")
 
 
 KL_TOKENS = 128
