@@ -78,6 +78,8 @@ def test_decode_step_split_times_the_host_ops(tiny, backend):
         assert parts[label] > 0, label
     assert parts[OUTSIDE_FORWARD] > 0
     assert engine.backend.ops is ops and "forward" not in vars(engine.backend)  # restored
+    assert "fuse_decode" not in vars(engine.backend)
+    assert getattr(engine.backend, "fuse_decode", backend == "cpu") == (backend == "cpu")
 
 
 def test_bench_plots_and_sweep(tiny_model_dir, tmp_path, capsys):

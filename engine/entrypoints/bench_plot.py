@@ -7,7 +7,9 @@
   (``backend.ops``, the matrix products included) and around the backend's forward. A decode
   step's mean time is then: each op's time, the rest of the forward (Python), and the engine
   outside the forward (scheduling, sampling, outputs; the ITL minus the forward). The timers add
-  about a microsecond per op call.
+  about a microsecond per op call. The cpu backend runs this split with its one-call decode step
+  off (``fuse_decode``): the same kernels, called one by one from Python where the timers see
+  them, so its "rest of the forward" is the Python that the one call saves.
 - ``write_plots``: the charts of engine/entrypoints/plots.py from those numbers.
 """
 
@@ -156,12 +158,19 @@ def decode_step_split(engine: LLMEngine, run_engine, prompt, n: int) -> dict[str
     backend.ops = timed_ops
     for name, fn in forwards.items():
         setattr(backend, name, timed_forward(fn))
+    own = dict(vars(backend))  # to restore the backend's own attributes after
+    if hasattr(backend, "fuse_decode"):
+        backend.fuse_decode = False  # the cpu backend's one-call decode step hides the ops
     try:
         outs, _ = run_engine(engine, [prompt], [n])
     finally:
         backend.ops = ops
         for name in forwards:
             delattr(backend, name)  # the class's methods again
+        if "fuse_decode" in own:
+            backend.fuse_decode = own["fuse_decode"]
+        elif "fuse_decode" in vars(backend):
+            del backend.fuse_decode  # the class's value again
     return _split_ms(ops_s, fwd_s, outs[0].metrics.itl)
 
 
