@@ -25,7 +25,7 @@ EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
 QUANTIZATIONS = ("int8",)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANT_BACKENDS = ("auto", "cpu", "numpy")
+HOST_ONLY_BACKENDS = ("auto", "cpu", "numpy")  # where --quantization, --kv-cache-dtype run
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
 # sane upper bounds: past them a value is a typo, not a configuration
@@ -389,7 +389,7 @@ def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
     if kv != "auto":
         asked.append((f"--kv-cache-dtype {kv}", "cache dtype apart from --dtype"))
     for flag, what in asked:
-        if backend not in QUANT_BACKENDS:
+        if backend not in HOST_ONLY_BACKENDS:
             return (
                 f"{flag} runs on the cpu and numpy backends (the {backend} backend has no {what})"
             )

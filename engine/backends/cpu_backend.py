@@ -71,6 +71,7 @@ class CpuBackend(NumpyBackend):
         library()  # build (once per source change) and load the kernels now, not mid-step
         threads()
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
+        self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
 
     def _matrix_store(self, quantization: str | None):
         # int8 -> int8 + scales; bf16 values (--dtype bfloat16) -> bf16 bits; else float32
@@ -91,19 +92,17 @@ class CpuBackend(NumpyBackend):
         """A step of single-token decodes (SiLU models) runs cpu_src/decode_layers.cpp: the
         same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer. Anything else takes the NumPy backend's loop."""
-        t = len(batch.token_ids)
-        fused = residual is None and batch.num_decodes == batch.num_seqs == t
-        if not (fused and self.fuse_decode) or self.cfg.hidden_act != "silu":
-            return super()._run_layers(x, residual, batch)
-        return self._decode_layers(x, batch)
+        decodes_only = batch.num_decodes == batch.num_seqs == len(batch.token_ids)
+        if self.fuse_decode and residual is None and decodes_only and self.cfg.hidden_act == "silu":
+            return self._decode_layers(x, batch)
+        return super()._run_layers(x, residual, batch)
 
     def _layer_table(self):
         """The layers' pointers for decode_layers, made once per KV cache."""
-        cache = self.kv_cache
-        if getattr(self, "_table_for", None) is not cache:
+        cache, p = self.kv_cache, cpu_ops._p
+        if self._table_for is not cache:
             table = (_Layer * len(self.layers))()
             for i, lw in enumerate(self.layers):
-                p = cpu_ops._p
                 table[i] = _Layer(
                     p(lw.attn_norm), p(lw.mlp_norm), p(lw.b_qkv), p(lw.q_norm), p(lw.k_norm),
                     p(cache[i, 0]), p(cache[i, 1]), self.cfg.window(i),
@@ -115,13 +114,9 @@ class CpuBackend(NumpyBackend):
 
     def _decode_layers(self, x: np.ndarray, b: ForwardBatch):
         c, t = self.cfg, len(b.token_ids)
-        x = np.ascontiguousarray(x, dtype=F32)  # (T, D), becomes the last layer's output
-        cos, sin = (np.ascontiguousarray(a, dtype=F32) for a in fast_ops._cos_sin(
-            b.positions, c.head_dim, c.rope, F32))  # fmt: skip
-        tables, lens, slots = (
-            np.ascontiguousarray(a, dtype=np.int32)
-            for a in (b.block_tables, b.context_lens, b.slot_mapping)
-        )
+        x = cpu_ops._c32(x)  # (T, D), becomes the last layer's output
+        cos, sin = map(cpu_ops._c32, fast_ops._cos_sin(b.positions, c.head_dim, c.rope, F32))
+        tables, lens, slots = map(cpu_ops._i32, (b.block_tables, b.context_lens, b.slot_mapping))
         qkv_dim = c.q_dim + 2 * c.kv_dim
         arrays = {
             "x": x,
@@ -139,7 +134,7 @@ class CpuBackend(NumpyBackend):
         sizes = (
             t, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             c.intermediate_size, self.block_size, tables.shape[1],
-            cpu_ops.CACHE_DTYPES[self.kv_cache.dtype], cpu_ops.threads(),
+            cpu_ops._cache_code(self.kv_cache), cpu_ops.threads(),
         )  # fmt: skip
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,

@@ -158,7 +158,7 @@ def decode_step_split(engine: LLMEngine, run_engine, prompt, n: int) -> dict[str
     backend.ops = timed_ops
     for name, fn in forwards.items():
         setattr(backend, name, timed_forward(fn))
-    own = dict(vars(backend))  # to restore the backend's own attributes after
+    own_fuse = vars(backend).get("fuse_decode")  # an instance's own setting, to restore
     if hasattr(backend, "fuse_decode"):
         backend.fuse_decode = False  # the cpu backend's one-call decode step hides the ops
     try:
@@ -167,8 +167,8 @@ def decode_step_split(engine: LLMEngine, run_engine, prompt, n: int) -> dict[str
         backend.ops = ops
         for name in forwards:
             delattr(backend, name)  # the class's methods again
-        if "fuse_decode" in own:
-            backend.fuse_decode = own["fuse_decode"]
+        if own_fuse is not None:
+            backend.fuse_decode = own_fuse
         elif "fuse_decode" in vars(backend):
             del backend.fuse_decode  # the class's value again
     return _split_ms(ops_s, fwd_s, outs[0].metrics.itl)

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.backends import get_backend
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.forward_batch import ForwardBatch, token_slots
 from engine.kernels.build import REPO
 from engine.sampler import log_softmax
@@ -136,11 +136,11 @@ def build_parser() -> CliParser:
         help="dtype of the compared run (default float32: only --quantization differs)",
     )
     p.add_argument(
-        "--quantization", choices=["int8"], help="weight quantization of the compared run"
+        "--quantization", choices=QUANTIZATIONS, help="weight quantization of the compared run"
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="KV-cache dtype of the compared run (default auto: the --dtype's)",
     )
