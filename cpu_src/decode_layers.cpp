@@ -16,6 +16,8 @@ void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, 
                  int threads);
 void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale, long M, long K,
                  long N, int threads);
+int matmul_q8_0(float* out, const float* x, const int8_t* w, const _Float16* dw, long M, long K,
+                long N, int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
@@ -28,14 +30,15 @@ int paged_attention_decode(float* out, const float* q, const void* k_cache, cons
 
 namespace {
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q8_0 = 3 };
 
-// A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and (int8) column scales.
+// A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
+// float32; q8_0: (N, K/32) float16, data (N, K)).
 struct Matrix {
   int32_t kind;
   int32_t pad;
   const void* data;
-  const float* scales;
+  const void* scales;
 };
 
 // One layer's pointers (engine/backends/cpu_backend.py, LayerPointers: the same fields).
@@ -70,12 +73,15 @@ struct Step {
   const int32_t* context_lens;  // (T,)
 };
 
-void matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
+int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
+  const int8_t* q = (const int8_t*)w.data;
   switch (w.kind) {
     case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
-    case W_INT8: matmul_int8(out, x, (const int8_t*)w.data, w.scales, M, K, N, threads); break;
+    case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;
+    case W_Q8_0: return matmul_q8_0(out, x, q, (const _Float16*)w.scales, M, K, N, threads);
     default: matmul_f32(out, x, (const float*)w.data, M, K, N, threads); break;
   }
+  return 0;
 }
 
 }  // namespace
@@ -93,21 +99,24 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
       fused_add_rms_norm(s->h, s->residual, nullptr, L.attn_norm, s->eps, T, D, nt);
     else  // residual += x; h = rms_norm(residual)
       fused_add_rms_norm(s->h, s->x, s->residual, L.attn_norm, s->eps, T, D, nt);
-    matmul(s->qkv, s->h, L.qkv, T, D, qkv_dim, nt);
-    int status = rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
-                              s->cos, s->sin, s->slots, L.q_norm, L.k_norm, s->eps, T, s->H,
-                              s->hkv, s->hd, nt);
+    int status = matmul(s->qkv, s->h, L.qkv, T, D, qkv_dim, nt);
+    status = status ? status
+                    : rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
+                                   s->cos, s->sin, s->slots, L.q_norm, L.k_norm, s->eps, T, s->H,
+                                   s->hkv, s->hd, nt);
     status = status ? status
                     : paged_attention_decode(s->attn, s->q, L.k_cache, L.v_cache,
                                              s->cache_dtype, s->block_tables, s->context_lens,
                                              T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
                                              s->scale, (int)L.window, nt);
+    status = status ? status : matmul(s->x, s->attn, L.o, T, q_dim, D, nt);
     if (status) return status;
-    matmul(s->x, s->attn, L.o, T, q_dim, D, nt);
     fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);
-    matmul(s->gate_up, s->h, L.gate_up, T, D, 2L * s->F, nt);
+    status = matmul(s->gate_up, s->h, L.gate_up, T, D, 2L * s->F, nt);
+    if (status) return status;
     silu_and_mul(s->act, s->gate_up, T, s->F, nt);
-    matmul(s->x, s->act, L.down, T, s->F, D, nt);
+    status = matmul(s->x, s->act, L.down, T, s->F, D, nt);
+    if (status) return status;
   }
   return 0;
 }

@@ -100,9 +100,12 @@ def _rope(md: dict[str, Any], arch: str, freq_factors) -> RopeParams:
     raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported")
 
 
-def config_from_metadata(md: dict[str, Any], tied: bool, freq_factors=()) -> ModelConfig:
+def config_from_metadata(
+    md: dict[str, Any], tied: bool, freq_factors=(), matrix_type: str | None = None
+) -> ModelConfig:
     """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``;
-    ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one."""
+    ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one;
+    ``matrix_type``: the type every 2-D tensor is stored in, when they share one."""
     arch = _require(md, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -137,11 +140,19 @@ def config_from_metadata(md: dict[str, Any], tied: bool, freq_factors=()) -> Mod
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         torch_dtype="float32",  # dequantized
+        stored_matrix_type=matrix_type,
         family=family,
         rope=rope,
         hidden_act="gelu_tanh" if family == "gemma" else "silu",
         layer_windows=(window,) * int(_require(md, f"{arch}.block_count")) if window else (),
     )
+
+
+def matrix_type(reader: gguf.GGUFReader) -> str | None:
+    """The type name ("Q8_0", "F32", ...) every 2-D tensor of the file is stored in, or None
+    when they differ: the engine's cpu backend keeps Q8_0 matrices in that format."""
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    return types.pop() if len(types) == 1 else None
 
 
 def dequantize_tensor(t: gguf.ReaderTensor) -> np.ndarray:
@@ -184,7 +195,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
     tensors = {t.name: dequantize_tensor(t) for t in reader.tensors}
     factors = tensors.pop("rope_freqs.weight", None)  # (hd/2,) Llama 3's RoPE scaling
     tied = GGUF_GLOBAL_NAMES["lm_head"] not in tensors
-    cfg = config_from_metadata(md, tied, () if factors is None else tuple(map(float, factors)))
+    factors = () if factors is None else tuple(map(float, factors))
+    cfg = config_from_metadata(md, tied, factors, matrix_type(reader))
     if md["general.architecture"] in PERMUTED_QK:
         _restore_qk(tensors, cfg)
     if cfg.spec.fused_projections:

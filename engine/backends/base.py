@@ -118,6 +118,7 @@ class Backend(ABC):
     kv_dtype: str  # "float32" | "float16" | "bfloat16"
     kv_cache = None
     cpu_cache = None
+    quantization: str | None = None  # the matrices' format when not kv_dtype ("int8", "q8_0")
 
     @property
     @abstractmethod

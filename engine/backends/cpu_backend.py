@@ -7,12 +7,15 @@ The same KV layout and interface; ``auto`` picks it where there is no GPU and g+
 Its matrices (every layer's four and the LM head) take fewer bytes where the values allow:
 with ``--dtype bfloat16`` they are kept as bf16 (the same values the numpy backend holds in
 float32, half the bytes), with ``--quantization int8`` as int8 and a scale per column (a
-quarter); ``cpu_ops.matmul`` multiplies them by a float32 x, accumulating in float32.
+quarter), with ``--quantization q8_0`` as llama.cpp's Q8_0 blocks (int8, a float16 scale per
+32 inputs); ``cpu_ops.matmul`` multiplies them by x, accumulating in float32 (Q8_0: x quantized
+the same way, integer dot products).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import numpy as np
 
@@ -23,9 +26,10 @@ from ..forward_batch import ForwardBatch
 from . import cpu_ops, fast_ops
 from .cpu_native import library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
-from .quant import QuantWeight, to_bf16, to_int8
+from .quant import QUANTIZERS, QuantWeight, to_bf16
 
 F32 = np.dtype(np.float32)
+log = logging.getLogger("engine.backend")
 _ptr, _i32c = ctypes.c_void_p, ctypes.c_int32
 
 
@@ -59,7 +63,7 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
 def _matrix(w) -> _Matrix:
     if not isinstance(w, QuantWeight):
         return _Matrix(0, 0, cpu_ops._p(w), None)
-    kind = {"bf16": 1, "int8": 2}[w.kind]
+    kind = {"bf16": 1, "int8": 2, "q8_0": 3}[w.kind]
     return _Matrix(kind, 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
 
 
@@ -73,10 +77,20 @@ class CpuBackend(NumpyBackend):
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
 
+    def _quantization(self, asked: str | None) -> str | None:
+        # a GGUF whose matrices are all Q8_0 keeps them so: quantizing its float32 values again
+        # gives back the file's blocks bit for bit (tests/test_quant.py)
+        blocks_fit = all(w.shape[0] % 32 == 0 for w in self._matrices())
+        if asked is None and self.cfg.stored_matrix_type == "Q8_0" and blocks_fit:
+            log.info("the GGUF's Q8_0 matrices are kept as Q8_0, as --quantization q8_0 would")
+            return "q8_0"
+        return asked
+
     def _matrix_store(self, quantization: str | None):
-        # int8 -> int8 + scales; bf16 values (--dtype bfloat16) -> bf16 bits; else float32
-        if quantization == "int8":
-            return to_int8
+        # int8 -> int8 + column scales; q8_0 -> (N, K) int8 + block scales; bf16 values
+        # (--dtype bfloat16) -> bf16 bits; else float32
+        if quantization in QUANTIZERS:
+            return QUANTIZERS[quantization]
         return to_bf16 if self.kv_dtype == "bfloat16" else None
 
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):

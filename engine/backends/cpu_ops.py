@@ -22,6 +22,7 @@ from .fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's wh
 from .quant import QuantWeight
 
 F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
 BF16 = numpy_dtype("bfloat16")
 CACHE_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}  # (dtype.name is 5 us)
 
@@ -203,6 +204,11 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F32)
         assert scales.shape == (n,), "an int8 weight has one scale per column"
         lib.matmul_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
+    elif w.kind == "q8_0":
+        data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F16)
+        assert scales.shape == (n, k // 32), "a q8_0 weight has one scale per 32 inputs"
+        _check(lib.matmul_q8_0(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads()),
+               "matmul_q8_0", (m, k, n))  # fmt: skip
     else:
         raise ValueError(f"matmul: unknown weight kind {w.kind!r}")
     return out

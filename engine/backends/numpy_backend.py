@@ -20,7 +20,7 @@ from ..forward_batch import ForwardBatch
 from . import fast_ops
 from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype, retain_freed_memory
 from .fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
-from .quant import QuantWeight, to_int8
+from .quant import QUANTIZERS, QuantWeight
 
 log = logging.getLogger("engine.backend")
 
@@ -112,19 +112,29 @@ class NumpyBackend(Backend):
             rest["final_norm"],
             rest["lm_head"],
         )
-        self._store_matrices(self._matrix_store(getattr(engine_config, "quantization", None)))
+        self.quantization = self._quantization(getattr(engine_config, "quantization", None))
+        self._store_matrices(self._matrix_store(self.quantization))
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
 
     # ---- weights in fewer bytes ----
+    def _quantization(self, asked: str | None) -> str | None:
+        """The matrices' format: --quantization's (None: the weights' dtype)."""
+        return asked
+
     def _matrix_store(self, quantization: str | None):
         """How the packed matrices are kept: None (float32 as packed), or a function of a
-        (K, N) float32 matrix. int8 here: quantized and dequantized to float32 at once, the
-        plain reference for the cpu backend's int8 products."""
-        if quantization == "int8":
-            return lambda w: to_int8(w).dequantize()
+        (K, N) float32 matrix. int8 and q8_0 here: quantized and dequantized to float32 at
+        once, the plain reference for the cpu backend's products of the same weights (q8_0's
+        activations stay float32 here)."""
+        if quantization in QUANTIZERS:
+            return lambda w: QUANTIZERS[quantization](w).dequantize()
         return None
+
+    def _matrices(self) -> list:
+        """Every layer's four matrices and the LM head."""
+        return [getattr(lw, name) for lw in self.layers for name in MATRICES] + [self.lm_head]
 
     def _store_matrices(self, store) -> None:
         # every layer's four matrices and the LM head, one at a time (the float32 one freed)

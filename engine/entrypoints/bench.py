@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random")
     stats = summarize(outputs, wall) | spec_stats(engine)
     b = engine.backend
-    weights = engine.config.quantization or b.kv_dtype
+    weights = b.quantization or b.kv_dtype
     what = f"{b.name}, weights {weights}, KV cache {b.cache_dtype}, {args.num_requests} requests"
     print(f"engine ({what}):")
     print(format_stats(stats))

@@ -187,3 +187,20 @@ def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:
     src, dst: (L, 2, N, bs, Hkv, hd) pools (the same pool for copy-on-write)."""
     for s, d in pairs:
         dst[:, :, d] = src[:, :, s]
+
+
+def quantize_rows_q8_0(x: np.ndarray) -> np.ndarray:
+    """x (M, K) float32 -> (M, K) float64, x as cpu_src/matmul_q8_0.cpp quantizes it: per row,
+    blocks of 32, d = absmax / 127 (float32), q = x * (1 / d) rounded half to even."""
+    m, k = x.shape
+    blocks = x.astype(np.float32).reshape(m, k // 32, 32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)  # (M, K/32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(blocks * inv[:, :, None])  # (M, K/32, 32), |q| <= 127
+    return (q.astype(np.float64) * d[:, :, None]).reshape(m, k)
+
+
+def matmul_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (M, K) quantized to Q8_0 @ w (K, N): the product the Q8_0 kernel computes, in float64,
+    w being the Q8_0 weight's dequantized values."""
+    return quantize_rows_q8_0(x) @ w.astype(np.float64)
