@@ -16,8 +16,8 @@ void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, 
                  int threads);
 void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale, long M, long K,
                  long N, int threads);
-int matmul_q8_0(float* out, const float* x, const int8_t* w, const _Float16* dw, long M, long K,
-                long N, int threads);
+int matmul_blocks(float* out, const float* x, const uint8_t* w, const _Float16* scales,
+                  int format, long M, long K, long N, int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
@@ -30,10 +30,10 @@ int paged_attention_decode(float* out, const float* q, const void* k_cache, cons
 
 namespace {
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q8_0 = 3 };
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BLOCKS = 3 };  // W_BLOCKS + 0, 1, 2: Q8_0, Q4_0, Q4_1
 
 // A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
-// float32; q8_0: (N, K/32) float16, data (N, K)).
+// float32; the block formats: per output channel, as matmul_blocks.cpp lays them out).
 struct Matrix {
   int32_t kind;
   int32_t pad;
@@ -78,8 +78,10 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
   switch (w.kind) {
     case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
     case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;
-    case W_Q8_0: return matmul_q8_0(out, x, q, (const _Float16*)w.scales, M, K, N, threads);
-    default: matmul_f32(out, x, (const float*)w.data, M, K, N, threads); break;
+    case W_F32: matmul_f32(out, x, (const float*)w.data, M, K, N, threads); break;
+    default:
+      return matmul_blocks(out, x, (const uint8_t*)w.data, (const _Float16*)w.scales,
+                           w.kind - W_BLOCKS, M, K, N, threads);
   }
   return 0;
 }

@@ -23,7 +23,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name
 BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
 EXECUTORS = ("uni", "mp", "ray")
 GENERATION_CONFIGS = ("auto", "ignore")
-QUANTIZATIONS = ("int8", "q8_0")
+QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 HOST_ONLY_BACKENDS = ("auto", "cpu", "numpy")  # where --quantization, --kv-cache-dtype run
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
@@ -132,10 +132,12 @@ class EngineConfig:
         "float32 scale per output channel (its absmax / 127), each weight rounded to the nearest "
         "multiple of it; activations and accumulation stay float32. The cpu backend keeps them "
         "as int8 (a quarter of float32's bytes); the numpy backend dequantizes them to float32 "
-        "at load (the plain reference for the same values). q8_0: llama.cpp's 8-bit blocks, a "
-        "float16 scale per 32 inputs of an output channel; the cpu backend quantizes "
-        "activations the same way and multiplies with integer dot products (a GGUF's Q8_0 "
-        "tensors are used as stored). cpu and numpy backends, one rank",
+        "at load (the plain reference for the same values). q8_0, q4_0, q4_1: llama.cpp's "
+        "block formats, float16 scales per 32 inputs of an output channel (the LM head Q8_0 "
+        "under the 4-bit ones); the cpu backend quantizes activations to 8 bits per 32 and "
+        "multiplies with integer dot products; a GGUF already in the format keeps its own "
+        "blocks, and one whose layers are all Q8_0 runs q8_0 without the flag. cpu and numpy "
+        "backends, one rank",
         choices=QUANTIZATIONS,
         default_help="none: the weights in --dtype (on the cpu backend, bfloat16 keeps them in "
         "bf16, half the bytes)",

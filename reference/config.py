@@ -48,7 +48,7 @@ class ModelConfig:
     rope: RopeParams | None = None  # None: default RoPE with rope_theta
     hidden_act: str = "silu"  # silu | gelu_tanh | gelu: the gated MLP's activation
     layer_windows: tuple[int, ...] = ()  # per layer, its sliding window (0 or absent: none)
-    stored_matrix_type: str | None = None  # a GGUF's matrices' type when all share one ("Q8_0")
+    stored_matrix_type: str | None = None  # a GGUF's layer matrices' type if one ("Q8_0")
 
     def __post_init__(self):
         if self.rope is None:

@@ -105,7 +105,7 @@ def config_from_metadata(
 ) -> ModelConfig:
     """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``;
     ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one;
-    ``matrix_type``: the type every 2-D tensor is stored in, when they share one."""
+    ``matrix_type``: the type every layer matrix is stored in, when they share one."""
     arch = _require(md, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -149,9 +149,11 @@ def config_from_metadata(
 
 
 def matrix_type(reader: gguf.GGUFReader) -> str | None:
-    """The type name ("Q8_0", "F32", ...) every 2-D tensor of the file is stored in, or None
-    when they differ: the engine's cpu backend keeps Q8_0 matrices in that format."""
-    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    """The type name ("Q8_0", "Q4_1", "F32", ...) every layer matrix of the file is stored in,
+    or None when they differ: the engine's cpu backend can keep block formats as they are."""
+    types = {
+        t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and t.name[:4] == "blk."
+    }
     return types.pop() if len(types) == 1 else None
 
 

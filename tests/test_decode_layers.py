@@ -1,6 +1,6 @@
 """The cpu backend's decode steps in one native call (cpu_src/decode_layers.cpp) against the
 loop of kernel calls it replaces: the same logits bit for bit, on every family's tiny checkpoint
-(biases, per-head norms, sliding windows, GQA) and with bf16, int8 or Q8_0 weights and a 16-bit
+(biases, per-head norms, sliding windows, GQA) and with bf16, int8, Q8_0 or Q4_1 weights and a 16-bit
 cache; the fused call must really run (counted), and only on single-token decode steps."""
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def assert_same_bits(a, b):
         {"dtype": "bfloat16"},
         {"quantization": "int8"},
         {"quantization": "q8_0"},
+        {"quantization": "q4_1"},
         {"kv_cache_dtype": "float16"},
     ],
-    ids=["float32", "bf16", "int8", "q8_0", "f16-cache"],
+    ids=["float32", "bf16", "int8", "q8_0", "q4_1", "f16-cache"],
 )
 def test_the_same_bits_as_the_loop(tiny, fused_steps, setting):
     fused, loop = fused_and_loop(tiny, SEED_PROMPTS, **setting)

@@ -26,7 +26,7 @@ from ..forward_batch import ForwardBatch
 from . import cpu_ops, fast_ops
 from .cpu_native import library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
-from .quant import QUANTIZERS, QuantWeight, to_bf16
+from .quant import BLOCK_FORMATS, HEAD_FORMAT, QuantWeight, quantize, to_bf16
 
 F32 = np.dtype(np.float32)
 log = logging.getLogger("engine.backend")
@@ -63,7 +63,7 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
 def _matrix(w) -> _Matrix:
     if not isinstance(w, QuantWeight):
         return _Matrix(0, 0, cpu_ops._p(w), None)
-    kind = {"bf16": 1, "int8": 2, "q8_0": 3}[w.kind]
+    kind = {"bf16": 1, "int8": 2, **{f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}}[w.kind]
     return _Matrix(kind, 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
 
 
@@ -78,19 +78,22 @@ class CpuBackend(NumpyBackend):
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
 
     def _quantization(self, asked: str | None) -> str | None:
-        # a GGUF whose matrices are all Q8_0 keeps them so: quantizing its float32 values again
-        # gives back the file's blocks bit for bit (tests/test_quant.py)
+        # a GGUF whose layer matrices are all Q8_0 keeps them so: quantizing its float32 values
+        # again gives back the file's blocks bit for bit (tests/test_blocks.py), as it does
+        # for Q4_0 and Q4_1 asked for by name (not by default: their activations in 8 bits
+        # would move the bundled Q4_1 model's tokens off its float32 golden data)
         blocks_fit = all(w.shape[0] % 32 == 0 for w in self._matrices())
         if asked is None and self.cfg.stored_matrix_type == "Q8_0" and blocks_fit:
             log.info("the GGUF's Q8_0 matrices are kept as Q8_0, as --quantization q8_0 would")
             return "q8_0"
         return asked
 
-    def _matrix_store(self, quantization: str | None):
-        # int8 -> int8 + column scales; q8_0 -> (N, K) int8 + block scales; bf16 values
+    def _matrix_store(self, quantization: str | None, head: bool = False):
+        # a quantization -> its QuantWeight (the LM head's format for the head); bf16 values
         # (--dtype bfloat16) -> bf16 bits; else float32
-        if quantization in QUANTIZERS:
-            return QUANTIZERS[quantization]
+        if quantization is not None:
+            kind = HEAD_FORMAT[quantization] if head else quantization
+            return lambda w: quantize(w, kind)
         return to_bf16 if self.kv_dtype == "bfloat16" else None
 
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):

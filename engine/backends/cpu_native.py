@@ -121,8 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_bf16.restype = None
     lib.matmul_int8.argtypes = [P, P, P, P, L, L, L, I]
     lib.matmul_int8.restype = None
-    lib.matmul_q8_0.argtypes = [P, P, P, P, L, L, L, I]
-    lib.matmul_q8_0.restype = I
+    lib.matmul_blocks.argtypes = [P, P, P, P, I, L, L, L, I]
+    lib.matmul_blocks.restype = I
     lib.decode_layers.argtypes = [P, I, P]
     lib.decode_layers.restype = I
     lib.matmul_quant_isa.argtypes = []

@@ -19,7 +19,7 @@ from . import fast_ops
 from .base import numpy_dtype
 from .cpu_native import library, threads
 from .fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
-from .quant import QuantWeight
+from .quant import BLOCK_FORMATS, QuantWeight
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -204,11 +204,11 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F32)
         assert scales.shape == (n,), "an int8 weight has one scale per column"
         lib.matmul_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
-    elif w.kind == "q8_0":
-        data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F16)
-        assert scales.shape == (n, k // 32), "a q8_0 weight has one scale per 32 inputs"
-        _check(lib.matmul_q8_0(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads()),
-               "matmul_q8_0", (m, k, n))  # fmt: skip
+    elif w.kind in BLOCK_FORMATS:
+        data, scales = _contiguous(w.data, w.data.dtype), _contiguous(w.scales, F16)
+        fmt = BLOCK_FORMATS.index(w.kind)
+        _check(lib.matmul_blocks(_p(out), _p(x), _p(data), _p(scales), fmt, m, k, n, threads()),
+               f"matmul ({w.kind})", (m, k, n))  # fmt: skip
     else:
         raise ValueError(f"matmul: unknown weight kind {w.kind!r}")
     return out

@@ -20,7 +20,7 @@ from ..forward_batch import ForwardBatch
 from . import fast_ops
 from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype, retain_freed_memory
 from .fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
-from .quant import QUANTIZERS, QuantWeight
+from .quant import HEAD_FORMAT, QuantWeight, quantize
 
 log = logging.getLogger("engine.backend")
 
@@ -113,7 +113,7 @@ class NumpyBackend(Backend):
             rest["lm_head"],
         )
         self.quantization = self._quantization(getattr(engine_config, "quantization", None))
-        self._store_matrices(self._matrix_store(self.quantization))
+        self._store_matrices(self.quantization)
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
@@ -123,27 +123,29 @@ class NumpyBackend(Backend):
         """The matrices' format: --quantization's (None: the weights' dtype)."""
         return asked
 
-    def _matrix_store(self, quantization: str | None):
-        """How the packed matrices are kept: None (float32 as packed), or a function of a
-        (K, N) float32 matrix. int8 and q8_0 here: quantized and dequantized to float32 at
-        once, the plain reference for the cpu backend's products of the same weights (q8_0's
-        activations stay float32 here)."""
-        if quantization in QUANTIZERS:
-            return lambda w: QUANTIZERS[quantization](w).dequantize()
-        return None
+    def _matrix_store(self, quantization: str | None, head: bool = False):
+        """How a packed matrix is kept (the LM head when ``head``): None (float32 as packed),
+        or a function of a (K, N) float32 matrix. A quantization here: quantized and
+        dequantized to float32 at once, the plain reference for the cpu backend's products of
+        the same weights (whose x is quantized too for the block formats)."""
+        if quantization is None:
+            return None
+        kind = HEAD_FORMAT[quantization] if head else quantization
+        return lambda w: quantize(w, kind).dequantize()
 
     def _matrices(self) -> list:
         """Every layer's four matrices and the LM head."""
         return [getattr(lw, name) for lw in self.layers for name in MATRICES] + [self.lm_head]
 
-    def _store_matrices(self, store) -> None:
+    def _store_matrices(self, quantization: str | None) -> None:
         # every layer's four matrices and the LM head, one at a time (the float32 one freed)
+        store = self._matrix_store(quantization)
         if store is None:
             return
         for lw in self.layers:
             for name in MATRICES:
                 setattr(lw, name, store(getattr(lw, name)))
-        self.lm_head = store(self.lm_head)
+        self.lm_head = self._matrix_store(quantization, head=True)(self.lm_head)
 
     # ---- memory accounting ----
     @property

@@ -1,17 +1,22 @@
-"""Weights in fewer bytes: the int8 and Q8_0 quantizations (``--quantization int8|q8_0``) and
-the matrices the cpu backend keeps as bf16, int8 or Q8_0 (``QuantWeight``; ``cpu_ops.matmul``
-multiplies them).
+"""Weights in fewer bytes: the quantizations of ``--quantization`` (int8, q8_0, q4_0, q4_1) and
+the matrices the cpu backend keeps as bf16, int8 or GGUF blocks (``QuantWeight``;
+``cpu_ops.matmul`` multiplies them).
 
 int8 is weight-only and symmetric: one float32 scale per output channel (a column of the
 (in, out) matrix), ``absmax / 127``, each weight rounded to the nearest ``q * scale`` with q in
 [-127, 127]; a column of zeros has scale 0 and q 0. Activations and accumulation stay float32.
 
-Q8_0 is llama.cpp's 8-bit format (GGUF type 8): each output channel's weights in blocks of 32
-consecutive inputs, one float16 scale per block, ``d = absmax / 127`` and ``q = round(w / d)``
-(ties away from zero, as ggml's reference quantizer). Kept transposed, (N, K) int8 and (N, K/32)
-float16, the layout a GGUF file stores, so its tensors are used as they are. The cpu backend
-quantizes activations the same way (blocks of 32, float32 scales) and multiplies with integer
-dot products.
+Q8_0, Q4_0 and Q4_1 are llama.cpp's block formats (GGUF types 8, 2, 3): each output channel's
+weights in blocks of 32 consecutive inputs with float16 scales, computed as ggml's reference
+quantizers compute them:
+  Q8_0: d = absmax / 127, q = round(w / d) (half away from zero) in [-127, 127], w = q d;
+  Q4_0: d = -(the value of largest magnitude) / 8, q = trunc(w / d + 8.5) in [0, 15],
+        w = (q - 8) d;
+  Q4_1: d = (max - min) / 15, m = min, q = trunc((w - m) / d + 0.5) in [0, 15], w = q d + m.
+Kept transposed as a GGUF file stores them: ``data`` (N, K/32 * bytes of a block's q) uint8
+(Q4: byte j of a block holds q[j] in its low nibble, q[j + 16] in its high one), ``scales``
+(N, K/32 * scales of a block) float16 (Q4_1: d, m per block). The cpu backend quantizes x the
+same way as Q8_0 and multiplies with integer dot products (cpu_src/matmul_blocks.cpp).
 """
 
 from __future__ import annotations
@@ -38,44 +43,96 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return q.astype(F32) * scales
 
 
-QK8_0 = 32  # weights per Q8_0 block
+QK = 32  # weights per block of the GGUF formats
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
+
+
+def _blocks(w: np.ndarray, fmt: str) -> np.ndarray:
+    """(K, N) -> (N, K/32, 32) float32, each output channel's blocks."""
+    k, n = w.shape
+    if k % QK:
+        raise ValueError(f"{fmt}: a matrix's input size must be a multiple of 32, got ({k}, {n})")
+    return np.ascontiguousarray(np.asarray(w, F32).T).reshape(n, k // QK, QK)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    return np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """(N, K/32, 32) in [0, 15] -> (N, K/32 * 16) uint8: byte j = q[j] | q[j + 16] << 4."""
+    q = q.astype(np.uint8)
+    return (q[..., :16] | (q[..., 16:] << np.uint8(4))).reshape(q.shape[0], -1)
+
+
+def _unnibble(data: np.ndarray) -> np.ndarray:
+    """(N, K/32 * 16) uint8 -> (N, K/32, 32) float32 q."""
+    b = data.reshape(data.shape[0], -1, 16)
+    return np.concatenate([b & np.uint8(15), b >> np.uint8(4)], axis=2).astype(F32)
 
 
 def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w (K, N), K a multiple of 32 -> (q (N, K) int8, d (N, K/32) float16): w.T ~ q * d."""
-    k, n = w.shape
-    if k % QK8_0:
-        raise ValueError(f"q8_0: a matrix's input size must be a multiple of 32, got ({k}, {n})")
-    blocks = np.ascontiguousarray(np.asarray(w, F32).T).reshape(n, k // QK8_0, QK8_0)
+    blocks = _blocks(w, "q8_0")
+    n, nb, _ = blocks.shape
     d = np.abs(blocks).max(axis=2) / np.float32(127)  # (N, K/32) float32
-    inv = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
-    r = blocks * inv[:, :, None]  # (N, K/32, 32) float32, |r| <= 127
+    r = blocks * _inverse(d)[:, :, None]  # (N, K/32, 32) float32, |r| <= 127
     q = np.trunc(r)
     q += np.sign(r) * (np.abs(r - q) >= 0.5)  # C's roundf: half away from zero (exact)
-    return q.astype(np.int8).reshape(n, k), d.astype(np.float16)
+    return q.astype(np.int8).reshape(n, nb * QK), d.astype(np.float16)
 
 
-def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """(N, K) int8, (N, K/32) float16 -> (K, N) float32 q * d."""
-    n, k = q.shape
-    blocks = q.reshape(n, k // QK8_0, QK8_0).astype(F32) * d.astype(F32)[:, :, None]
-    return np.ascontiguousarray(blocks.reshape(n, k).T)
+def quantize_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w (K, N) -> (nibbles (N, K/2) uint8, d (N, K/32) float16): w.T ~ (q - 8) * d."""
+    blocks = _blocks(w, "q4_0")
+    i = np.abs(blocks).argmax(axis=2)[:, :, None]  # the first of the largest magnitude
+    d = np.take_along_axis(blocks, i, axis=2)[:, :, 0] / np.float32(-8)  # (N, K/32)
+    d[d == 0] = np.float32(-0.0)  # ggml's 0 / -8: kept when a block of zeros comes back as -0
+    q = np.trunc(blocks * _inverse(d)[:, :, None] + np.float32(8.5))
+    return _nibbles(np.clip(q, 0, 15)), d.astype(np.float16)
+
+
+def quantize_q4_1(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w (K, N) -> (nibbles (N, K/2) uint8, (d, m) (N, K/32 * 2) float16): w.T ~ q * d + m."""
+    blocks = _blocks(w, "q4_1")
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # (N, K/32)
+    d = (hi - lo) / np.float32(15)
+    q = np.trunc((blocks - lo[:, :, None]) * _inverse(d)[:, :, None] + np.float32(0.5))
+    scales = np.stack([d, lo], axis=2).astype(np.float16)  # (N, K/32, 2)
+    return _nibbles(np.clip(q, 0, 15)), scales.reshape(len(scales), -1)
+
+
+def dequantize_blocks(kind: str, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A block format's (data, scales) -> (K, N) float32 values."""
+    n = data.shape[0]
+    s = scales.astype(F32).reshape(n, -1, 2 if kind == "q4_1" else 1)  # (N, K/32, scales)
+    if kind == "q8_0":
+        v = data.reshape(n, -1, QK).astype(F32) * s
+    elif kind == "q4_0":
+        v = (_unnibble(data) - np.float32(8)) * s
+    else:
+        v = _unnibble(data) * s[:, :, :1] + s[:, :, 1:]
+    return np.ascontiguousarray(v.reshape(n, -1).T)
 
 
 @dataclass
 class QuantWeight:
     """A (K, N) weight matrix in fewer bytes. kind "bf16": ``data`` (K, N) ml_dtypes.bfloat16,
     the float32 values exactly; kind "int8": ``data`` (K, N) int8 and ``scales`` (N,) float32;
-    kind "q8_0": ``data`` (N, K) int8 (transposed) and ``scales`` (N, K/32) float16."""
+    a block format ("q8_0", "q4_0", "q4_1"): ``data`` and ``scales`` per output channel, as
+    the module's docstring lays them out."""
 
     kind: str
-    data: np.ndarray  # (K, N); q8_0: (N, K)
-    scales: np.ndarray | None = None  # int8: (N,); q8_0: (N, K/32)
+    data: np.ndarray  # (K, N); a block format: (N, bytes)
+    scales: np.ndarray | None = None  # int8: (N,); a block format: (N, K/32 * scales a block)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(K, N): the matrix it stands for."""
-        return self.data.shape[::-1] if self.kind == "q8_0" else self.data.shape
+        if self.kind in BLOCK_FORMATS:
+            n, nbytes = self.data.shape
+            return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
+        return self.data.shape
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +142,8 @@ class QuantWeight:
         """(K, N) float32: the values the products use."""
         if self.kind == "int8":
             return dequantize_int8(self.data, self.scales)
-        if self.kind == "q8_0":
-            return dequantize_q8_0(self.data, self.scales)
+        if self.kind in BLOCK_FORMATS:
+            return dequantize_blocks(self.kind, self.data, self.scales)
         return self.data.astype(F32)
 
 
@@ -98,12 +155,21 @@ def to_bf16(w: np.ndarray) -> QuantWeight:
     return QuantWeight("bf16", data)
 
 
+QUANTIZE = {"int8": quantize_int8, "q8_0": quantize_q8_0, "q4_0": quantize_q4_0}
+QUANTIZE["q4_1"] = quantize_q4_1
+# The LM head's format under each --quantization: 4-bit layers keep an 8-bit head, as
+# llama.cpp's quantizer keeps the output tensor in more bits.
+HEAD_FORMAT = {"int8": "int8", "q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_0"}
+
+
+def quantize(w: np.ndarray, kind: str) -> QuantWeight:
+    """(K, N) float32 -> QuantWeight of an --quantization kind."""
+    return QuantWeight(kind, *QUANTIZE[kind](w))
+
+
 def to_int8(w: np.ndarray) -> QuantWeight:
-    return QuantWeight("int8", *quantize_int8(w))
+    return quantize(w, "int8")
 
 
 def to_q8_0(w: np.ndarray) -> QuantWeight:
-    return QuantWeight("q8_0", *quantize_q8_0(w))
-
-
-QUANTIZERS = {"int8": to_int8, "q8_0": to_q8_0}  # --quantization -> (K, N) float32 -> QuantWeight
+    return quantize(w, "q8_0")

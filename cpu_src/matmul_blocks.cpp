@@ -1,0 +1,241 @@
+// Matrix products with block-quantized weights, llama.cpp's and GGUF's formats, as a GGUF
+// file stores them: W transposed, (N, K), each output's row cut into blocks of 32 inputs with
+// float16 scales. Q8_0: 32 int8 q and d (w = q * d; 34 bytes a block). Q4_0: 16 bytes of
+// nibbles (byte j: q[j] low, q[j + 16] high) and d (w = (q - 8) * d; 18 bytes). Q4_1: the
+// nibbles, d and m (w = q * d + m; 20 bytes). x is quantized as it comes in, per row, blocks
+// of 32, one float32 scale each (dx = absmax / 127, qx = round(x / dx), ties to even), so a
+// block's product is a 32-term integer dot and scales:
+//   Q8_0: d dx sum(q qx)   Q4_0: d dx sum((q - 8) qx)   Q4_1: d dx sum((q - 8) qx) + (m + 8 d) sx
+// with sx = dx sum(qx), x's block sum as quantized. (Q4_1 centred on 8 so that the two terms
+// do not nearly cancel: with d sum(q qx) + m sx the float32 sum lost about 1e-5 of the
+// product, enough to flip later roundings of x.) Every batch size computes this same
+// function (of x quantized), in float32.
+// M <= GEMV_MAX_ROWS (decode at small batch, bound by memory): each W row is read once and
+// dotted with every row of x. AVX2: 32 int8 pairs through vpmaddubsw (unsigned times signed,
+// pairs summed to int16: 2 * 127 * 127 fits) and vpmaddwd against ones (int32), then one float
+// FMA per block; the signed q (Q8_0's q, Q4's q - 8) go in as |q| with x given q's sign
+// (vpsignb), llama.cpp's trick. Other CPUs: the same sums in a plain loop (the
+// integer sums are exact either way; only the float additions' order differs).
+// More rows (prefill, large batches): x's quantized values and a tile of NB W rows are
+// expanded to float32 and multiplied by the BLAS's sgemm, since on AVX2 without VNNI the
+// integer dot does no more multiplies per instruction than a float32 FMA.
+// Threads: one task per run of W's rows (the GEMV), per slice of NB rows (the tiles).
+#include <memory>
+#include <vector>
+
+#include "blas.h"
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+const long QK = 32;     // weights per block
+const long NB = 128;    // W rows per float32 tile
+const long GEMV_WORK = 1L << 19;
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+// A format's layout: bytes of q per block, float16 scales per block.
+template <int F> struct Format;
+template <> struct Format<Q8_0> { static const long QB = 32, NS = 1; };
+template <> struct Format<Q4_0> { static const long QB = 16, NS = 1; };
+template <> struct Format<Q4_1> { static const long QB = 16, NS = 2; };
+
+// x (M, K) -> qx (M, K) int8, dx, sx (M, K / QK) float32: d = absmax / 127, q = round(x / d)
+// (ties to even), a block of zeros d = 0, q = 0; sx = d * sum(q).
+void quantize_rows(int8_t* qx, float* dx, float* sx, const float* x, long M, long K) {
+  for (long m = 0; m < M; m++)
+    for (long b = 0; b < K / QK; b++) {
+      const float* v = x + m * K + b * QK;
+      float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = qx + m * K + b * QK;
+      int sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < QK; i++) {
+        q[i] = (int8_t)std::nearbyint(v[i] * id);
+        sum += q[i];
+      }
+      dx[m * (K / QK) + b] = d;
+      sx[m * (K / QK) + b] = d * (float)sum;
+    }
+}
+
+// Block b's i-th q as the integer dot takes it (Q8_0: q; Q4: q - 8) and its bias factor c
+// (the term c * sx: Q4_1's m + 8 d, none for the others).
+template <int F> inline int q_at(const uint8_t* q, int i) {
+  if constexpr (F == Q8_0) return (int8_t)q[i];
+  return (i < 16 ? q[i] & 15 : q[i - 16] >> 4) - 8;
+}
+template <int F> inline float bias(const f16* s) {
+  return F == Q4_1 ? (float)s[1] + 8.0f * (float)s[0] : 0.0f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// A block's 32 q as the unsigned operand of vpmaddubsw (Q8_0: |q|; Q4: |q - 8|, the low
+// nibbles first) and the signs x must take (Q8_0: q; Q4: q - 8).
+template <int F> inline __m256i load_q(const uint8_t* q, __m256i& sign) {
+  if constexpr (F == Q8_0) {
+    sign = _mm256_loadu_si256((const __m256i*)q);
+    return _mm256_sign_epi8(sign, sign);
+  } else {
+    const __m128i b = _mm_loadu_si128((const __m128i*)q);
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    sign = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));  // q - 8
+    return _mm256_sign_epi8(sign, sign);
+  }
+}
+
+// Eight int32 partial sums of q . qx over the block, as float32.
+template <int F> inline __m256 block_dot(__m256i uq, __m256i sign, const int8_t* x) {
+  const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x), sign);
+  const __m256i p16 = _mm256_maddubs_epi16(uq, xv);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// out[m * N] for the MR rows of x: W row (q, s) dotted with each. (Two W rows at a time,
+// sharing x's loads, measured slower: two streams per thread, and spills at 8 rows.)
+template <int F, int MR>
+void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
+             const float* dx, const float* sx, long K) {
+  __m256 acc[MR];
+  float tail[MR] = {};
+  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+  const long nb = K / QK;
+  for (long b = 0; b < nb; b++) {
+    __m256i sign;
+    const __m256i uq = load_q<F>(q + b * Format<F>::QB, sign);
+    const f16* sb = s + b * Format<F>::NS;
+    const float d = (float)sb[0], c = bias<F>(sb);
+    for (int m = 0; m < MR; m++) {
+      const __m256 scale = _mm256_set1_ps(d * dx[m * nb + b]);
+      acc[m] = _mm256_fmadd_ps(block_dot<F>(uq, sign, qx + m * K + b * QK), scale, acc[m]);
+      if constexpr (F == Q4_1) tail[m] += c * sx[m * nb + b];
+    }
+  }
+  for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]) + tail[m];
+}
+#else
+template <int F, int MR>
+void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
+             const float* dx, const float* sx, long K) {
+  const long nb = K / QK;
+  for (int m = 0; m < MR; m++) {
+    float acc = 0.0f, tail = 0.0f;
+    for (long b = 0; b < nb; b++) {
+      const uint8_t* qb = q + b * Format<F>::QB;
+      const f16* sb = s + b * Format<F>::NS;
+      int32_t dot = 0;
+      for (int i = 0; i < QK; i++) dot += q_at<F>(qb, i) * qx[m * K + b * QK + i];
+      acc += (float)dot * ((float)sb[0] * dx[m * nb + b]);
+      tail += bias<F>(sb) * sx[m * nb + b];
+    }
+    out[m * N] = acc + tail;
+  }
+}
+#endif
+
+// out (MR, N): every W row dotted with the MR quantized rows of x, the rows split over nt.
+template <int F, int MR>
+void gemv(float* out, const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
+          const f16* s, long K, long N, int nt) {
+  const long per = (N + nt - 1) / nt, nb = K / QK;
+  const long row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
+  on_threads(nt, [&](int t) {
+    for (long n = t * per; n < std::min(N, (t + 1) * per); n++)
+      dot_row<F, MR>(out + n, N, w + n * row_q, s + n * row_s, qx, dx, sx, K);
+  });
+}
+
+// W row (q, s) as K float32 values.
+template <int F> void dequant_row(float* out, const uint8_t* q, const f16* s, long K) {
+  for (long b = 0; b < K / QK; b++) {
+    const uint8_t* qb = q + b * Format<F>::QB;
+    const f16* sb = s + b * Format<F>::NS;
+    const float d = (float)sb[0];
+    float* o = out + b * QK;
+    if constexpr (F == Q4_1) {  // q d + m, as the format defines it
+      for (int i = 0; i < QK; i++) o[i] = (float)(q_at<F>(qb, i) + 8) * d + (float)sb[1];
+    } else {
+      for (int i = 0; i < QK; i++) o[i] = (float)q_at<F>(qb, i) * d;
+    }
+  }
+}
+
+// out (M, N) = x~ (M, K) @ W^T through float32 tiles of NB W rows and sgemm.
+template <int F>
+void gemm_tiles(float* out, const int8_t* qx, const float* dx, const uint8_t* w, const f16* s,
+                long M, long K, long N, int nt) {
+  const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
+  std::unique_ptr<float[]> xf(new float[M * K]);  // (M, K): x's quantized values
+  for (long i = 0; i < M * K; i++) xf[i] = qx[i] * dx[i / QK];
+  const long per = ((N + nt - 1) / nt + 7) / 8 * 8;
+  on_threads(nt, [&](int t) {
+    const long n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
+    std::unique_ptr<float[]> tile(new float[NB * K]);  // (NB, K)
+    for (long r0 = n0; r0 < n1; r0 += NB) {
+      const long rows = std::min(NB, n1 - r0);
+      for (long r = 0; r < rows; r++)
+        dequant_row<F>(tile.get() + r * K, w + (r0 + r) * row_q, s + (r0 + r) * row_s, K);
+      sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, rows, K, 1.0f, xf.get(), K, tile.get(), K, 0.0f,
+            out + r0, N);
+    }
+  });
+}
+
+template <int F>
+void matmul_f(float* out, const float* x, const uint8_t* w, const f16* s, long M, long K, long N,
+              int threads) {
+  std::unique_ptr<int8_t[]> qx(new int8_t[M * K]);
+  std::unique_ptr<float[]> dx(new float[M * K / QK]), sx(new float[M * K / QK]);
+  quantize_rows(qx.get(), dx.get(), sx.get(), x, M, K);
+  const long work = 2 * M * K * N;
+  if (M > GEMV_MAX_ROWS) {
+    const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
+    gemm_tiles<F>(out, qx.get(), dx.get(), w, s, M, K, N, (int)nt);
+    return;
+  }
+  const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, N);
+  const int8_t* q = qx.get();
+  const float *d = dx.get(), *sm = sx.get();
+  switch (M) {
+    case 1: gemv<F, 1>(out, q, d, sm, w, s, K, N, nt); break;
+    case 2: gemv<F, 2>(out, q, d, sm, w, s, K, N, nt); break;
+    case 3: gemv<F, 3>(out, q, d, sm, w, s, K, N, nt); break;
+    case 4: gemv<F, 4>(out, q, d, sm, w, s, K, N, nt); break;
+    case 5: gemv<F, 5>(out, q, d, sm, w, s, K, N, nt); break;
+    case 6: gemv<F, 6>(out, q, d, sm, w, s, K, N, nt); break;
+    case 7: gemv<F, 7>(out, q, d, sm, w, s, K, N, nt); break;
+    default: gemv<F, 8>(out, q, d, sm, w, s, K, N, nt); break;
+  }
+}
+
+}  // namespace
+
+// out: (M, N) float32; x: (M, K) float32; w: (N, K / 32, bytes of a block's q) uint8;
+// scales: (N, K / 32, scales of a block) float16 bits; format: 0 Q8_0, 1 Q4_0, 2 Q4_1;
+// K a multiple of 32; all row-major contiguous. Returns 1 (nothing done) for a K that is not,
+// or an unknown format.
+extern "C" int matmul_blocks(float* out, const float* x, const uint8_t* w, const f16* scales,
+                             int format, long M, long K, long N, int threads) {
+  if (K % QK || format < Q8_0 || format > Q4_1) return 1;
+  if (M == 0) return 0;
+  switch (format) {
+    case Q8_0: matmul_f<Q8_0>(out, x, w, scales, M, K, N, threads); break;
+    case Q4_0: matmul_f<Q4_0>(out, x, w, scales, M, K, N, threads); break;
+    default: matmul_f<Q4_1>(out, x, w, scales, M, K, N, threads); break;
+  }
+  return 0;
+}
