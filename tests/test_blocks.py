@@ -15,7 +15,7 @@ import pytest
 from engine.backends import cpu_ops, fast_ops, get_backend
 from engine.backends.quant import BLOCK_FORMATS, QuantWeight, quantize
 from engine.config import EngineConfig
-from engine.entrypoints.quant_eval import agreement, teacher_forced_logits
+from engine.entrypoints.quant_eval import agreement, evaluate, teacher_forced_logits
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from reference.gguf_file import GGUF_LAYER_NAMES
@@ -225,3 +225,15 @@ def test_smollm2_kl_against_float32(smollm2, smollm2_float32, kind):  # noqa: F8
     assert got.tokens == KL_TOKENS - 1
     assert 0 < got.mean_kl < max_kl and got.top1 >= min_top1, got
     assert abs(np.log(got.ppl_quant / got.ppl_ref)) < 0.1, got
+
+
+def test_quant_eval_compares_a_q8_0_gguf_against_its_float32_values(tiny_model_dir, hf, tmp_path):  # noqa: F811
+    """The float32 run of a Q8_0 file is its values in float32, not the blocks the cpu backend
+    would keep: otherwise the two runs are the same and the KL is 0."""
+    cfg, tensors = hf
+    path = write_gguf(tmp_path / "q8.gguf", cfg, tensors, tiny_model_dir, GGML["q8_0"])
+    loaded = load_model(str(path))
+    tokens = np.random.default_rng().integers(3, cfg["vocab_size"], 40)
+    config = EngineConfig(model=str(path), backend="cpu", quantization="q8_0")
+    got = evaluate(loaded, config, tokens, chunk=16)
+    assert got.tokens == 39 and got.mean_kl > 1e-6, got

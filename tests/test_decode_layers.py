@@ -1,7 +1,7 @@
 """The cpu backend's decode steps in one native call (cpu_src/decode_layers.cpp) against the
 loop of kernel calls it replaces: the same logits bit for bit, on every family's tiny checkpoint
-(biases, per-head norms, sliding windows, GQA) and with bf16, int8, Q8_0 or Q4_1 weights and a 16-bit
-cache; the fused call must really run (counted), and only on single-token decode steps."""
+(biases, per-head norms, sliding windows, GQA) and with bf16, int8, Q8_0 or Q4_1 weights and a
+16-bit cache; the fused call must really run (counted), and only on single-token decode steps."""
 
 from __future__ import annotations
 

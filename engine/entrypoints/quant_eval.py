@@ -1,16 +1,17 @@
 """``python -m engine.quant_eval``: what weights in fewer bytes cost in accuracy, measured.
 
-Runs the float32 model and the same model with ``--dtype bfloat16``, ``--quantization int8`` or
-a 16-bit ``--kv-cache-dtype``, teacher-forced over one token sequence (prefills of ``--chunk``
-tokens over the paged cache, logits at every position), and prints the KL divergence
-KL(p_float32 || p_quantized) per position (mean, p99, max), how often the two top-1 tokens
-agree, and both perplexities.
+Runs the float32 model and the same model with ``--dtype bfloat16``, a ``--quantization``
+(int8, or a GGUF block format: q8_0, q4_0, q4_1) or a 16-bit ``--kv-cache-dtype``,
+teacher-forced over one token sequence (prefills of ``--chunk`` tokens over the paged cache,
+logits at every position), and prints the KL divergence KL(p_float32 || p_quantized) per
+position (mean, p99, max), how often the two top-1 tokens agree, and both perplexities.
 
     python -m engine.quant_eval --model smollm2 --quantization int8 --tokens 2000
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,9 +107,11 @@ def evaluate(
     """The float32 model against ``config``'s (same backend) over ``tokens`` -> Agreement."""
     tokens = np.asarray(tokens, np.int64)
     ref_config = EngineConfig(model=config.model, backend=config.backend, dtype="float32")
+    # a GGUF's file values in float32, even where the cpu backend would keep its Q8_0 blocks
+    float32 = dataclasses.replace(loaded.config, stored_matrix_type=None)
     bar = tqdm(total=2 * len(tokens), unit="tok", disable=not progress)
     with bar:
-        ref = get_backend(ref_config.backend, loaded.config, loaded.weights, ref_config)
+        ref = get_backend(ref_config.backend, float32, loaded.weights, ref_config)
         want = teacher_forced_logits(ref, tokens, chunk, bar)
         quant = get_backend(config.backend, loaded.config, loaded.weights, config)
         if float32_lm_head:
@@ -126,8 +129,8 @@ def build_parser() -> CliParser:
         "--backend",
         choices=["cpu", "numpy"],
         default="cpu",
-        help="backend of both runs (default cpu: bf16 and int8 kept as such; numpy: the same "
-        "values in float32)",
+        help="backend of both runs (default cpu: bf16, int8 and blocks kept as such; numpy: the "
+        "same values in float32)",
     )
     p.add_argument(
         "--dtype",
