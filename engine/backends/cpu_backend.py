@@ -7,9 +7,9 @@ The same KV layout and interface; ``auto`` picks it where there is no GPU and g+
 Its matrices (every layer's four and the LM head) take fewer bytes where the values allow:
 with ``--dtype bfloat16`` they are kept as bf16 (the same values the numpy backend holds in
 float32, half the bytes), with ``--quantization int8`` as int8 and a scale per column (a
-quarter), with ``--quantization q8_0`` as llama.cpp's Q8_0 blocks (int8, a float16 scale per
-32 inputs); ``cpu_ops.matmul`` multiplies them by x, accumulating in float32 (Q8_0: x quantized
-the same way, integer dot products).
+quarter), with ``--quantization q8_0|q4_0|q4_1`` in llama.cpp's block formats (float16 scales
+per 32 inputs; the LM head Q8_0 under the 4-bit ones); ``cpu_ops.matmul`` multiplies them by x,
+accumulating in float32 (the block formats: x quantized to 8 bits per 32, integer dot products).
 """
 
 from __future__ import annotations
