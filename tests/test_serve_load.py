@@ -81,10 +81,11 @@ def test_load_with_disconnects_leaves_nothing_running(tiny):
         assert bm.num_free_blocks == bm.num_blocks
 
 
-def _start_server(model_dir) -> tuple[subprocess.Popen, str, list[str]]:
+def _start_server(model_dir, extra=()) -> tuple[subprocess.Popen, str, list[str]]:
     """The server in its own process; (process, url, its stderr lines as they come)."""
     argv = [sys.executable, "-m", "engine.serve", "--model", str(model_dir), "--port", "0"]
     argv += ["--num-gpu-blocks", "64", "--max-model-len", "256", "--shutdown-timeout", "20"]
+    argv += list(extra)  # later flags win
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
@@ -101,12 +102,15 @@ def _start_server(model_dir) -> tuple[subprocess.Popen, str, list[str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
-    proc, url, log = _start_server(tiny_model_dir)
+    # long requests: the signal must find them running (uvicorn checks for it every 0.1 s, and
+    # 200 tokens of the tiny model have finished within that)
+    room = ["--max-model-len", "512", "--num-gpu-blocks", "160"]
+    proc, url, log = _start_server(tiny_model_dir, room)
     try:
         results, started = [], threading.Barrier(5)
 
         def stream_one(i: int):
-            body = {"model": str(tiny_model_dir), "prompt": f"hello {i}", "max_tokens": 200}
+            body = {"model": str(tiny_model_dir), "prompt": f"hello {i}", "max_tokens": 500}
             body |= {"stream": True, "ignore_eos": True, "temperature": 0}
             text, first = [], True
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
