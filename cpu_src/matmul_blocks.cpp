@@ -90,10 +90,10 @@ template <int F> inline __m256i load_q(const uint8_t* q, __m256i& sign) {
     sign = _mm256_loadu_si256((const __m256i*)q);
     return _mm256_sign_epi8(sign, sign);
   } else {
-    const __m128i b = _mm_loadu_si128((const __m128i*)q);
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-    sign = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));  // q - 8
+    // the 16 bytes in both halves, the high half shifted by a nibble: q[0..15] | q[16..31]
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
+    const __m256i n = _mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0));
+    sign = _mm256_sub_epi8(_mm256_and_si256(n, _mm256_set1_epi8(15)), _mm256_set1_epi8(8));
     return _mm256_sign_epi8(sign, sign);
   }
 }
@@ -105,24 +105,67 @@ template <int F> inline __m256 block_dot(__m256i uq, __m256i sign, const int8_t*
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-// out[m * N] for the MR rows of x: W row (q, s) dotted with each. (Two W rows at a time,
-// sharing x's loads, measured slower: two streams per thread, and spills at 8 rows.)
+// Eight blocks' d (and Q4_1's c = m + 8 d) of a row, from their float16 scales at s.
+template <int F> inline __m256 scales8(const f16* s, __m256& c) {
+  if constexpr (F != Q4_1) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+  } else {  // (d, m) pairs: d0 m0 .. d3 m3 | d4 m4 .. d7 m7, split and put back in order
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+    const __m256 e = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)));
+    const auto order = [](__m256 v) {  // 64-bit pairs (0, 2, 1, 3)
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+    };
+    const __m256 d = order(_mm256_shuffle_ps(a, e, 0x88)), m = order(_mm256_shuffle_ps(a, e, 0xDD));
+    c = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), d, m);
+    return d;
+  }
+}
+
+// A row's per-block factors, ahead of its dot products: ds[m * nb + b] = d_b dx[m, b], and
+// (Q4_1) tail[m] = sum over b of (m_b + 8 d_b) sx[m, b]. Eight blocks a step, the scales'
+// float16 converted eight at a time; per block in the dot loop that was a scalar convert, a
+// multiply and a broadcast.
 template <int F, int MR>
-void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
-             const float* dx, const float* sx, long K) {
-  __m256 acc[MR];
-  float tail[MR] = {};
-  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
-  const long nb = K / QK;
-  for (long b = 0; b < nb; b++) {
-    __m256i sign;
-    const __m256i uq = load_q<F>(q + b * Format<F>::QB, sign);
+void row_scales(float* ds, float* tail, const f16* s, const float* dx, const float* sx, long nb) {
+  __m256 tv[MR];
+  for (int m = 0; m < MR; m++) tv[m] = _mm256_setzero_ps();
+  long b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256 c;
+    const __m256 d = scales8<F>(s + b * Format<F>::NS, c);
+    for (int m = 0; m < MR; m++) {
+      _mm256_storeu_ps(ds + m * nb + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + m * nb + b)));
+      if constexpr (F == Q4_1) tv[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(sx + m * nb + b), tv[m]);
+    }
+  }
+  for (int m = 0; m < MR; m++) tail[m] = F == Q4_1 ? hsum(tv[m]) : 0.0f;
+  for (; b < nb; b++) {
     const f16* sb = s + b * Format<F>::NS;
     const float d = (float)sb[0], c = bias<F>(sb);
     for (int m = 0; m < MR; m++) {
-      const __m256 scale = _mm256_set1_ps(d * dx[m * nb + b]);
-      acc[m] = _mm256_fmadd_ps(block_dot<F>(uq, sign, qx + m * K + b * QK), scale, acc[m]);
+      ds[m * nb + b] = d * dx[m * nb + b];
       if constexpr (F == Q4_1) tail[m] += c * sx[m * nb + b];
+    }
+  }
+}
+
+// out[m * N] for the MR rows of x: W row (q, s) dotted with each; ds: room for (MR, nb).
+// (Two W rows at a time, sharing x's loads, measured slower: two streams per thread, and
+// spills at 8 rows.)
+template <int F, int MR>
+void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
+             const float* dx, const float* sx, long K, float* ds) {
+  const long nb = K / QK;
+  float tail[MR];
+  row_scales<F, MR>(ds, tail, s, dx, sx, nb);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+  for (long b = 0; b < nb; b++) {
+    __m256i sign;
+    const __m256i uq = load_q<F>(q + b * Format<F>::QB, sign);
+    for (int m = 0; m < MR; m++) {
+      const __m256 dot = block_dot<F>(uq, sign, qx + m * K + b * QK);
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(ds + m * nb + b), acc[m]);
     }
   }
   for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]) + tail[m];
@@ -130,7 +173,7 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
 #else
 template <int F, int MR>
 void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
-             const float* dx, const float* sx, long K) {
+             const float* dx, const float* sx, long K, float*) {
   const long nb = K / QK;
   for (int m = 0; m < MR; m++) {
     float acc = 0.0f, tail = 0.0f;
@@ -154,8 +197,9 @@ void gemv(float* out, const int8_t* qx, const float* dx, const float* sx, const 
   const long per = (N + nt - 1) / nt, nb = K / QK;
   const long row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
   on_threads(nt, [&](int t) {
+    std::vector<float> ds(MR * nb);  // (MR, nb): a row's d dx
     for (long n = t * per; n < std::min(N, (t + 1) * per); n++)
-      dot_row<F, MR>(out + n, N, w + n * row_q, s + n * row_s, qx, dx, sx, K);
+      dot_row<F, MR>(out + n, N, w + n * row_q, s + n * row_s, qx, dx, sx, K, ds.data());
   });
 }
 
