@@ -210,10 +210,16 @@ template <int F> void dequant_row(float* out, const uint8_t* q, const f16* s, lo
     const f16* sb = s + b * Format<F>::NS;
     const float d = (float)sb[0];
     float* o = out + b * QK;
-    if constexpr (F == Q4_1) {  // q d + m, as the format defines it
-      for (int i = 0; i < QK; i++) o[i] = (float)(q_at<F>(qb, i) + 8) * d + (float)sb[1];
-    } else {
-      for (int i = 0; i < QK; i++) o[i] = (float)q_at<F>(qb, i) * d;
+    if constexpr (F == Q8_0) {
+#pragma omp simd
+      for (int i = 0; i < QK; i++) o[i] = (float)(int8_t)qb[i] * d;
+    } else {  // Q4_0: (q - 8) d; Q4_1: q d + m, as the format defines it
+      const float m = F == Q4_1 ? (float)sb[1] : -8.0f * d;
+#pragma omp simd
+      for (int i = 0; i < 16; i++) {
+        o[i] = (float)(qb[i] & 15) * d + m;
+        o[i + 16] = (float)(qb[i] >> 4) * d + m;
+      }
     }
   }
 }
