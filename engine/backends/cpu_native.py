@@ -93,7 +93,9 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(library_path()))
             _declare(lib)
             isa = lib.matmul_quant_isa().decode()
-            log.info("native CPU kernels loaded; bf16/int8 weight products built for %s", isa)
+            log.info(
+                "native CPU kernels loaded; bf16, int8 and GGUF-block products built for %s", isa
+            )
             _lib.append(lib)
         return _lib[0]
 
