@@ -60,11 +60,14 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
     ]
 
 
+# QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, then W_BLOCKS + the block format
+_KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
+
+
 def _matrix(w) -> _Matrix:
     if not isinstance(w, QuantWeight):
         return _Matrix(0, 0, cpu_ops._p(w), None)
-    kind = {"bf16": 1, "int8": 2, **{f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}}[w.kind]
-    return _Matrix(kind, 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
+    return _Matrix(_KINDS[w.kind], 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
 
 
 class CpuBackend(NumpyBackend):
@@ -82,8 +85,8 @@ class CpuBackend(NumpyBackend):
         # again gives back the file's blocks bit for bit (tests/test_blocks.py), as it does
         # for Q4_0 and Q4_1 asked for by name (not by default: their activations in 8 bits
         # would move the bundled Q4_1 model's tokens off its float32 golden data)
-        blocks_fit = all(w.shape[0] % 32 == 0 for w in self._matrices())
-        if asked is None and self.cfg.stored_matrix_type == "Q8_0" and blocks_fit:
+        stored_q8_0 = asked is None and self.cfg.stored_matrix_type == "Q8_0"
+        if stored_q8_0 and all(w.shape[0] % 32 == 0 for w in self._matrices()):
             log.info("the GGUF's Q8_0 matrices are kept as Q8_0, as --quantization q8_0 would")
             return "q8_0"
         return asked

@@ -205,7 +205,8 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         assert scales.shape == (n,), "an int8 weight has one scale per column"
         lib.matmul_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
     elif w.kind in BLOCK_FORMATS:
-        data, scales = _contiguous(w.data, w.data.dtype), _contiguous(w.scales, F16)
+        data = _contiguous(w.data, np.dtype(np.int8 if w.kind == "q8_0" else np.uint8))
+        scales = _contiguous(w.scales, F16)
         fmt = BLOCK_FORMATS.index(w.kind)
         _check(lib.matmul_blocks(_p(out), _p(x), _p(data), _p(scales), fmt, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip

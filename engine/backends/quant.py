@@ -155,8 +155,12 @@ def to_bf16(w: np.ndarray) -> QuantWeight:
     return QuantWeight("bf16", data)
 
 
-QUANTIZE = {"int8": quantize_int8, "q8_0": quantize_q8_0, "q4_0": quantize_q4_0}
-QUANTIZE["q4_1"] = quantize_q4_1
+QUANTIZE = {
+    "int8": quantize_int8,
+    "q8_0": quantize_q8_0,
+    "q4_0": quantize_q4_0,
+    "q4_1": quantize_q4_1,
+}
 # The LM head's format under each --quantization: 4-bit layers keep an 8-bit head, as
 # llama.cpp's quantizer keeps the output tensor in more bits.
 HEAD_FORMAT = {"int8": "int8", "q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_0"}
@@ -169,7 +173,3 @@ def quantize(w: np.ndarray, kind: str) -> QuantWeight:
 
 def to_int8(w: np.ndarray) -> QuantWeight:
     return quantize(w, "int8")
-
-
-def to_q8_0(w: np.ndarray) -> QuantWeight:
-    return quantize(w, "q8_0")

@@ -166,15 +166,8 @@ def read_text(path: str) -> str:
 
 
 def run(args) -> int:
-    if (
-        args.dtype == "float32"
-        and args.quantization is None
-        and args.kv_cache_dtype
-        in (
-            "auto",
-            "float32",
-        )
-    ):
+    cache_16 = args.kv_cache_dtype not in ("auto", "float32")
+    if args.dtype == "float32" and args.quantization is None and not cache_16:
         raise ValueError(
             "--dtype float32 without --quantization or a 16-bit --kv-cache-dtype: nothing to "
             "compare"
