@@ -93,27 +93,59 @@ static inline float dot_f32(const float* a, const float* b, int n) {
   return s;
 }
 
+// e^x for eight lanes: exp_f32's arithmetic, written on vectors so it needs no vectorizer.
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8 exp8(v8 x) {
+  const v8 lo = x < -87.3f ? v8{} - 87.3f : x;
+  const v8 xc = x == x ? (lo > 88.3f ? v8{} + 88.3f : lo) : v8{};  // NaN: any value, then x
+  const v8 y = xc * 1.44269504088896341f + 0.5f;
+  const v8 t = __builtin_convertvector(__builtin_convertvector(y, v8i), v8);  // toward 0
+  const v8 n = t > y ? t - 1.0f : t;  // floor(y)
+  v8 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8 e = (p * r * r + r + 1.0f) * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
+  return x != x ? x : (x < -87.3f ? v8{} : e);
+}
+
+static inline float hsum8(v8 v) {
+  const v4 h = half_sum(v);
+  return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
 // One tile of an online softmax: the scores s[0..nt) become e^(s - max), with max the running
 // maximum m updated by the tile; the running sum l is rescaled and adds the tile's. Returns the
 // factor the accumulator must be rescaled by (e^(old m - new m)). A tile with nothing visible
 // (every score -inf, the running max still -inf) changes nothing: its weights are 0, factor 1.
+// s has room for nt rounded up to a multiple of 8 (the lanes past nt are overwritten).
 static inline float softmax_tile(float* s, int nt, float& m, float& l) {
-  float mx = m;
-#pragma omp simd reduction(max : mx)
-  for (int j = 0; j < nt; j++) mx = std::max(mx, s[j]);
+  const int n8 = (nt + 7) / 8;
+  for (int j = nt; j < 8 * n8; j++) s[j] = -INFINITY;
+  v8 mx8 = v8{} + m;
+  for (int i = 0; i < n8; i++) {
+    const v8 v = load8(s + 8 * i);
+    mx8 = v > mx8 ? v : mx8;
+  }
+  float mx = mx8[0];
+  for (int i = 1; i < 8; i++) mx = std::max(mx, mx8[i]);
   if (mx == -INFINITY) {
     for (int j = 0; j < nt; j++) s[j] = 0.0f;
     return 1.0f;
   }
   const float corr = exp_f32(m - mx);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < nt; j++) {
-    s[j] = exp_f32(s[j] - mx);
-    sum += s[j];
+  v8 sum = {};
+  for (int i = 0; i < n8; i++) {
+    const v8 e = exp8(load8(s + 8 * i) - mx);
+    store8(s + 8 * i, e);
+    sum += e;
   }
   m = mx;
-  l = l * corr + sum;
+  l = l * corr + hsum8(sum);
   return corr;
 }
 

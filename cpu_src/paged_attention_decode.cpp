@@ -1,19 +1,59 @@
 // Paged decode attention: one query row per sequence over its paged K/V.
 // Threads: one task per sequence, or per (sequence, KV head) when there are too few sequences
 // to keep every thread busy; tasks go to the threads as they free up. A task walks the block
-// table once, a tile of keys at a time; each K and V row is read once for all the query heads
-// that share it (converted to float32 once, for a 16-bit cache), with an online softmax
-// (running max and sum per query head, the accumulator rescaled once per tile). A query head's
-// scores are four dot products at a time (four sums in flight, reduced together); its
-// accumulator stays in registers while it runs over the tile's values.
+// table once, a tile of keys at a time, with an online softmax (running max and sum per query
+// head, the accumulator rescaled once per tile), and asks for the next tile's rows a few cache
+// lines at a time while it works on this one.
+//
+// The query heads that share a KV head go through its rows together, up to three at a time
+// (a "party"): each K and V row is loaded and widened to float32 in registers once per party,
+// never stored. Scores are taken four keys at a time (a party's 4 x 3 sums in flight, reduced
+// together); values are accumulated 16 head dims at a time over the whole tile, the party's
+// accumulators in registers. A bfloat16 row widens with a shift and a mask per 16 values: the
+// even dims land in one vector, the odd ones in another, so q and the accumulators are kept
+// in that order too and put back in the head's order at the end.
 #include <vector>
 
 #include "common.h"
 
 namespace {
 
-const int TILE = 32;  // keys per tile
+const int TILE = 16;   // keys per tile (SmolLM2, bf16: this tile's K and V and the next's, 24 KB)
+const int PARTY = 3;   // query heads at most that go through a KV head's rows together
 const int MAX_HD = 256;
+
+typedef uint32_t u8x8 __attribute__((vector_size(32)));
+typedef _Float16 h8 __attribute__((vector_size(16)));
+
+// 16 values of a cache row (16 head dims) as two float32 vectors, and where dim i of the
+// chunk lands in them (lanes 0-7 of the first, then the second).
+template <typename T> struct Chunk;
+template <> struct Chunk<float> {
+  static inline void load(const float* p, v8& a, v8& b) {
+    a = load8(p);
+    b = load8(p + 8);
+  }
+  static int lane(int i) { return i; }
+};
+template <> struct Chunk<f16> {
+  static inline void load(const f16* p, v8& a, v8& b) {
+    h8 x, y;
+    std::memcpy(&x, p, sizeof x);
+    std::memcpy(&y, p + 8, sizeof y);
+    a = __builtin_convertvector(x, v8);
+    b = __builtin_convertvector(y, v8);
+  }
+  static int lane(int i) { return i; }
+};
+template <> struct Chunk<bf16> {  // 32-bit word j holds dims 2j (low half) and 2j + 1
+  static inline void load(const bf16* p, v8& a, v8& b) {
+    u8x8 x;
+    std::memcpy(&x, p, sizeof x);
+    a = (v8)(x << 16);
+    b = (v8)(x & 0xffff0000u);
+  }
+  static int lane(int i) { return i % 2 ? 8 + i / 2 : i / 2; }
+};
 
 // Where the keys t0..t0+nt-1 sit: at[j], the offset of key t0+j's row in the cache (in
 // elements; K and V share it). The block table is read once per block, with no division per key.
@@ -29,69 +69,101 @@ void tile_slots(long* at, const int32_t* table, int t0, int nt, int bs, long row
   }
 }
 
-// The tile's key (or value) rows of KV head h as float32: (nt, hd) at rows (pointers into
-// the cache for a float32 one, else converted into buf).
-template <typename T>
-void tile_rows(const float** rows, float* buf, const T* cache, const long* at, int nt, int h,
-               int hd) {
-  for (int j = 0; j < nt; j++)
-    rows[j] = row_f32(cache + at[j] + (long)h * hd, buf + (long)j * hd, hd);
-}
+// Asks for the next tile's K and V rows (KV heads h0..h1-1) a few cache lines at a time while
+// the current tile is worked on: a sequence's blocks are scattered over the pool, so the
+// hardware prefetcher cannot guess the next one, and a whole tile asked for at once stalls
+// the core until most of it has arrived.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const long* at = nullptr;  // the next tile's key offsets (elements)
+  int nt = 0, j = 0;         // keys in the next tile, the key being asked for
+  long esize = 0, first = 0, bytes = 0, off = 0, per_call = 0;
 
-// Ask for a tile's rows of KV heads h0..h1-1 ahead of use: a sequence's blocks are scattered
-// over the pool, so the hardware prefetcher cannot guess the next one.
-template <typename T>
-void prefetch_tile(const T* cache, const long* at, int nt, int h0, int h1, int hd) {
-  const long bytes = (long)(h1 - h0) * hd * sizeof(T);
-  for (int j = 0; j < nt; j++) {
-    const char* p = (const char*)(cache + at[j] + (long)h0 * hd);
-    for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  template <typename T>
+  void start(const T* k_cache, const T* v_cache, const long* slots, int n, int h0, int h1,
+             int hd, int calls) {
+    k = (const char*)k_cache;
+    v = (const char*)v_cache;
+    at = slots, nt = n, j = 0, off = 0;
+    esize = sizeof(T), first = (long)h0 * hd * sizeof(T), bytes = (long)(h1 - h0) * hd * sizeof(T);
+    const long lines = (long)n * ((bytes + 63) / 64);
+    per_call = calls > 0 ? (lines + calls - 1) / calls : lines;
   }
-}
+  inline void step() {
+    for (long i = 0; i < per_call && j < nt; i++) {
+      const long p = at[j] * esize + first + off;
+      __builtin_prefetch(k + p);
+      __builtin_prefetch(v + p);
+      if ((off += 64) >= bytes) off = 0, j++;
+    }
+  }
+  void rest() {
+    while (j < nt) step();
+  }
+};
 
-// q . k over hd for four keys at once (four independent sums in flight, one reduction).
-template <int HD>
-inline v4 dot4(const float* q, const float* k0, const float* k1, const float* k2,
-               const float* k3, int hd) {
-  v8 a0 = load8(q) * load8(k0), a1 = load8(q) * load8(k1);
-  v8 a2 = load8(q) * load8(k2), a3 = load8(q) * load8(k3);
-  for (int i = 8; i < (HD ? HD : hd); i += 8) {
-    const v8 qi = load8(q + i);
-    a0 += qi * load8(k0 + i);
-    a1 += qi * load8(k1 + i);
-    a2 += qi * load8(k2 + i);
-    a3 += qi * load8(k3 + i);
-  }
-  return hsum8x4(a0, a1, a2, a3);
-}
-
-// One query head over one tile: scores s[j] = q . k_j * scale. HD: the head dim, or 0 for hd.
-template <int HD>
-inline void scores(float* s, const float* q, const float* const* k, int nt, float scale,
-                   int hd_rt) {
-  int j = 0;
-  for (; j + 4 <= nt; j += 4) {
-    const v4 d = dot4<HD>(q, k[j], k[j + 1], k[j + 2], k[j + 3], hd_rt) * scale;
-    std::memcpy(s + j, &d, sizeof d);
-  }
-  if (j < nt) {  // the last 1-3 keys, the last one repeated to make four
-    const int last = nt - 1;
-    const v4 d = dot4<HD>(q, k[j], k[std::min(j + 1, last)], k[std::min(j + 2, last)], k[last],
-                          hd_rt) * scale;
-    for (int r = 0; j + r < nt; r++) s[j + r] = d[r];
-  }
-}
-
-// acc = acc * corr + sum_j p_j v_j for one query head.
-template <int HD>
-inline void accumulate(float* acc, const float* p, const float* const* v, int nt, float corr,
-                       int hd_rt) {
+// A party of G query heads over one tile's keys of their KV head: s[g][j] = q_g . k_j * scale.
+// q: (G, hd) in the chunks' lane order; k: the tile's rows of the KV head; rows past nt are
+// the last one again (their scores are not used).
+template <int HD, int G, typename T>
+inline void party_scores(float (*s)[TILE], const float* q, const T* const* k, int nt,
+                         float scale, int hd_rt, Ahead& ahead) {
   const int hd = HD ? HD : hd_rt;
-  v8 a[MAX_HD / 8];
-  for (int i = 0; i < hd / 8; i++) a[i] = load8(acc + 8 * i) * corr;
-  for (int j = 0; j < nt; j++)
-    for (int i = 0; i < hd / 8; i++) a[i] += p[j] * load8(v[j] + 8 * i);
-  for (int i = 0; i < hd / 8; i++) store8(acc + 8 * i, a[i]);
+  for (int j = 0; j < nt; j += 4) {
+    ahead.step();
+    const T* rows[4];
+    for (int r = 0; r < 4; r++) rows[r] = k[std::min(j + r, nt - 1)];
+    v8 acc[G][4] = {};
+    for (int c = 0; c < hd; c += 16) {
+      for (int r = 0; r < 4; r++) {
+        v8 a, b;
+        Chunk<T>::load(rows[r] + c, a, b);
+        for (int g = 0; g < G; g++) {
+          acc[g][r] += load8(q + g * hd + c) * a;
+          acc[g][r] += load8(q + g * hd + c + 8) * b;
+        }
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      const v4 d = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]) * scale;
+      std::memcpy(&s[g][j], &d, sizeof d);
+    }
+  }
+}
+
+// acc_g = acc_g * corr_g + sum_j p_g[j] v_j for a party, 16 head dims at a time (the
+// accumulators of those dims stay in registers over the tile).
+template <int HD, int G, typename T>
+inline void party_values(float* acc, const float (*p)[TILE], const T* const* v, int nt,
+                         const float* corr, int hd_rt) {
+  const int hd = HD ? HD : hd_rt;
+  for (int c = 0; c < hd; c += 16) {
+    v8 a[G][2];
+    for (int g = 0; g < G; g++)
+      for (int i = 0; i < 2; i++) a[g][i] = load8(acc + g * hd + c + 8 * i) * corr[g];
+    for (int j = 0; j < nt; j++) {
+      v8 x, y;
+      Chunk<T>::load(v[j] + c, x, y);
+      for (int g = 0; g < G; g++) {
+        a[g][0] += p[g][j] * x;
+        a[g][1] += p[g][j] * y;
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int i = 0; i < 2; i++) store8(acc + g * hd + c + 8 * i, a[g][i]);
+  }
+}
+
+// One party (G query heads of one KV head) over one tile: scores, softmax, values.
+// q, acc: (G, hd) in lane order; m, l: the party's running max and sum.
+template <int HD, int G, typename T>
+void party_tile(float* acc, float* m, float* l, const float* q, const T* const* k,
+                const T* const* v, int nt, float scale, int hd, Ahead& ahead) {
+  float s[G][TILE], corr[G];
+  party_scores<HD, G>(s, q, k, nt, scale, hd, ahead);
+  for (int g = 0; g < G; g++) corr[g] = softmax_tile(s[g], nt, m[g], l[g]);
+  party_values<HD, G>(acc, s, v, nt, corr, hd);
 }
 
 template <int HD, typename T>
@@ -100,38 +172,54 @@ void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32
                  float* out) {
   // q, out: (H, hd) rows of one sequence; this task: KV heads h0..h1-1, keys lo..n-1
   const int nh = (h1 - h0) * group;  // query heads of the task
-  std::vector<float> m(nh, -INFINITY), l(nh, 0.0f), acc((size_t)nh * hd, 0.0f);
-  std::vector<float> kbuf(sizeof(T) == 4 ? 0 : (size_t)TILE * hd), vbuf(kbuf.size());
-  const float* krows[TILE];
-  const float* vrows[TILE];
-  float s[TILE];
+  std::vector<float> m(nh, -INFINITY), l(nh, 0.0f), acc((size_t)nh * hd, 0.0f), qp(acc.size());
+  const float* qt = q + (long)h0 * group * hd;  // the task's query heads
+  for (int r = 0; r < nh; r++)  // in the chunks' lane order
+    for (int d = 0; d < hd; d++)
+      qp[(size_t)r * hd + d / 16 * 16 + Chunk<T>::lane(d % 16)] = qt[(long)r * hd + d];
+  const int parties = (group + PARTY - 1) / PARTY;
+  const T* krows[TILE];
+  const T* vrows[TILE];
   long slots[2][TILE];  // this tile's key offsets and the next one's
   const long row = (long)hkv * hd;
+  Ahead ahead;
   tile_slots(slots[0], table, lo, std::min(TILE, n - lo), bs, row);
+  ahead.start(k_cache, v_cache, slots[0], std::min(TILE, n - lo), h0, h1, hd, 0);
+  ahead.rest();  // the first tile: nothing to overlap its wait with
   for (int t0 = lo, cur = 0; t0 < n; t0 += TILE, cur ^= 1) {
     const int nt = std::min(TILE, n - t0);
     const long* at = slots[cur];
-    if (t0 + TILE < n) {
-      const int next = std::min(TILE, n - t0 - TILE);
-      tile_slots(slots[cur ^ 1], table, t0 + TILE, next, bs, row);
-      prefetch_tile(k_cache, slots[cur ^ 1], next, h0, h1, hd);
-      prefetch_tile(v_cache, slots[cur ^ 1], next, h0, h1, hd);
-    }
+    const int next = t0 + TILE < n ? std::min(TILE, n - t0 - TILE) : 0;
+    if (next) tile_slots(slots[cur ^ 1], table, t0 + TILE, next, bs, row);
+    // ahead.step() runs once per four keys of each party
+    ahead.start(k_cache, v_cache, slots[cur ^ 1], next, h0, h1, hd,
+                (h1 - h0) * parties * ((nt + 3) / 4));
     for (int h = h0; h < h1; h++) {
-      tile_rows(krows, kbuf.data(), k_cache, at, nt, h, hd);
-      tile_rows(vrows, vbuf.data(), v_cache, at, nt, h, hd);
-      for (int g = 0; g < group; g++) {
-        const int r = (h - h0) * group + g;  // the task's query head
-        scores<HD>(s, q + (long)(h * group + g) * hd, krows, nt, scale, hd);
-        const float corr = softmax_tile(s, nt, m[r], l[r]);
-        accumulate<HD>(acc.data() + (size_t)r * hd, s, vrows, nt, corr, hd);
+      for (int j = 0; j < nt; j++) {
+        krows[j] = k_cache + at[j] + (long)h * hd;
+        vrows[j] = v_cache + at[j] + (long)h * hd;
+      }
+      for (int p = 0, g0 = 0; p < parties; p++) {  // the group split into parties of <= 3
+        const int size = (group - g0) / (parties - p);
+        const int r = (h - h0) * group + g0;  // the party's first query head in the task
+        float* a = acc.data() + (size_t)r * hd;
+        const float* qr = qp.data() + (size_t)r * hd;
+        if (size == 3)
+          party_tile<HD, 3>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
+        else if (size == 2)
+          party_tile<HD, 2>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
+        else
+          party_tile<HD, 1>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
+        g0 += size;
       }
     }
+    ahead.rest();
   }
   float* o = out + (long)h0 * group * hd;
   for (int r = 0; r < nh; r++) {
     const float inv = 1.0f / l[r];
-    for (int d = 0; d < hd; d++) o[(long)r * hd + d] = acc[(size_t)r * hd + d] * inv;
+    for (int d = 0; d < hd; d++)
+      o[(long)r * hd + d] = acc[(size_t)r * hd + d / 16 * 16 + Chunk<T>::lane(d % 16)] * inv;
   }
 }
 
@@ -179,7 +267,7 @@ extern "C" int paged_attention_decode(float* out, const float* q, const void* k_
                                       const int32_t* context_lens, int B, int max_blocks, int H,
                                       int hkv, int hd, int bs, float scale, int window,
                                       int threads) {
-  if (H % hkv || hd > MAX_HD || hd % 8) return 1;
+  if (H % hkv || hd > MAX_HD || hd % 16) return 1;
   DISPATCH_CACHE(dtype, decode_any<T>(out, q, (const T*)k_cache, (const T*)v_cache,
                                       block_tables, context_lens, B, max_blocks, H, hkv, hd, bs,
                                       scale, window, threads));

@@ -78,3 +78,19 @@ def test_a_cpu_backend_that_cannot_be_built_is_numpy_under_auto_and_an_error_by_
     assert "backend auto -> numpy: g++ failed on cpu_src/:" in caplog.text
     with pytest.raises(ValueError, match="^g\\+\\+ failed on cpu_src/:$"):
         make_engine(tiny, backend="cpu")
+
+
+def test_a_head_dim_the_kernels_cannot_take_is_numpy_under_auto_and_an_error_by_name(
+    tmp_path, monkeypatch, caplog
+):
+    from engine.backends import devices
+    from reference.loader import load_model
+    from tests.tiny_model import make_tiny_model
+
+    loaded = load_model(str(make_tiny_model(tmp_path / "hd24", head_dim=24)))
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="engine.backend"):
+        assert make_engine(loaded).backend.name == "numpy"
+    assert "head_dim a multiple of 16 up to 256; this model's is 24" in caplog.text
+    with pytest.raises(ValueError, match="^the cpu backend's attention needs head_dim"):
+        make_engine(loaded, backend="cpu")

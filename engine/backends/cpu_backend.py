@@ -24,7 +24,7 @@ from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
 from . import cpu_ops, fast_ops
-from .cpu_native import library, threads
+from .cpu_native import NativeBuildError, library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
 from .quant import BLOCK_FORMATS, HEAD_FORMAT, QuantWeight, quantize, to_bf16
 
@@ -75,6 +75,12 @@ class CpuBackend(NumpyBackend):
     fuse_decode = True  # decode steps through cpu_src/decode_layers.cpp (False: the loop)
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config):
+        hd = model_config.head_dim
+        if hd % 16 or hd > 256:  # the attention kernels take 16 head dims at a time
+            raise NativeBuildError(
+                f"the cpu backend's attention needs head_dim a multiple of 16 up to 256; "
+                f"this model's is {hd} (--backend numpy runs it)"
+            )
         library()  # build (once per source change) and load the kernels now, not mid-step
         threads()
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
