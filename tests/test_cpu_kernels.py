@@ -174,3 +174,24 @@ def test_matmul_on_the_kernels_threads(threads, rows):
         got = cpu_ops.matmul(x, w)
         assert got.shape == (rows, n) and got.dtype == np.float32
         np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("vocab", [7, 8, 1003])
+def test_argmax_rows_is_greedy_ids(threads, vocab):
+    """The first maximum of each row, NaN never winning, -1 for a row with nothing above -inf:
+    rows with ties, NaNs, +inf, all -inf, all NaN, and a maximum in the last (unvectorized)
+    columns, against numpy_backend.greedy_ids."""
+    from engine.backends.numpy_backend import greedy_ids
+
+    rng = np.random.default_rng([vocab, threads])
+    x = rng.standard_normal((40, vocab)).astype(np.float32)
+    x[1, rng.integers(vocab, size=3)] = np.nan
+    x[2] = -np.inf
+    x[3] = np.nan
+    x[4, rng.integers(vocab)] = np.inf
+    x[5, [0, vocab - 1]] = 9.0  # a tie: the first one wins
+    x[6, vocab - 1] = 9.0  # the maximum in the last column
+    x[7, :-1] = -np.inf
+    want = greedy_ids(x)
+    assert (want[[2, 3]] == -1).all() and want[5] == 0 and want[6] == vocab - 1
+    np.testing.assert_array_equal(cpu_ops.argmax_rows(x), want)

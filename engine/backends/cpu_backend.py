@@ -105,6 +105,11 @@ class CpuBackend(NumpyBackend):
             return lambda w: quantize(w, kind)
         return to_bf16 if self.kv_dtype == "bfloat16" else None
 
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one
+        native pass over the logits."""
+        return cpu_ops.argmax_rows(self._logits(batch))
+
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
         # qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k, v rotated and cached, one pass
         c = self.cfg

@@ -114,6 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fused_add_rms_norm.restype = None
     lib.silu_and_mul.argtypes = [P, P, I, I, I]
     lib.silu_and_mul.restype = None
+    lib.argmax_rows.argtypes = [P, P, I, ctypes.c_long, I]
+    lib.argmax_rows.restype = None
     lib.matmul_init.argtypes = [P, P, P]
     lib.matmul_init.restype = None
     lib.matmul_f32.argtypes = [P, P, P, ctypes.c_long, ctypes.c_long, ctypes.c_long, I]
