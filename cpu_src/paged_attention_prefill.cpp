@@ -3,8 +3,10 @@
 // prefill, a cached prefix): its rows are the last q_len of the sequence's context.
 // Threads: one task per (sequence, KV head, tile of QTILE query rows). A task holds the
 // scores of its rows for all `group` query heads that share the KV head, walks its keys a
-// tile of KTILE at a time (each K/V row converted once per task), masks what a row may not
-// see (later keys; with a window W, keys at or before p - W) and keeps an online softmax.
+// tile of KTILE at a time (each K/V row converted once per task), scores only the keys a row
+// may see (not later keys; with a window W, not keys at or before p - W; the others are -inf),
+// four keys at a time, keeps an online softmax, and adds the seen keys' values 64 dims at a
+// time with their sums in registers.
 #include <vector>
 
 #include "common.h"
@@ -14,6 +16,45 @@ namespace {
 const int QTILE = 16;  // query rows per task
 const int KTILE = 64;  // keys per tile
 const int MAX_HD = 256;
+
+// s[j] = q . k_j * scale for n keys (rows of k, hd apart), four keys at a time (four sums in
+// flight, reduced together).
+inline void row_scores(float* s, const float* q, const float* k, int n, float scale, int hd) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = k + (long)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int d = 0; d < hd; d += 8) {
+      const v8 qd = load8(q + d);
+      a0 += qd * load8(k0 + d);
+      a1 += qd * load8(k1 + d);
+      a2 += qd * load8(k2 + d);
+      a3 += qd * load8(k3 + d);
+    }
+    const v4 dots = hsum8x4(a0, a1, a2, a3) * scale;
+    std::memcpy(s + j, &dots, sizeof dots);
+  }
+  for (; j < n; j++) s[j] = dot_f32(q, k + (long)j * hd, hd) * scale;
+}
+
+// a = a * corr + sum_{jlo <= j < jhi} p_j v_j (v: the tile's rows, hd apart), 64 dims at a
+// time with their sums in registers.
+inline void row_values(float* a, const float* p, const float* v, int jlo, int jhi, float corr,
+                       int hd) {
+  for (int c = 0; c < hd; c += 64) {
+    const int nv = std::min(64, hd - c) / 8;
+    v8 acc[8];
+    for (int i = 0; i < nv; i++) acc[i] = load8(a + c + 8 * i) * corr;
+    if (nv == 8) {
+      for (int j = jlo; j < jhi; j++)
+        for (int i = 0; i < 8; i++) acc[i] += p[j] * load8(v + (long)j * hd + c + 8 * i);
+    } else {
+      for (int j = jlo; j < jhi; j++)
+        for (int i = 0; i < nv; i++) acc[i] += p[j] * load8(v + (long)j * hd + c + 8 * i);
+    }
+    for (int i = 0; i < nv; i++) store8(a + c + 8 * i, acc[i]);
+  }
+}
 
 template <typename T>
 void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
@@ -39,29 +80,19 @@ void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int3
     for (int i = 0; i < nq; i++) {
       const int p = p0 + i;  // this row's position: it sees keys lo_key..p
       const int lo_key = window > 0 ? p - window + 1 : 0;
+      // the tile's keys this row sees: jlo..jhi-1
+      const int jlo = std::min(nt, std::max(0, lo_key - t0));
+      const int jhi = std::max(jlo, std::min(nt, p - t0 + 1));
       for (int g = 0; g < group; g++) {
         const int r = i * group + g;
         const float* qr = q + (long)i * H * hd + (long)(kvh * group + g) * hd;
         float* sr = s.data() + (size_t)r * KTILE;
-        for (int j = 0; j < nt; j++) {
-          const int t = t0 + j;
-          sr[j] = (t > p || t < lo_key) ? -INFINITY
-                                         : dot_f32(qr, kt.data() + (size_t)j * hd, hd) * scale;
-        }
+        std::fill(sr, sr + jlo, -INFINITY);
+        row_scores(sr + jlo, qr, kt.data() + (size_t)jlo * hd, jhi - jlo, scale, hd);
+        std::fill(sr + jhi, sr + nt, -INFINITY);
         const float corr = softmax_tile(sr, nt, m[r], l[r]);
         if (m[r] == -INFINITY) continue;  // nothing visible to this row yet
-        float* a = acc.data() + (size_t)r * hd;
-        for (int j = 0; j < nt; j++) {  // a = a corr + sum_j p_j v_j, rescaled first
-          const float pj = sr[j];
-          const float* v = vt.data() + (size_t)j * hd;
-          if (j == 0) {
-#pragma omp simd
-            for (int d = 0; d < hd; d++) a[d] = a[d] * corr + pj * v[d];
-          } else {
-#pragma omp simd
-            for (int d = 0; d < hd; d++) a[d] += pj * v[d];
-          }
-        }
+        row_values(acc.data() + (size_t)r * hd, sr, vt.data(), jlo, jhi, corr, hd);
       }
     }
   }
@@ -112,7 +143,7 @@ extern "C" int paged_attention_prefill(float* out, const float* q, const void* k
                                        const int32_t* context_lens, int B, int max_blocks, int H,
                                        int hkv, int hd, int bs, float scale, int window,
                                        int threads) {
-  if (H % hkv || hd > MAX_HD) return 1;
+  if (H % hkv || hd > MAX_HD || hd % 8) return 1;
   DISPATCH_CACHE(dtype, prefill<T>(out, q, (const T*)k_cache, (const T*)v_cache, block_tables,
                                    query_start_loc, context_lens, B, max_blocks, H, hkv, hd, bs,
                                    scale, window, threads));
