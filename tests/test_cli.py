@@ -193,3 +193,26 @@ def test_diff_checks_golden_tokens_and_logits(tiny_model_dir, tmp_path, capsys):
     path.write_text(json.dumps({"cases": [bad]}))
     assert diff_main(args + ["--golden", str(path)]) == 1
     assert "first divergence at step 0" in capsys.readouterr().out
+
+
+def test_bench_replays_the_full_batch_step_against_its_products(tiny_model_dir, capsys):
+    """The full-batch decode step, measured in the run and replayed alternately with the
+    products alone: both lines carry positive times and a ratio consistent with them."""
+    import re
+
+    from engine.entrypoints.bench import main as bench_main
+
+    argv = ["--model", str(tiny_model_dir), "--backend", "cpu", "--num-requests", "6"]
+    argv += ["--max-num-seqs", "4", "--min-prompt", "4", "--max-prompt", "12"]
+    argv += ["--min-output", "24", "--max-output", "32", "--batch1-tokens", "8"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"decode steps of all 4 sequences: p50 [\d.]+ ms over [1-9]\d* steps", out)
+    m = re.search(
+        r"replayed, alternated with the products alone \(10 rounds\): step p50 ([\d.]+) ms, "
+        r"products p50 ([\d.]+) ms -> ([\d.]+)x \(rounds ([\d.]+)-([\d.]+)x\)",
+        out,
+    )
+    assert m, out
+    step, products, ratio, lo, hi = map(float, m.groups())
+    assert step > 0 and products > 0 and lo <= ratio <= hi

@@ -3,7 +3,10 @@
 Workload: ``--num-requests`` requests of random token ids, prompt lengths uniform in
 [--min-prompt, --max-prompt], outputs uniform in [--min-output, --max-output] tokens with
 ignore_eos, all from ``--seed``. Prints requests/s, output and total tokens/s, TTFT and ITL
-percentiles; then batch-1 decode ITL next to the time the step's matrix products alone take.
+percentiles; then batch-1 decode ITL next to the time the step's matrix products alone take,
+and the steps in which all ``--max-num-seqs`` sequences decode against their products alone:
+the run's steps (p50) against one measurement after it, and the last such step replayed,
+alternated with the products ten times (robust to a machine whose speed drifts).
 With ``--peer transformers`` the same workload runs through Hugging Face ``generate`` in
 static batches (torch and transformers are imported only there) and the ratio is printed.
 ``--sweep-concurrency`` and ``--plot DIR`` are engine/entrypoints/bench_plot.py's.
@@ -18,13 +21,17 @@ a stub that models a device step of MS ms, ms per step with ``async_scheduling``
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine import host_overhead
 from engine.chat import chat_prompt_ids
+from engine.forward_batch import ForwardBatch
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -169,23 +176,51 @@ def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:
     return best * 1e3
 
 
-def time_full_decode_steps(engine: LLMEngine, batch: int) -> list[float]:
-    """Install a timer on the backend's forwards; the list it returns fills with the seconds of
-    each step in which ``batch`` sequences all decode (one token each)."""
-    backend, times = engine.backend, []
+@dataclass
+class FullSteps:
+    """The seconds of each step in which all ``batch`` sequences decode (one token each), a
+    copy of the last such step's batch, and the backend's own greedy forward (to replay it)."""
+
+    seconds: list[float] = field(default_factory=list)
+    batch: ForwardBatch | None = None
+    forward_greedy: Callable | None = None
+
+
+def time_full_decode_steps(engine: LLMEngine, batch: int) -> FullSteps:
+    """Install a timer on the backend's forwards; the FullSteps it returns fills as the engine
+    runs steps in which ``batch`` sequences all decode."""
+    backend, full = engine.backend, FullSteps()
+    full.forward_greedy = backend.forward_greedy
 
     def timed(fn):
         def forward(b):
             t0 = time.perf_counter()
             out = fn(b)
             if b.num_seqs == batch and b.num_decodes == batch and len(b.token_ids) == batch:
-                times.append(time.perf_counter() - t0)
+                full.seconds.append(time.perf_counter() - t0)
+                if b.prev_rows is None:
+                    full.batch = copy.deepcopy(b)
             return out
 
         return forward
 
     backend.forward, backend.forward_greedy = map(timed, (backend.forward, backend.forward_greedy))
-    return times
+    return full
+
+
+def replayed_step_ratios(backend, full: FullSteps, rounds: int = 10) -> tuple[float, float, list]:
+    """The last full step replayed, alternated with the products alone at its batch, ``rounds``
+    times: (step p50 ms, products p50 ms, each round's step / products). Alternating keeps a
+    machine whose speed drifts (a shared VM) from moving one side of the ratio only. The replay
+    writes the step's K/V into the slots it wrote before; the run is over by then."""
+    steps, products = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        full.forward_greedy(full.batch)
+        steps.append(1e3 * (time.perf_counter() - t0))
+        products.append(matmul_only_ms(backend, full.batch.num_seqs, 1))
+    ratios = [s / p for s, p in zip(steps, products, strict=True)]
+    return float(np.median(steps)), float(np.median(products)), ratios
 
 
 def batch1_itl_ms(engine: LLMEngine, prompt, n: int) -> list[float]:
@@ -307,11 +342,18 @@ def main(argv=None) -> int:
     print(f"{itl_line}; matrix products alone {mm:.1f} ms per step -> {ratio}")
     batch_mm = matmul_only_ms(engine.backend, args.max_num_seqs, 3)
     print(f"matrix products alone at batch {args.max_num_seqs}: {batch_mm:.1f} ms per step")
-    if full_steps:
-        step = 1e3 * float(np.median(full_steps))
+    if full_steps.seconds:
+        step = 1e3 * float(np.median(full_steps.seconds))
         print(
             f"decode steps of all {args.max_num_seqs} sequences: p50 {step:.1f} ms over "
-            f"{len(full_steps)} steps -> {step / batch_mm:.2f}x the matmul time"
+            f"{len(full_steps.seconds)} steps -> {step / batch_mm:.2f}x the matmul time"
+        )
+    if full_steps.batch is not None:
+        step, products, ratios = replayed_step_ratios(engine.backend, full_steps)
+        print(
+            f"the last such step replayed, alternated with the products alone ({len(ratios)} "
+            f"rounds): step p50 {step:.1f} ms, products p50 {products:.1f} ms -> "
+            f"{float(np.median(ratios)):.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}x)"
         )
     bench_plot.run_extras(args, engine, run_engine, outputs, (prompts, out_lens), mm)
     if args.peer:
