@@ -271,3 +271,36 @@ def test_ranks_that_disagree_on_the_size_are_refused():
     assert got[1][0] == "EmuNcclError"
     assert "rank 1 was given 3 ranks, rank 0 another count" in got[1][1]
     assert got[0][0] == "EmuNcclError"  # rank 0 waits for a rank 1 of its own in vain
+
+
+def test_a_rank_that_finds_the_block_still_empty_waits_for_its_size():
+    """Rank 0 makes the block and then gives it its size: a rank that opens it in between finds
+    an empty block, and must wait, not take it for a communicator of another size."""
+    import os
+    import threading
+
+    from engine.distributed.comm import ShmComm
+    from engine.distributed.nccl_emu import SLOT_BYTES, EmulatedNcclCommunicator
+
+    name = f"emunccl-test-{os.getpid()}"
+    os.close(os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600))  # made, no size yet
+    made = []
+
+    def rank0():
+        time.sleep(0.2)
+        os.unlink(f"/dev/shm/{name}")
+        made.append(ShmComm(2, SLOT_BYTES, 5.0, name=name).attach(0))
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    try:
+        comm = EmulatedNcclCommunicator._open(name, 2, 1, timeout=5.0)
+        assert comm.rank == 1 and comm.world == 2
+        comm.close()
+    finally:
+        thread.join()
+        for c in made:
+            c._owner = True  # rank 0's: its close removes the block
+            c.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

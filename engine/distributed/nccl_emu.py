@@ -1,7 +1,7 @@
 """NCCL on the emulated device: ``cupy.cuda.nccl``'s calls between the ranks' host processes.
 
 The ranks of one communicator meet in a shared-memory block (``comm.ShmComm``) named after
-their unique id: the first rank makes it, the others open it when it exists. A collective
+their unique id: the first rank makes it, the others open it once it has its size. A collective
 reads its send buffer at the pointer it is given (device memory is host memory here), and
 writes the result at the receive pointer, as NCCL's kernels would. Sums are float32, in rank
 order, rounded once to the data's type, so every rank gets the same bits.
@@ -96,13 +96,15 @@ class EmulatedNcclCommunicator:
         while True:
             try:
                 return ShmComm.join(name, ndev, SLOT_BYTES, timeout).attach(rank)
-            except FileNotFoundError:  # the first rank has not made it yet
+            except (FileNotFoundError, ValueError):
+                # not there yet, or there and still empty ("cannot mmap an empty file": rank 0
+                # has made the block and not yet given it its size)
                 if time.monotonic() > deadline:
                     raise EmuNcclError(
                         f"ncclCommInitRank: rank 0 did not make the communicator in {timeout:g} s"
                     ) from None
                 time.sleep(0.005)
-            except (TypeError, ValueError):  # the block is another size: another ndev
+            except TypeError:  # the block is too small for this rank's views: another ndev
                 raise EmuNcclError(
                     f"ncclCommInitRank: rank {rank} was given {ndev} ranks, rank 0 another count"
                 ) from None
