@@ -149,17 +149,6 @@ static inline float softmax_tile(float* s, int nt, float& m, float& l) {
   return corr;
 }
 
-// A row of a cache as float32: the row itself for a float32 cache, else converted into buf.
-template <typename T> static inline const float* row_f32(const T* row, float* buf, int n) {
-  if constexpr (sizeof(T) == 4) {
-    return reinterpret_cast<const float*>(row);
-  } else {
-#pragma omp simd
-    for (int i = 0; i < n; i++) buf[i] = to_f32(row[i]);
-    return buf;
-  }
-}
-
 // Threads: a kernel runs on `threads` OpenMP threads only when it has at least this many
 // float operations' worth of work; below it, waking the threads costs more than they save.
 static const long PARALLEL_WORK = 1L << 15;
