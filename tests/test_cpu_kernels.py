@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_ops
+from engine.backends.quant import to_panels
 from engine.utils import cdiv
 from tests.oracles import numpy_ops
 
@@ -174,6 +175,29 @@ def test_matmul_on_the_kernels_threads(threads, rows):
         got = cpu_ops.matmul(x, w)
         assert got.shape == (rows, n) and got.dtype == np.float32
         np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 97])
+def test_matmul_over_panels(threads, rows):
+    """matmul_panels.cpp: float32 weights in (N/16, K, 16) panels (to_panels) against float64:
+    row counts that fill a tile (12 rows with AVX-512, 6 without), leave rows over, and cross a
+    block of 96 rows; an odd panel count (a group of two and one left) and a single panel; K
+    of 3 and 1,537. The panels hold the matrix's values exactly."""
+    rng = np.random.default_rng()
+    for k, n in [(576, 960), (1537, 48), (3, 16), (64, 4096)]:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        panels = to_panels(w)
+        assert panels.shape == (k, n) and panels.data.shape == (n // 16, k, 16)
+        np.testing.assert_array_equal(panels.dequantize(), w)
+        got = cpu_ops.matmul(x, panels)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
+
+
+def test_panels_need_whole_panels():
+    with pytest.raises(ValueError, match=r"panels: .* multiple of 16, got \(8, 20\)"):
+        to_panels(np.ones((8, 20), np.float32))
 
 
 @pytest.mark.parametrize("vocab", [7, 8, 1003])

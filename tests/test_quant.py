@@ -82,11 +82,12 @@ def matrices(backend) -> list:
 
 @pytest.mark.parametrize(
     "setting, bytes_per_weight",
-    [({"dtype": "bfloat16"}, 2), ({"quantization": "int8"}, 1)],
-    ids=["bf16", "int8"],
+    [({}, 4), ({"dtype": "bfloat16"}, 2), ({"quantization": "int8"}, 1)],
+    ids=["float32-panels", "bf16", "int8"],
 )
 def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_per_weight):
-    """Greedy tokens equal and logits close; the packed matrices take 2 bytes a weight (bf16)
+    """Greedy tokens equal and logits close; the packed matrices take 4 bytes a weight (float32
+    in panels: every matrix of the tiny model is 16 columns wide a multiple of times), 2 (bf16)
     or 1 and a float32 scale per column (int8), and weights_bytes counts them so."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs, engines = [], []
@@ -101,6 +102,10 @@ def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_pe
     scales = [4 * w.shape[1] if bytes_per_weight == 1 else 0 for w in matrices(cpu)]
     assert small == [f // 4 * bytes_per_weight + s for f, s in zip(f32, scales, strict=True)]
     assert ref.weights_bytes - cpu.weights_bytes == sum(f32) - sum(small)
+    if not setting:  # a width that is not whole panels stays a plain float32 matrix
+        odd = np.ones((8, 20), np.float32)
+        assert cpu._matrix_store(None)(odd) is odd
+        assert all(w.kind == "panels" for w in matrices(cpu))
 
 
 HOST_ONLY = {  # the options only the host backends build: (engine args, flag, what a GPU lacks)

@@ -121,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_f32.argtypes = [P, P, P, ctypes.c_long, ctypes.c_long, ctypes.c_long, I]
     lib.matmul_f32.restype = None
     L = ctypes.c_long
+    lib.matmul_panels_f32.argtypes = [P, P, P, L, L, L, I]
+    lib.matmul_panels_f32.restype = None
     lib.matmul_bf16.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_bf16.restype = None
     lib.matmul_int8.argtypes = [P, P, P, P, L, L, L, I]

@@ -198,7 +198,8 @@ def paged_attention_prefill(
 
 def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     """x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads. w: float32, or a
-    QuantWeight (bf16, or int8 with per-column scales) multiplied as its dequantized values."""
+    QuantWeight (float32 in panels, bf16, int8 with per-column scales, a GGUF block format)
+    multiplied as its dequantized values."""
     x = _c32(x)
     m, k = x.shape
     if len(w.shape) != 2 or w.shape[0] != k:
@@ -207,6 +208,8 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     out = np.empty((m, n), F32)  # (M, N)
     if not isinstance(w, QuantWeight):
         lib.matmul_f32(_p(out), _p(x), _p(_c32(w)), m, k, n, threads())
+    elif w.kind == "panels":
+        lib.matmul_panels_f32(_p(out), _p(x), _p(_contiguous(w.data, F32)), m, k, n, threads())
     elif w.kind == "bf16":
         lib.matmul_bf16(_p(out), _p(x), _p(_contiguous(w.data, BF16)), m, k, n, threads())
     elif w.kind == "int8":

@@ -115,12 +115,17 @@ def dequantize_blocks(kind: str, data: np.ndarray, scales: np.ndarray) -> np.nda
     return np.ascontiguousarray(v.reshape(n, -1).T)
 
 
+PANEL = 16  # columns of a float32 panel
+
+
 @dataclass
 class QuantWeight:
-    """A (K, N) weight matrix in fewer bytes. kind "bf16": ``data`` (K, N) ml_dtypes.bfloat16,
-    the float32 values exactly; kind "int8": ``data`` (K, N) int8 and ``scales`` (N,) float32;
-    a block format ("q8_0", "q4_0", "q4_1"): ``data`` and ``scales`` per output channel, as
-    the module's docstring lays them out."""
+    """A (K, N) weight matrix in fewer bytes, or in another order. kind "bf16": ``data`` (K, N)
+    ml_dtypes.bfloat16, the float32 values exactly; kind "int8": ``data`` (K, N) int8 and
+    ``scales`` (N,) float32; a block format ("q8_0", "q4_0", "q4_1"): ``data`` and ``scales``
+    per output channel, as the module's docstring lays them out; kind "panels": ``data``
+    (N/16, K, 16) float32, the matrix's columns 16 at a time, each panel's rows one after
+    another (the order cpu_src/matmul_panels.cpp reads them in)."""
 
     kind: str
     data: np.ndarray  # (K, N); a block format: (N, bytes)
@@ -132,6 +137,9 @@ class QuantWeight:
         if self.kind in BLOCK_FORMATS:
             n, nbytes = self.data.shape
             return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
+        if self.kind == "panels":
+            p, k, _ = self.data.shape
+            return k, p * PANEL
         return self.data.shape
 
     @property
@@ -144,6 +152,8 @@ class QuantWeight:
             return dequantize_int8(self.data, self.scales)
         if self.kind in BLOCK_FORMATS:
             return dequantize_blocks(self.kind, self.data, self.scales)
+        if self.kind == "panels":
+            return from_panels(self.data)
         return self.data.astype(F32)
 
 
@@ -153,6 +163,21 @@ def to_bf16(w: np.ndarray) -> QuantWeight:
 
     data = np.ascontiguousarray(w).astype(numpy_dtype("bfloat16"))
     return QuantWeight("bf16", data)
+
+
+def to_panels(w: np.ndarray) -> QuantWeight:
+    """(K, N) float32, N a multiple of 16 -> its (N/16, K, 16) panels: the same values."""
+    k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"panels: a matrix's output size must be a multiple of 16, got ({k}, {n})")
+    panels = np.asarray(w, F32).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    return QuantWeight("panels", np.ascontiguousarray(panels))
+
+
+def from_panels(panels: np.ndarray) -> np.ndarray:
+    """(N/16, K, 16) -> (K, N) float32."""
+    p, k, _ = panels.shape
+    return np.ascontiguousarray(panels.transpose(1, 0, 2).reshape(k, p * PANEL))
 
 
 QUANTIZE = {

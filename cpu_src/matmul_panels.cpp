@@ -1,0 +1,93 @@
+// Matrix products over float32 weights packed at load in panels: out (M, N) = x (M, K) @ W (K, N)
+// with W kept as N/16 panels of (K, 16), a panel's 16 columns of one row side by side and its K
+// rows one after another (engine/backends/quant.py, to_panels). The products read W in exactly
+// the order they use it, so nothing is packed per call: OpenBLAS's sgemm copies all of W into
+// its own panels on every call, which at 64 rows took a third of its time here.
+//
+// A tile of R rows of x and V panels keeps its R x V sums of 16 columns in registers over the
+// whole of K: each step loads V vectors of W, and each of the R values of x (one per row) is
+// broadcast and multiplied into V sums. With AVX-512 (32 registers) a tile is 12 rows x 2
+// panels (24 sums); with AVX2 (16, a v16 is two) 6 rows x 1 panel. W's panels stream from
+// memory once per block of MC rows; x's rows and the tile's panels stay in L1/L2.
+// Threads: one run of whole panel groups (V panels) each, all rows.
+#include "blas.h"
+#include "common.h"
+
+typedef float v16 __attribute__((vector_size(64)));
+
+namespace {
+
+#if defined(__AVX512F__)
+const int MR = 12, NV = 2;
+#else
+const int MR = 6, NV = 1;
+#endif
+const long PANEL_COLS = 16;
+const long MC = 96;  // rows of x per pass over W (a multiple of MR; 24-516 measured the same)
+
+// out[r, v*16 : v*16+16] = sum_k x[r, k] * w[v][k, :] for r < R, v < V.
+// x: rows at stride ldx; w: V panels of (K, 16), one after another; out: rows at stride ldo.
+template <int R, int V>
+void tile(float* out, long ldo, const float* x, long ldx, const float* w, long K) {
+  v16 acc[R][V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; v++) acc[r][v] = v16{};
+  for (long k = 0; k < K; k++) {
+    v16 b[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; v++) std::memcpy(&b[v], w + (v * K + k) * PANEL_COLS, 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      const float a = x[r * ldx + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; v++) acc[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; v++) std::memcpy(out + r * ldo + v * PANEL_COLS, &acc[r][v], 64);
+}
+
+// A tile of R <= MR rows (the last rows of a block) and V <= NV panels (the last group).
+template <int V>
+void tile_rows(int R, float* out, long ldo, const float* x, long ldx, const float* w, long K) {
+  switch (R) {
+#define ROWS(n) \
+  case n: if constexpr (n <= MR) tile<n, V>(out, ldo, x, ldx, w, K); break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+#undef ROWS
+  }
+}
+
+void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, const float* w,
+              long K) {
+  if (V == NV) return tile_rows<NV>(R, out, ldo, x, ldx, w, K);
+  if constexpr (NV > 1) tile_rows<1>(R, out, ldo, x, ldx, w, K);
+}
+
+}  // namespace
+
+// out: (M, N); x: (M, K) row-major; w: (N/16, K, 16) panels; N a multiple of 16.
+extern "C" void matmul_panels_f32(float* out, const float* x, const float* w, long M, long K,
+                                  long N, int threads) {
+  const long panels = N / PANEL_COLS, groups = (panels + NV - 1) / NV;
+  const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), groups);
+  const long per = (groups + nt - 1) / nt;
+  on_threads(nt, [&](int t) {
+    const long g0 = t * per, g1 = std::min(groups, g0 + per);
+    for (long m0 = 0; m0 < M; m0 += MC) {
+      const long m1 = std::min(M, m0 + MC);
+      for (long g = g0; g < g1; g++) {
+        const long p = g * NV;
+        const int V = (int)std::min<long>(NV, panels - p);
+        for (long r = m0; r < m1; r += MR)
+          tile_any((int)std::min<long>(MR, m1 - r), V, out + r * N + p * PANEL_COLS, N,
+                   x + r * K, K, w + p * K * PANEL_COLS, K);
+      }
+    }
+  });
+}
