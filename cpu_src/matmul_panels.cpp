@@ -5,50 +5,56 @@
 // its own panels on every call, which at 64 rows took a third of its time here.
 //
 // A tile of R rows of x and V panels keeps its R x V sums of 16 columns in registers over the
-// whole of K: each step loads V vectors of W, and each of the R values of x (one per row) is
-// broadcast and multiplied into V sums. With AVX-512 (32 registers) a tile is 12 rows x 2
-// panels (24 sums); with AVX2 (16, a v16 is two) 6 rows x 1 panel. W's panels stream from
-// memory once per block of MC rows; x's rows and the tile's panels stay in L1/L2.
+// whole of K: each step loads V rows of W's panels, and each of the R values of x (one per row)
+// is broadcast and multiplied into them. With AVX-512 (32 registers, a panel's row in one) a
+// tile is 12 rows x 2 panels (24 sums); with AVX2 (16 registers, a panel's row in two) 6 x 1.
+// W's panels stream from memory once per block of MC rows; x's rows and the tile's panels stay
+// in L1/L2.
 // Threads: one run of whole panel groups (V panels) each, all rows.
 #include "blas.h"
 #include "common.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-
 namespace {
 
+// A register of float32 lanes, and how many of them hold a panel's row (GCC splits wider
+// vector types into memory operations, not registers).
 #if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
 const int MR = 12, NV = 2;
 #else
+typedef float vf __attribute__((vector_size(32)));
 const int MR = 6, NV = 1;
 #endif
 const long PANEL_COLS = 16;
+const int LANES = sizeof(vf) / 4, H = PANEL_COLS / LANES;
 const long MC = 96;  // rows of x per pass over W (a multiple of MR; 24-516 measured the same)
 
 // out[r, v*16 : v*16+16] = sum_k x[r, k] * w[v][k, :] for r < R, v < V.
 // x: rows at stride ldx; w: V panels of (K, 16), one after another; out: rows at stride ldo.
 template <int R, int V>
 void tile(float* out, long ldo, const float* x, long ldx, const float* w, long K) {
-  v16 acc[R][V];
+  vf acc[R][V * H];
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; v++) acc[r][v] = v16{};
+    for (int c = 0; c < V * H; c++) acc[r][c] = vf{};
   for (long k = 0; k < K; k++) {
-    v16 b[V];
+    vf b[V * H];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; v++) std::memcpy(&b[v], w + (v * K + k) * PANEL_COLS, 64);
+    for (int c = 0; c < V * H; c++)
+      std::memcpy(&b[c], w + ((c / H) * K + k) * PANEL_COLS + (c % H) * LANES, sizeof(vf));
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const float a = x[r * ldx + k];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; v++) acc[r][v] += a * b[v];
+      for (int c = 0; c < V * H; c++) acc[r][c] += a * b[c];
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; v++) std::memcpy(out + r * ldo + v * PANEL_COLS, &acc[r][v], 64);
+    for (int c = 0; c < V * H; c++)
+      std::memcpy(out + r * ldo + c * LANES, &acc[r][c], sizeof(vf));
 }
 
 // A tile of R <= MR rows (the last rows of a block) and V <= NV panels (the last group).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_ops
-from engine.backends.quant import to_panels
+from engine.backends.quant import to_bf16_panels, to_panels
 from engine.utils import cdiv
 from tests.oracles import numpy_ops
 
@@ -195,9 +195,35 @@ def test_matmul_over_panels(threads, rows):
         np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 64, 97])
+def test_matmul_over_bf16_panels(threads, rows):
+    """matmul_panels_bf16.cpp: bf16 weights in (N/16, K/2, 32) panels (to_bf16_panels) times x
+    rounded to bf16, against float64 (AVX512-BF16's dot products where the build has them,
+    float32 FMAs elsewhere): row counts that fill a tile (12, or 4 with AVX2), leave rows over
+    and cross a block of 96; an odd panel count and a single panel; K of 2 and 1,538. x's
+    rounding is to nearest even with ties (values halfway between two bf16s) in both
+    directions, and the panels hold the matrix's bf16 values exactly."""
+    rng = np.random.default_rng()
+    for k, n in [(576, 960), (1538, 48), (2, 16), (64, 4096)]:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        bits = x.view(np.uint32)
+        bits[:, :4] = (bits[:, :4] & 0xFFFF0000) | 0x8000  # ties: to even, up or down
+        bits[:, 1::8] |= 0x10000  # odd in bf16: a tie rounds away from it
+        w = rng.standard_normal((k, n), dtype=np.float32).astype(BF16).astype(np.float32)
+        panels = to_bf16_panels(w)
+        assert panels.shape == (k, n) and panels.data.shape == (n // 16, k // 2, 32)
+        np.testing.assert_array_equal(panels.dequantize(), w)
+        got = cpu_ops.matmul(x, panels)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        want = f64(x.astype(BF16)) @ f64(w)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_panels_need_whole_panels():
     with pytest.raises(ValueError, match=r"panels: .* multiple of 16, got \(8, 20\)"):
         to_panels(np.ones((8, 20), np.float32))
+    with pytest.raises(ValueError, match=r"bf16 panels: .* got \(7, 16\)"):
+        to_bf16_panels(np.ones((7, 16), np.float32))
 
 
 @pytest.mark.parametrize("vocab", [7, 8, 1003])

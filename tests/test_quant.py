@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_ops, get_backend
+from engine.backends.base import numpy_dtype
+from engine.backends.cpu_backend import CpuBackend
 from engine.backends.numpy_backend import MATRICES
 from engine.backends.quant import QuantWeight, dequantize_int8, quantize_int8, to_bf16, to_int8
 from engine.config import EngineConfig
@@ -17,6 +19,8 @@ from engine.entrypoints.quant_eval import main as quant_eval_main
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, assert_same_greedy, make_engine
+
+BF16 = numpy_dtype("bfloat16")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -86,7 +90,8 @@ def matrices(backend) -> list:
     ids=["float32-panels", "bf16", "int8"],
 )
 def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_per_weight):
-    """Greedy tokens equal and logits close; the packed matrices take 4 bytes a weight (float32
+    """Greedy tokens equal and logits close (not for bf16, whose x the cpu backend rounds to
+    bf16 as well); the packed matrices take 4 bytes a weight (float32
     in panels: every matrix of the tiny model is 16 columns wide a multiple of times), 2 (bf16)
     or 1 and a float32 scale per column (int8), and weights_bytes counts them so."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -94,7 +99,8 @@ def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_pe
     for backend in ("numpy", "cpu"):
         engines.append(make_engine(tiny, backend=backend, record_logits=True, **setting))
         outs.append(run_to_completion(engines[-1], SEED_PROMPTS, greedy))
-    assert_same_greedy(outs[0], outs[1], tol=1e-4)
+    if "dtype" not in setting:  # bf16: the cpu backend rounds x to bf16 too (the test below)
+        assert_same_greedy(outs[0], outs[1], tol=1e-4)
     ref, cpu = (e.backend for e in engines)
     assert all(isinstance(w, QuantWeight) for w in matrices(cpu))
     f32 = [w.nbytes for w in matrices(ref)]
@@ -106,6 +112,35 @@ def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_pe
         odd = np.ones((8, 20), np.float32)
         assert cpu._matrix_store(None)(odd) is odd
         assert all(w.kind == "panels" for w in matrices(cpu))
+
+
+def test_bf16_panels_multiply_bf16_x_in_the_native_step_too(tiny, monkeypatch):
+    """--dtype bfloat16 on the cpu backend: every product is bf16(x) @ W. The decode step's
+    native loop (decode_layers.cpp) gives the bits of the Python loop over the same kernels;
+    the prompt's logits are those of the same backend whose bf16 products are NumPy's, in
+    float64, of x rounded by ml_dtypes (later steps are not compared: a float32 rounding apart,
+    an x near a tie between two bf16 values rounds the other way, and steps drift by 1e-2)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fused = make_engine(tiny, backend="cpu", record_logits=True, dtype="bfloat16")
+    assert all(w.kind == "bf16_panels" for w in matrices(fused.backend))
+    want = run_to_completion(fused, SEED_PROMPTS, greedy)
+    monkeypatch.setattr(CpuBackend, "fuse_decode", False)
+    loop = make_engine(tiny, backend="cpu", record_logits=True, dtype="bfloat16")
+    assert_same_greedy(want, run_to_completion(loop, SEED_PROMPTS, greedy), tol=1e-6)
+    real = cpu_ops.matmul
+
+    def numpy_products(x, w):
+        if getattr(w, "kind", None) != "bf16_panels":
+            return real(x, w)
+        x = np.asarray(x, np.float32).astype(BF16).astype(np.float64)
+        return (x @ w.dequantize().astype(np.float64)).astype(np.float32)
+
+    monkeypatch.setattr(cpu_ops, "matmul", numpy_products)
+    oracle = make_engine(tiny, backend="cpu", record_logits=True, dtype="bfloat16")
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for a, b in zip(want, run_to_completion(oracle, SEED_PROMPTS, first), strict=True):
+        got, expect = a.outputs[0].step_logits[0], b.outputs[0].step_logits[0]
+        np.testing.assert_allclose(got, expect, rtol=1e-3, atol=1e-3)
 
 
 HOST_ONLY = {  # the options only the host backends build: (engine args, flag, what a GPU lacks)

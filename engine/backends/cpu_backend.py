@@ -26,7 +26,16 @@ from ..forward_batch import ForwardBatch
 from . import cpu_ops, fast_ops
 from .cpu_native import NativeBuildError, library, threads
 from .numpy_backend import NumpyBackend, PackedLayer
-from .quant import BLOCK_FORMATS, HEAD_FORMAT, PANEL, QuantWeight, quantize, to_bf16, to_panels
+from .quant import (
+    BLOCK_FORMATS,
+    HEAD_FORMAT,
+    PANEL,
+    QuantWeight,
+    quantize,
+    to_bf16,
+    to_bf16_panels,
+    to_panels,
+)
 
 F32 = np.dtype(np.float32)
 log = logging.getLogger("engine.backend")
@@ -60,8 +69,10 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
     ]
 
 
-# QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, W_BLOCKS + the block format, W_PANELS
-_KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)} | {"panels": 6}
+# QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, W_BLOCKS + the block format,
+# W_PANELS, W_BF16_PANELS
+_KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
+_KINDS |= {"panels": 6, "bf16_panels": 7}
 
 
 def _matrix(w) -> _Matrix:
@@ -103,9 +114,10 @@ class CpuBackend(NumpyBackend):
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
             return lambda w: quantize(w, kind)
+        whole = lambda w: w.shape[1] % PANEL == 0  # noqa: E731
         if self.kv_dtype == "bfloat16":
-            return to_bf16
-        return lambda w: to_panels(w) if w.shape[1] % PANEL == 0 else w
+            return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
+        return lambda w: to_panels(w) if whole(w) else w
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one

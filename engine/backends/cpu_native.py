@@ -93,8 +93,11 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(library_path()))
             _declare(lib)
             isa = lib.matmul_quant_isa().decode()
+            dot = "AVX512-BF16 dot products" if lib.matmul_panels_bf16_dot() else "float32 FMAs"
             log.info(
-                "native CPU kernels loaded; bf16, int8 and GGUF-block products built for %s", isa
+                "native CPU kernels loaded; products built for %s, bf16 weights with %s",
+                isa,
+                dot,
             )
             _lib.append(lib)
         return _lib[0]
@@ -123,6 +126,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     L = ctypes.c_long
     lib.matmul_panels_f32.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_panels_f32.restype = None
+    lib.matmul_panels_bf16.argtypes = [P, P, P, L, L, L, I]
+    lib.matmul_panels_bf16.restype = None
+    lib.matmul_panels_bf16_dot.argtypes = []
+    lib.matmul_panels_bf16_dot.restype = I
     lib.matmul_bf16.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_bf16.restype = None
     lib.matmul_int8.argtypes = [P, P, P, P, L, L, L, I]

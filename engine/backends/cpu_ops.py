@@ -199,7 +199,7 @@ def paged_attention_prefill(
 def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     """x (M, K) @ w (K, N) -> (M, N) float32, on the kernels' threads. w: float32, or a
     QuantWeight (float32 in panels, bf16, int8 with per-column scales, a GGUF block format)
-    multiplied as its dequantized values."""
+    multiplied as its dequantized values; bf16 in panels multiplies bf16(x)."""
     x = _c32(x)
     m, k = x.shape
     if len(w.shape) != 2 or w.shape[0] != k:
@@ -210,6 +210,9 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         lib.matmul_f32(_p(out), _p(x), _p(_c32(w)), m, k, n, threads())
     elif w.kind == "panels":
         lib.matmul_panels_f32(_p(out), _p(x), _p(_contiguous(w.data, F32)), m, k, n, threads())
+    elif w.kind == "bf16_panels":
+        data = _contiguous(w.data, BF16)
+        lib.matmul_panels_bf16(_p(out), _p(x), _p(data), m, k, n, threads())
     elif w.kind == "bf16":
         lib.matmul_bf16(_p(out), _p(x), _p(_contiguous(w.data, BF16)), m, k, n, threads())
     elif w.kind == "int8":

@@ -125,7 +125,9 @@ class QuantWeight:
     ``scales`` (N,) float32; a block format ("q8_0", "q4_0", "q4_1"): ``data`` and ``scales``
     per output channel, as the module's docstring lays them out; kind "panels": ``data``
     (N/16, K, 16) float32, the matrix's columns 16 at a time, each panel's rows one after
-    another (the order cpu_src/matmul_panels.cpp reads them in)."""
+    another (the order cpu_src/matmul_panels.cpp reads them in); kind "bf16_panels": ``data``
+    (N/16, K/2, 32) bf16, the same with each panel's rows in pairs, the pair's two values of a
+    column side by side (cpu_src/matmul_panels_bf16.cpp, which rounds x to bf16 as well)."""
 
     kind: str
     data: np.ndarray  # (K, N); a block format: (N, bytes)
@@ -140,6 +142,9 @@ class QuantWeight:
         if self.kind == "panels":
             p, k, _ = self.data.shape
             return k, p * PANEL
+        if self.kind == "bf16_panels":
+            p, j, _ = self.data.shape
+            return 2 * j, p * PANEL
         return self.data.shape
 
     @property
@@ -154,6 +159,8 @@ class QuantWeight:
             return dequantize_blocks(self.kind, self.data, self.scales)
         if self.kind == "panels":
             return from_panels(self.data)
+        if self.kind == "bf16_panels":
+            return from_bf16_panels(self.data)
         return self.data.astype(F32)
 
 
@@ -172,6 +179,24 @@ def to_panels(w: np.ndarray) -> QuantWeight:
         raise ValueError(f"panels: a matrix's output size must be a multiple of 16, got ({k}, {n})")
     panels = np.asarray(w, F32).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     return QuantWeight("panels", np.ascontiguousarray(panels))
+
+
+def to_bf16_panels(w: np.ndarray) -> QuantWeight:
+    """(K, N) float32 whose values are bf16 already, K even and N a multiple of 16 -> its
+    (N/16, K/2, 32) bf16 panels: for each pair of rows, the 16 columns' two values side by side."""
+    k, n = w.shape
+    if k % 2 or n % PANEL:
+        raise ValueError(f"bf16 panels: a matrix must be (even, a multiple of 16), got ({k}, {n})")
+    pairs = to_bf16(w).data.reshape(k // 2, 2, n // PANEL, PANEL)  # (K/2, 2, P, 16)
+    panels = pairs.transpose(2, 0, 3, 1).reshape(n // PANEL, k // 2, 2 * PANEL)
+    return QuantWeight("bf16_panels", np.ascontiguousarray(panels))
+
+
+def from_bf16_panels(panels: np.ndarray) -> np.ndarray:
+    """(N/16, K/2, 32) bf16 -> (K, N) float32."""
+    p, j, _ = panels.shape
+    pairs = panels.reshape(p, j, PANEL, 2).transpose(1, 3, 0, 2)  # (K/2, 2, P, 16)
+    return np.ascontiguousarray(pairs.reshape(2 * j, p * PANEL)).astype(F32)
 
 
 def from_panels(panels: np.ndarray) -> np.ndarray:
