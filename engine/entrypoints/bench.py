@@ -229,7 +229,8 @@ def batch1_itl_ms(engine: LLMEngine, prompt, n: int) -> list[float]:
 
 
 def run_peer(args, prompts, out_lens) -> float:
-    """Output tokens/s of transformers ``generate`` in static batches (float32, greedy)."""
+    """Output tokens/s of transformers ``generate`` in static batches (greedy), in the engine's
+    --dtype where it names a 16-bit one (bfloat16, float16), float32 otherwise."""
     import torch  # only here: not a project dependency
     from transformers import AutoModelForCausalLM
 
@@ -238,7 +239,7 @@ def run_peer(args, prompts, out_lens) -> float:
     path = resolve_model(args.model)
     kw = dict(gguf_file=path.name) if path.is_file() else {}
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent if path.is_file() else path, torch_dtype=torch.float32, **kw
+        path.parent if path.is_file() else path, dtype=getattr(torch, peer_dtype(args)), **kw
     ).eval()
     t0, useful = time.perf_counter(), 0
     for s in range(0, len(prompts), args.peer_batch):
@@ -258,6 +259,13 @@ def run_peer(args, prompts, out_lens) -> float:
             )
         useful += sum(lens)
     return useful / (time.perf_counter() - t0)
+
+
+def peer_dtype(args) -> str:
+    """The peer's torch dtype: the engine's --dtype if 16-bit, else float32."""
+    return {"bfloat16": "bfloat16", "half": "float16", "float16": "float16"}.get(
+        args.dtype, "float32"
+    )
 
 
 def check_workload(args) -> None:
@@ -363,7 +371,10 @@ def main(argv=None) -> int:
             print(f"error: --peer transformers needs torch and transformers ({e})", file=sys.stderr)
             return 2
         ours = stats["output_tok_per_s"]
-        peer_line = f"peer transformers (static batches of {args.peer_batch}): {peer:.1f}"
+        peer_line = (
+            f"peer transformers ({peer_dtype(args)}, static batches of {args.peer_batch}): "
+            f"{peer:.1f}"
+        )
         print(f"{peer_line} output tok/s; engine {ours:.1f} -> {ours / peer:.2f}x")
     return 0
 
