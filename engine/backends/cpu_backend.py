@@ -1,12 +1,13 @@
-"""The native CPU backend: the NumPy backend's forward, its weights and matrix products (NumPy's
-BLAS), with everything between the products run by the C++ kernels of ``cpu_src/``
-(``cpu_ops``): paged decode and prefill attention, rotary fused with the cache write, the
-residual add fused with RMSNorm, SiLU-and-mul, multi-threaded over (sequence, KV head).
+"""The native CPU backend: the NumPy backend's forward with its matrix products and everything
+between them run by the C++ kernels of ``cpu_src/`` (``cpu_ops``): products over weights packed
+at load, paged decode and prefill attention, rotary fused with the cache write, the residual add
+fused with RMSNorm, SiLU-and-mul, multi-threaded over columns or (sequence, KV head).
 The same KV layout and interface; ``auto`` picks it where there is no GPU and g++ is there.
 
-Its matrices (every layer's four and the LM head) take fewer bytes where the values allow:
-with ``--dtype bfloat16`` they are kept as bf16 (the same values the numpy backend holds in
-float32, half the bytes), with ``--quantization int8`` as int8 and a scale per column (a
+Its matrices (every layer's four and the LM head) are packed once: float32 in panels of 16
+columns (the order the products read them in); with ``--dtype bfloat16`` as bf16 panels with
+rows in pairs (half the bytes; x rounded to bf16 in each product, AVX512-BF16's dot products
+where the CPU has them); with ``--quantization int8`` as int8 and a scale per column (a
 quarter), with ``--quantization q8_0|q4_0|q4_1`` in llama.cpp's block formats (float16 scales
 per 32 inputs; the LM head Q8_0 under the 4-bit ones); ``cpu_ops.matmul`` multiplies them by x,
 accumulating in float32 (the block formats: x quantized to 8 bits per 32, integer dot products).
@@ -110,7 +111,8 @@ class CpuBackend(NumpyBackend):
 
     def _matrix_store(self, quantization: str | None, head: bool = False):
         # a quantization -> its QuantWeight (the LM head's format for the head); bf16 values
-        # (--dtype bfloat16) -> bf16 bits; else float32
+        # (--dtype bfloat16) -> bf16 panels; else float32 panels. A matrix that is not whole
+        # panels (width not a multiple of 16; bf16: an odd row count) keeps the plain layout.
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
             return lambda w: quantize(w, kind)
