@@ -14,6 +14,8 @@ void silu_and_mul(float* out, const float* gate_up, int n_rows, int F, int threa
 void matmul_f32(float* out, const float* x, const float* w, long M, long K, long N, int threads);
 void matmul_panels_f32(float* out, const float* x, const float* w, long M, long K, long N,
                        int threads);
+void matmul_panels_int8(float* out, const float* x, const int8_t* w, const float* scale, long M,
+                        long K, long N, int threads);
 void matmul_panels_bf16(float* out, const float* x, const uint16_t* w, long M, long K, long N,
                         int threads);
 void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, long N,
@@ -35,11 +37,14 @@ int paged_attention_decode(float* out, const float* q, const void* k_cache, cons
 namespace {
 
 // W_BLOCKS + 0, 1, 2: Q8_0, Q4_0, Q4_1
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BLOCKS = 3, W_PANELS = 6, W_BF16_PANELS = 7 };
+enum {
+  W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BLOCKS = 3, W_PANELS = 6, W_BF16_PANELS = 7,
+  W_INT8_PANELS = 8
+};
 
 // A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
 // float32; the block formats: per output channel, as matmul_blocks.cpp lays them out; panels:
-// (N/16, K, 16) float32, as matmul_panels.cpp reads them; bf16 panels: (N/16, K/2, 16, 2) bf16,
+// (N/16, K, 16) float32 or int8 (+ scales (N,)), as matmul_panels.cpp reads them; bf16 panels: (N/16, K/2, 16, 2) bf16,
 // as matmul_panels_bf16.cpp reads them).
 struct Matrix {
   int32_t kind;
@@ -87,6 +92,9 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
     case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;
     case W_F32: matmul_f32(out, x, (const float*)w.data, M, K, N, threads); break;
     case W_PANELS: matmul_panels_f32(out, x, (const float*)w.data, M, K, N, threads); break;
+    case W_INT8_PANELS:
+      matmul_panels_int8(out, x, q, (const float*)w.scales, M, K, N, threads);
+      break;
     case W_BF16_PANELS:
       matmul_panels_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads);
       break;

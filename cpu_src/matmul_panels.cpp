@@ -13,6 +13,11 @@
 // Threads: one run of whole panel groups (V panels) each, all rows.
 #include "blas.h"
 #include "common.h"
+#if defined(__AVX2__)
+// GCC 12 takes the AVX-512 intrinsics' deliberately undefined operand for an uninitialized one
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -29,57 +34,97 @@ const long PANEL_COLS = 16;
 const int LANES = sizeof(vf) / 4, H = PANEL_COLS / LANES;
 const long MC = 96;  // rows of x per pass over W (a multiple of MR; 24-516 measured the same)
 
-// out[r, v*16 : v*16+16] = sum_k x[r, k] * w[v][k, :] for r < R, v < V.
-// x: rows at stride ldx; w: V panels of (K, 16), one after another; out: rows at stride ldo.
-template <int R, int V>
-void tile(float* out, long ldo, const float* x, long ldx, const float* w, long K) {
-  vf acc[R][V * H];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
+// A panel's row of 16 weights as H float32 vectors: float32 as is; int8 sign-extended and
+// converted (the column's scale comes after the sum).
+inline void load_row(vf* b, const float* p) { std::memcpy(b, p, PANEL_COLS * 4); }
+inline void load_row(vf* b, const int8_t* p) {
+#if defined(__AVX512F__)  // GCC's vector conversions compile this to scalar code
+  b[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  for (int h = 0; h < H; h++)
+    b[h] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
+#else
+  for (int i = 0; i < PANEL_COLS; i++) b[i / LANES][i % LANES] = (float)p[i];
+#endif
+}
+
+// out[r, v*16 : v*16+16] = sum_k x[r, k] * w[v][k, :] (* scale[v*16 : v*16+16] for int8)
+// for r < R, v < V. x: rows at stride ldx; w: V panels of (K, 16), one after another; out:
+// rows at stride ldo.
+template <int R, int V, typename W>
+void tile(float* out, long ldo, const float* x, long ldx, const W* w, const float* scale,
+          long K) {
+  // One or two rows have too few sums to hide an FMA's latency: U sets of them take turns
+  // over k and are added at the end.
+  constexpr int U = R <= 2 ? 4 : 1;
+  vf acc[U][R][V * H];
 #pragma GCC unroll 4
-    for (int c = 0; c < V * H; c++) acc[r][c] = vf{};
-  for (long k = 0; k < K; k++) {
+  for (int u = 0; u < U; u++)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+      for (int c = 0; c < V * H; c++) acc[u][r][c] = vf{};
+  long k = 0;
+  auto step = [&](int u) {
     vf b[V * H];
 #pragma GCC unroll 4
-    for (int c = 0; c < V * H; c++)
-      std::memcpy(&b[c], w + ((c / H) * K + k) * PANEL_COLS + (c % H) * LANES, sizeof(vf));
+    for (int v = 0; v < V; v++) load_row(b + v * H, w + (v * K + k) * PANEL_COLS);
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const float a = x[r * ldx + k];
 #pragma GCC unroll 4
-      for (int c = 0; c < V * H; c++) acc[r][c] += a * b[c];
+      for (int c = 0; c < V * H; c++) acc[u][r][c] += a * b[c];
     }
+    k++;
+  };
+  while (k + U <= K)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++) step(u);
+  while (k < K) step(0);
+  vf s[V * H];
+#pragma GCC unroll 4
+  for (int c = 0; c < V * H; c++) {
+    if constexpr (sizeof(W) == 1)
+      std::memcpy(&s[c], scale + c * LANES, sizeof(vf));
+    else
+      s[c] = vf{} + 1.0f;
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-    for (int c = 0; c < V * H; c++)
-      std::memcpy(out + r * ldo + c * LANES, &acc[r][c], sizeof(vf));
+    for (int c = 0; c < V * H; c++) {
+      vf y = acc[0][r][c];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; u++) y += acc[u][r][c];
+      if constexpr (sizeof(W) == 1) y *= s[c];
+      std::memcpy(out + r * ldo + c * LANES, &y, sizeof(vf));
+    }
 }
 
 // A tile of R <= MR rows (the last rows of a block) and V <= NV panels (the last group).
-template <int V>
-void tile_rows(int R, float* out, long ldo, const float* x, long ldx, const float* w, long K) {
+template <int V, typename W>
+void tile_rows(int R, float* out, long ldo, const float* x, long ldx, const W* w,
+               const float* scale, long K) {
   switch (R) {
 #define ROWS(n) \
-  case n: if constexpr (n <= MR) tile<n, V>(out, ldo, x, ldx, w, K); break;
+  case n: if constexpr (n <= MR) tile<n, V>(out, ldo, x, ldx, w, scale, K); break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
     ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
 #undef ROWS
   }
 }
 
-void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, const float* w,
-              long K) {
-  if (V == NV) return tile_rows<NV>(R, out, ldo, x, ldx, w, K);
-  if constexpr (NV > 1) tile_rows<1>(R, out, ldo, x, ldx, w, K);
+template <typename W>
+void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, const W* w,
+              const float* scale, long K) {
+  if (V == NV) return tile_rows<NV>(R, out, ldo, x, ldx, w, scale, K);
+  if constexpr (NV > 1) tile_rows<1>(R, out, ldo, x, ldx, w, scale, K);
 }
 
-}  // namespace
-
-// out: (M, N); x: (M, K) row-major; w: (N/16, K, 16) panels; N a multiple of 16.
-extern "C" void matmul_panels_f32(float* out, const float* x, const float* w, long M, long K,
-                                  long N, int threads) {
+// out (M, N) = x (M, K) @ the panels w (N/16, K, 16) (times scale (N,) for int8).
+template <typename W>
+void product(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
+             int threads) {
   const long panels = N / PANEL_COLS, groups = (panels + NV - 1) / NV;
   const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), groups);
   const long per = (groups + nt - 1) / nt;
@@ -92,8 +137,22 @@ extern "C" void matmul_panels_f32(float* out, const float* x, const float* w, lo
         const int V = (int)std::min<long>(NV, panels - p);
         for (long r = m0; r < m1; r += MR)
           tile_any((int)std::min<long>(MR, m1 - r), V, out + r * N + p * PANEL_COLS, N,
-                   x + r * K, K, w + p * K * PANEL_COLS, K);
+                   x + r * K, K, w + p * K * PANEL_COLS, scale + p * PANEL_COLS, K);
       }
     }
   });
+}
+
+}  // namespace
+
+// out: (M, N); x: (M, K) row-major; w: (N/16, K, 16) float32 panels; N a multiple of 16.
+extern "C" void matmul_panels_f32(float* out, const float* x, const float* w, long M, long K,
+                                  long N, int threads) {
+  product(out, x, w, (const float*)nullptr, M, K, N, threads);
+}
+
+// The same with w int8 panels and one float32 scale per column: out = (x @ q) * scale.
+extern "C" void matmul_panels_int8(float* out, const float* x, const int8_t* w,
+                                   const float* scale, long M, long K, long N, int threads) {
+  product(out, x, w, scale, M, K, N, threads);
 }

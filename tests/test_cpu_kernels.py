@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_ops
-from engine.backends.quant import to_bf16_panels, to_panels
+from engine.backends.quant import to_bf16_panels, to_int8, to_int8_panels, to_panels
 from engine.utils import cdiv
 from tests.oracles import numpy_ops
 
@@ -177,22 +177,25 @@ def test_matmul_on_the_kernels_threads(threads, rows):
         np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 97])
-def test_matmul_over_panels(threads, rows):
-    """matmul_panels.cpp: float32 weights in (N/16, K, 16) panels (to_panels) against float64:
-    row counts that fill a tile (12 rows with AVX-512, 6 without), leave rows over, and cross a
-    block of 96 rows; an odd panel count (a group of two and one left) and a single panel; K
-    of 3 and 1,537. The panels hold the matrix's values exactly."""
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 64, 97])
+def test_matmul_over_panels(threads, rows, kind):
+    """matmul_panels.cpp: float32 (to_panels) or int8 with a scale per column (to_int8_panels)
+    weights in (N/16, K, 16) panels against float64 of the values they hold: row counts that
+    fill a tile (12 rows with AVX-512, 6 without), leave rows over, and cross a block of 96
+    rows; one or two rows (four sets of sums over k, K not a multiple of four); an odd panel
+    count (a group of two and one left) and a single panel; K of 3 and 1,537."""
     rng = np.random.default_rng()
     for k, n in [(576, 960), (1537, 48), (3, 16), (64, 4096)]:
         x = rng.standard_normal((rows, k), dtype=np.float32)
-        w = rng.standard_normal((k, n), dtype=np.float32)
-        panels = to_panels(w)
+        w = (rng.standard_normal((k, n)) * rng.uniform(0.1, 3, n)).astype(np.float32)
+        panels = to_panels(w) if kind == "float32" else to_int8_panels(w)
         assert panels.shape == (k, n) and panels.data.shape == (n // 16, k, 16)
-        np.testing.assert_array_equal(panels.dequantize(), w)
+        want = w if kind == "float32" else to_int8(w).dequantize()
+        np.testing.assert_array_equal(panels.dequantize(), want)
         got = cpu_ops.matmul(x, panels)
         assert got.shape == (rows, n) and got.dtype == np.float32
-        np.testing.assert_allclose(got, f64(x) @ f64(w), rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(got, f64(x) @ f64(want), rtol=1e-4, atol=3e-3)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 64, 97])

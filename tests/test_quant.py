@@ -108,10 +108,11 @@ def test_cpu_backend_against_numpy_with_the_same_weights(tiny, setting, bytes_pe
     scales = [4 * w.shape[1] if bytes_per_weight == 1 else 0 for w in matrices(cpu)]
     assert small == [f // 4 * bytes_per_weight + s for f, s in zip(f32, scales, strict=True)]
     assert ref.weights_bytes - cpu.weights_bytes == sum(f32) - sum(small)
+    kind = {"dtype": "bf16_panels", "quantization": "int8_panels"}.get(next(iter(setting), ""))
+    assert {w.kind for w in matrices(cpu)} == {kind or "panels"}
     if not setting:  # a width that is not whole panels stays a plain float32 matrix
         odd = np.ones((8, 20), np.float32)
         assert cpu._matrix_store(None)(odd) is odd
-        assert all(w.kind == "panels" for w in matrices(cpu))
 
 
 def test_bf16_panels_multiply_bf16_x_in_the_native_step_too(tiny, monkeypatch):

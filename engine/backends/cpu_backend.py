@@ -35,6 +35,7 @@ from .quant import (
     quantize,
     to_bf16,
     to_bf16_panels,
+    to_int8_panels,
     to_panels,
 )
 
@@ -71,9 +72,9 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
 
 
 # QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, W_BLOCKS + the block format,
-# W_PANELS, W_BF16_PANELS
+# W_PANELS, W_BF16_PANELS, W_INT8_PANELS
 _KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
-_KINDS |= {"panels": 6, "bf16_panels": 7}
+_KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
 
 
 def _matrix(w) -> _Matrix:
@@ -111,12 +112,15 @@ class CpuBackend(NumpyBackend):
 
     def _matrix_store(self, quantization: str | None, head: bool = False):
         # a quantization -> its QuantWeight (the LM head's format for the head); bf16 values
-        # (--dtype bfloat16) -> bf16 panels; else float32 panels. A matrix that is not whole
-        # panels (width not a multiple of 16; bf16: an odd row count) keeps the plain layout.
+        # (--dtype bfloat16) -> bf16 panels; else float32 panels; int8 in panels too. A matrix
+        # that is not whole panels (width not a multiple of 16; bf16: an odd row count) keeps
+        # the plain layout.
+        whole = lambda w: w.shape[1] % PANEL == 0  # noqa: E731
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
+            if kind == "int8":
+                return lambda w: to_int8_panels(w) if whole(w) else quantize(w, kind)
             return lambda w: quantize(w, kind)
-        whole = lambda w: w.shape[1] % PANEL == 0  # noqa: E731
         if self.kv_dtype == "bfloat16":
             return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
         return lambda w: to_panels(w) if whole(w) else w

@@ -126,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     L = ctypes.c_long
     lib.matmul_panels_f32.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_panels_f32.restype = None
+    lib.matmul_panels_int8.argtypes = [P, P, P, P, L, L, L, I]
+    lib.matmul_panels_int8.restype = None
     lib.matmul_panels_bf16.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_panels_bf16.restype = None
     lib.matmul_panels_bf16_dot.argtypes = []

@@ -210,6 +210,9 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         lib.matmul_f32(_p(out), _p(x), _p(_c32(w)), m, k, n, threads())
     elif w.kind == "panels":
         lib.matmul_panels_f32(_p(out), _p(x), _p(_contiguous(w.data, F32)), m, k, n, threads())
+    elif w.kind == "int8_panels":
+        data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F32)
+        lib.matmul_panels_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
     elif w.kind == "bf16_panels":
         data = _contiguous(w.data, BF16)
         lib.matmul_panels_bf16(_p(out), _p(x), _p(data), m, k, n, threads())

@@ -125,7 +125,8 @@ class QuantWeight:
     ``scales`` (N,) float32; a block format ("q8_0", "q4_0", "q4_1"): ``data`` and ``scales``
     per output channel, as the module's docstring lays them out; kind "panels": ``data``
     (N/16, K, 16) float32, the matrix's columns 16 at a time, each panel's rows one after
-    another (the order cpu_src/matmul_panels.cpp reads them in); kind "bf16_panels": ``data``
+    another (the order cpu_src/matmul_panels.cpp reads them in); kind "int8_panels": int8's
+    values so, and its ``scales`` (N,); kind "bf16_panels": ``data``
     (N/16, K/2, 32) bf16, the same with each panel's rows in pairs, the pair's two values of a
     column side by side (cpu_src/matmul_panels_bf16.cpp, which rounds x to bf16 as well)."""
 
@@ -139,7 +140,7 @@ class QuantWeight:
         if self.kind in BLOCK_FORMATS:
             n, nbytes = self.data.shape
             return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
-        if self.kind == "panels":
+        if self.kind in ("panels", "int8_panels"):
             p, k, _ = self.data.shape
             return k, p * PANEL
         if self.kind == "bf16_panels":
@@ -159,6 +160,8 @@ class QuantWeight:
             return dequantize_blocks(self.kind, self.data, self.scales)
         if self.kind == "panels":
             return from_panels(self.data)
+        if self.kind == "int8_panels":
+            return dequantize_int8(from_panels(self.data), self.scales)
         if self.kind == "bf16_panels":
             return from_bf16_panels(self.data)
         return self.data.astype(F32)
@@ -173,12 +176,21 @@ def to_bf16(w: np.ndarray) -> QuantWeight:
 
 
 def to_panels(w: np.ndarray) -> QuantWeight:
-    """(K, N) float32, N a multiple of 16 -> its (N/16, K, 16) panels: the same values."""
+    """(K, N) float32 (or int8), N a multiple of 16 -> its (N/16, K, 16) panels: the same
+    values."""
     k, n = w.shape
     if n % PANEL:
         raise ValueError(f"panels: a matrix's output size must be a multiple of 16, got ({k}, {n})")
-    panels = np.asarray(w, F32).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    w = w if w.dtype == np.int8 else np.asarray(w, F32)
+    panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     return QuantWeight("panels", np.ascontiguousarray(panels))
+
+
+def to_int8_panels(w: np.ndarray) -> QuantWeight:
+    """(K, N) float32, N a multiple of 16 -> int8 (quantize_int8's values and scales) with the
+    values in (N/16, K, 16) panels."""
+    q = quantize(w, "int8")
+    return QuantWeight("int8_panels", to_panels(q.data).data, q.scales)
 
 
 def to_bf16_panels(w: np.ndarray) -> QuantWeight:
@@ -200,7 +212,7 @@ def from_bf16_panels(panels: np.ndarray) -> np.ndarray:
 
 
 def from_panels(panels: np.ndarray) -> np.ndarray:
-    """(N/16, K, 16) -> (K, N) float32."""
+    """(N/16, K, 16) -> (K, N), the same dtype."""
     p, k, _ = panels.shape
     return np.ascontiguousarray(panels.transpose(1, 0, 2).reshape(k, p * PANEL))
 
