@@ -35,8 +35,3 @@ const long GEMV_MAX_ROWS = 8;
 // out (M, N) = x (M, K) @ w (K, N) float32 for 2 <= M <= GEMV_MAX_ROWS (matmul_quant.cpp).
 void matmul_f32_rows(float* out, const float* x, const float* w, long M, long K, long N,
                      int threads);
-
-// out (M, ncols; rows ldo apart) = x (M, K) @ w, w float32 panels (ncols/16, K, 16), ncols a
-// multiple of 16, on the calling thread (matmul_panels.cpp).
-void matmul_panels_here(float* out, long ldo, const float* x, const float* w, long M, long K,
-                        long ncols);

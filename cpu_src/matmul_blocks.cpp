@@ -17,9 +17,8 @@
 // (vpsignb), llama.cpp's trick. Other CPUs: the same sums in a plain loop (the
 // integer sums are exact either way; only the float additions' order differs).
 // More rows (prefill, large batches): x's quantized values and a tile of NB W rows are
-// expanded to float32, the tile into matmul_panels.cpp's panels, and multiplied by its kernel
-// (by the BLAS's sgemm when N is not a multiple of 16): on AVX2 without VNNI the integer dot
-// does no more multiplies per instruction than a float32 FMA.
+// expanded to float32 and multiplied by the BLAS's sgemm, since on AVX2 without VNNI the
+// integer dot does no more multiplies per instruction than a float32 FMA.
 // Threads: one task per run of W's rows (the GEMV), per slice of NB rows (the tiles).
 #include <memory>
 #include <vector>
@@ -231,37 +230,23 @@ template <int F> void dequant_row(float* out, const uint8_t* q, const f16* s, lo
   }
 }
 
-// out (M, N) = x~ (M, K) @ W^T through float32 tiles of NB W rows: as matmul_panels.cpp's
-// panels (N a multiple of 16; the tile's row r lands in panel r / 16, column r % 16), else
-// (K, NB) row-major for sgemm, which packs it again.
+// out (M, N) = x~ (M, K) @ W^T through float32 tiles of NB W rows and sgemm.
 template <int F>
 void gemm_tiles(float* out, const int8_t* qx, const float* dx, const uint8_t* w, const f16* s,
                 long M, long K, long N, int nt) {
   const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
   std::unique_ptr<float[]> xf(new float[M * K]);  // (M, K): x's quantized values
   for (long i = 0; i < M * K; i++) xf[i] = qx[i] * dx[i / QK];
-  const bool panels = N % 16 == 0;
-  const long per = ((N + nt - 1) / nt + 15) / 16 * 16;
+  const long per = ((N + nt - 1) / nt + 7) / 8 * 8;
   on_threads(nt, [&](int t) {
     const long n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
-    std::unique_ptr<float[]> tile(new float[NB * K]);  // (NB, K), or (NB/16, K, 16) panels
-    std::unique_ptr<float[]> row(new float[K]);
+    std::unique_ptr<float[]> tile(new float[NB * K]);  // (NB, K)
     for (long r0 = n0; r0 < n1; r0 += NB) {
       const long rows = std::min(NB, n1 - r0);
-      for (long r = 0; r < rows; r++) {
-        if (!panels) {
-          dequant_row<F>(tile.get() + r * K, w + (r0 + r) * row_q, s + (r0 + r) * row_s, K);
-          continue;
-        }
-        dequant_row<F>(row.get(), w + (r0 + r) * row_q, s + (r0 + r) * row_s, K);
-        float* p = tile.get() + (r / 16) * K * 16 + r % 16;
-        for (long k = 0; k < K; k++) p[k * 16] = row[k];
-      }
-      if (panels)
-        matmul_panels_here(out + r0, N, xf.get(), tile.get(), M, K, rows);
-      else
-        sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, rows, K, 1.0f, xf.get(), K, tile.get(), K, 0.0f,
-              out + r0, N);
+      for (long r = 0; r < rows; r++)
+        dequant_row<F>(tile.get() + r * K, w + (r0 + r) * row_q, s + (r0 + r) * row_s, K);
+      sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, rows, K, 1.0f, xf.get(), K, tile.get(), K, 0.0f,
+            out + r0, N);
     }
   });
 }

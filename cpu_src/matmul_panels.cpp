@@ -121,32 +121,25 @@ void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, cons
   if constexpr (NV > 1) tile_rows<1>(R, out, ldo, x, ldx, w, scale, K);
 }
 
-// Panel groups g0..g1-1 of out (M, ldo columns) = x (M, K) @ the panels w (N/16, K, 16)
-// (times scale (N,) for int8), on the calling thread.
-template <typename W>
-void groups(float* out, long ldo, const float* x, const W* w, const float* scale, long M, long K,
-            long panels, long g0, long g1) {
-  for (long m0 = 0; m0 < M; m0 += MC) {
-    const long m1 = std::min(M, m0 + MC);
-    for (long g = g0; g < g1; g++) {
-      const long p = g * NV;
-      const int V = (int)std::min<long>(NV, panels - p);
-      for (long r = m0; r < m1; r += MR)
-        tile_any((int)std::min<long>(MR, m1 - r), V, out + r * ldo + p * PANEL_COLS, ldo,
-                 x + r * K, K, w + p * K * PANEL_COLS, scale + p * PANEL_COLS, K);
-    }
-  }
-}
-
+// out (M, N) = x (M, K) @ the panels w (N/16, K, 16) (times scale (N,) for int8).
 template <typename W>
 void product(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
              int threads) {
-  const long panels = N / PANEL_COLS, n_groups = (panels + NV - 1) / NV;
-  const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), n_groups);
-  const long per = (n_groups + nt - 1) / nt;
+  const long panels = N / PANEL_COLS, groups = (panels + NV - 1) / NV;
+  const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), groups);
+  const long per = (groups + nt - 1) / nt;
   on_threads(nt, [&](int t) {
-    const long g0 = t * per, g1 = std::min(n_groups, g0 + per);
-    groups(out, N, x, w, scale, M, K, panels, g0, g1);
+    const long g0 = t * per, g1 = std::min(groups, g0 + per);
+    for (long m0 = 0; m0 < M; m0 += MC) {
+      const long m1 = std::min(M, m0 + MC);
+      for (long g = g0; g < g1; g++) {
+        const long p = g * NV;
+        const int V = (int)std::min<long>(NV, panels - p);
+        for (long r = m0; r < m1; r += MR)
+          tile_any((int)std::min<long>(MR, m1 - r), V, out + r * N + p * PANEL_COLS, N,
+                   x + r * K, K, w + p * K * PANEL_COLS, scale + p * PANEL_COLS, K);
+      }
+    }
   });
 }
 
@@ -162,12 +155,4 @@ extern "C" void matmul_panels_f32(float* out, const float* x, const float* w, lo
 extern "C" void matmul_panels_int8(float* out, const float* x, const int8_t* w,
                                    const float* scale, long M, long K, long N, int threads) {
   product(out, x, w, scale, M, K, N, threads);
-}
-
-// out (M, ncols of ldo) = x (M, K) @ the float32 panels w (ncols/16, K, 16) on the calling
-// thread (matmul_blocks.cpp multiplies its dequantized tiles so).
-void matmul_panels_here(float* out, long ldo, const float* x, const float* w, long M, long K,
-                        long ncols) {
-  const long panels = ncols / PANEL_COLS;
-  groups(out, ldo, x, w, (const float*)nullptr, M, K, panels, 0, (panels + NV - 1) / NV);
 }

@@ -76,11 +76,9 @@ def test_quantizers_are_gguf_py_bit_for_bit(kind, k, n):
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
 def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
-    """The GEMV (up to 8 rows) and the float32 tiles (more: in panels where N is a multiple
-    of 16, (576, 272) over three tiles of 128 W rows and (96, 16); through sgemm where not)
-    compute x quantized to 8 bits per 32 times W; (1536, 777) runs on two threads. Against
-    float32 x the error is far larger, so skipping x's quantization (or Q4's x-sum term) would
-    fail."""
+    """The GEMV (up to 8 rows) and the float32 tiles + sgemm (more) compute x quantized to
+    8 bits per 32 times W; (1536, 777) runs on two threads. Against float32 x the error is far
+    larger, so skipping x's quantization (or Q4's x-sum term) would fail."""
     rng = np.random.default_rng()
     off_float32 = []  # per shape, how far the product is from float32 x's, relative
     for k, n in [(32, 5), (576, 333), (1536, 777), (64, 1), (576, 272), (96, 16)]:
@@ -220,9 +218,9 @@ def test_the_bundled_q4_1_gguf_is_kept_as_stored(smollm2):
 # quantization is most of q8_0's: the same weights with float32 x (numpy backend) measured
 # 1.46e-3 over 2,000 tokens against 5.0e-3. Bounds: 3x the mean, top-1 a few points under.
 # Over so few tokens the top-1 moves with the products' float32 order alone (x's 8-bit rounding
-# flips): the prefill's tiles through sgemm or through the float32 panels measured q8_0 95.3% /
-# 90.6% and q4_1 91.3% / 94.5% (mean KL 6.2e-3 / 6.4e-3 and 4.6e-3 / 4.2e-3; over 511 tokens
-# 95.5% / 95.1% and 95.1% / 96.1%), hence 0.88 for both.
+# flips): with the float32 reference in panels and with the block tiles multiplied two ways,
+# q8_0 measured 95.3% / 90.6% and q4_1 91.3% / 94.5% at equal mean KL (over 511 tokens 95.1-95.5%
+# and 95.1-96.1%), hence 0.88 for both.
 KL_BOUNDS = {"q8_0": (0.02, 0.88), "q4_1": (0.014, 0.88), "q4_0": (1.0, 0.6)}
 
 
