@@ -1,6 +1,7 @@
-// Matrix products over float32 weights packed at load in panels: out (M, N) = x (M, K) @ W (K, N)
-// with W kept as N/16 panels of (K, 16), a panel's 16 columns of one row side by side and its K
-// rows one after another (engine/backends/quant.py, to_panels). The products read W in exactly
+// Matrix products over weights packed at load in panels: out (M, N) = x (M, K) @ W (K, N) with
+// W kept as N/16 panels of (K, 16), a panel's 16 columns of one row side by side and its K rows
+// one after another (engine/backends/quant.py, to_panels), float32, or int8 with a float32
+// scale per column applied to the finished sums (to_int8_panels). The products read W in exactly
 // the order they use it, so nothing is packed per call: OpenBLAS's sgemm copies all of W into
 // its own panels on every call, which at 64 rows took a third of its time here.
 //
@@ -8,7 +9,7 @@
 // whole of K: each step loads V rows of W's panels, and each of the R values of x (one per row)
 // is broadcast and multiplied into them. With AVX-512 (32 registers, a panel's row in one) a
 // tile is 12 rows x 2 panels (24 sums); with AVX2 (16 registers, a panel's row in two) 6 x 1.
-// W's panels stream from memory once per block of MC rows; x's rows and the tile's panels stay
+// One or two rows keep four sets of sums that take turns over k. W's panels stream from memory once per block of MC rows; x's rows and the tile's panels stay
 // in L1/L2.
 // Threads: one run of whole panel groups (V panels) each, all rows.
 #include "blas.h"

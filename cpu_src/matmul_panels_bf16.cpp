@@ -7,10 +7,11 @@
 // That is the layout of AVX512-BF16's vdpbf16ps, which adds 16 sums of two products a pair of
 // rows at a time (twice float32 FMA's multiply-adds per instruction): with it, a tile of 12
 // rows x 2 panels keeps its 24 sums in registers as matmul_panels.cpp does, each pair of x's
-// values broadcast as one 32-bit word. Without it the same tile (6 x 1) widens a pair's 16
-// words into the even row's values (the low halves, shifted up) and the odd row's (the high
-// halves, masked) and does two float32 FMAs (tiles of 4 x 1 with AVX2): the same products (a product of two bf16 values
-// is exact in float32), summed in another order.
+// values broadcast as one 32-bit word. Without it the tile (12 x 2 with AVX-512, 4 x 1 with
+// AVX2) widens a pair's 16 words into the even row's values (the low halves, shifted up) and
+// the odd row's (the high halves, masked) and does two float32 FMAs with x's two rounded values
+// as float32: the same products (a product of two bf16 values is exact in float32), summed in
+// another order.
 // Threads: x's rows split for the rounding; then one run of whole panel groups each, all rows.
 #include <vector>
 
