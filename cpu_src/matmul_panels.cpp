@@ -11,9 +11,8 @@
 // tile is 12 rows x 2 panels (24 sums); with AVX2 (16 registers, a panel's row in two) 6 x 1.
 // One or two rows keep four sets of sums that take turns over k. W's panels stream from memory once per block of MC rows; x's rows and the tile's panels stay
 // in L1/L2.
-// Threads: one run of whole panel groups (V panels) each, all rows.
-#include "blas.h"
-#include "common.h"
+// Threads: one run of whole panel groups (V panels) each, all rows (panels.h).
+#include "panels.h"
 #if defined(__AVX2__)
 // GCC 12 takes the AVX-512 intrinsics' deliberately undefined operand for an uninitialized one
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -126,21 +125,9 @@ void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, cons
 template <typename W>
 void product(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
              int threads) {
-  const long panels = N / PANEL_COLS, groups = (panels + NV - 1) / NV;
-  const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), groups);
-  const long per = (groups + nt - 1) / nt;
-  on_threads(nt, [&](int t) {
-    const long g0 = t * per, g1 = std::min(groups, g0 + per);
-    for (long m0 = 0; m0 < M; m0 += MC) {
-      const long m1 = std::min(M, m0 + MC);
-      for (long g = g0; g < g1; g++) {
-        const long p = g * NV;
-        const int V = (int)std::min<long>(NV, panels - p);
-        for (long r = m0; r < m1; r += MR)
-          tile_any((int)std::min<long>(MR, m1 - r), V, out + r * N + p * PANEL_COLS, N,
-                   x + r * K, K, w + p * K * PANEL_COLS, scale + p * PANEL_COLS, K);
-      }
-    }
+  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, int rows, long p, int V) {
+    tile_any(rows, V, out + r * N + p * PANEL_COLS, N, x + r * K, K, w + p * K * PANEL_COLS,
+             scale + p * PANEL_COLS, K);
   });
 }
 

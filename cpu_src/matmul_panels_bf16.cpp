@@ -12,11 +12,11 @@
 // the odd row's (the high halves, masked) and does two float32 FMAs with x's two rounded values
 // as float32: the same products (a product of two bf16 values is exact in float32), summed in
 // another order.
-// Threads: x's rows split for the rounding; then one run of whole panel groups each, all rows.
+// Threads: x's rows split for the rounding; then one run of whole panel groups each, all rows
+// (panels.h).
 #include <vector>
 
-#include "blas.h"
-#include "common.h"
+#include "panels.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -154,22 +154,11 @@ extern "C" void matmul_panels_bf16(float* out, const float* x, const uint16_t* w
   if ((long)pairs.size() < M * K) pairs.resize(M * K);
   uint32_t* xw = pairs.data();
   round_pairs(xw, x, M, K, threads);
-  const long J = K / 2, panels = N / PANEL_COLS, groups = (panels + NV - 1) / NV;
+  const long J = K / 2;
   const uint32_t* ww = (const uint32_t*)w;
-  const int nt = (int)std::min<long>(threads_for(M * K * N * 2, threads), groups);
-  const long per = (groups + nt - 1) / nt;
-  on_threads(nt, [&](int t) {
-    const long g0 = t * per, g1 = std::min(groups, g0 + per);
-    for (long m0 = 0; m0 < M; m0 += MC) {
-      const long m1 = std::min(M, m0 + MC);
-      for (long g = g0; g < g1; g++) {
-        const long p = g * NV;
-        const int V = (int)std::min<long>(NV, panels - p);
-        for (long r = m0; r < m1; r += MR)
-          tile_any((int)std::min<long>(MR, m1 - r), V, out + r * N + p * PANEL_COLS, N,
-                   xw + r * J * PAIR_WORDS, J, ww + p * J * PANEL_COLS, J);
-      }
-    }
+  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, int rows, long p, int V) {
+    tile_any(rows, V, out + r * N + p * PANEL_COLS, N, xw + r * J * PAIR_WORDS, J,
+             ww + p * J * PANEL_COLS, J);
   });
 }
 
