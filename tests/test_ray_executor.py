@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
+from engine.distributed.nccl_emu import block_name
 from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import assert_same_greedy, kill_rank_mid_run, make_engine
@@ -46,7 +48,10 @@ def test_ray_ranks_equal_one_process(tiny, backend):
     assert engine.backend.name == f"{backend}-ray" and len(set(engine.backend.pids)) == tp
     many = run_to_completion(engine, PROMPTS, GREEDY)
     assert_same_greedy(one, many)
-    engine.backend.shutdown()
+    blocks = [Path("/dev/shm", block_name(i)) for i in engine.backend.nccl_ids]
+    assert len(blocks) == (backend == "cuda-cpu") and all(b.exists() for b in blocks)
+    engine.backend.shutdown()  # kills the actors: the executor removes what rank 0 cannot
+    assert not any(b.exists() for b in blocks)
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.1)  # Ray removes the placement group in the background

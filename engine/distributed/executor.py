@@ -33,6 +33,7 @@ from reference.config import ModelConfig
 from ..backends.base import Backend, resolve_kv_dtype
 from ..utils import mib
 from .comm import ShmComm
+from .nccl_emu import remove_block
 from .sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
 
 log = logging.getLogger("engine")
@@ -157,6 +158,8 @@ class Executor(Backend):
     def _started(self) -> None:
         if self.rank_backend != "numpy":  # NCCL: each stage's first rank makes the unique id
             ids = self._call("unique_id", all_ranks=True)
+            if self.rank_backend == "cuda-cpu":  # the emulated NCCL's blocks, for _stop
+                self.nccl_ids.extend(ids[:: self.tp])
             versions = self._call("join", ids[:: self.tp], all_ranks=True)
             self.nccl_version = versions[0]
             log.info("NCCL %s: %d ranks joined", self.nccl_version, self.world)
@@ -268,7 +271,10 @@ class MultiprocExecutor(Executor):
         for recv_end, send_end in links.values():  # the workers hold them now
             recv_end.close()
             send_end.close()
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.comms)
+        self.nccl_ids: list = []  # the emulated NCCL's unique ids, once the ranks made them
+        self._finalizer = weakref.finalize(
+            self, _stop, self.procs, self.conns, self.comms, self.nccl_ids
+        )
         self._gather("starting")
         self._started()
 
@@ -329,8 +335,9 @@ class MultiprocExecutor(Executor):
         raise RuntimeError(f"{self._where(rank)}: {why}")
 
 
-def _stop(procs, conns, comms: list[ShmComm]) -> None:
-    """Stop every worker (politely, then not) and remove the shared blocks."""
+def _stop(procs, conns, comms: list[ShmComm], nccl_ids: list) -> None:
+    """Stop every worker (politely, then not) and remove the shared blocks (the emulated
+    NCCL's too: a first rank that was killed cannot)."""
     for conn in conns:
         try:
             conn.send(("stop", ()))
@@ -345,3 +352,5 @@ def _stop(procs, conns, comms: list[ShmComm]) -> None:
         conn.close()
     for comm in comms:
         comm.close()
+    for commId in nccl_ids:
+        remove_block(commId)

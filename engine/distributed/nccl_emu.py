@@ -68,6 +68,22 @@ def _capturing() -> emulated.EmuStream | None:
     return capturing[-1] if capturing else None
 
 
+def block_name(commId) -> str:
+    """The shared-memory block an emulated communicator of this unique id lives in."""
+    return "emunccl-" + bytes(np.asarray(commId, np.int8).view(np.uint8)[:12]).hex()
+
+
+def remove_block(commId) -> None:
+    """Remove the block of this unique id if it is still there: its first rank removes it when
+    it destroys the communicator, but a rank that is killed (a Ray actor at shutdown) cannot."""
+    try:
+        from _posixshmem import shm_unlink  # what SharedMemory.unlink calls, without a tracker
+
+        shm_unlink("/" + block_name(commId))
+    except FileNotFoundError:
+        pass
+
+
 class EmulatedNcclCommunicator:
     """``cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)`` on the emulated device."""
 
@@ -77,8 +93,7 @@ class EmulatedNcclCommunicator:
         if _capturing() is not None:
             raise EmuNcclError("ncclCommInitRank while a stream captures a CUDA graph")
         self.lib, self.ndev, self.rank = lib, ndev, rank
-        name = "emunccl-" + bytes(np.asarray(commId, np.int8).view(np.uint8)[:12]).hex()
-        self.shm = self._open(name, ndev, rank, lib.timeout)
+        self.shm = self._open(block_name(commId), ndev, rank, lib.timeout)
         self.seq = 0
         try:
             self._check(np.zeros(1, np.float32), INIT, ndev, 0, 0)  # every rank has joined

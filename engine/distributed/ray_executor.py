@@ -29,6 +29,7 @@ from reference.config import ModelConfig
 
 from .comm import ShmComm
 from .executor import Executor, Worker
+from .nccl_emu import remove_block
 
 
 def _ray():
@@ -85,9 +86,11 @@ class RayExecutor(Executor):
         numpy_ranks = backend == "numpy"  # the GPU backend's ranks have NCCL instead
         self.comms = [ShmComm(self.tp, slot, timeout) for _ in range(self.pp) if numpy_ranks]
         self.actors: list = []
+        self.nccl_ids: list = []  # the emulated NCCL's unique ids, once the ranks made them
         self._finalizer = weakref.finalize(
-            self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms
-        )
+            self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms,
+            self.nccl_ids,
+        )  # fmt: skip
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
             self._finalizer()
@@ -170,8 +173,9 @@ class RayExecutor(Executor):
         raise RuntimeError(f"{self._where(rank)}: {why}")
 
 
-def _stop(ray, actors: list, pg, remove_placement_group, comms: list[ShmComm]) -> None:
-    """Kill every actor, free the placement group, remove the shared block."""
+def _stop(ray, actors: list, pg, remove_placement_group, comms: list[ShmComm], nccl_ids) -> None:
+    """Kill every actor, free the placement group, remove the shared blocks (the numpy ranks'
+    ShmComm; the emulated NCCL's, which a killed first rank leaves behind)."""
     for actor in actors:
         try:
             ray.kill(actor)
@@ -183,3 +187,5 @@ def _stop(ray, actors: list, pg, remove_placement_group, comms: list[ShmComm]) -
         pass
     for comm in comms:
         comm.close()
+    for commId in nccl_ids:
+        remove_block(commId)
