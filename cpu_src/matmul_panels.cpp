@@ -101,33 +101,14 @@ void tile(float* out, long ldo, const float* x, long ldx, const W* w, const floa
     }
 }
 
-// A tile of R <= MR rows (the last rows of a block) and V <= NV panels (the last group).
-template <int V, typename W>
-void tile_rows(int R, float* out, long ldo, const float* x, long ldx, const W* w,
-               const float* scale, long K) {
-  switch (R) {
-#define ROWS(n) \
-  case n: if constexpr (n <= MR) tile<n, V>(out, ldo, x, ldx, w, scale, K); break;
-    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
-    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#undef ROWS
-  }
-}
-
-template <typename W>
-void tile_any(int R, int V, float* out, long ldo, const float* x, long ldx, const W* w,
-              const float* scale, long K) {
-  if (V == NV) return tile_rows<NV>(R, out, ldo, x, ldx, w, scale, K);
-  if constexpr (NV > 1) tile_rows<1>(R, out, ldo, x, ldx, w, scale, K);
-}
-
 // out (M, N) = x (M, K) @ the panels w (N/16, K, 16) (times scale (N,) for int8).
 template <typename W>
 void product(float* out, const float* x, const W* w, const float* scale, long M, long K, long N,
              int threads) {
-  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, int rows, long p, int V) {
-    tile_any(rows, V, out + r * N + p * PANEL_COLS, N, x + r * K, K, w + p * K * PANEL_COLS,
-             scale + p * PANEL_COLS, K);
+  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, auto R, long p, auto V) {
+    tile<decltype(R)::value, decltype(V)::value>(out + r * N + p * PANEL_COLS, N, x + r * K, K,
+                                                 w + p * K * PANEL_COLS, scale + p * PANEL_COLS,
+                                                 K);
   });
 }
 

@@ -125,25 +125,6 @@ void tile(float* out, long ldo, const uint32_t* xw, long ldx, const uint32_t* w,
 #endif
 }
 
-// A tile of R <= MR rows (the last rows of a block) and V <= NV panels (the last group).
-template <int V>
-void tile_rows(int R, float* out, long ldo, const uint32_t* xw, long ldx, const uint32_t* w,
-               long J) {
-  switch (R) {
-#define ROWS(n) \
-  case n: if constexpr (n <= MR) tile<n, V>(out, ldo, xw, ldx, w, J); break;
-    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
-    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#undef ROWS
-  }
-}
-
-void tile_any(int R, int V, float* out, long ldo, const uint32_t* xw, long ldx,
-              const uint32_t* w, long J) {
-  if (V == NV) return tile_rows<NV>(R, out, ldo, xw, ldx, w, J);
-  if constexpr (NV > 1) tile_rows<1>(R, out, ldo, xw, ldx, w, J);
-}
-
 }  // namespace
 
 // out: (M, N); x: (M, K) row-major float32; w: (N/16, K/2, 16, 2) bf16 bits; K even, N a
@@ -156,9 +137,10 @@ extern "C" void matmul_panels_bf16(float* out, const float* x, const uint16_t* w
   round_pairs(xw, x, M, K, threads);
   const long J = K / 2;
   const uint32_t* ww = (const uint32_t*)w;
-  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, int rows, long p, int V) {
-    tile_any(rows, V, out + r * N + p * PANEL_COLS, N, xw + r * J * PAIR_WORDS, J,
-             ww + p * J * PANEL_COLS, J);
+  walk_panels<MR, NV>(M, N, MC, M * K * N * 2, threads, [&](long r, auto R, long p, auto V) {
+    tile<decltype(R)::value, decltype(V)::value>(out + r * N + p * PANEL_COLS, N,
+                                                 xw + r * J * PAIR_WORDS, J,
+                                                 ww + p * J * PANEL_COLS, J);
   });
 }
 
