@@ -153,6 +153,7 @@ class Executor(Backend):
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, cfg, on_gpu=backend == "cuda")
         self.output_rank = (pp - 1) * tp
         self.nccl_version = None
+        self.nccl_ids: list = []  # the emulated NCCL's unique ids, once the ranks made them
         return engine_config.max_num_batched_tokens * cfg.hidden_size * 4  # (T, D) float32
 
     def _started(self) -> None:
@@ -271,7 +272,6 @@ class MultiprocExecutor(Executor):
         for recv_end, send_end in links.values():  # the workers hold them now
             recv_end.close()
             send_end.close()
-        self.nccl_ids: list = []  # the emulated NCCL's unique ids, once the ranks made them
         self._finalizer = weakref.finalize(
             self, _stop, self.procs, self.conns, self.comms, self.nccl_ids
         )

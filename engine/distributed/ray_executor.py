@@ -86,7 +86,6 @@ class RayExecutor(Executor):
         numpy_ranks = backend == "numpy"  # the GPU backend's ranks have NCCL instead
         self.comms = [ShmComm(self.tp, slot, timeout) for _ in range(self.pp) if numpy_ranks]
         self.actors: list = []
-        self.nccl_ids: list = []  # the emulated NCCL's unique ids, once the ranks made them
         self._finalizer = weakref.finalize(
             self, _stop, ray, self.actors, self.pg, remove_placement_group, self.comms,
             self.nccl_ids,
