@@ -44,8 +44,8 @@ enum {
 
 // A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
 // float32; the block formats: per output channel, as matmul_blocks.cpp lays them out; panels:
-// (N/16, K, 16) float32 or int8 (+ scales (N,)), as matmul_panels.cpp reads them; bf16 panels: (N/16, K/2, 16, 2) bf16,
-// as matmul_panels_bf16.cpp reads them).
+// (N/16, K, 16) float32 or int8 (+ scales (N,)), as matmul_panels.cpp reads them; bf16
+// panels: (N/16, K/2, 16, 2) bf16, as matmul_panels_bf16.cpp reads them).
 struct Matrix {
   int32_t kind;
   int32_t pad;

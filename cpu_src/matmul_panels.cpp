@@ -9,8 +9,8 @@
 // whole of K: each step loads V rows of W's panels, and each of the R values of x (one per row)
 // is broadcast and multiplied into them. With AVX-512 (32 registers, a panel's row in one) a
 // tile is 12 rows x 2 panels (24 sums); with AVX2 (16 registers, a panel's row in two) 6 x 1.
-// One or two rows keep four sets of sums that take turns over k. W's panels stream from memory once per block of MC rows; x's rows and the tile's panels stay
-// in L1/L2.
+// One or two rows keep four sets of sums that take turns over k. W's panels stream from memory
+// once per block of MC rows; x's rows and the tile's panels stay in L1/L2.
 // Threads: one run of whole panel groups (V panels) each, all rows (panels.h).
 #include "panels.h"
 #if defined(__AVX2__)
@@ -42,7 +42,8 @@ inline void load_row(vf* b, const int8_t* p) {
   b[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 #elif defined(__AVX2__)
   for (int h = 0; h < H; h++)
-    b[h] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
+    b[h] = (vf)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
 #else
   for (int i = 0; i < PANEL_COLS; i++) b[i / LANES][i % LANES] = (float)p[i];
 #endif
