@@ -93,25 +93,27 @@ static inline float dot_f32(const float* a, const float* b, int n) {
   return s;
 }
 
-// e^x for eight lanes: exp_f32's arithmetic, written on vectors so it needs no vectorizer.
-typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8 exp8(v8 x) {
-  const v8 lo = x < -87.3f ? v8{} - 87.3f : x;
-  const v8 xc = x == x ? (lo > 88.3f ? v8{} + 88.3f : lo) : v8{};  // NaN: any value, then x
-  const v8 y = xc * 1.44269504088896341f + 0.5f;
-  const v8 t = __builtin_convertvector(__builtin_convertvector(y, v8i), v8);  // toward 0
-  const v8 n = t > y ? t - 1.0f : t;  // floor(y)
-  v8 r = xc - n * 0.693359375f;
+// e^x on every lane of a float32 vector V (VI: its int32 twin): exp_f32's arithmetic, written
+// on vectors so it needs no vectorizer.
+template <typename V, typename VI> static inline V exp_v(V x) {
+  const V lo = x < -87.3f ? V{} - 87.3f : x;
+  const V xc = x == x ? (lo > 88.3f ? V{} + 88.3f : lo) : V{};  // NaN: any value, then x
+  const V y = xc * 1.44269504088896341f + 0.5f;
+  const V t = __builtin_convertvector(__builtin_convertvector(y, VI), V);  // toward 0
+  const V n = t > y ? t - 1.0f : t;  // floor(y)
+  V r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const v8 e = (p * r * r + r + 1.0f) * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
-  return x != x ? x : (x < -87.3f ? v8{} : e);
+  const V e = (p * r * r + r + 1.0f) * (V)((__builtin_convertvector(n, VI) + 127) << 23);
+  return x != x ? x : (x < -87.3f ? V{} : e);
 }
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8 exp8(v8 x) { return exp_v<v8, v8i>(x); }
 
 static inline float hsum8(v8 v) {
   const v4 h = half_sum(v);

@@ -1,259 +1,438 @@
 // Paged decode attention: one query row per sequence over its paged K/V.
 // Threads: one task per sequence, or per (sequence, KV head) when there are too few sequences
-// to keep every thread busy; tasks go to the threads as they free up. A task walks the block
-// table once, a tile of keys at a time, with an online softmax (running max and sum per query
-// head, the accumulator rescaled once per tile), and asks for the next tile's rows a few cache
-// lines at a time while it works on this one.
+// to keep every thread busy; a thread claims its next task as it starts the last chunk of one.
 //
-// The query heads that share a KV head go through its rows together, up to three at a time
-// (a "party"): each K and V row is loaded and widened to float32 in registers once per party,
-// never stored. Scores are taken four keys at a time (a party's 4 x 3 sums in flight, reduced
-// together); values are accumulated 16 head dims at a time over the whole tile, the party's
-// accumulators in registers. A bfloat16 row widens with a shift and a mask per 16 values: the
-// even dims land in one vector, the odd ones in another, so q and the accumulators are kept
-// in that order too and put back in the head's order at the end.
+// A task walks its keys in chunks of CHUNK, each in two passes, with an online softmax across
+// chunks (running max and sum per query head, the accumulators rescaled once per chunk). The
+// query heads that share a KV head go through its rows together in parties of up to four,
+// so each row is loaded and widened to float32 once per party. Pass 1, the scores, W keys at
+// a time (W, the float lanes of a vector: 16 with AVX-512 when the head dims are a multiple of
+// 32, else 8): each key's products summed in a vector per query head, and the W vectors of a
+// tile reduced together by a transpose-and-add tree (45 shuffles and adds for 16 dot
+// products, instead of four or five per product). Then the chunk's softmax, plain vector
+// loops. Pass 2, the values: the party's accumulators stay in registers over the chunk (a
+// head-dim slice at a time where they do not fit).
+//
+// Memory: while a chunk is worked on, the next chunk's K and V rows (this task's, or the
+// next task's first) are asked for (prefetched into L2) a few cache lines every four keys,
+// and the chunk's own rows AHEAD keys before they are used: a sequence's blocks are scattered
+// over the pool, so the hardware prefetcher cannot guess them, and asking for many lines at
+// once stalls the core.
+//
+// A bfloat16 pair of dims widens with a shift (the even dim) and a mask (the odd one): the
+// even dims of 2W land in one vector, the odd ones in the next, so q and the accumulators
+// are kept in that lane order and put back in the head's order at the end.
 #include <vector>
 
 #include "common.h"
 
 namespace {
 
-const int TILE = 16;   // keys per tile (SmolLM2, bf16: this tile's K and V and the next's, 24 KB)
-const int PARTY = 3;   // query heads at most that go through a KV head's rows together
+const int PARTY = 4;    // query heads at most that go through a KV head's rows together
 const int MAX_HD = 256;
+const int CHUNK = 256;  // keys at a time (SmolLM2, bf16: 192 KB of K and V, in L2)
+const int AHEAD = 8;    // keys between the row asked for and the row worked on
 
-typedef uint32_t u8x8 __attribute__((vector_size(32)));
-typedef _Float16 h8 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));  // only where it is a register
+#endif
 
-// 16 values of a cache row (16 head dims) as two float32 vectors, and where dim i of the
-// chunk lands in them (lanes 0-7 of the first, then the second).
-template <typename T> struct Chunk;
-template <> struct Chunk<float> {
-  static inline void load(const float* p, v8& a, v8& b) {
-    a = load8(p);
-    b = load8(p + 8);
+template <typename V> constexpr int lanes() { return sizeof(V) / sizeof(float); }
+
+// 2W values of a cache row as two float32 vectors, and where dim i of the 2W lands in them.
+template <typename V, typename T> struct Row;
+template <typename V> struct Row<V, float> {
+  static inline void load(const float* p, V& a, V& b) {
+    std::memcpy(&a, p, sizeof a);
+    std::memcpy(&b, p + lanes<V>(), sizeof b);
   }
   static int lane(int i) { return i; }
 };
-template <> struct Chunk<f16> {
-  static inline void load(const f16* p, v8& a, v8& b) {
-    h8 x, y;
+template <typename V> struct Row<V, f16> {
+  typedef _Float16 half __attribute__((vector_size(sizeof(V) / 2)));
+  static inline void load(const f16* p, V& a, V& b) {
+    half x, y;
     std::memcpy(&x, p, sizeof x);
-    std::memcpy(&y, p + 8, sizeof y);
-    a = __builtin_convertvector(x, v8);
-    b = __builtin_convertvector(y, v8);
+    std::memcpy(&y, p + lanes<V>(), sizeof y);
+    a = __builtin_convertvector(x, V);
+    b = __builtin_convertvector(y, V);
   }
   static int lane(int i) { return i; }
 };
-template <> struct Chunk<bf16> {  // 32-bit word j holds dims 2j (low half) and 2j + 1
-  static inline void load(const bf16* p, v8& a, v8& b) {
-    u8x8 x;
+template <typename V> struct Row<V, bf16> {  // 32-bit word j holds dims 2j (low half), 2j + 1
+  typedef uint32_t words __attribute__((vector_size(sizeof(V))));
+  static inline void load(const bf16* p, V& a, V& b) {
+    words x;
     std::memcpy(&x, p, sizeof x);
-    a = (v8)(x << 16);
-    b = (v8)(x & 0xffff0000u);
+    a = (V)(x << 16);
+    b = (V)(x & 0xffff0000u);
   }
-  static int lane(int i) { return i % 2 ? 8 + i / 2 : i / 2; }
+  static int lane(int i) { return i % 2 ? lanes<V>() + i / 2 : i / 2; }
 };
 
-// Where the keys t0..t0+nt-1 sit: at[j], the offset of key t0+j's row in the cache (in
-// elements; K and V share it). The block table is read once per block, with no division per key.
-void tile_slots(long* at, const int32_t* table, int t0, int nt, int bs, long row) {
-  int blk = t0 / bs, off = t0 % bs;
+// The transpose-and-add tree. pair(a, b): in each 128-bit lane, (a's 0+2, b's 0+2, a's 1+3,
+// b's 1+3). quad(u, v) of two pairs (a, b) and (c, d): in each 128-bit lane, one partial sum
+// of a, b, c, d. halves(x, y): x's even 128-bit lanes + its odd ones, then y's.
+template <typename V> struct Tree;
+template <> struct Tree<v8> {
+  typedef int32_t m __attribute__((vector_size(32)));
+  static inline v8 pair(v8 a, v8 b) {
+    return __builtin_shuffle(a, b, m{0, 8, 1, 9, 4, 12, 5, 13}) +
+           __builtin_shuffle(a, b, m{2, 10, 3, 11, 6, 14, 7, 15});
+  }
+  static inline v8 quad(v8 u, v8 v) {
+    return __builtin_shuffle(u, v, m{0, 1, 8, 9, 4, 5, 12, 13}) +
+           __builtin_shuffle(u, v, m{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  static inline v8 halves(v8 x, v8 y) {
+    return __builtin_shuffle(x, y, m{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(x, y, m{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  // q: the quads of keys 0-3, 4-7 -> one vector of the 8 keys' sums
+  static inline v8 sums(const v8* q) { return halves(q[0], q[1]); }
+};
+#if defined(__AVX512F__)
+template <> struct Tree<v16> {
+  typedef int32_t m __attribute__((vector_size(64)));
+  static inline v16 pair(v16 a, v16 b) {
+    return __builtin_shuffle(a, b, m{0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29}) +
+           __builtin_shuffle(a, b, m{2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31});
+  }
+  static inline v16 quad(v16 u, v16 v) {
+    return __builtin_shuffle(u, v, m{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(u, v, m{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  static inline v16 halves(v16 x, v16 y) {
+    return __builtin_shuffle(x, y, m{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(x, y, m{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  }
+  static inline v16 sums(const v16* q) { return halves(halves(q[0], q[1]), halves(q[2], q[3])); }
+};
+#endif
+
+// Keys lo..n-1 of a sequence and where their rows are: at[j], the offset of key lo+j's row in
+// the cache (elements; K and V share it), the block table read once per block.
+void key_rows(std::vector<long>& at, const int32_t* table, int lo, int n, int bs, long row) {
+  at.resize(n - lo);
+  int blk = lo / bs, off = lo % bs;
   long base = (long)table[blk] * bs * row;
-  for (int j = 0; j < nt; j++) {
+  for (int j = 0; j < n - lo; j++) {
     at[j] = base + off * row;
-    if (++off == bs && j + 1 < nt) {
-      off = 0;
-      base = (long)table[++blk] * bs * row;
-    }
+    if (++off == bs && j + 1 < n - lo) off = 0, base = (long)table[++blk] * bs * row;
   }
 }
 
-// Asks for the next tile's K and V rows (KV heads h0..h1-1) a few cache lines at a time while
-// the current tile is worked on: a sequence's blocks are scattered over the pool, so the
-// hardware prefetcher cannot guess the next one, and a whole tile asked for at once stalls
-// the core until most of it has arrived.
+// The next chunk's rows, asked for (prefetched) `per_step` cache lines at a time: the K and V
+// rows at[j] of its keys j..n-1, `bytes` of each from `first` bytes in (its KV heads).
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
-  const long* at = nullptr;  // the next tile's key offsets (elements)
-  int nt = 0, j = 0;         // keys in the next tile, the key being asked for
-  long esize = 0, first = 0, bytes = 0, off = 0, per_call = 0;
-
-  template <typename T>
-  void start(const T* k_cache, const T* v_cache, const long* slots, int n, int h0, int h1,
-             int hd, int calls) {
-    k = (const char*)k_cache;
-    v = (const char*)v_cache;
-    at = slots, nt = n, j = 0, off = 0;
-    esize = sizeof(T), first = (long)h0 * hd * sizeof(T), bytes = (long)(h1 - h0) * hd * sizeof(T);
-    const long lines = (long)n * ((bytes + 63) / 64);
-    per_call = calls > 0 ? (lines + calls - 1) / calls : lines;
-  }
+  const long* at = nullptr;
+  long esize = 0, first = 0, per_step = 0;  // lines a step
+  int n = 0, j = 0, bytes = 0, off = 0;
   inline void step() {
-    for (long i = 0; i < per_call && j < nt; i++) {
+    for (long i = 0; i < per_step && j < n; i++) {
       const long p = at[j] * esize + first + off;
-      __builtin_prefetch(k + p);
-      __builtin_prefetch(v + p);
+      __builtin_prefetch(k + p, 0, 1);
+      __builtin_prefetch(v + p, 0, 1);
       if ((off += 64) >= bytes) off = 0, j++;
     }
   }
-  void rest() {
-    while (j < nt) step();
+};
+
+// What a party's passes over a chunk share: the KV head's rows (key j's row at base + at[j]),
+// the chunk's n keys, and the rows asked for as they go.
+template <typename T> struct Keys {
+  const T* base;
+  const long* at;
+  int n;
+  Ahead* ahead;  // the next chunk's rows
+  const T* fetch;  // the chunk's first party: where the task's rows start, else null
+  int bytes;       // of each row to ask for
+  inline const T* row(int j) const { return base + at[j]; }
+  inline void ask(int j) const {  // this chunk's row j, a few keys ahead
+    if (!fetch || j >= n) return;
+    const char* p = (const char*)(fetch + at[j]);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
   }
 };
 
-// A party of G query heads over one tile's keys of their KV head: s[g][j] = q_g . k_j * scale.
-// q: (G, hd) in the chunks' lane order; k: the tile's rows of the KV head; rows past nt are
-// the last one again (their scores are not used).
-template <int HD, int G, typename T>
-inline void party_scores(float (*s)[TILE], const float* q, const T* const* k, int nt,
-                         float scale, int hd_rt, Ahead& ahead) {
+// Pass 1: s[g][j] = q_g . k_j * scale for the party's G heads and keys j < n (s: G rows of
+// `stride` floats; the lanes past n get the last key's scores). q: (G, hd) in lane order.
+template <typename V, int HD, int G, typename T>
+void party_scores(float* s, long stride, const float* q, const Keys<T>& keys, float scale,
+                  int hd_rt) {
+  constexpr int W = lanes<V>();
   const int hd = HD ? HD : hd_rt;
-  for (int j = 0; j < nt; j += 4) {
-    ahead.step();
-    const T* rows[4];
-    for (int r = 0; r < 4; r++) rows[r] = k[std::min(j + r, nt - 1)];
-    v8 acc[G][4] = {};
-    for (int c = 0; c < hd; c += 16) {
+  for (int t0 = 0; t0 < keys.n; t0 += W) {
+    V quads[G][W / 4];  // the tree's third level, four keys each
+    for (int j0 = 0; j0 < W; j0 += 4) {
+      keys.ahead->step();
+      V dots[G][4];
       for (int r = 0; r < 4; r++) {
-        v8 a, b;
-        Chunk<T>::load(rows[r] + c, a, b);
+        keys.ask(t0 + j0 + r + AHEAD);
+        const T* k = keys.row(std::min(t0 + j0 + r, keys.n - 1));
+        V acc[G] = {};
+        for (int c = 0; c < hd; c += 2 * W) {
+          V a, b;
+          Row<V, T>::load(k + c, a, b);
+          for (int g = 0; g < G; g++) {
+            V qa, qb;
+            std::memcpy(&qa, q + g * hd + c, sizeof qa);
+            std::memcpy(&qb, q + g * hd + c + W, sizeof qb);
+            acc[g] += qa * a;
+            acc[g] += qb * b;
+          }
+        }
+        for (int g = 0; g < G; g++) dots[g][r] = acc[g];
+      }
+      for (int g = 0; g < G; g++)
+        quads[g][j0 / 4] = Tree<V>::quad(Tree<V>::pair(dots[g][0], dots[g][1]),
+                                         Tree<V>::pair(dots[g][2], dots[g][3]));
+    }
+    for (int g = 0; g < G; g++) {
+      const V d = Tree<V>::sums(quads[g]) * scale;
+      std::memcpy(s + g * stride + t0, &d, sizeof d);
+    }
+  }
+}
+
+// One chunk of an online softmax: s[0..n) -> e^(s - m') with m' the running max m updated
+// by the chunk; the running sum l is rescaled and adds the chunk's. Returns the factor the
+// accumulators must be rescaled by, e^(m - m'). s has room for n rounded up to W (those lanes
+// are overwritten). NaN in, NaN out.
+template <typename V> float softmax_chunk(float* s, int n, float& m, float& l) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  constexpr int W = lanes<V>();
+  const int nv = (n + W - 1) / W;
+  for (int j = n; j < nv * W; j++) s[j] = -INFINITY;
+  V mx = V{} + m, x, sum = {};
+  for (int i = 0; i < nv; i++) {
+    std::memcpy(&x, s + i * W, sizeof x);
+    mx = x > mx ? x : mx;
+  }
+  float m1 = m;
+  for (int i = 0; i < W; i++) m1 = std::max(m1, mx[i]);
+  for (int i = 0; i < nv; i++) {
+    std::memcpy(&x, s + i * W, sizeof x);
+    x = exp_v<V, VI>(x - m1);
+    std::memcpy(s + i * W, &x, sizeof x);
+    sum += x;
+  }
+  float add = 0.0f;
+  for (int i = 0; i < W; i++) add += sum[i];
+  const float corr = exp_f32(m - m1);  // 0 for the first chunk (m = -inf)
+  m = m1;
+  l = l * corr + add;
+  return corr;
+}
+
+// Pass 2: acc[g] = acc[g] * corr[g] + sum_j p[g][j] v_j for the party, CP pairs of vectors
+// (2W dims each) of the head at a time. acc: (G, hd) in lane order.
+template <typename V, int HD, int G, typename T>
+void party_values(float* acc, const float* corr, const float* p, long stride,
+                  const Keys<T>& keys, int hd_rt) {
+  constexpr int W = lanes<V>();
+  constexpr int REGS = sizeof(V) == 64 ? 16 : 8;  // accumulators kept in registers
+  constexpr int CP = std::max(1, REGS / (2 * G));
+  const int hd = HD ? HD : hd_rt;
+  for (int c0 = 0; c0 < hd; c0 += 2 * W * CP) {
+    const int cp = std::min(CP, (hd - c0) / (2 * W));
+    V a[G][2 * CP] = {};
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 2 * cp; c++) {
+        std::memcpy(&a[g][c], acc + g * hd + c0 + W * c, sizeof(V));
+        a[g][c] *= corr[g];
+      }
+    for (int j = 0; j < keys.n; j++) {
+      if (c0 == 0) {
+        if (j % 4 == 0) keys.ahead->step();
+        keys.ask(j + AHEAD);
+      }
+      const T* v = keys.row(j) + c0;
+      for (int c = 0; c < CP; c++) {
+        if (c >= cp) break;
+        V x, y;
+        Row<V, T>::load(v + 2 * W * c, x, y);
         for (int g = 0; g < G; g++) {
-          acc[g][r] += load8(q + g * hd + c) * a;
-          acc[g][r] += load8(q + g * hd + c + 8) * b;
+          const float w = p[g * stride + j];
+          a[g][2 * c] += w * x;
+          a[g][2 * c + 1] += w * y;
         }
       }
     }
-    for (int g = 0; g < G; g++) {
-      const v4 d = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]) * scale;
-      std::memcpy(&s[g][j], &d, sizeof d);
-    }
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 2 * cp; c++) std::memcpy(acc + g * hd + c0 + W * c, &a[g][c], sizeof(V));
   }
 }
 
-// acc_g = acc_g * corr_g + sum_j p_g[j] v_j for a party, 16 head dims at a time (the
-// accumulators of those dims stay in registers over the tile).
-template <int HD, int G, typename T>
-inline void party_values(float* acc, const float (*p)[TILE], const T* const* v, int nt,
-                         const float* corr, int hd_rt) {
-  const int hd = HD ? HD : hd_rt;
-  for (int c = 0; c < hd; c += 16) {
-    v8 a[G][2];
-    for (int g = 0; g < G; g++)
-      for (int i = 0; i < 2; i++) a[g][i] = load8(acc + g * hd + c + 8 * i) * corr[g];
-    for (int j = 0; j < nt; j++) {
-      v8 x, y;
-      Chunk<T>::load(v[j] + c, x, y);
-      for (int g = 0; g < G; g++) {
-        a[g][0] += p[g][j] * x;
-        a[g][1] += p[g][j] * y;
-      }
-    }
-    for (int g = 0; g < G; g++)
-      for (int i = 0; i < 2; i++) store8(acc + g * hd + c + 8 * i, a[g][i]);
-  }
-}
-
-// One party (G query heads of one KV head) over one tile: scores, softmax, values.
+// One party (G query heads of one KV head) over one chunk of keys: scores, softmax, values.
 // q, acc: (G, hd) in lane order; m, l: the party's running max and sum.
-template <int HD, int G, typename T>
-void party_tile(float* acc, float* m, float* l, const float* q, const T* const* k,
-                const T* const* v, int nt, float scale, int hd, Ahead& ahead) {
-  float s[G][TILE], corr[G];
-  party_scores<HD, G>(s, q, k, nt, scale, hd, ahead);
-  for (int g = 0; g < G; g++) corr[g] = softmax_tile(s[g], nt, m[g], l[g]);
-  party_values<HD, G>(acc, s, v, nt, corr, hd);
+template <typename V, int HD, int G, typename T>
+void party_chunk(float* acc, float* m, float* l, const float* q, const Keys<T>& k,
+                 const Keys<T>& v, float scale, int hd, float* s) {
+  const long stride = CHUNK;
+  float corr[G];
+  party_scores<V, HD, G>(s, stride, q, k, scale, hd);
+  for (int j = 0; j < AHEAD; j++) v.ask(j);  // the first values' rows
+  for (int g = 0; g < G; g++) corr[g] = softmax_chunk<V>(s + g * stride, k.n, m[g], l[g]);
+  party_values<V, HD, G>(acc, corr, s, stride, v, hd);
 }
 
-template <int HD, typename T>
-void decode_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int lo, int n, int bs, int hkv, int hd, int group, float scale, int h0, int h1,
-                 float* out) {
-  // q, out: (H, hd) rows of one sequence; this task: KV heads h0..h1-1, keys lo..n-1
-  const int nh = (h1 - h0) * group;  // query heads of the task
-  std::vector<float> m(nh, -INFINITY), l(nh, 0.0f), acc((size_t)nh * hd, 0.0f), qp(acc.size());
-  const float* qt = q + (long)h0 * group * hd;  // the task's query heads
-  for (int r = 0; r < nh; r++)  // in the chunks' lane order
+// A task: one sequence's keys lo..n-1 and KV heads h0..h1-1.
+struct Task {
+  long b;
+  const int32_t* table;
+  int lo, n, h0, h1;
+};
+
+// A task's running state: per query head (in the task), q and the accumulator in lane order,
+// the running max and sum.
+struct State {
+  std::vector<float> q, acc, m, l;
+};
+
+template <typename V, typename T>
+void begin_task(State& st, const Task& t, const float* q, int hd, int group) {
+  constexpr int W = lanes<V>();
+  const int nh = (t.h1 - t.h0) * group;
+  st.q.resize((size_t)nh * hd), st.acc.assign((size_t)nh * hd, 0.0f);
+  st.m.assign(nh, -INFINITY), st.l.assign(nh, 0.0f);
+  for (int r = 0; r < nh; r++)
     for (int d = 0; d < hd; d++)
-      qp[(size_t)r * hd + d / 16 * 16 + Chunk<T>::lane(d % 16)] = qt[(long)r * hd + d];
-  const int parties = (group + PARTY - 1) / PARTY;
-  const T* krows[TILE];
-  const T* vrows[TILE];
-  long slots[2][TILE];  // this tile's key offsets and the next one's
-  const long row = (long)hkv * hd;
-  Ahead ahead;
-  tile_slots(slots[0], table, lo, std::min(TILE, n - lo), bs, row);
-  ahead.start(k_cache, v_cache, slots[0], std::min(TILE, n - lo), h0, h1, hd, 0);
-  ahead.rest();  // the first tile: nothing to overlap its wait with
-  for (int t0 = lo, cur = 0; t0 < n; t0 += TILE, cur ^= 1) {
-    const int nt = std::min(TILE, n - t0);
-    const long* at = slots[cur];
-    const int next = t0 + TILE < n ? std::min(TILE, n - t0 - TILE) : 0;
-    if (next) tile_slots(slots[cur ^ 1], table, t0 + TILE, next, bs, row);
-    // ahead.step() runs once per four keys of each party
-    ahead.start(k_cache, v_cache, slots[cur ^ 1], next, h0, h1, hd,
-                (h1 - h0) * parties * ((nt + 3) / 4));
-    for (int h = h0; h < h1; h++) {
-      for (int j = 0; j < nt; j++) {
-        krows[j] = k_cache + at[j] + (long)h * hd;
-        vrows[j] = v_cache + at[j] + (long)h * hd;
-      }
-      for (int p = 0, g0 = 0; p < parties; p++) {  // the group split into parties of <= 3
-        const int size = (group - g0) / (parties - p);
-        const int r = (h - h0) * group + g0;  // the party's first query head in the task
-        float* a = acc.data() + (size_t)r * hd;
-        const float* qr = qp.data() + (size_t)r * hd;
-        if (size == 3)
-          party_tile<HD, 3>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
-        else if (size == 2)
-          party_tile<HD, 2>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
-        else
-          party_tile<HD, 1>(a, &m[r], &l[r], qr, krows, vrows, nt, scale, hd, ahead);
-        g0 += size;
-      }
-    }
-    ahead.rest();
-  }
-  float* o = out + (long)h0 * group * hd;
+      st.q[(size_t)r * hd + d / (2 * W) * (2 * W) + Row<V, T>::lane(d % (2 * W))] =
+          q[(long)r * hd + d];
+}
+
+template <typename V, typename T>
+void end_task(const State& st, int nh, int hd, float* out) {
+  constexpr int W = lanes<V>();
   for (int r = 0; r < nh; r++) {
-    const float inv = 1.0f / l[r];
+    const float inv = 1.0f / st.l[r];
     for (int d = 0; d < hd; d++)
-      o[(long)r * hd + d] = acc[(size_t)r * hd + d / 16 * 16 + Chunk<T>::lane(d % 16)] * inv;
+      out[(long)r * hd + d] =
+          st.acc[(size_t)r * hd + d / (2 * W) * (2 * W) + Row<V, T>::lane(d % (2 * W))] * inv;
   }
 }
 
-template <int HD, typename T>
+template <typename V, int HD, typename T>
+void work_chunk(State& st, const T* k_cache, const T* v_cache, const Task& t, const long* at,
+                int len, int hd, int group, float scale, Ahead& ahead, float* s) {
+  const int parties = (group + PARTY - 1) / PARTY, bytes = (t.h1 - t.h0) * hd * sizeof(T);
+  const T* k0 = k_cache + (long)t.h0 * hd;
+  const T* v0 = v_cache + (long)t.h0 * hd;
+  for (int h = t.h0; h < t.h1; h++) {
+    for (int p = 0, g0 = 0; p < parties; p++) {  // the group split into parties of <= 4
+      const bool first = h == t.h0 && p == 0;
+      const Keys<T> k{k_cache + (long)h * hd, at, len, &ahead, first ? k0 : nullptr, bytes};
+      const Keys<T> v{v_cache + (long)h * hd, at, len, &ahead, first ? v0 : nullptr, bytes};
+      const int size = (group - g0) / (parties - p);
+      const int r = (h - t.h0) * group + g0;  // the party's first query head in the task
+      float* acc = st.acc.data() + (size_t)r * hd;
+      const float* q = st.q.data() + (size_t)r * hd;
+      float *m = st.m.data() + r, *l = st.l.data() + r;
+      switch (size) {
+        case 4: party_chunk<V, HD, 4>(acc, m, l, q, k, v, scale, hd, s); break;
+        case 3: party_chunk<V, HD, 3>(acc, m, l, q, k, v, scale, hd, s); break;
+        case 2: party_chunk<V, HD, 2>(acc, m, l, q, k, v, scale, hd, s); break;
+        default: party_chunk<V, HD, 1>(acc, m, l, q, k, v, scale, hd, s); break;
+      }
+      g0 += size;
+    }
+  }
+}
+
+template <typename V, int HD, typename T>
 void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, const int32_t* context_lens, int B, int max_blocks,
             int H, int hkv, int hd, int bs, float scale, int window, int threads) {
-  const int group = H / hkv;
+  const int group = H / hkv, parties = (group + PARTY - 1) / PARTY;
   long work = 0;
   for (int b = 0; b < B; b++) work += (long)context_lens[b] * H * hd * 4;
   const int nt = threads_for(work, threads);
   const int per_seq = B >= 2 * nt ? 1 : hkv;  // tasks per sequence
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-  for (long task = 0; task < (long)B * per_seq; task++) {
-    const int b = (int)(task / per_seq), part = (int)(task % per_seq);
-    const int h0 = per_seq == 1 ? 0 : part, h1 = per_seq == 1 ? hkv : part + 1;
-    const int n = context_lens[b];
+  const long tasks = (long)B * per_seq, row = (long)hkv * hd;
+  auto task = [&](long i) {
+    const long b = i / per_seq;
+    const int part = (int)(i % per_seq), n = context_lens[b];
     const int lo = window > 0 ? std::max(0, n - window) : 0;
-    const long at = (long)b * H * hd;
-    decode_task<HD>(q + at, k_cache, v_cache, block_tables + (long)b * max_blocks, lo, n, bs,
-                    hkv, hd, group, scale, h0, h1, out + at);
+    const int h0 = per_seq == 1 ? 0 : part, h1 = per_seq == 1 ? hkv : part + 1;
+    return Task{b, block_tables + b * max_blocks, lo, n, h0, h1};
+  };
+  long claimed = 0;  // tasks handed out
+#pragma omp parallel num_threads(nt)
+  {
+    thread_local std::vector<long> at[2];  // this chunk's key rows, the next one's
+    thread_local State st;
+    alignas(64) float s[PARTY * CHUNK];
+    Ahead ahead;
+    long cur;
+#pragma omp atomic capture
+    cur = claimed++;
+    if (cur < tasks) {
+      Task t = task(cur);
+      int c0 = t.lo, c = 0;
+      key_rows(at[c], t.table, c0, std::min(t.n, c0 + CHUNK), bs, row);
+      begin_task<V, T>(st, t, q + (t.b * H + t.h0 * group) * hd, hd, group);
+      while (true) {
+        const int c1 = std::min(t.n, c0 + CHUNK);
+        Task u = t;  // the next chunk: this task's, or the next one's first
+        int u0 = c1;
+        if (c1 >= t.n) {
+          long nxt;
+#pragma omp atomic capture
+          nxt = claimed++;
+          if (nxt < tasks) u = task(nxt), u0 = u.lo;
+          else u0 = -1;
+        }
+        ahead.j = ahead.n = 0;
+        if (u0 >= 0) {
+          const int u1 = std::min(u.n, u0 + CHUNK);
+          key_rows(at[c ^ 1], u.table, u0, u1, bs, row);
+          ahead.k = (const char*)k_cache, ahead.v = (const char*)v_cache;
+          ahead.at = at[c ^ 1].data(), ahead.esize = sizeof(T), ahead.off = 0;
+          ahead.first = (long)u.h0 * hd * sizeof(T), ahead.bytes = (u.h1 - u.h0) * hd * sizeof(T);
+          ahead.n = u1 - u0;
+          const long lines = (long)ahead.n * ((ahead.bytes + 63) / 64);
+          const long steps = 2L * (t.h1 - t.h0) * parties * ((c1 - c0 + 3) / 4);
+          ahead.per_step = (lines + steps - 1) / steps;
+        }
+        work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group, scale,
+                          ahead, s);
+        if (c1 >= t.n) {
+          end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + (t.b * H + t.h0 * group) * hd);
+          if (u0 < 0) break;
+          t = u;
+          begin_task<V, T>(st, t, q + (t.b * H + t.h0 * group) * hd, hd, group);
+        }
+        c0 = u0, c ^= 1;
+      }
+    }
   }
+}
+
+template <typename V, typename T>
+void decode_hd(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
+               const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
+               int window, int threads) {
+  if (hd == 64)
+    decode<V, 64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+  else if (hd == 128)
+    decode<V, 128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+  else
+    decode<V, 0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
 }
 
 template <typename T>
 void decode_any(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
                 const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
                 int window, int threads) {
-  if (hd == 64)
-    decode<64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
-  else if (hd == 128)
-    decode<128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
-  else
-    decode<0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+#if defined(__AVX512F__)
+  if (hd % 32 == 0)
+    return decode_hd<v16>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window,
+                          threads);
+#endif
+  decode_hd<v8>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
 }
 
 }  // namespace
