@@ -60,6 +60,19 @@ def test_decode_attention(threads, shape, dtype):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_attention_few_long_sequences(threads, dtype):
+    """Two sequences on two threads: a task per (sequence, KV head), each over several chunks
+    of keys (a chunk is 256), the next task's first chunk asked for over the last one."""
+    rng = np.random.default_rng([threads, 5])
+    lens = np.array([int(rng.integers(700, 1300)), int(rng.integers(257, 600))], np.int32)
+    k, v, tables = paged(rng, lens, 2, 128, np.dtype(dtype) if dtype == "float32" else BF16)
+    q = rng.standard_normal((2, 16, 128), dtype=np.float32)
+    want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.1)
+    got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.1)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("bs", [1, 8, 32, 48])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_attention_walks_any_block_size(threads, bs, dtype):
