@@ -112,42 +112,54 @@ template <typename V, typename VI> static inline V exp_v(V x) {
   const V e = (p * r * r + r + 1.0f) * (V)((__builtin_convertvector(n, VI) + 127) << 23);
   return x != x ? x : (x < -87.3f ? V{} : e);
 }
-typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8 exp8(v8 x) { return exp_v<v8, v8i>(x); }
-
 static inline float hsum8(v8 v) {
   const v4 h = half_sum(v);
   return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-// One tile of an online softmax: the scores s[0..nt) become e^(s - max), with max the running
-// maximum m updated by the tile; the running sum l is rescaled and adds the tile's. Returns the
-// factor the accumulator must be rescaled by (e^(old m - new m)). A tile with nothing visible
-// (every score -inf, the running max still -inf) changes nothing: its weights are 0, factor 1.
-// s has room for nt rounded up to a multiple of 8 (the lanes past nt are overwritten).
-static inline float softmax_tile(float* s, int nt, float& m, float& l) {
-  const int n8 = (nt + 7) / 8;
-  for (int j = nt; j < 8 * n8; j++) s[j] = -INFINITY;
-  v8 mx8 = v8{} + m;
-  for (int i = 0; i < n8; i++) {
-    const v8 v = load8(s + 8 * i);
-    mx8 = v > mx8 ? v : mx8;
+// The lane sum of a float32 vector of 8 lanes (hsum8's order) or 16 (its halves added first).
+template <typename V> static inline float hsum_v(V v) {
+  if constexpr (sizeof(V) == sizeof(v8)) {
+    return hsum8(v);
+  } else {
+    v8 lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, (const char*)&v + sizeof lo, sizeof hi);
+    return hsum8(lo + hi);
   }
-  float mx = mx8[0];
-  for (int i = 1; i < 8; i++) mx = std::max(mx, mx8[i]);
+}
+
+// One tile of an online softmax on vectors V: the scores s[0..nt) become e^(s - max), with max
+// the running maximum m updated by the tile; the running sum l is rescaled and adds the tile's.
+// Returns the factor the accumulator must be rescaled by (e^(old m - new m)). A tile with
+// nothing visible (every score -inf, the running max still -inf) changes nothing: its weights
+// are 0, factor 1. s has room for nt rounded up to V's lanes (the lanes past nt are
+// overwritten). NaN in, NaN out.
+template <typename V = v8> static inline float softmax_tile(float* s, int nt, float& m, float& l) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  constexpr int W = sizeof(V) / sizeof(float);
+  const int nv = (nt + W - 1) / W;
+  for (int j = nt; j < W * nv; j++) s[j] = -INFINITY;
+  V mxv = V{} + m, x, sum = {};
+  for (int i = 0; i < nv; i++) {
+    std::memcpy(&x, s + W * i, sizeof x);
+    mxv = x > mxv ? x : mxv;
+  }
+  float mx = mxv[0];
+  for (int i = 1; i < W; i++) mx = std::max(mx, mxv[i]);
   if (mx == -INFINITY) {
     for (int j = 0; j < nt; j++) s[j] = 0.0f;
     return 1.0f;
   }
   const float corr = exp_f32(m - mx);
-  v8 sum = {};
-  for (int i = 0; i < n8; i++) {
-    const v8 e = exp8(load8(s + 8 * i) - mx);
-    store8(s + 8 * i, e);
-    sum += e;
+  for (int i = 0; i < nv; i++) {
+    std::memcpy(&x, s + W * i, sizeof x);
+    x = exp_v<V, VI>(x - mx);
+    std::memcpy(s + W * i, &x, sizeof x);
+    sum += x;
   }
   m = mx;
-  l = l * corr + hsum8(sum);
+  l = l * corr + hsum_v(sum);
   return corr;
 }
 

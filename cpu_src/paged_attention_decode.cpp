@@ -197,36 +197,6 @@ void party_scores(float* s, long stride, const float* q, const Keys<T>& keys, fl
   }
 }
 
-// One chunk of an online softmax: s[0..n) -> e^(s - m') with m' the running max m updated
-// by the chunk; the running sum l is rescaled and adds the chunk's. Returns the factor the
-// accumulators must be rescaled by, e^(m - m'). s has room for n rounded up to W (those lanes
-// are overwritten). NaN in, NaN out.
-template <typename V> float softmax_chunk(float* s, int n, float& m, float& l) {
-  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
-  constexpr int W = lanes<V>();
-  const int nv = (n + W - 1) / W;
-  for (int j = n; j < nv * W; j++) s[j] = -INFINITY;
-  V mx = V{} + m, x, sum = {};
-  for (int i = 0; i < nv; i++) {
-    std::memcpy(&x, s + i * W, sizeof x);
-    mx = x > mx ? x : mx;
-  }
-  float m1 = m;
-  for (int i = 0; i < W; i++) m1 = std::max(m1, mx[i]);
-  for (int i = 0; i < nv; i++) {
-    std::memcpy(&x, s + i * W, sizeof x);
-    x = exp_v<V, VI>(x - m1);
-    std::memcpy(s + i * W, &x, sizeof x);
-    sum += x;
-  }
-  float add = 0.0f;
-  for (int i = 0; i < W; i++) add += sum[i];
-  const float corr = exp_f32(m - m1);  // 0 for the first chunk (m = -inf)
-  m = m1;
-  l = l * corr + add;
-  return corr;
-}
-
 // Pass 2: acc[g] = acc[g] * corr[g] + sum_j p[g][j] v_j for the party, CP pairs of vectors
 // (2W dims each) of the head at a time. acc: (G, hd) in lane order.
 template <typename V, int HD, int G, typename T>
@@ -275,7 +245,7 @@ void party_chunk(float* acc, float* m, float* l, const float* q, const Keys<T>& 
   float corr[G];
   party_scores<V, HD, G>(s, stride, q, k, scale, hd);
   for (int j = 0; j < AHEAD; j++) v.ask(j);  // the first values' rows
-  for (int g = 0; g < G; g++) corr[g] = softmax_chunk<V>(s + g * stride, k.n, m[g], l[g]);
+  for (int g = 0; g < G; g++) corr[g] = softmax_tile<V>(s + g * stride, k.n, m[g], l[g]);
   party_values<V, HD, G>(acc, corr, s, stride, v, hd);
 }
 
@@ -373,8 +343,9 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
       Task t = task(cur);
       int c0 = t.lo, c = 0;
       key_rows(at[c], t.table, c0, std::min(t.n, c0 + CHUNK), bs, row);
-      begin_task<V, T>(st, t, q + (t.b * H + t.h0 * group) * hd, hd, group);
       while (true) {
+        const long o = (t.b * H + t.h0 * group) * hd;  // the task's query rows in q and out
+        if (c0 == t.lo) begin_task<V, T>(st, t, q + o, hd, group);
         const int c1 = std::min(t.n, c0 + CHUNK);
         Task u = t;  // the next chunk: this task's, or the next one's first
         int u0 = c1;
@@ -400,10 +371,9 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
         work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group, scale,
                           ahead, s);
         if (c1 >= t.n) {
-          end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + (t.b * H + t.h0 * group) * hd);
+          end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + o);
           if (u0 < 0) break;
           t = u;
-          begin_task<V, T>(st, t, q + (t.b * H + t.h0 * group) * hd, hd, group);
         }
         c0 = u0, c ^= 1;
       }
