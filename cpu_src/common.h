@@ -1,20 +1,29 @@
 // Shared by the native CPU kernels (engine/backends/cpu_ops.py calls them through ctypes):
 // the cache's element types, an exp the compiler can vectorize, and the thread rule.
 //
-// Activations are float32; a KV cache is float32, float16 or bfloat16 (DT_* below), read as
-// float32 and written with one rounding to nearest even, as NumPy's assignment into it rounds.
+// Activations are float32; a KV cache is float32, float16, bfloat16 or one of the two 8-bit
+// floats (DT_* below), read as float32 and written with one rounding to nearest even, as
+// NumPy's assignment into it rounds (the 8-bit ones saturate at their largest finite value).
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
 
 struct bf16 {
   uint16_t bits;
 };
 typedef _Float16 f16;
+// 8-bit floats, sign | exponent | mantissa: e4m3 (bias 7, no infinities, 0x7f/0xff NaN,
+// largest 448) and e5m2 (bias 15, the top byte of a float16, largest finite 57344)
+struct e4m3 {
+  uint8_t bits;
+};
+struct e5m2 {
+  uint8_t bits;
+};
 
 static inline float to_f32(float x) { return x; }
 static inline float to_f32(f16 x) { return (float)x; }
@@ -23,6 +32,49 @@ static inline float to_f32(bf16 x) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// The 256 values of an 8-bit float of E exponent bits (bias 2^(E-1) - 1) and M mantissa bits,
+// computed at compile time; NaN where `is_nan(byte)`, +-inf where `is_inf(byte)`. One load
+// a value (the scalar readers: prefill's tiles; decode widens whole vectors itself).
+template <int E, int M> struct Fp8Table {
+  float v[256];
+  template <typename Nan, typename Inf> constexpr Fp8Table(Nan is_nan, Inf is_inf) : v() {
+    constexpr int BIAS = (1 << (E - 1)) - 1;
+    for (int b = 0; b < 256; b++) {
+      const int e = (b >> M) & ((1 << E) - 1), m = b & ((1 << M) - 1);
+      float x = (float)(e ? (1 << M) + m : m);  // in units of 2^(max(e, 1) - BIAS - M)
+      for (int i = 0; i < BIAS + M - (e ? e : 1); i++) x *= 0.5f;
+      for (int i = 0; i < (e ? e : 1) - BIAS - M; i++) x *= 2.0f;
+      if (is_inf(b)) x = __builtin_inff();
+      if (is_nan(b)) x = __builtin_nanf("");
+      v[b] = b & 0x80 ? -x : x;
+    }
+  }
+};
+// e4m3: no infinities, 0x7f and 0xff NaN; e5m2: float16's exponent, so IEEE's rules
+static constexpr Fp8Table<4, 3> E4M3_VALUES{[](int b) { return (b & 0x7f) == 0x7f; },
+                                            [](int) { return false; }};
+static constexpr Fp8Table<5, 2> E5M2_VALUES{[](int b) { return (b & 0x7f) > 0x7c; },
+                                            [](int b) { return (b & 0x7f) == 0x7c; }};
+static inline float to_f32(e4m3 x) { return E4M3_VALUES.v[x.bits]; }
+static inline float to_f32(e5m2 x) { return E5M2_VALUES.v[x.bits]; }
+
+// x rounded to nearest even in a float of E exponent bits (bias 2^(E-1) - 1) and M mantissa
+// bits, saturated at `top` (its largest finite value: infinities too); NaN -> `nan`.
+template <int E, int M> static inline uint8_t to_fp8(float x, float top, uint8_t nan) {
+  constexpr int BIAS = (1 << (E - 1)) - 1;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return sign | nan;
+  const float a = std::min(std::fabs(x), top);
+  if (a < std::ldexp(1.0f, 1 - BIAS))  // below the smallest normal: multiples of 2^(1-BIAS-M)
+    return sign | (uint8_t)std::nearbyint(a * std::ldexp(1.0f, BIAS - 1 + M));  // 2^M: normal
+  std::memcpy(&u, &a, 4);
+  u += (1u << (22 - M)) - 1 + ((u >> (23 - M)) & 1u);  // round off 23 - M bits, ties to even
+  const uint32_t e = (u >> 23) - 127 + BIAS;
+  return sign | (uint8_t)((e << M) | ((u >> (23 - M)) & ((1u << M) - 1)));
 }
 
 template <typename T> static inline T from_f32(float x);
@@ -35,6 +87,8 @@ template <> inline bf16 from_f32<bf16>(float x) {
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return bf16{(uint16_t)(u >> 16)};
 }
+template <> inline e4m3 from_f32<e4m3>(float x) { return e4m3{to_fp8<4, 3>(x, 448.0f, 0x7f)}; }
+template <> inline e5m2 from_f32<e5m2>(float x) { return e5m2{to_fp8<5, 2>(x, 57344.0f, 0x7e)}; }
 
 // e^x in float32 (Cephes' polynomial after x = n ln2 + r), within 2 ulp; -inf and anything
 // below -87.3 give 0, NaN stays NaN. Branch-free, so a loop over it vectorizes.
@@ -174,5 +228,7 @@ static inline int threads_for(long work, int threads) {
   switch (dtype) {                           \
     case DT_F32: { typedef float T; CALL; } break; \
     case DT_F16: { typedef f16 T; CALL; } break;   \
+    case DT_E4M3: { typedef e4m3 T; CALL; } break; \
+    case DT_E5M2: { typedef e5m2 T; CALL; } break; \
     default: { typedef bf16 T; CALL; } break;      \
   }

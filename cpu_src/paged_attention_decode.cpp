@@ -22,6 +22,9 @@
 // A bfloat16 pair of dims widens with a shift (the even dim) and a mask (the odd one): the
 // even dims of 2W land in one vector, the odd ones in the next, so q and the accumulators
 // are kept in that lane order and put back in the head's order at the end.
+#include <immintrin.h>
+
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -42,24 +45,35 @@ template <typename V> constexpr int lanes() { return sizeof(V) / sizeof(float); 
 // 2W values of a cache row as two float32 vectors, and where dim i of the 2W lands in them.
 template <typename V, typename T> struct Row;
 template <typename V> struct Row<V, float> {
+  static constexpr float gain = 1.0f;
   static inline void load(const float* p, V& a, V& b) {
     std::memcpy(&a, p, sizeof a);
     std::memcpy(&b, p + lanes<V>(), sizeof b);
   }
   static int lane(int i) { return i; }
 };
+// W float16 values at p as float32 (F16C's conversion: GCC 12 converts a _Float16 vector one
+// lane at a time).
+template <typename V> static inline V widen_halves(const void* p);
+template <> inline v8 widen_halves<v8>(const void* p) {
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+#if defined(__AVX512F__)
+template <> inline v16 widen_halves<v16>(const void* p) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);  // (the masked form: GCC 12 warns
+  return (v16)_mm512_mask_cvtph_ps(_mm512_setzero_ps(), (__mmask16)-1, h);  // on the plain one)
+}
+#endif
 template <typename V> struct Row<V, f16> {
-  typedef _Float16 half __attribute__((vector_size(sizeof(V) / 2)));
+  static constexpr float gain = 1.0f;
   static inline void load(const f16* p, V& a, V& b) {
-    half x, y;
-    std::memcpy(&x, p, sizeof x);
-    std::memcpy(&y, p + lanes<V>(), sizeof y);
-    a = __builtin_convertvector(x, V);
-    b = __builtin_convertvector(y, V);
+    a = widen_halves<V>(p);
+    b = widen_halves<V>(p + lanes<V>());
   }
   static int lane(int i) { return i; }
 };
 template <typename V> struct Row<V, bf16> {  // 32-bit word j holds dims 2j (low half), 2j + 1
+  static constexpr float gain = 1.0f;
   typedef uint32_t words __attribute__((vector_size(sizeof(V))));
   static inline void load(const bf16* p, V& a, V& b) {
     words x;
@@ -68,6 +82,47 @@ template <typename V> struct Row<V, bf16> {  // 32-bit word j holds dims 2j (low
     b = (V)(x & 0xffff0000u);
   }
   static int lane(int i) { return i % 2 ? lanes<V>() + i / 2 : i / 2; }
+};
+// The 8-bit floats through float16 bits (one widening, a shift, then the float16 conversion):
+// e5m2 is a float16's top byte; e4m3's sign-extended byte shifted left by 7 is float16's bits
+// with the sign copied into the exponent's top bit (masked off) and the value / 256, which the
+// kernel multiplies back once (`gain`: into the scores' scale and the output).
+// (GCC 12 refuses __builtin_convertvector on integer vector types declared in a template, so
+// the 2W bytes, 2W shorts and W halves of each width are declared here.)
+template <typename V> struct Bytes;
+template <> struct Bytes<v8> {
+  typedef int8_t octets __attribute__((vector_size(16)));
+  typedef int16_t shorts __attribute__((vector_size(32)));
+};
+#if defined(__AVX512F__)
+template <> struct Bytes<v16> {
+  typedef int8_t octets __attribute__((vector_size(32)));
+  typedef int16_t shorts __attribute__((vector_size(64)));
+};
+#endif
+template <typename V, typename T> struct Row8 {
+  typedef typename Bytes<V>::octets octets;
+  typedef typename Bytes<V>::shorts shorts;
+  static inline void load(const T* p, V& a, V& b) {
+    octets x;
+    std::memcpy(&x, p, sizeof x);
+    shorts h = __builtin_convertvector(x, shorts);
+    if constexpr (std::is_same<T, e5m2>::value) {
+      h = h << 8;
+    } else {
+      const shorts nan = (h & 0x7f) == 0x7f;  // e4m3's NaN -> a float16 NaN
+      h = ((h << 7) & (short)0xbfff) | (nan & (short)0x7e00);
+    }
+    a = widen_halves<V>(&h);
+    b = widen_halves<V>((const char*)&h + sizeof h / 2);
+  }
+  static int lane(int i) { return i; }
+};
+template <typename V> struct Row<V, e4m3> : Row8<V, e4m3> {
+  static constexpr float gain = 256.0f;
+};
+template <typename V> struct Row<V, e5m2> : Row8<V, e5m2> {
+  static constexpr float gain = 1.0f;
 };
 
 // The transpose-and-add tree. pair(a, b): in each 128-bit lane, (a's 0+2, b's 0+2, a's 1+3,
@@ -278,7 +333,7 @@ template <typename V, typename T>
 void end_task(const State& st, int nh, int hd, float* out) {
   constexpr int W = lanes<V>();
   for (int r = 0; r < nh; r++) {
-    const float inv = 1.0f / st.l[r];
+    const float inv = Row<V, T>::gain / st.l[r];  // the values' gain with the softmax's sum
     for (int d = 0; d < hd; d++)
       out[(long)r * hd + d] =
           st.acc[(size_t)r * hd + d / (2 * W) * (2 * W) + Row<V, T>::lane(d % (2 * W))] * inv;
@@ -368,8 +423,8 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
           const long steps = 2L * (t.h1 - t.h0) * parties * ((c1 - c0 + 3) / 4);
           ahead.per_step = (lines + steps - 1) / steps;
         }
-        work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group, scale,
-                          ahead, s);
+        work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group,
+                          scale * Row<V, T>::gain, ahead, s);
         if (c1 >= t.n) {
           end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + o);
           if (u0 < 0) break;

@@ -26,6 +26,7 @@ REQUIRED_HF_FIELDS = (
 )
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPE_BYTES |= {"fp8_e4m3": 1, "fp8_e5m2": 1}  # the host backends' 8-bit KV caches
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,25 @@
 """The native CPU kernels (``cpu_src/`` through ``engine.backends.cpu_ops``) against their NumPy
 twins in ``tests/oracles/numpy_ops`` computed in float64 (a 16-bit cache read exactly), on ragged
 shapes: context lengths 1, 15, 16, 17 and over 1,000, GQA groups 1, 2, 3 and 8, head dims 64,
-80 and 128, float32 and bfloat16 caches (and float16 once), sliding windows; on one thread and
-on two, which give the same bits (a task's arithmetic does not depend on the thread that runs
-it)."""
+80 and 128, float32, bfloat16 and the two 8-bit float caches (and float16 once), sliding
+windows; on one thread and on two, which give the same bits (a task's arithmetic does not
+depend on the thread that runs it)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from engine.backends import cpu_ops
+from engine.backends.base import numpy_dtype
 from engine.backends.quant import to_bf16_panels, to_int8, to_int8_panels, to_panels
 from engine.utils import cdiv
 from tests.oracles import numpy_ops
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+DT = {name: numpy_dtype(name) for name in CACHES}
+BF16 = DT["bfloat16"]
+FP8 = ["fp8_e4m3", "fp8_e5m2"]
 LENS = [1, 15, 16, 17, 1100]
 # (Hkv, group, hd, window); hd 80 takes the kernels' loops for any multiple of 16
 SHAPES = [(1, 1, 64, 0), (3, 3, 64, 0), (1, 8, 128, 0), (2, 8, 64, 20), (2, 2, 80, 0)]
@@ -29,11 +32,20 @@ def threads(request, monkeypatch):
     return request.param
 
 
+def values(rng, shape, dtype):
+    """Normal values in a cache's dtype; an 8-bit float's spread over 2^-10..2^6 times that,
+    so its subnormals and most of its exponents occur."""
+    x = rng.standard_normal(shape)
+    if dtype.itemsize == 1:
+        x *= 2.0 ** rng.uniform(-10, 6, shape)
+    return x.astype(dtype)
+
+
 def paged(rng, lens, hkv, hd, dtype, bs=16):
     """K and V pools holding each sequence's rows in shuffled blocks, and the block tables."""
     n_blocks = sum(cdiv(n, bs) for n in lens) + 2
-    k = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dtype)
-    v = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dtype)
+    k = values(rng, (n_blocks, bs, hkv, hd), dtype)
+    v = values(rng, (n_blocks, bs, hkv, hd), dtype)
     ids, at = rng.permutation(n_blocks), 0
     tables = np.full((len(lens), cdiv(max(lens), bs) + 1), -1, np.int32)
     for b, n in enumerate(lens):
@@ -46,49 +58,56 @@ def f64(a):
     return a.astype(np.float64)
 
 
+def close(got, want, v):
+    """Within float32's accumulated rounding, relative to the outputs or (an 8-bit cache's
+    values spread up to a few hundred) to the largest V, whose sums can cancel to 1."""
+    atol = 2e-5 * max(1.0, float(np.abs(f64(v)).max()) / 8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=atol)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=NAMES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", *FP8])
 def test_decode_attention(threads, shape, dtype):
     hkv, group, hd, window = shape
     rng = np.random.default_rng([hkv, group, hd, window, threads])
     lens = rng.permutation(LENS)
-    k, v, tables = paged(rng, lens, hkv, hd, np.dtype(dtype) if dtype == "float32" else BF16)
+    k, v, tables = paged(rng, lens, hkv, hd, DT[dtype])
     q = rng.standard_normal((len(lens), hkv * group, hd), dtype=np.float32)
     want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.125, window)
     got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.125, window)
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    close(got, want, v)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
 def test_decode_attention_few_long_sequences(threads, dtype):
     """Two sequences on two threads: a task per (sequence, KV head), each over several chunks
     of keys (a chunk is 256), the next task's first chunk asked for over the last one."""
     rng = np.random.default_rng([threads, 5])
     lens = np.array([int(rng.integers(700, 1300)), int(rng.integers(257, 600))], np.int32)
-    k, v, tables = paged(rng, lens, 2, 128, np.dtype(dtype) if dtype == "float32" else BF16)
+    k, v, tables = paged(rng, lens, 2, 128, DT[dtype])
     q = rng.standard_normal((2, 16, 128), dtype=np.float32)
     want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.1)
     got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.1)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    close(got, want, v)
 
 
 @pytest.mark.parametrize("bs", [1, 8, 32, 48])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "fp8_e5m2"])
 def test_decode_attention_walks_any_block_size(threads, bs, dtype):
     """A tile of keys (16) spans several blocks, one, or part of one: the key offsets are
     walked block by block."""
     rng = np.random.default_rng([bs, threads])
     lens = rng.permutation(LENS[:4] + [int(rng.integers(90, 200))])
-    k, v, tables = paged(rng, lens, 2, 64, np.dtype(dtype), bs)
+    k, v, tables = paged(rng, lens, 2, 64, DT[dtype], bs)
     q = rng.standard_normal((len(lens), 6, 64), dtype=np.float32)
     want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), tables, lens, 0.125)
     got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.125)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    close(got, want, v)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=NAMES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", *FP8])
 def test_prefill_attention(threads, shape, dtype):
     """Runs of 1, 15, 3, 17 and 130 query rows; all but the first start part-way into their
     sequence (a cached prefix)."""
@@ -97,12 +116,34 @@ def test_prefill_attention(threads, shape, dtype):
     lens = np.array(LENS, np.int32)
     q_lens = np.array([1, 15, 3, 17, 130])
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    k, v, tables = paged(rng, lens, hkv, hd, np.dtype(dtype) if dtype == "float32" else BF16)
+    k, v, tables = paged(rng, lens, hkv, hd, DT[dtype])
     q = rng.standard_normal((int(qsl[-1]), hkv * group, hd), dtype=np.float32)
     args = (tables, qsl, lens, 0.125, window)
     want = numpy_ops.paged_attention_prefill(f64(q), f64(k), f64(v), *args)
     got = cpu_ops.paged_attention_prefill(q, k, v, *args)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    close(got, want, v)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_every_8_bit_value_is_read_exactly(threads, dtype):
+    """Sequences of one key: the attention's output is that key's V row, so rows holding all
+    256 byte values (NaN and, for e5m2, the infinities among them) must come out as NumPy
+    widens them, from both kernels."""
+    rng = np.random.default_rng([threads, len(dtype)])
+    hd, dt = 64, DT[dtype]
+    codes = rng.permutation(256).astype(np.uint8).reshape(4, 1, 1, hd)  # 4 blocks of one row
+    v = codes.view(dt)  # (4, bs 1, Hkv 1, hd)
+    k = values(rng, v.shape, dt)
+    tables = rng.permutation(4).astype(np.int32)[:, None]  # (4, 1)
+    lens = np.ones(4, np.int32)
+    q = rng.standard_normal((4, 2, hd), dtype=np.float32)
+    want = np.repeat(v[tables[:, 0], 0].astype(np.float32), 2, axis=1)  # (4, H 2, hd)
+    got = cpu_ops.paged_attention_decode(q, k, v, tables, lens, 0.125)
+    np.testing.assert_array_equal(got, want)
+    qsl = np.arange(5, dtype=np.int32)
+    got = cpu_ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.125)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(want).sum() == {"fp8_e4m3": 4, "fp8_e5m2": 12}[dtype]
 
 
 def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch):
@@ -120,14 +161,16 @@ def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", CACHES)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "bias-and-head-norms"])
 def test_rotary_fused_with_the_cache_write(threads, dtype, qk_norm):
     """q rotated, k rotated and v written into their slots with one rounding to the cache's
-    dtype; padding slots (< 0) written nowhere."""
+    dtype (an 8-bit float saturating at its largest finite value: one token's K and V are
+    beyond e4m3's 448); padding slots (< 0) written nowhere."""
     rng = np.random.default_rng([threads, qk_norm, len(dtype)])
     n_tok, H, hkv, hd, bs, n_blocks = 37, 6, 2, 64, 16, 5
     qkv = rng.standard_normal((n_tok, (H + 2 * hkv) * hd), dtype=np.float32)
+    qkv[7] *= 2000.0
     positions = rng.integers(0, 4000, n_tok).astype(np.int32)
     slots = rng.permutation(n_blocks * bs)[:n_tok].astype(np.int32)
     slots[[3, 20]] = -1
@@ -139,22 +182,24 @@ def test_rotary_fused_with_the_cache_write(threads, dtype, qk_norm):
             k_norm=rng.standard_normal(hd, dtype=np.float32),
             eps=1e-6,
         )
-    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
-    fill = rng.standard_normal((n_blocks, bs, hkv, hd)).astype(dt)
+    dt = DT[dtype]
+    fill = values(rng, (n_blocks, bs, hkv, hd), dt)  # (the 8-bit values at most 2^6 x normal)
     caches = {name: [fill.copy(), fill.copy()] for name in ("want", "got")}
     want = numpy_ops.rotary_cache(qkv, positions, 1e4, *caches["want"], slots, H, **extra)
     got = cpu_ops.rotary_cache(qkv, positions, 1e4, *caches["got"], slots, H, **extra)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     untouched = np.setdiff1d(np.arange(n_blocks * bs), slots)
     for w, g in zip(caches["want"], caches["got"], strict=True):  # K, then V
-        np.testing.assert_allclose(
-            f64(g), f64(w), rtol=1e-2 if dtype != "float32" else 1e-5, atol=1e-6
-        )
+        step = {4: 1e-5, 2: 1e-2, 1: 0.25}[dt.itemsize]  # a value's neighbours in the dtype
+        np.testing.assert_allclose(f64(g), f64(w), rtol=step, atol=1e-6)
         if dtype != "float32":  # one rounding of nearly the same float: nearly always equal
             assert (f64(g) == f64(w)).mean() > 0.99
+        assert np.isfinite(f64(g)).all()  # saturated, not NaN or infinite
         assert np.array_equal(
             g.reshape(-1, hkv, hd)[untouched], fill.reshape(-1, hkv, hd)[untouched]
         )
+    if dtype == "fp8_e4m3":  # token 7's V (never normalized) was beyond 448
+        assert np.abs(f64(caches["got"][1])).max() == 448
 
 
 @pytest.mark.parametrize("rows", [1, 17, 700])

@@ -59,8 +59,9 @@ def assert_same_bits(a, b):
         {"quantization": "q8_0"},
         {"quantization": "q4_1"},
         {"kv_cache_dtype": "float16"},
+        {"kv_cache_dtype": "fp8_e4m3"},
     ],
-    ids=["float32", "bf16", "int8", "q8_0", "q4_1", "f16-cache"],
+    ids=["float32", "bf16", "int8", "q8_0", "q4_1", "f16-cache", "fp8-cache"],
 )
 def test_the_same_bits_as_the_loop(tiny, fused_steps, setting):
     fused, loop = fused_and_loop(tiny, SEED_PROMPTS, **setting)

@@ -23,11 +23,17 @@ from ..forward_batch import ForwardBatch
 KV_DTYPES = ("float32", "float16", "bfloat16")
 
 
+ML_DTYPES = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# the 8-bit floats' largest finite values: a cache write saturates there (vLLM's rule)
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
 def numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
+    """A dtype name of the engine (``fp8_e4m3``, ``bfloat16``, ...) -> NumPy's dtype."""
+    if name in ML_DTYPES:
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, ML_DTYPES[name]))
     return np.dtype(name)
 
 

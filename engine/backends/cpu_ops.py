@@ -3,10 +3,10 @@ results within float rounding), the heavy ones run by the kernels of ``cpu_src/`
 (``cpu_native``); the rest (embedding, block copies, the GELU activations) are fast_ops' own.
 
 Activations are float32; weights float32, or bf16 or int8 (``quant.QuantWeight``, for
-``matmul``); the KV cache is float32, float16 or bfloat16. ``rotary_cache`` does
-what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the cos/sin table that
-``fast_ops`` computes once per forward. ``fused_add_rms_norm`` adds into ``residual`` in place
-(and returns it): the backend's residual is its own array.
+``matmul``); the KV cache is float32, float16, bfloat16 or an 8-bit float (e4m3, e5m2).
+``rotary_cache`` does what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the
+cos/sin table that ``fast_ops`` computes once per forward. ``fused_add_rms_norm`` adds into
+``residual`` in place (and returns it): the backend's residual is its own array.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from .quant import BLOCK_FORMATS, QuantWeight
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 BF16 = numpy_dtype("bfloat16")
-CACHE_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}  # (dtype.name is 5 us)
+# the cache dtypes' codes in cpu_src/common.h (a dict of dtypes: dtype.name is 5 us)
+CACHE_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
+CACHE_DTYPES |= {numpy_dtype("fp8_e4m3"): 3, numpy_dtype("fp8_e5m2"): 4}
 
 
 def _p(a: np.ndarray | None) -> int | None:
@@ -51,7 +53,7 @@ def _cache_code(cache: np.ndarray) -> int:
     code = CACHE_DTYPES.get(cache.dtype)
     if code is None or not cache.flags.c_contiguous:
         raise ValueError(
-            f"a KV cache must be contiguous float32/float16/bfloat16, got {cache.dtype}"
+            f"a KV cache must be contiguous float32/float16/bfloat16/float8, got {cache.dtype}"
         )
     return code
 

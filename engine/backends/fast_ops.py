@@ -18,7 +18,7 @@ import numpy as np
 from engine.utils import cdiv
 from reference.model import ACTIVATIONS, apply_rope, rope_cos_sin
 
-from .base import copy_host_blocks
+from .base import FP8_MAX, copy_host_blocks
 
 QUERY_CHUNK = 512  # prefill query rows per score matrix: (H, 512, S) float32 at most
 
@@ -92,7 +92,12 @@ def act_and_mul(gate_up: np.ndarray, activation: str = "silu") -> np.ndarray:
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches."""
+    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches,
+    rounded to the cache's dtype (to nearest even; an 8-bit float saturates at its largest
+    finite value, infinities too, as vLLM's fp8 cache does)."""
+    top = FP8_MAX.get(k_cache.dtype.name)
+    if top is not None:
+        k, v = (np.clip(_f(a), -top, top) for a in (k, v))
     if slot_mapping.min(initial=0) < 0:  # padding slots: drop them
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]

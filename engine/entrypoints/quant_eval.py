@@ -166,11 +166,11 @@ def read_text(path: str) -> str:
 
 
 def run(args) -> int:
-    cache_16 = args.kv_cache_dtype not in ("auto", "float32")
-    if args.dtype == "float32" and args.quantization is None and not cache_16:
+    smaller_cache = args.kv_cache_dtype not in ("auto", "float32")
+    if args.dtype == "float32" and args.quantization is None and not smaller_cache:
         raise ValueError(
-            "--dtype float32 without --quantization or a 16-bit --kv-cache-dtype: nothing to "
-            "compare"
+            "--dtype float32 without --quantization or a 16- or 8-bit --kv-cache-dtype: "
+            "nothing to compare"
         )
     if args.tokens < 2 or args.chunk < 1:
         raise ValueError(

@@ -81,7 +81,11 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches."""
+    """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches,
+    rounded to the cache's dtype; an 8-bit float cache saturates at its largest finite value."""
+    top = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}.get(k_cache.dtype.name)
+    if top is not None:
+        k, v = np.clip(k, -top, top), np.clip(v, -top, top)
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -122,8 +126,7 @@ def rotary_cache(
     if q_norm is not None:
         q, k = head_rms_norm(q, q_norm, eps), head_rms_norm(k, k_norm, eps)
     q, k = rotary(q, k, positions, theta)
-    dtype = k_cache.dtype
-    reshape_and_cache(k.astype(dtype), v.astype(dtype), k_cache, v_cache, slot_mapping)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)  # rounded (saturated) there
     return q.astype(qkv.dtype)
 
 
