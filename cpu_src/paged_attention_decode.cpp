@@ -22,6 +22,7 @@
 // A bfloat16 pair of dims widens with a shift (the even dim) and a mask (the odd one): the
 // even dims of 2W land in one vector, the odd ones in the next, so q and the accumulators
 // are kept in that lane order and put back in the head's order at the end.
+// float16 and the 8-bit floats (e4m3, e5m2) widen through vcvtph2ps, in the head's order.
 #include <immintrin.h>
 
 #include <type_traits>
@@ -88,7 +89,7 @@ template <typename V> struct Row<V, bf16> {  // 32-bit word j holds dims 2j (low
 // with the sign copied into the exponent's top bit (masked off) and the value / 256, which the
 // kernel multiplies back once (`gain`: into the scores' scale and the output).
 // (GCC 12 refuses __builtin_convertvector on integer vector types declared in a template, so
-// the 2W bytes, 2W shorts and W halves of each width are declared here.)
+// the 2W bytes and 2W shorts of each width are declared here.)
 template <typename V> struct Bytes;
 template <> struct Bytes<v8> {
   typedef int8_t octets __attribute__((vector_size(16)));
