@@ -1,9 +1,9 @@
 """The native CPU kernels (``cpu_src/`` through ``engine.backends.cpu_ops``) against their NumPy
-twins in ``tests/oracles/numpy_ops`` computed in float64 (a 16-bit cache read exactly), on ragged
-shapes: context lengths 1, 15, 16, 17 and over 1,000, GQA groups 1, 2, 3 and 8, head dims 64,
-80 and 128, float32, bfloat16 and the two 8-bit float caches (and float16 once), sliding
-windows; on one thread and on two, which give the same bits (a task's arithmetic does not
-depend on the thread that runs it)."""
+twins in ``tests/oracles/numpy_ops`` computed in float64 (a 16- or 8-bit cache read exactly),
+on ragged shapes: context lengths 1, 15, 16, 17 and over 1,000, GQA groups 1, 2, 3 and 8, head
+dims 64, 80 and 128, float32, bfloat16 and the two 8-bit float caches (and float16 once),
+sliding windows; on one thread and on two, which give the same bits (a task's arithmetic does
+not depend on the thread that runs it)."""
 
 from __future__ import annotations
 
