@@ -95,12 +95,12 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Write each token's K and V (T, Hkv, hd) into its slot of the (N, bs, Hkv, hd) caches,
     rounded to the cache's dtype (to nearest even; an 8-bit float saturates at its largest
     finite value, infinities too, as vLLM's fp8 cache does)."""
-    top = FP8_MAX.get(k_cache.dtype.name)
-    if top is not None:
-        k, v = (np.clip(_f(a), -top, top) for a in (k, v))
     if slot_mapping.min(initial=0) < 0:  # padding slots: drop them
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    top = FP8_MAX.get(k_cache.dtype.name)
+    if top is not None:  # only the rows written
+        k, v = (np.clip(_f(a), -top, top) for a in (k, v))
     k_cache.reshape(-1, *k_cache.shape[2:])[slot_mapping] = k  # (N*bs, Hkv, hd) view
     v_cache.reshape(-1, *v_cache.shape[2:])[slot_mapping] = v
 
