@@ -49,7 +49,8 @@ def test_cpu_against_numpy_with_a_smaller_cache(tiny, cache):
         e = make_engine(tiny, backend=backend, kv_cache_dtype=c, record_logits=True)
         runs[backend, c] = run_to_completion(e, SEED_PROMPTS, GREEDY)
     assert_same_greedy(runs["numpy", cache], runs["cpu", cache], tol=1e-3)
-    steps = slice(None) if numpy_dtype(cache).itemsize == 2 else slice(0, 1)
+    sixteen_bits = numpy_dtype(cache).itemsize == 2
+    steps = slice(None) if sixteen_bits else slice(0, 1)
     moved = max(
         np.abs(np.stack(a.step_logits[steps]) - np.stack(b.step_logits[steps])).max()
         for a, b in zip(
@@ -58,7 +59,7 @@ def test_cpu_against_numpy_with_a_smaller_cache(tiny, cache):
             strict=True,
         )
     )
-    assert 1e-6 < moved < (0.1 if numpy_dtype(cache).itemsize == 2 else 3.0)
+    assert 1e-6 < moved < (0.1 if sixteen_bits else 3.0)
 
 
 @pytest.mark.parametrize("cache, times", [("bfloat16", 2), ("fp8", 4)])
