@@ -2,6 +2,12 @@
 (cached by the sources' hash, the flags and this CPU's instruction set), loaded with ctypes, and
 the threads they run on.
 
+Instruction set: ``-march=native`` unless ``PAGEDLLM_CPU_ISA`` names another target
+(``ISAS``): ``x86-64-v3`` (AVX2, FMA, F16C: what most x86 machines of the last decade have),
+``x86-64-v4`` (AVX-512), or ``generic`` (the architecture's baseline: SSE2 on x86-64, NEON on
+aarch64), so one machine can build, test and time the paths another one runs. A target this
+CPU cannot run is refused by name before anything is built.
+
 Threads: as many as the cores this process may use (``os.sched_getaffinity``), or
 ``PAGEDLLM_CPU_THREADS``. OpenMP's idle threads sleep rather than spin (``OMP_WAIT_POLICY``
 defaults to PASSIVE here), so between two kernels they leave the cores to the matrix library's
@@ -15,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import threading
@@ -27,7 +34,6 @@ log = logging.getLogger("engine.backend")
 SRC = REPO / "cpu_src"
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fno-trapping-math",
     "-fopenmp",
     "-std=c++17",
@@ -37,6 +43,14 @@ FLAGS = [
     "-Werror",
 ]
 THREADS_ENV = "PAGEDLLM_CPU_THREADS"
+ISA_ENV = "PAGEDLLM_CPU_ISA"
+# target -> (g++'s -march on x86-64, the /proc/cpuinfo flags it needs)
+ISAS = {
+    "native": ("native", ()),
+    "x86-64-v4": ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+    "x86-64-v3": ("x86-64-v3", ("avx2", "fma", "f16c", "bmi2", "movbe")),
+    "generic": ("x86-64", ()),
+}
 
 _lock = threading.Lock()
 _lib: list = []  # [the loaded library], once built
@@ -57,6 +71,29 @@ def cpu_flags() -> str:
     return ""
 
 
+def isa() -> str:
+    """The target the kernels are built for: PAGEDLLM_CPU_ISA, else native. ValueError for a
+    name not in ISAS or a target whose instructions this CPU lacks."""
+    name = os.environ.get(ISA_ENV, "native") or "native"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {name!r}")
+    have = set(cpu_flags().split())
+    lacking = [f for f in ISAS[name][1] if f not in have]
+    if lacking and platform.machine() == "x86_64":
+        raise ValueError(f"{ISA_ENV}={name} needs {lacking[0]}, which this CPU lacks")
+    return name
+
+
+def march() -> str:
+    """g++'s -march for the target (aarch64: native or its baseline, armv8-a)."""
+    name = isa()
+    if platform.machine() == "x86_64":
+        return f"-march={ISAS[name][0]}"
+    if name in ("x86-64-v3", "x86-64-v4"):
+        raise ValueError(f"{ISA_ENV}={name} is an x86-64 target; this CPU is {platform.machine()}")
+    return "-march=native" if name == "native" else "-march=armv8-a"
+
+
 def compiler_available() -> bool:
     return shutil.which("g++") is not None
 
@@ -66,7 +103,8 @@ def library_path() -> Path:
     if not compiler_available():
         raise NativeBuildError("the cpu backend needs g++ (apt install g++); none on the PATH")
     sources = sorted(SRC.glob("*.cpp"))
-    h = hashlib.sha256(" ".join(FLAGS).encode() + cpu_flags().encode())
+    flags = [*FLAGS, march()]
+    h = hashlib.sha256(" ".join(flags).encode() + cpu_flags().encode())
     for f in sources + sorted(SRC.glob("*.h")):
         h.update(f.name.encode() + f.read_bytes())
     out = build_dir() / "native" / f"libpagedllm_cpu-{h.hexdigest()[:16]}.so"
@@ -76,7 +114,7 @@ def library_path() -> Path:
     tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     log.info("building the native CPU kernels (g++, once per source change) -> %s", out)
     result = subprocess.run(
-        ["g++", *FLAGS, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True
+        ["g++", *flags, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True
     )
     if result.returncode != 0:
         raise NativeBuildError(f"g++ failed on cpu_src/:\n{result.stderr}")
@@ -92,11 +130,11 @@ def library() -> ctypes.CDLL:
         if not _lib:
             lib = ctypes.CDLL(str(library_path()))
             _declare(lib)
-            isa = lib.matmul_quant_isa().decode()
+            built = lib.matmul_quant_isa().decode()
             dot = "AVX512-BF16 dot products" if lib.matmul_panels_bf16_dot() else "float32 FMAs"
             log.info(
                 "native CPU kernels loaded; products built for %s, bf16 weights with %s",
-                isa,
+                built,
                 dot,
             )
             _lib.append(lib)
