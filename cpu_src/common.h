@@ -15,7 +15,13 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
 struct bf16 {
   uint16_t bits;
 };
+// float16: _Float16 on x86-64; GCC 12's C++ has it nowhere else, and aarch64's __fp16 (a storage
+// type: arithmetic on it is float's) converts the same way, to nearest even.
+#if defined(__aarch64__)
+typedef __fp16 f16;
+#else
 typedef _Float16 f16;
+#endif
 // 8-bit floats, sign | exponent | mantissa: e4m3 (bias 7, no infinities, 0x7f/0xff NaN,
 // largest 448) and e5m2 (bias 15, the top byte of a float16, largest finite 57344)
 struct e4m3 {

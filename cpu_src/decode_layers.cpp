@@ -4,8 +4,11 @@
 // product), without a Python round trip and a ctypes call per kernel (about 100 us a layer at
 // batch 1). The arithmetic is the kernels': the hidden states come out with the same bits.
 // Threads: each kernel's own.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+
+#include "common.h"
 
 extern "C" {
 void fused_add_rms_norm(float* out, const float* x, float* residual, const float* weight,
@@ -22,7 +25,7 @@ void matmul_bf16(float* out, const float* x, const uint16_t* w, long M, long K, 
                  int threads);
 void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale, long M, long K,
                  long N, int threads);
-int matmul_blocks(float* out, const float* x, const uint8_t* w, const _Float16* scales,
+int matmul_blocks(float* out, const float* x, const uint8_t* w, const f16* scales,
                   int format, long M, long K, long N, int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
@@ -99,13 +102,25 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
       matmul_panels_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads);
       break;
     default:
-      return matmul_blocks(out, x, (const uint8_t*)w.data, (const _Float16*)w.scales,
+      return matmul_blocks(out, x, (const uint8_t*)w.data, (const f16*)w.scales,
                            w.kind - W_BLOCKS, M, K, N, threads);
   }
   return 0;
 }
 
 }  // namespace
+
+// Seconds a call of out (M, N) = x (M, K) @ w takes, the mean of `reps` calls after one to
+// warm up: the products timed as a native decode step runs them, without a ctypes call each
+// (engine/backends/cpu_tuning.py). Returns a negative time for a shape the kernel refuses.
+extern "C" double matmul_seconds(float* out, const float* x, const Matrix* w, long M, long K,
+                                 long N, int reps, int threads) {
+  if (matmul(out, x, *w, M, K, N, threads)) return -1.0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; i++) matmul(out, x, *w, M, K, N, threads);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - t0;
+  return took.count() / reps;
+}
 
 // x (T, D) embeddings of T decoding sequences (one token each) through every layer: x becomes
 // the last layer's output and residual the residual stream (the head adds them). Returns 0,

@@ -23,7 +23,9 @@
 // even dims of 2W land in one vector, the odd ones in the next, so q and the accumulators
 // are kept in that lane order and put back in the head's order at the end.
 // float16 and the 8-bit floats (e4m3, e5m2) widen through vcvtph2ps, in the head's order.
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <type_traits>
 #include <vector>
@@ -56,9 +58,19 @@ template <typename V> struct Row<V, float> {
 // W float16 values at p as float32 (F16C's conversion: GCC 12 converts a _Float16 vector one
 // lane at a time).
 template <typename V> static inline V widen_halves(const void* p);
+#if defined(__F16C__)
 template <> inline v8 widen_halves<v8>(const void* p) {
   return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
+#else  // lane by lane (aarch64: the conversions are NEON's fcvtl)
+template <> inline v8 widen_halves<v8>(const void* p) {
+  f16 h[8];
+  std::memcpy(h, p, sizeof h);
+  v8 v;
+  for (int i = 0; i < 8; i++) v[i] = (float)h[i];
+  return v;
+}
+#endif
 #if defined(__AVX512F__)
 template <> inline v16 widen_halves<v16>(const void* p) {
   const __m256i h = _mm256_loadu_si256((const __m256i*)p);  // (the masked form: GCC 12 warns

@@ -196,8 +196,8 @@ def test_a_q8_0_gguf_is_kept_as_stored(tiny_model_dir, hf, tmp_path):  # noqa: F
 
 def test_the_bundled_q4_1_gguf_is_kept_as_stored(smollm2):
     """SmolLM2 as shipped (Q4_1 layers, a Q8_0 embedding the head shares): with
-    --quantization q4_1 the cpu backend holds every block of the file; without it, float32 (in
-    panels: the file's values, reordered)."""
+    --quantization q4_1 the cpu backend holds every block of the file; without it, float32 (the
+    file's values, in panels or plain: whichever measured faster)."""
     assert smollm2.config.stored_matrix_type == "Q4_1"
     config = EngineConfig(model="smollm2", backend="cpu", quantization="q4_1")
     cpu = get_backend("cpu", smollm2.config, smollm2.weights, config)
@@ -208,8 +208,10 @@ def test_the_bundled_q4_1_gguf_is_kept_as_stored(smollm2):
     assert kind == "q8_0" and cpu.lm_head.kind == "q8_0"
     assert_same(cpu.lm_head, data, scales)
     plain = get_backend("cpu", c, smollm2.weights, EngineConfig(model="smollm2", backend="cpu"))
-    assert plain.quantization is None and plain.lm_head.kind == "panels"
-    np.testing.assert_array_equal(plain.lm_head.dequantize(), smollm2.weights.lm_head.T)
+    head = plain.lm_head  # panels or plain, as measured faster on this CPU
+    values = head if isinstance(head, np.ndarray) else head.dequantize()
+    assert plain.quantization is None and values.dtype == np.float32
+    np.testing.assert_array_equal(values, smollm2.weights.lm_head.T)
 
 
 # Measured over the 128 tokens of tests/test_quant.py (2026-12-02): q8_0 mean KL 6.54e-3, top-1

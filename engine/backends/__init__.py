@@ -6,7 +6,8 @@ numpy     ``NumpyBackend``: NumPy on the host (ops: ``fast_ops``), the plain, re
 cuda      ``CupyBackend`` on a GPU through CuPy: the project's kernels, cuBLAS, CUDA graphs
 cuda-cpu  ``CupyBackend`` on the emulated device: the same code, the kernels' CPU builds, and
           CUDA's and CuPy's rules checked (``devices.EmulatedDevice``)
-auto      cuda when CuPy sees a GPU, else cpu (numpy where there is no g++ to build it)
+auto      cuda when CuPy sees a GPU, else cpu (numpy where there is no g++ to build it, or
+          where the cpu backend's float32 products measured slower than NumPy's: cpu_tuning)
 """
 
 from __future__ import annotations
@@ -44,12 +45,22 @@ def _cpu_backend(model_config, weights, engine_config):
     from .cpu_native import NativeBuildError
 
     try:
-        return CpuBackend(model_config, weights, engine_config)
+        backend = CpuBackend(model_config, weights, engine_config)
     except NativeBuildError as e:
         if engine_config.backend != "auto":
             raise ValueError(str(e).splitlines()[0]) from e
         log.warning("backend auto -> numpy: %s", str(e).splitlines()[0])
         return NumpyBackend(model_config, weights, engine_config)
+    slower = backend.products_vs_numpy
+    if engine_config.backend == "auto" and slower is not None and slower > 1.0:
+        log.warning(
+            "backend auto -> numpy: the cpu backend's float32 products measured %.2fx NumPy's "
+            "on this CPU",
+            slower,
+        )
+        del backend
+        return NumpyBackend(model_config, weights, engine_config)
+    return backend
 
 
 def get_backend(name: str, model_config, weights, engine_config):

@@ -24,14 +24,12 @@ from reference.config import ModelConfig
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
-from . import cpu_ops, fast_ops
+from . import cpu_ops, cpu_tuning, fast_ops
 from .cpu_native import NativeBuildError, library, threads
-from .numpy_backend import NumpyBackend, PackedLayer
+from .numpy_backend import MATRICES, NumpyBackend, PackedLayer
 from .quant import (
-    BLOCK_FORMATS,
     HEAD_FORMAT,
     PANEL,
-    QuantWeight,
     quantize,
     to_bf16,
     to_bf16_panels,
@@ -44,17 +42,13 @@ log = logging.getLogger("engine.backend")
 _ptr, _i32c = ctypes.c_void_p, ctypes.c_int32
 
 
-class _Matrix(ctypes.Structure):  # cpu_src/decode_layers.cpp: Matrix
-    _fields_ = [("kind", _i32c), ("pad", _i32c), ("data", _ptr), ("scales", _ptr)]
-
-
 class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
     _fields_ = [
         *((name, _ptr) for name in ("attn_norm", "mlp_norm", "b_qkv", "q_norm", "k_norm")),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
         ("window", ctypes.c_int64),
-        *((name, _Matrix) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, cpu_ops.Matrix) for name in ("qkv", "o", "gate_up", "down")),
     ]
 
 
@@ -69,18 +63,6 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
         ("scale", ctypes.c_float),
         *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens")),
     ]
-
-
-# QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, W_BLOCKS + the block format,
-# W_PANELS, W_BF16_PANELS, W_INT8_PANELS
-_KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
-_KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
-
-
-def _matrix(w) -> _Matrix:
-    if not isinstance(w, QuantWeight):
-        return _Matrix(0, 0, cpu_ops._p(w), None)
-    return _Matrix(_KINDS[w.kind], 0, cpu_ops._p(w.data), cpu_ops._p(w.scales))
 
 
 class CpuBackend(NumpyBackend):
@@ -110,20 +92,36 @@ class CpuBackend(NumpyBackend):
             return "q8_0"
         return asked
 
+    def _store_matrices(self, quantization: str | None) -> None:
+        # float32 matrices: panels or plain for OpenBLAS, per shape as measured on this CPU
+        # (cpu_tuning); every other format has one kernel per instruction set
+        self.products_vs_numpy = None  # the chosen float32 products' time over NumPy's
+        if quantization is not None or self.kv_dtype == "bfloat16":
+            return super()._store_matrices(quantization)
+        shapes = {}
+        for w in self._matrices():
+            shapes.setdefault(w.shape, w)
+        choices = cpu_tuning.choose(shapes)
+        line, self.products_vs_numpy = cpu_tuning.summary(choices)
+        log.info("float32 products, by shape (K x N) as timed on this CPU: %s", line)
+        store = lambda w: to_panels(w) if choices[w.shape].layout == "panels" else w  # noqa: E731
+        for lw in self.layers:
+            for name in MATRICES:
+                setattr(lw, name, store(getattr(lw, name)))
+        self.lm_head = store(self.lm_head)
+
     def _matrix_store(self, quantization: str | None, head: bool = False):
         # a quantization -> its QuantWeight (the LM head's format for the head); bf16 values
-        # (--dtype bfloat16) -> bf16 panels; else float32 panels; int8 in panels too. A matrix
-        # that is not whole panels (width not a multiple of 16; bf16: an odd row count) keeps
-        # the plain layout.
+        # (--dtype bfloat16) -> bf16 panels; int8 in panels too (float32: _store_matrices). A
+        # matrix that is not whole panels (width not a multiple of 16; bf16: an odd row count)
+        # keeps the plain layout.
         whole = lambda w: w.shape[1] % PANEL == 0  # noqa: E731
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
             if kind == "int8":
                 return lambda w: to_int8_panels(w) if whole(w) else quantize(w, kind)
             return lambda w: quantize(w, kind)
-        if self.kv_dtype == "bfloat16":
-            return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
-        return lambda w: to_panels(w) if whole(w) else w
+        return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one
@@ -157,8 +155,8 @@ class CpuBackend(NumpyBackend):
                 table[i] = _Layer(
                     p(lw.attn_norm), p(lw.mlp_norm), p(lw.b_qkv), p(lw.q_norm), p(lw.k_norm),
                     p(cache[i, 0]), p(cache[i, 1]), self.cfg.window(i),
-                    _matrix(lw.w_qkv), _matrix(lw.w_o), _matrix(lw.w_gate_up),
-                    _matrix(lw.w_down),
+                    cpu_ops.matrix(lw.w_qkv), cpu_ops.matrix(lw.w_o),
+                    cpu_ops.matrix(lw.w_gate_up), cpu_ops.matrix(lw.w_down),
                 )  # fmt: skip
             self._table, self._table_for = table, cache
         return self._table

@@ -41,6 +41,7 @@ FLAGS = [
     "-fPIC",
     "-Wall",
     "-Werror",
+    "-Wno-psabi",  # the vector types' calling convention: every such function is the library's own
 ]
 THREADS_ENV = "PAGEDLLM_CPU_THREADS"
 ISA_ENV = "PAGEDLLM_CPU_ISA"
@@ -176,6 +177,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_int8.restype = None
     lib.matmul_blocks.argtypes = [P, P, P, P, I, L, L, L, I]
     lib.matmul_blocks.restype = I
+    lib.matmul_seconds.argtypes = [P, P, P, L, L, L, I, I]
+    lib.matmul_seconds.restype = ctypes.c_double
     lib.decode_layers.argtypes = [P, I, P]
     lib.decode_layers.restype = I
     lib.matmul_quant_isa.argtypes = []

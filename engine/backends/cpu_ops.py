@@ -11,7 +11,7 @@ cos/sin table that ``fast_ops`` computes once per forward. ``fused_add_rms_norm`
 
 from __future__ import annotations
 
-from ctypes import addressof, c_char
+from ctypes import Structure, addressof, c_char, c_int32, c_void_p
 
 import numpy as np
 
@@ -39,6 +39,23 @@ def _p(a: np.ndarray | None) -> int | None:
         return addressof(c_char.from_buffer(a))
     except (TypeError, ValueError):
         return a.ctypes.data
+
+
+class Matrix(Structure):  # cpu_src/decode_layers.cpp: Matrix, a weight as the step sees it
+    _fields_ = [("kind", c_int32), ("pad", c_int32), ("data", c_void_p), ("scales", c_void_p)]
+
+
+# QuantWeight kind -> decode_layers.cpp's: W_BF16, W_INT8, W_BLOCKS + the block format,
+# W_PANELS, W_BF16_PANELS, W_INT8_PANELS (a plain float32 array: W_F32, 0)
+KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
+KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
+
+
+def matrix(w: np.ndarray | QuantWeight) -> Matrix:
+    """A weight's kind and pointers for the native step (the arrays must outlive it)."""
+    if not isinstance(w, QuantWeight):
+        return Matrix(0, 0, _p(w), None)
+    return Matrix(KINDS[w.kind], 0, _p(w.data), _p(w.scales))
 
 
 def _c32(a: np.ndarray) -> np.ndarray:

@@ -1,0 +1,167 @@
+"""Which float32 products the cpu backend runs, chosen by timing them on this machine.
+
+A float32 matrix can be kept two ways, and which is faster depends on the CPU, the build and
+the shape: in panels for the project's own kernel (``cpu_src/matmul_panels.cpp``, no packing
+per call), or plain (K, N) for OpenBLAS's sgemm and sgemv on the kernels' threads
+(``cpu_src/matmul.cpp``). At load the backend times both on each of the model's matrix shapes,
+and NumPy's own product (what ``--backend numpy`` runs) beside them, at ROWS rows (one
+decode, a few, a batch), and keeps for each shape the layout whose times over the other's
+have a geometric mean at most 1. ``auto`` compares the chosen products with NumPy's and takes the
+numpy backend where the cpu backend's were slower.
+
+Timed once per (CPU, kernel build, threads, shape) on the model's own matrices: a few hundred
+milliseconds for TinyLlama's, then read back from a JSON file beside the kernels' build.
+In: {shape: a (K, N) float32 matrix of that shape}; out: {shape: Choice}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from ctypes import byref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .cpu_native import cpu_flags, library, library_path, threads
+from .quant import to_panels
+
+log = logging.getLogger("engine.backend")
+
+ROWS = (1, 8, 64)  # rows of x the products are timed at
+CANDIDATES = ("panels", "plain", "numpy")
+MIN_SECONDS = 0.002  # each timing repeats the product until it has run this long, then takes
+REPEATS = 3  # the best of this many such runs
+
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A shape's layout ('panels' or 'plain') and the seconds each candidate took per row
+    count: times[candidate][i] at ROWS[i] rows."""
+
+    layout: str
+    times: dict
+
+    def ratio(self, a: str, b: str) -> float:
+        """The geometric mean over ROWS of candidate a's time over b's."""
+        ta, tb = self.times[a], self.times[b]
+        return math.exp(sum(math.log(x / y) for x, y in zip(ta, tb, strict=True)) / len(ta))
+
+
+def _seconds(product) -> float:
+    """The best time of one call of product(), over REPEATS runs of at least MIN_SECONDS."""
+    product()  # warm: caches, pages, the threads
+    best = math.inf
+    for _ in range(REPEATS):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            product()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= MIN_SECONDS:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def _native_seconds(x: np.ndarray, w) -> float:
+    """The best of REPEATS native timings of x @ w (cpu_src/decode_layers.cpp: matmul_seconds,
+    no ctypes call per product, as the decode step runs them), each at least MIN_SECONDS."""
+    from . import cpu_ops
+
+    m, k = x.shape
+    n = w.shape[1]
+    out = np.empty((m, n), np.float32)  # (M, N)
+    args = (cpu_ops._p(out), cpu_ops._p(x), byref(cpu_ops.matrix(w)), m, k, n)
+    once = library().matmul_seconds(*args, 1, threads())
+    reps = max(1, int(MIN_SECONDS / max(once, 1e-7)))
+    return min(library().matmul_seconds(*args, reps, threads()) for _ in range(REPEATS))
+
+
+def time_shape(w: np.ndarray) -> dict:
+    """{candidate: [seconds at each of ROWS]} for x @ w, w a (K, N) float32 matrix: the cpu
+    backend's two layouts timed natively, NumPy's product (fast_ops.matmul) from Python, as
+    each backend runs them."""
+    from . import fast_ops
+
+    k, _ = w.shape
+    panels = to_panels(w) if w.shape[1] % 16 == 0 else None
+    rng = np.random.default_rng(0)
+    times = {name: [] for name in CANDIDATES}
+    for m in ROWS:
+        x = rng.standard_normal((m, k), dtype=np.float32)  # (m, K)
+        times["plain"].append(_native_seconds(x, w))
+        times["numpy"].append(_seconds(lambda x=x: fast_ops.matmul(x, w)))
+        times["panels"].append(_native_seconds(x, panels) if panels is not None else math.inf)
+    return times
+
+
+def _cache_file() -> Path:
+    """The measurements' file: one per kernel build (sources, flags, CPU) and thread count."""
+    lib = library_path()
+    key = f"{lib.name} {cpu_model()} {threads()} {os.environ.get('OPENBLAS_NUM_THREADS', '')}"
+    digest = hashlib.sha256((key + cpu_flags()).encode()).hexdigest()[:16]
+    return lib.parent / f"products-{digest}.json"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "CPU part")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def choose(matrices: dict) -> dict:
+    """{(K, N): a matrix of that shape} -> {(K, N): Choice}, timing the shapes not in the
+    cache file and adding them to it."""
+    path = _cache_file()
+    with _lock:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        missing = [s for s in matrices if f"{s[0]}x{s[1]}" not in saved]
+        if missing:
+            t0 = time.perf_counter()
+            for s in missing:
+                saved[f"{s[0]}x{s[1]}"] = time_shape(matrices[s])
+            log.info(
+                "timed the float32 products of %d matrix shape(s) on this CPU in %.2f s "
+                "(kept in %s)",
+                len(missing),
+                time.perf_counter() - t0,
+                path,
+            )
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(saved, indent=1))
+            os.replace(tmp, path)
+    return {s: _choice(saved[f"{s[0]}x{s[1]}"]) for s in matrices}
+
+
+def _choice(times: dict) -> Choice:
+    c = Choice("plain", times)
+    return Choice("panels" if c.ratio("panels", "plain") <= 1.0 else "plain", times)
+
+
+def summary(choices: dict) -> tuple[str, float]:
+    """A line saying which layout each shape got and how it compares, and the chosen products'
+    time over NumPy's (geometric mean over shapes and ROWS)."""
+    parts, logs = [], []
+    for (k, n), c in sorted(choices.items()):
+        other = "plain" if c.layout == "panels" else "panels"
+        vs_other = c.ratio(c.layout, other)
+        vs_numpy = c.ratio(c.layout, "numpy")
+        parts.append(f"{k}x{n} {c.layout} ({vs_other:.2f}x {other}, {vs_numpy:.2f}x numpy)")
+        logs.append(math.log(vs_numpy))
+    return "; ".join(parts), math.exp(sum(logs) / len(logs))
