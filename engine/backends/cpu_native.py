@@ -72,10 +72,10 @@ def cpu_flags() -> str:
     return ""
 
 
-def isa() -> str:
-    """The target the kernels are built for: PAGEDLLM_CPU_ISA, else native. ValueError for a
-    name not in ISAS or a target whose instructions this CPU lacks."""
-    name = os.environ.get(ISA_ENV, "native") or "native"
+def isa(name: str | None = None) -> str:
+    """The target the kernels are built for: name, else PAGEDLLM_CPU_ISA, else native.
+    ValueError for a name not in ISAS or a target whose instructions this CPU lacks."""
+    name = name or os.environ.get(ISA_ENV) or "native"
     if name not in ISAS:
         raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {name!r}")
     have = set(cpu_flags().split())
@@ -85,9 +85,9 @@ def isa() -> str:
     return name
 
 
-def march() -> str:
+def march(name: str | None = None) -> str:
     """g++'s -march for the target (aarch64: native or its baseline, armv8-a)."""
-    name = isa()
+    name = isa(name)
     if platform.machine() == "x86_64":
         return f"-march={ISAS[name][0]}"
     if name in ("x86-64-v3", "x86-64-v4"):
@@ -99,12 +99,13 @@ def compiler_available() -> bool:
     return shutil.which("g++") is not None
 
 
-def library_path() -> Path:
-    """Build cpu_src/ (if this exact build is not cached) -> the shared library's path."""
+def library_path(target: str | None = None) -> Path:
+    """Build cpu_src/ for the target (isa()) if this exact build is not cached -> the shared
+    library's path."""
     if not compiler_available():
         raise NativeBuildError("the cpu backend needs g++ (apt install g++); none on the PATH")
     sources = sorted(SRC.glob("*.cpp"))
-    flags = [*FLAGS, march()]
+    flags = [*FLAGS, march(target)]
     h = hashlib.sha256(" ".join(flags).encode() + cpu_flags().encode())
     for f in sources + sorted(SRC.glob("*.h")):
         h.update(f.name.encode() + f.read_bytes())
