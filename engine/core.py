@@ -243,6 +243,9 @@ class EngineCore:
         )
         self.backend = backend_factory(mc, self.loaded.weights, cfg)
         draft = self._draft_backend(backend_factory)  # speculative decoding's draft model
+        # the backends hold their own packed copies: the loaded arrays go (unless the caller
+        # keeps them), so a run's memory is its packed weights, not those plus the file's
+        self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
         self.kv_plan = plan_kv_cache(cfg, self.backend, draft)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)

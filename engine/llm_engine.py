@@ -93,6 +93,7 @@ class LLMEngine(FrontendState):
                 draft_loaded=draft_loaded,
                 backend_factory=backend_factory,
             )
+            self.loaded = self.core.loaded  # without the weights: the backend has its own
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams for a request that sets only ``overrides``: the model's defaults

@@ -11,9 +11,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
+import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file
 
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights
@@ -178,13 +177,44 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+# safetensors' dtype names -> NumPy's (bfloat16 and the 8-bit floats through ml_dtypes)
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
+
+
+def map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as read-only arrays over a memory map of it: nothing is
+    read or copied until a tensor's bytes are used, so a loader that converts tensor by tensor
+    holds one converted copy, not the file's bytes as well. The format: an 8-byte little-endian
+    header length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, the data."""
+    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain read-only array
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        raise ValueError(f"checkpoint: {path.name} is not a safetensors file (header length)")
+    header = json.loads(bytes(raw[8 : 8 + n]))
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint: tensor {name!r} has dtype {info['dtype']}, not read")
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+        tensors[name] = raw[begin:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint (all shards), by Hugging Face name, in its stored dtype."""
+    """Every tensor of the checkpoint (all shards), by Hugging Face name, in its stored dtype,
+    memory-mapped (map_safetensors)."""
     tensors: dict[str, np.ndarray] = {}
     for path in safetensors_files(Path(model_dir)):
         if not path.exists():
             raise ValueError(f"checkpoint: shard {path.name!r} listed in the index is missing")
-        tensors.update(load_file(str(path)))
+        tensors.update(map_safetensors(path))
     return tensors
 
 

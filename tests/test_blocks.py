@@ -249,3 +249,18 @@ def test_quant_eval_compares_a_q8_0_gguf_against_its_float32_values(tiny_model_d
     config = EngineConfig(model=str(path), backend="cpu", quantization="q8_0")
     got = evaluate(loaded, config, tokens, chunk=16)
     assert got.tokens == 39 and got.mean_kl > 1e-6, got
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+def test_a_block_format_quantized_in_column_slices_has_the_bytes_of_all_at_once(kind, monkeypatch):
+    from engine.backends import quant
+
+    rng = np.random.default_rng()
+    w = rng.standard_normal((64, 150), dtype=np.float32) * rng.uniform(0.01, 3, 150).astype(
+        np.float32
+    )
+    data, scales = quant.QUANTIZE[kind](w)
+    monkeypatch.setattr(quant, "COLUMNS_AT_ONCE", 32)  # 150 = 4 x 32 + 22
+    q = quant.quantize(w, kind)
+    np.testing.assert_array_equal(q.data, data)
+    np.testing.assert_array_equal(q.scales.view(np.uint16), scales.view(np.uint16))

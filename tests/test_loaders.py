@@ -436,3 +436,30 @@ def test_loading_a_hf_directory_does_not_import_gguf(tiny_model_dir):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_safetensors_are_mapped_with_the_bytes_safetensors_reads(tmp_path):
+    """map_safetensors against the safetensors package's own reader, on fresh random tensors
+    of every dtype the checkpoints use; read-only views of the file, and a file that is not
+    safetensors named."""
+    from reference.hf_weights import map_safetensors
+
+    rng = np.random.default_rng()
+    tensors = {
+        f"t.{np.dtype(dt).name}": rng.standard_normal(shape).astype(dt)
+        for dt, shape in [(np.float32, (3, 5)), (np.float16, (7,)), (ml_dtypes.bfloat16, (4, 2, 3)),
+                          (np.int8, (9, 1)), (np.float64, (2,)), (np.int32, (0, 4))]
+    }  # fmt: skip
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={"format": "np"})
+    want, got = (
+        load_file(str(tmp_path / "m.safetensors")),
+        map_safetensors(tmp_path / "m.safetensors"),
+    )
+    assert got.keys() == want.keys()
+    for name, a in want.items():
+        b = got[name]
+        assert b.dtype == a.dtype and b.shape == a.shape and not b.flags.writeable
+        np.testing.assert_array_equal(b.view(np.uint8), a.view(np.uint8))
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="bad.safetensors is not a safetensors file"):
+        map_safetensors(tmp_path / "bad.safetensors")

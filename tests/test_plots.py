@@ -100,7 +100,7 @@ def test_sweep_runs_the_whole_workload_at_each_concurrency(tiny):
     engine = make_engine(tiny)
     args = bench.build_parser().parse_args([*TINY_WORKLOAD, "--seed", "5"])
     prompts, out_lens = bench.workload(args, engine.model_config.vocab_size)
-    rows = bench_plot.sweep(engine, bench.run_engine, prompts, out_lens, [2, 5])
+    rows = bench_plot.sweep(engine, bench.run_engine, prompts, out_lens, [2, 5], loaded=tiny)
     assert [r["concurrency"] for r in rows] == [2, 5]
     for r in rows:
         assert r["requests"] == 5 and r["generated_tokens"] == sum(out_lens)

@@ -26,7 +26,7 @@ from reference.weights import ModelWeights
 from ..forward_batch import ForwardBatch
 from . import cpu_ops, cpu_tuning, fast_ops
 from .cpu_native import NativeBuildError, library, threads
-from .numpy_backend import MATRICES, NumpyBackend, PackedLayer
+from .numpy_backend import NumpyBackend, PackedLayer
 from .quant import (
     HEAD_FORMAT,
     PANEL,
@@ -78,6 +78,7 @@ class CpuBackend(NumpyBackend):
             )
         library()  # build (once per source change) and load the kernels now, not mid-step
         threads()
+        self._choices = {}  # (K, N) -> cpu_tuning.Choice, for float32 matrices
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
 
@@ -87,41 +88,38 @@ class CpuBackend(NumpyBackend):
         # for Q4_0 and Q4_1 asked for by name (not by default: their activations in 8 bits
         # would move the bundled Q4_1 model's tokens off its float32 golden data)
         stored_q8_0 = asked is None and self.cfg.stored_matrix_type == "Q8_0"
-        if stored_q8_0 and all(w.shape[0] % 32 == 0 for w in self._matrices()):
+        if stored_q8_0 and all(k % 32 == 0 for k, _ in self._matrix_shapes()):
             log.info("the GGUF's Q8_0 matrices are kept as Q8_0, as --quantization q8_0 would")
             return "q8_0"
         return asked
 
-    def _store_matrices(self, quantization: str | None) -> None:
-        # float32 matrices: panels or plain for OpenBLAS, per shape as measured on this CPU
-        # (cpu_tuning); every other format has one kernel per instruction set
-        self.products_vs_numpy = None  # the chosen float32 products' time over NumPy's
-        if quantization is not None or self.kv_dtype == "bfloat16":
-            return super()._store_matrices(quantization)
-        shapes = {}
-        for w in self._matrices():
-            shapes.setdefault(w.shape, w)
-        choices = cpu_tuning.choose(shapes)
-        line, self.products_vs_numpy = cpu_tuning.summary(choices)
-        log.info("float32 products, by shape (K x N) as timed on this CPU: %s", line)
-        store = lambda w: to_panels(w) if choices[w.shape].layout == "panels" else w  # noqa: E731
-        for lw in self.layers:
-            for name in MATRICES:
-                setattr(lw, name, store(getattr(lw, name)))
-        self.lm_head = store(self.lm_head)
-
     def _matrix_store(self, quantization: str | None, head: bool = False):
         # a quantization -> its QuantWeight (the LM head's format for the head); bf16 values
-        # (--dtype bfloat16) -> bf16 panels; int8 in panels too (float32: _store_matrices). A
-        # matrix that is not whole panels (width not a multiple of 16; bf16: an odd row count)
-        # keeps the plain layout.
+        # (--dtype bfloat16) -> bf16 panels; int8 in panels too; float32 in panels or plain,
+        # per shape as timed on this CPU (cpu_tuning). A matrix that is not whole panels
+        # (width not a multiple of 16; bf16: an odd row count) keeps the plain layout.
         whole = lambda w: w.shape[1] % PANEL == 0  # noqa: E731
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
             if kind == "int8":
                 return lambda w: to_int8_panels(w) if whole(w) else quantize(w, kind)
             return lambda w: quantize(w, kind)
-        return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
+        if self.kv_dtype == "bfloat16":
+            return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
+        return self._float32_store
+
+    def _float32_store(self, w: np.ndarray):
+        """A packed float32 matrix in the layout timed fastest for its shape (timed, or read
+        from the measurements' file, the first time the shape comes)."""
+        if w.shape not in self._choices:
+            self._choices.update(cpu_tuning.choose({w.shape: w}))
+        return to_panels(w) if self._choices[w.shape].layout == "panels" else w
+
+    def _stored(self) -> None:
+        self.products_vs_numpy = None  # the chosen float32 products' time over NumPy's
+        if self._choices:
+            line, self.products_vs_numpy = cpu_tuning.summary(self._choices)
+            log.info("float32 products, by shape (K x N) as timed on this CPU: %s", line)
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one

@@ -54,30 +54,37 @@ def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
 
 
 def pack_weights(
-    w: ModelWeights, round_to: np.dtype, norm_offset: float = 0.0
+    w: ModelWeights, round_to: np.dtype, norm_offset: float = 0.0, store=None, head_store=None
 ) -> tuple[list[PackedLayer], dict]:
     """Fused, transposed float32 weights (values first rounded through ``round_to``); norm
-    scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does."""
-    if round_to != F32:
-        w = w.astype(round_to)
-    layers = [
-        PackedLayer(
-            attn_norm=_f32(lw.attn_norm, norm_offset),
-            w_qkv=_t(lw.wq, lw.wk, lw.wv),
-            w_o=_t(lw.wo),
-            mlp_norm=_f32(lw.mlp_norm, norm_offset),
-            w_gate_up=_t(lw.w_gate, lw.w_up),
-            w_down=_t(lw.w_down),
-            b_qkv=None if lw.bq is None else _f32(np.concatenate([lw.bq, lw.bk, lw.bv])),
-            q_norm=_f32(lw.q_norm),
-            k_norm=_f32(lw.k_norm),
+    scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does. ``store``
+    (and ``head_store`` for the LM head), given, turn each packed (K, N) matrix into the form
+    it is kept in right after it is packed, so one layer's float32 matrices at a time exist
+    beside the kept ones."""
+    r = (lambda a: a) if round_to == F32 else (lambda a: None if a is None else a.astype(round_to))
+    keep = store or (lambda m: m)
+    layers = []
+    for lw in w.layers:
+        bias = None if lw.bq is None else _f32(np.concatenate([r(lw.bq), r(lw.bk), r(lw.bv)]))
+        layers.append(
+            PackedLayer(
+                attn_norm=_f32(r(lw.attn_norm), norm_offset),
+                w_qkv=keep(_t(r(lw.wq), r(lw.wk), r(lw.wv))),
+                w_o=keep(_t(r(lw.wo))),
+                mlp_norm=_f32(r(lw.mlp_norm), norm_offset),
+                w_gate_up=keep(_t(r(lw.w_gate), r(lw.w_up))),
+                w_down=keep(_t(r(lw.w_down))),
+                b_qkv=bias,
+                q_norm=_f32(r(lw.q_norm)),
+                k_norm=_f32(r(lw.k_norm)),
+            )
         )
-        for lw in w.layers
-    ]
+    embed = np.ascontiguousarray(r(w.embed), dtype=F32)  # (V, D)
+    head = embed.T if w.lm_head is w.embed else np.asarray(r(w.lm_head)).T  # (D, V) views
     rest = dict(
-        embed=np.ascontiguousarray(w.embed, dtype=F32),  # (V, D)
-        final_norm=_f32(w.final_norm, norm_offset),  # (D,)
-        lm_head=_t(w.lm_head),  # (D, V)
+        embed=embed,
+        final_norm=_f32(r(w.final_norm), norm_offset),  # (D,)
+        lm_head=(head_store or (lambda m: m))(np.ascontiguousarray(head, dtype=F32)),  # (D, V)
     )
     return layers, rest
 
@@ -104,7 +111,14 @@ class NumpyBackend(Backend):
         self.np_kv_dtype = numpy_dtype(self.kv_dtype)
         cache = getattr(engine_config, "kv_cache_dtype", "auto")
         self._cache_dtype = self.kv_dtype if cache == "auto" else cache
-        self.layers, rest = pack_weights(weights, self.np_kv_dtype, model_config.norm_offset)
+        self.quantization = self._quantization(getattr(engine_config, "quantization", None))
+        self.layers, rest = pack_weights(
+            weights,
+            self.np_kv_dtype,
+            model_config.norm_offset,
+            self._matrix_store(self.quantization),
+            self._matrix_store(self.quantization, head=True),
+        )
         # Gemma's sqrt(D), rounded to the weights' dtype as Hugging Face rounds it
         self.embed_scale = float(self.np_kv_dtype.type(model_config.embed_scale))
         self.embed, self.final_norm, self.lm_head = (
@@ -112,8 +126,7 @@ class NumpyBackend(Backend):
             rest["final_norm"],
             rest["lm_head"],
         )
-        self.quantization = self._quantization(getattr(engine_config, "quantization", None))
-        self._store_matrices(self.quantization)
+        self._stored()
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
@@ -137,15 +150,14 @@ class NumpyBackend(Backend):
         """Every layer's four matrices and the LM head."""
         return [getattr(lw, name) for lw in self.layers for name in MATRICES] + [self.lm_head]
 
-    def _store_matrices(self, quantization: str | None) -> None:
-        # every layer's four matrices and the LM head, one at a time (the float32 one freed)
-        store = self._matrix_store(quantization)
-        if store is None:
-            return
-        for lw in self.layers:
-            for name in MATRICES:
-                setattr(lw, name, store(getattr(lw, name)))
-        self.lm_head = self._matrix_store(quantization, head=True)(self.lm_head)
+    def _matrix_shapes(self) -> list[tuple[int, int]]:
+        """The (K, N) of a layer's four matrices and of the LM head, from the config."""
+        c = self.cfg
+        d, f = c.hidden_size, c.intermediate_size
+        return [(d, c.q_dim + 2 * c.kv_dim), (c.q_dim, d), (d, 2 * f), (f, d), (d, c.vocab_size)]
+
+    def _stored(self) -> None:
+        """Called once the matrices are packed and stored (the cpu backend logs its choice)."""
 
     # ---- memory accounting ----
     @property

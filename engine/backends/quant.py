@@ -228,9 +228,20 @@ QUANTIZE = {
 HEAD_FORMAT = {"int8": "int8", "q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_0"}
 
 
+COLUMNS_AT_ONCE = 2048  # a block format's output channels quantized together
+
+
 def quantize(w: np.ndarray, kind: str) -> QuantWeight:
-    """(K, N) float32 -> QuantWeight of an --quantization kind."""
-    return QuantWeight(kind, *QUANTIZE[kind](w))
+    """(K, N) float32 -> QuantWeight of an --quantization kind. The block formats go
+    COLUMNS_AT_ONCE output channels at a time (each block is its own: the same bytes as all at
+    once), so their float temporaries are a slice's, not five copies of an LM head."""
+    if kind not in BLOCK_FORMATS or w.shape[1] <= COLUMNS_AT_ONCE:
+        return QuantWeight(kind, *QUANTIZE[kind](w))
+    parts = [
+        QUANTIZE[kind](w[:, c : c + COLUMNS_AT_ONCE]) for c in range(0, w.shape[1], COLUMNS_AT_ONCE)
+    ]
+    data, scales = (np.concatenate(a, axis=0) for a in zip(*parts, strict=True))
+    return QuantWeight(kind, data, scales)
 
 
 def to_int8(w: np.ndarray) -> QuantWeight:

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 from engine.llm_engine import LLMEngine
+from reference.loader import load_model
 
 from . import plots
 from .cli_utils import int_list, summarize
@@ -88,12 +89,17 @@ def run_extras(args, engine, run_engine, outputs, workload, floor_ms: float) -> 
         print(f"wrote {path}")
 
 
-def sweep(engine: LLMEngine, run_engine, prompts, out_lens, values: list[int]) -> list[dict]:
-    """The workload at each ``max_num_seqs`` in ``values``: summarize's numbers + concurrency."""
+def sweep(
+    engine: LLMEngine, run_engine, prompts, out_lens, values: list[int], loaded=None
+) -> list[dict]:
+    """The workload at each ``max_num_seqs`` in ``values``: summarize's numbers + concurrency.
+    ``loaded``: the model with its weights (an engine keeps none), else loaded again."""
     rows = []
+    if loaded is None and values:
+        loaded = load_model(engine.config.model)
     for c in values:
         config = dataclasses.replace(engine.config, max_num_seqs=c)
-        eng = LLMEngine(config=config, loaded=engine.loaded)
+        eng = LLMEngine(config=config, loaded=loaded)
         run_engine(eng, [prompts[0][:16]], [4])  # warm-up
         outputs, wall = run_engine(eng, prompts, out_lens)
         rows.append(summarize(outputs, wall) | {"concurrency": c})
