@@ -8,6 +8,8 @@ A checkpoint is one ``model.safetensors`` or several shards listed in
 from __future__ import annotations
 
 import json
+import mmap
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -185,12 +187,41 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+# (first byte's address, end, a weak reference to its mmap) per mapped file: the map closes
+# when its last tensor goes
+_MAPS: list[tuple[int, int, weakref.ref]] = []
+
+
+def drop_pages(*arrays) -> None:
+    """Let go of the memory-mapped pages that lie wholly inside these arrays (madvise
+    MADV_DONTNEED): a read-only map of a file, so the bytes stay what they were and come back
+    from the page cache if read again; the process stops counting them. Arrays that are not
+    over a mapped checkpoint are left alone."""
+    page = mmap.PAGESIZE
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.nbytes < page:
+            continue
+        lo = a.__array_interface__["data"][0]
+        for start, end, ref in _MAPS:
+            mm = ref()
+            if mm is not None and start <= lo and lo + a.nbytes <= end:
+                first = -(-(lo - start) // page) * page  # whole pages inside the array only
+                last = (lo + a.nbytes - start) // page * page
+                if last > first:
+                    mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     """A safetensors file's tensors as read-only arrays over a memory map of it: nothing is
     read or copied until a tensor's bytes are used, so a loader that converts tensor by tensor
     holds one converted copy, not the file's bytes as well. The format: an 8-byte little-endian
     header length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, the data."""
-    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain read-only array
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.asarray(mapped)  # a plain read-only array over the map
+    if raw.size and hasattr(mmap, "MADV_DONTNEED"):
+        start = raw.__array_interface__["data"][0]
+        _MAPS[:] = [m for m in _MAPS if m[2]() is not None]
+        _MAPS.append((start, start + raw.size, weakref.ref(mapped._mmap)))
     n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
     if not 0 < n <= raw.size - 8:
         raise ValueError(f"checkpoint: {path.name} is not a safetensors file (header length)")

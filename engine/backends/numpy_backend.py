@@ -9,11 +9,12 @@ that is not a matrix product goes through ``self.ops`` (``fast_ops``; the tests'
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from reference.config import ModelConfig
+from reference.hf_weights import drop_pages
 from reference.weights import ModelWeights
 
 from ..forward_batch import ForwardBatch
@@ -79,6 +80,7 @@ def pack_weights(
                 k_norm=_f32(r(lw.k_norm)),
             )
         )
+        drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
     embed = np.ascontiguousarray(r(w.embed), dtype=F32)  # (V, D)
     head = embed.T if w.lm_head is w.embed else np.asarray(r(w.lm_head)).T  # (D, V) views
     rest = dict(
