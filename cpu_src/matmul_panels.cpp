@@ -26,9 +26,15 @@ namespace {
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 const int MR = 12, NV = 2;
-#else
+#elif defined(__AVX2__)
 typedef float vf __attribute__((vector_size(32)));
 const int MR = 6, NV = 1;
+#elif defined(__aarch64__)  // NEON: 32 registers of 4 floats, a panel's row in four
+typedef float vf __attribute__((vector_size(16)));
+const int MR = 6, NV = 1;
+#else  // SSE2: 16 registers of 4 floats (a 32-byte vector there is two, and 6 rows spill)
+typedef float vf __attribute__((vector_size(16)));
+const int MR = 3, NV = 1;
 #endif
 const long PANEL_COLS = 16;
 const int LANES = sizeof(vf) / 4, H = PANEL_COLS / LANES;
@@ -50,7 +56,11 @@ inline void load_row(vf* b, const int8_t* p) {
     b[h] = (vf)_mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
 #else
-  for (int i = 0; i < PANEL_COLS; i++) b[i / LANES][i % LANES] = (float)p[i];
+  for (int h = 0; h < H; h++) {
+    vf v = {};
+    for (int l = 0; l < LANES; l++) v[l] = (float)p[h * LANES + l];
+    b[h] = v;
+  }
 #endif
 }
 
