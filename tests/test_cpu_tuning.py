@@ -29,7 +29,7 @@ def fake_times(fastest: str) -> dict:
 def timings(tmp_path, monkeypatch):
     """cpu_tuning with its file in tmp_path and `time_shape` answering from timings["fastest"];
     timings["timed"] lists the shapes it was asked."""
-    state = {"fastest": "panels", "timed": []}
+    state = {"fastest": "panels", "timed": [], "file": tmp_path / "products.json"}
 
     def time_shape(w):
         state["timed"].append(w.shape)
@@ -95,7 +95,7 @@ def test_auto_takes_numpy_where_the_cpu_products_measured_slower(
     timings["fastest"] = "numpy"
     with caplog.at_level(logging.WARNING, logger="engine.backend"):
         assert make_engine(tiny).backend.name == "numpy"
-    assert "backend auto -> numpy: the cpu backend's float32 products measured 2.00x" in caplog.text
+    assert "backend auto -> numpy: the cpu backend's products measured 2.00x" in caplog.text
     assert make_engine(tiny, backend="cpu").backend.name == "cpu"  # asked by name: kept
     caplog.clear()
     timings["fastest"] = "plain"
@@ -124,3 +124,28 @@ def test_a_target_that_is_not_one_or_that_this_cpu_cannot_run_is_refused_by_name
     monkeypatch.setenv(cpu_native.ISA_ENV, "x86-64-v3")
     with pytest.raises(ValueError, match="x86-64 target; this CPU is aarch64"):
         cpu_native.march()
+
+
+@pytest.mark.parametrize("setting", [{"dtype": "bfloat16"}, {"quantization": "q8_0"}])
+def test_a_kept_format_is_timed_against_numpy_and_auto_follows(
+    tiny, timings, monkeypatch, caplog, setting
+):
+    from engine.backends import devices
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    state = {"kept": 2.0, "asked": []}
+
+    def time_kept(pair):
+        kept, w = pair
+        state["asked"].append((kept.kind, w.shape))
+        return {"kept": [state["kept"]] * 3, "numpy": [1.0] * 3}
+
+    monkeypatch.setattr(cpu_tuning, "time_kept", time_kept)
+    with caplog.at_level(logging.WARNING, logger="engine.backend"):
+        assert make_engine(tiny, **setting).backend.name == "numpy"
+    assert "the cpu backend's products measured 2.00x NumPy's" in caplog.text
+    kinds = {kind for kind, _ in state["asked"]}
+    assert kinds == ({"bf16_panels"} if "dtype" in setting else {"q8_0"})
+    state["kept"] = 0.5
+    monkeypatch.setattr(cpu_tuning, "_cache_file", lambda: timings["file"].with_name("b.json"))
+    assert make_engine(tiny, **setting).backend.name == "cpu"

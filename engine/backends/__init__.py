@@ -7,7 +7,7 @@ cuda      ``CupyBackend`` on a GPU through CuPy: the project's kernels, cuBLAS, 
 cuda-cpu  ``CupyBackend`` on the emulated device: the same code, the kernels' CPU builds, and
           CUDA's and CuPy's rules checked (``devices.EmulatedDevice``)
 auto      cuda when CuPy sees a GPU, else cpu (numpy where there is no g++ to build it, or
-          where the cpu backend's float32 products measured slower than NumPy's: cpu_tuning)
+          where the cpu backend's products measured slower than NumPy's: cpu_tuning)
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def _cpu_backend(model_config, weights, engine_config):
     slower = backend.products_vs_numpy
     if engine_config.backend == "auto" and slower is not None and slower > 1.0:
         log.warning(
-            "backend auto -> numpy: the cpu backend's float32 products measured %.2fx NumPy's "
-            "on this CPU",
+            "backend auto -> numpy: the cpu backend's products measured %.2fx NumPy's on this CPU",
             slower,
         )
         del backend

@@ -78,7 +78,7 @@ class CpuBackend(NumpyBackend):
             )
         library()  # build (once per source change) and load the kernels now, not mid-step
         threads()
-        self._choices = {}  # (K, N) -> cpu_tuning.Choice, for float32 matrices
+        self._choices = {}  # (K, N) -> cpu_tuning.Choice: the layout kept and its times
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
 
@@ -102,11 +102,23 @@ class CpuBackend(NumpyBackend):
         if quantization is not None:
             kind = HEAD_FORMAT[quantization] if head else quantization
             if kind == "int8":
-                return lambda w: to_int8_panels(w) if whole(w) else quantize(w, kind)
-            return lambda w: quantize(w, kind)
+                return self._timed(lambda w: to_int8_panels(w) if whole(w) else quantize(w, kind))
+            return self._timed(lambda w: quantize(w, kind))
         if self.kv_dtype == "bfloat16":
-            return lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)
+            bf16 = lambda w: to_bf16_panels(w) if whole(w) and w.shape[0] % 2 == 0 else to_bf16(w)  # noqa: E731
+            return self._timed(bf16)
         return self._float32_store
+
+    def _timed(self, store):
+        """store, with the first matrix of each shape timed against NumPy's float32 product."""
+
+        def keep(w: np.ndarray):
+            kept = store(w)
+            if w.shape not in self._choices:
+                self._choices[w.shape] = cpu_tuning.measure_kept(kept, w)
+            return kept
+
+        return keep
 
     def _float32_store(self, w: np.ndarray):
         """A packed float32 matrix in the layout timed fastest for its shape (timed, or read
@@ -116,10 +128,10 @@ class CpuBackend(NumpyBackend):
         return to_panels(w) if self._choices[w.shape].layout == "panels" else w
 
     def _stored(self) -> None:
-        self.products_vs_numpy = None  # the chosen float32 products' time over NumPy's
+        self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
         if self._choices:
             line, self.products_vs_numpy = cpu_tuning.summary(self._choices)
-            log.info("float32 products, by shape (K x N) as timed on this CPU: %s", line)
+            log.info("products, by shape (K x N) as timed on this CPU: %s", line)
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one

@@ -1,4 +1,5 @@
-"""Which float32 products the cpu backend runs, chosen by timing them on this machine.
+"""Which float32 products the cpu backend runs, chosen by timing them on this machine, and how
+every other format's products compare with NumPy's.
 
 A float32 matrix can be kept two ways, and which is faster depends on the CPU, the build and
 the shape: in panels for the project's own kernel (``cpu_src/matmul_panels.cpp``, no packing
@@ -6,12 +7,15 @@ per call), or plain (K, N) for OpenBLAS's sgemm and sgemv on the kernels' thread
 (``cpu_src/matmul.cpp``). At load the backend times both on each of the model's matrix shapes,
 and NumPy's own product (what ``--backend numpy`` runs) beside them, at ROWS rows (one
 decode, a few, a batch), and keeps for each shape the layout whose times over the other's
-have a geometric mean at most 1. ``auto`` compares the chosen products with NumPy's and takes the
-numpy backend where the cpu backend's were slower.
+have a geometric mean at most 1. A matrix kept in another format (bf16, int8, a GGUF block
+format) has one kernel per instruction set: it is timed beside NumPy's float32 product of the
+same shape. ``auto`` compares the chosen products with NumPy's and takes the numpy backend
+where the cpu backend's were slower.
 
 Timed once per (CPU, kernel build, threads, shape) on the model's own matrices: a few hundred
 milliseconds for TinyLlama's, then read back from a JSON file beside the kernels' build.
-In: {shape: a (K, N) float32 matrix of that shape}; out: {shape: Choice}.
+In: {shape: a (K, N) float32 matrix of that shape} (or a kept matrix and its float32 values);
+out: {shape: Choice}.
 """
 
 from __future__ import annotations
@@ -122,23 +126,22 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def choose(matrices: dict) -> dict:
-    """{(K, N): a matrix of that shape} -> {(K, N): Choice}, timing the shapes not in the
-    cache file and adding them to it."""
+def _measured(keys: dict, timer) -> dict:
+    """{key: what timer(key's value) gave}, from the cache file where it has the key (timed
+    and added to it otherwise)."""
     path = _cache_file()
     with _lock:
         try:
             saved = json.loads(path.read_text())
         except (OSError, ValueError):
             saved = {}
-        missing = [s for s in matrices if f"{s[0]}x{s[1]}" not in saved]
+        missing = [k for k in keys if k not in saved]
         if missing:
             t0 = time.perf_counter()
-            for s in missing:
-                saved[f"{s[0]}x{s[1]}"] = time_shape(matrices[s])
+            for k in missing:
+                saved[k] = timer(keys[k])
             log.info(
-                "timed the float32 products of %d matrix shape(s) on this CPU in %.2f s "
-                "(kept in %s)",
+                "timed the products of %d matrix shape(s) on this CPU in %.2f s (kept in %s)",
                 len(missing),
                 time.perf_counter() - t0,
                 path,
@@ -146,7 +149,36 @@ def choose(matrices: dict) -> dict:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(saved, indent=1))
             os.replace(tmp, path)
-    return {s: _choice(saved[f"{s[0]}x{s[1]}"]) for s in matrices}
+    return {k: saved[k] for k in keys}
+
+
+def choose(matrices: dict) -> dict:
+    """{(K, N): a float32 matrix of that shape} -> {(K, N): Choice of panels or plain}."""
+    keys = {f"{k}x{n}": (k, n) for k, n in matrices}
+    times = _measured({key: matrices[s] for key, s in keys.items()}, time_shape)
+    return {s: _choice(times[key]) for key, s in keys.items()}
+
+
+def time_kept(pair) -> dict:
+    """{'kept': [...], 'numpy': [...]} at ROWS rows: a matrix kept in another format (bf16,
+    int8, a block format: a QuantWeight) timed natively, and NumPy's float32 product of the
+    same shape, what the numpy backend would run."""
+    from . import fast_ops
+
+    kept, w = pair
+    rng = np.random.default_rng(0)
+    times = {"kept": [], "numpy": []}
+    for m in ROWS:
+        x = rng.standard_normal((m, w.shape[0]), dtype=np.float32)  # (m, K)
+        times["kept"].append(_native_seconds(x, kept))
+        times["numpy"].append(_seconds(lambda x=x: fast_ops.matmul(x, w)))
+    return times
+
+
+def measure_kept(kept, w: np.ndarray) -> Choice:
+    """The Choice (layout: the kept format) for a matrix kept as `kept`, w its float32 values."""
+    key = f"{kept.kind} {w.shape[0]}x{w.shape[1]}"
+    return Choice(kept.kind, _measured({key: (kept, w)}, time_kept)[key])
 
 
 def _choice(times: dict) -> Choice:
@@ -159,9 +191,12 @@ def summary(choices: dict) -> tuple[str, float]:
     time over NumPy's (geometric mean over shapes and ROWS)."""
     parts, logs = [], []
     for (k, n), c in sorted(choices.items()):
-        other = "plain" if c.layout == "panels" else "panels"
-        vs_other = c.ratio(c.layout, other)
-        vs_numpy = c.ratio(c.layout, "numpy")
-        parts.append(f"{k}x{n} {c.layout} ({vs_other:.2f}x {other}, {vs_numpy:.2f}x numpy)")
+        vs_numpy = c.ratio("kept" if "kept" in c.times else c.layout, "numpy")
+        if "kept" in c.times:
+            parts.append(f"{k}x{n} {c.layout} ({vs_numpy:.2f}x numpy)")
+        else:
+            other = "plain" if c.layout == "panels" else "panels"
+            vs_other = c.ratio(c.layout, other)
+            parts.append(f"{k}x{n} {c.layout} ({vs_other:.2f}x {other}, {vs_numpy:.2f}x numpy)")
         logs.append(math.log(vs_numpy))
     return "; ".join(parts), math.exp(sum(logs) / len(logs))
