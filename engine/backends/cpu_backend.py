@@ -5,7 +5,9 @@ fused with RMSNorm, SiLU-and-mul, multi-threaded over columns or (sequence, KV h
 The same KV layout and interface; ``auto`` picks it where there is no GPU and g++ is there.
 
 Its matrices (every layer's four and the LM head) are packed once: float32 in panels of 16
-columns (the order the products read them in); with ``--dtype bfloat16`` as bf16 panels with
+columns (the order the products read them in), or plain for OpenBLAS where that measured faster
+for the shape on this CPU (``cpu_tuning``, which also times every other format against NumPy);
+with ``--dtype bfloat16`` as bf16 panels with
 rows in pairs (half the bytes; x rounded to bf16 in each product, AVX512-BF16's dot products
 where the CPU has them); with ``--quantization int8`` as int8 and a scale per column (a
 quarter), with ``--quantization q8_0|q4_0|q4_1`` in llama.cpp's block formats (float16 scales
