@@ -35,7 +35,7 @@ def timings(tmp_path, monkeypatch):
         state["timed"].append(w.shape)
         return fake_times(state["fastest"])
 
-    monkeypatch.setattr(cpu_tuning, "_cache_file", lambda: tmp_path / "products.json")
+    monkeypatch.setattr(cpu_tuning, "cache_file", lambda: tmp_path / "products.json")
     monkeypatch.setattr(cpu_tuning, "time_shape", time_shape)
     return state
 
@@ -99,7 +99,7 @@ def test_auto_takes_numpy_where_the_cpu_products_measured_slower(
     assert make_engine(tiny, backend="cpu").backend.name == "cpu"  # asked by name: kept
     caplog.clear()
     timings["fastest"] = "plain"
-    monkeypatch.setattr(cpu_tuning, "_cache_file", lambda: tmp_path / "again.json")
+    monkeypatch.setattr(cpu_tuning, "cache_file", lambda: tmp_path / "again.json")
     assert make_engine(tiny).backend.name == "cpu"
 
 
@@ -147,5 +147,5 @@ def test_a_kept_format_is_timed_against_numpy_and_auto_follows(
     kinds = {kind for kind, _ in state["asked"]}
     assert kinds == ({"bf16_panels"} if "dtype" in setting else {"q8_0"})
     state["kept"] = 0.5
-    monkeypatch.setattr(cpu_tuning, "_cache_file", lambda: timings["file"].with_name("b.json"))
+    monkeypatch.setattr(cpu_tuning, "cache_file", lambda: timings["file"].with_name("b.json"))
     assert make_engine(tiny, **setting).backend.name == "cpu"

@@ -133,7 +133,11 @@ class CpuBackend(NumpyBackend):
         self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
         if self._choices:
             line, self.products_vs_numpy = cpu_tuning.summary(self._choices)
-            log.info("products, by shape (K x N) as timed on this CPU: %s", line)
+            log.info(
+                "products, by shape (K x N) as timed on this CPU (once, kept in %s): %s",
+                cpu_tuning.cache_file(),
+                line,
+            )
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         """greedy_ids' answer (first maximum, NaN never wins, -1 with nothing above -inf) in one

@@ -61,15 +61,21 @@ class NativeBuildError(RuntimeError):
     """No C++ compiler, or it rejected cpu_src/."""
 
 
-def cpu_flags() -> str:
-    """This CPU's instruction-set flags (/proc/cpuinfo), part of the build's cache key."""
+def cpuinfo(*fields: str) -> str:
+    """The value of the first /proc/cpuinfo line that starts with one of ``fields`` ("" if
+    none: not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(fields):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), part of the build's cache key."""
+    return cpuinfo("flags")
 
 
 def isa(name: str | None = None) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cpu_native import cpu_flags, library, library_path, threads
+from .cpu_native import cpu_flags, cpuinfo, library, threads
 from .quant import to_panels
 
 log = logging.getLogger("engine.backend")
@@ -90,46 +90,47 @@ def _native_seconds(x: np.ndarray, w) -> float:
     return min(library().matmul_seconds(*args, reps, threads()) for _ in range(REPEATS))
 
 
-def time_shape(w: np.ndarray) -> dict:
-    """{candidate: [seconds at each of ROWS]} for x @ w, w a (K, N) float32 matrix: the cpu
-    backend's two layouts timed natively, NumPy's product (fast_ops.matmul) from Python, as
-    each backend runs them."""
+def _time_rows(w: np.ndarray, native: dict) -> dict:
+    """{name: [seconds at each of ROWS]} for x @ each of ``native``'s matrices timed natively
+    (inf for None), and "numpy": NumPy's product with w, the same values in float32
+    (fast_ops.matmul, what the numpy backend runs), timed from Python."""
     from . import fast_ops
 
-    k, _ = w.shape
-    panels = to_panels(w) if w.shape[1] % 16 == 0 else None
     rng = np.random.default_rng(0)
-    times = {name: [] for name in CANDIDATES}
+    times = {name: [] for name in [*native, "numpy"]}
     for m in ROWS:
-        x = rng.standard_normal((m, k), dtype=np.float32)  # (m, K)
-        times["plain"].append(_native_seconds(x, w))
+        x = rng.standard_normal((m, w.shape[0]), dtype=np.float32)  # (m, K)
+        for name, kept in native.items():
+            times[name].append(math.inf if kept is None else _native_seconds(x, kept))
         times["numpy"].append(_seconds(lambda x=x: fast_ops.matmul(x, w)))
-        times["panels"].append(_native_seconds(x, panels) if panels is not None else math.inf)
     return times
 
 
-def _cache_file() -> Path:
-    """The measurements' file: one per kernel build (sources, flags, CPU) and thread count."""
-    lib = library_path()
+def time_shape(w: np.ndarray) -> dict:
+    """{candidate: [seconds at each of ROWS]} for x @ w, w a (K, N) float32 matrix: the cpu
+    backend's two layouts timed natively (panels: inf where N is not whole panels), NumPy's
+    product from Python, as each backend runs them."""
+    panels = to_panels(w) if w.shape[1] % 16 == 0 else None
+    return _time_rows(w, {"panels": panels, "plain": w})
+
+
+def cache_file() -> Path:
+    """The measurements' file: one per loaded kernel build (sources, flags, CPU) and thread
+    count, beside it."""
+    lib = Path(library()._name)
     key = f"{lib.name} {cpu_model()} {threads()} {os.environ.get('OPENBLAS_NUM_THREADS', '')}"
     digest = hashlib.sha256((key + cpu_flags()).encode()).hexdigest()[:16]
     return lib.parent / f"products-{digest}.json"
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "CPU part")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return cpuinfo("model name", "CPU part") or "unknown"
 
 
 def _measured(keys: dict, timer) -> dict:
     """{key: what timer(key's value) gave}, from the cache file where it has the key (timed
     and added to it otherwise)."""
-    path = _cache_file()
+    path = cache_file()
     with _lock:
         try:
             saved = json.loads(path.read_text())
@@ -140,7 +141,7 @@ def _measured(keys: dict, timer) -> dict:
             t0 = time.perf_counter()
             for k in missing:
                 saved[k] = timer(keys[k])
-            log.info(
+            log.debug(
                 "timed the products of %d matrix shape(s) on this CPU in %.2f s (kept in %s)",
                 len(missing),
                 time.perf_counter() - t0,
@@ -163,16 +164,8 @@ def time_kept(pair) -> dict:
     """{'kept': [...], 'numpy': [...]} at ROWS rows: a matrix kept in another format (bf16,
     int8, a block format: a QuantWeight) timed natively, and NumPy's float32 product of the
     same shape, what the numpy backend would run."""
-    from . import fast_ops
-
     kept, w = pair
-    rng = np.random.default_rng(0)
-    times = {"kept": [], "numpy": []}
-    for m in ROWS:
-        x = rng.standard_normal((m, w.shape[0]), dtype=np.float32)  # (m, K)
-        times["kept"].append(_native_seconds(x, kept))
-        times["numpy"].append(_seconds(lambda x=x: fast_ops.matmul(x, w)))
-    return times
+    return _time_rows(w, {"kept": kept})
 
 
 def measure_kept(kept, w: np.ndarray) -> Choice:

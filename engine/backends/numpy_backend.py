@@ -148,10 +148,6 @@ class NumpyBackend(Backend):
         kind = HEAD_FORMAT[quantization] if head else quantization
         return lambda w: quantize(w, kind).dequantize()
 
-    def _matrices(self) -> list:
-        """Every layer's four matrices and the LM head."""
-        return [getattr(lw, name) for lw in self.layers for name in MATRICES] + [self.lm_head]
-
     def _matrix_shapes(self) -> list[tuple[int, int]]:
         """The (K, N) of a layer's four matrices and of the LM head, from the config."""
         c = self.cfg
