@@ -125,6 +125,7 @@ class CpuBackend(NumpyBackend):
     def _float32_store(self, w: np.ndarray):
         """A packed float32 matrix in the layout timed fastest for its shape (timed, or read
         from the measurements' file, the first time the shape comes)."""
+        w = np.ascontiguousarray(w, dtype=np.float32)  # the LM head comes as a view
         if w.shape not in self._choices:
             self._choices.update(cpu_tuning.choose({w.shape: w}))
         return to_panels(w) if self._choices[w.shape].layout == "panels" else w

@@ -165,11 +165,12 @@ def time_kept(pair) -> dict:
     int8, a block format: a QuantWeight) timed natively, and NumPy's float32 product of the
     same shape, what the numpy backend would run."""
     kept, w = pair
-    return _time_rows(w, {"kept": kept})
+    return _time_rows(np.asarray(w, np.float32), {"kept": kept})  # w: a view, maybe 16-bit
 
 
 def measure_kept(kept, w: np.ndarray) -> Choice:
-    """The Choice (layout: the kept format) for a matrix kept as `kept`, w its float32 values."""
+    """The Choice (layout: the kept format) for a matrix kept as `kept`, w its values (float32,
+    or a 16-bit view widened only when the shape is timed)."""
     key = f"{kept.kind} {w.shape[0]}x{w.shape[1]}"
     return Choice(kept.kind, _measured({key: (kept, w)}, time_kept)[key])
 

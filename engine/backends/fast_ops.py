@@ -45,9 +45,10 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def embedding(token_ids: np.ndarray, table: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    # token_ids: (T,) int32, table: (V, D) -> (T, D), times scale (Gemma: sqrt(D))
-    rows = table[token_ids]
-    return rows if scale == 1.0 else (_f(rows) * np.float32(scale)).astype(table.dtype)
+    # token_ids: (T,) int32, table: (V, D) float32 or 16-bit floats -> (T, D) float32 (float64
+    # stays), times scale (Gemma: sqrt(D)); a 16-bit table's rows widen exactly
+    rows = _f(table[token_ids])
+    return rows if scale == 1.0 else rows * rows.dtype.type(scale)
 
 
 def copy_blocks(src: np.ndarray, dst: np.ndarray, pairs) -> None:

@@ -26,6 +26,7 @@ from .quant import HEAD_FORMAT, QuantWeight, quantize
 log = logging.getLogger("engine.backend")
 
 F32 = np.dtype(np.float32)
+HALVES = (np.dtype(np.float16), numpy_dtype("bfloat16"))
 MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a PackedLayer's (K, N) matrices
 
 
@@ -46,8 +47,15 @@ class PackedLayer:
 
 
 def _t(*mats: np.ndarray) -> np.ndarray:
-    """Stack (out, in) matrices along out and transpose: a contiguous float32 (in, sum(out))."""
-    return np.ascontiguousarray(np.concatenate(mats, axis=0).T, dtype=F32)
+    """Stack (out, in) matrices along out and transpose: (in, sum(out)), a view in their dtype
+    (of the file's map for one matrix): the store widens it as it converts."""
+    return (mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)).T
+
+
+def _table(a: np.ndarray) -> np.ndarray:
+    """The (V, D) embedding table as kept: a 16-bit float one as it is (its rows widen to float32
+    exactly when gathered; half a float32 copy's bytes), any other float32. Read by row only."""
+    return np.array(a, dtype=a.dtype if a.dtype in HALVES else F32)  # a copy: the file's pages go
 
 
 def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
@@ -60,10 +68,14 @@ def pack_weights(
     """Fused, transposed float32 weights (values first rounded through ``round_to``); norm
     scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does. ``store``
     (and ``head_store`` for the LM head), given, turn each packed (K, N) matrix into the form
-    it is kept in right after it is packed, so one layer's float32 matrices at a time exist
-    beside the kept ones."""
-    r = (lambda a: a) if round_to == F32 else (lambda a: None if a is None else a.astype(round_to))
-    keep = store or (lambda m: m)
+    it is kept in right after it is packed: a matrix reaches its store as a (K, N) view in the
+    checkpoint's dtype (the fused ones as one copy of it), and the store widens it slice by
+    slice or as a whole, so one layer's matrices at a time exist beside the kept ones."""
+
+    def r(a: np.ndarray | None) -> np.ndarray | None:  # rounded through round_to
+        return a if a is None or round_to == F32 else a.astype(round_to, copy=False)
+
+    keep = store or (lambda m: np.ascontiguousarray(m, dtype=F32))
     layers = []
     for lw in w.layers:
         bias = None if lw.bq is None else _f32(np.concatenate([r(lw.bq), r(lw.bk), r(lw.bv)]))
@@ -81,14 +93,13 @@ def pack_weights(
             )
         )
         drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
-    embed = np.ascontiguousarray(r(w.embed), dtype=F32)  # (V, D)
+    embed = _table(r(w.embed))  # (V, D)
+    drop_pages(w.embed)
     head = embed.T if w.lm_head is w.embed else np.asarray(r(w.lm_head)).T  # (D, V) views
-    rest = dict(
-        embed=embed,
-        final_norm=_f32(r(w.final_norm), norm_offset),  # (D,)
-        lm_head=(head_store or (lambda m: m))(np.ascontiguousarray(head, dtype=F32)),  # (D, V)
-    )
-    return layers, rest
+    # head_store takes the view (in any float dtype) and widens it as it converts
+    lm_head = head_store(head) if head_store else np.ascontiguousarray(head, dtype=F32)
+    drop_pages(w.lm_head)
+    return layers, dict(embed=embed, final_norm=_f32(r(w.final_norm), norm_offset), lm_head=lm_head)
 
 
 def greedy_ids(logits: np.ndarray) -> np.ndarray:
@@ -105,7 +116,7 @@ class NumpyBackend(Backend):
     name = "numpy"
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config, ops=None):
-        retain_freed_memory()
+        retain_freed_memory(False)  # until the weights are packed
         self.cfg = model_config
         self.ops = ops if ops is not None else fast_ops
         self.block_size = engine_config.block_size
@@ -129,6 +140,7 @@ class NumpyBackend(Backend):
             rest["lm_head"],
         )
         self._stored()
+        retain_freed_memory()
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
@@ -246,7 +258,13 @@ class NumpyBackend(Backend):
         c, ops, n = self.cfg, self.ops, h.shape[0]
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
         q = self._rotary_cache(ops.matmul(h, lw.w_qkv), lw, k_cache, v_cache, b)  # (T, H, hd)
-        window = c.window(layer)
+        out = self._attend(q, k_cache, v_cache, b, c.window(layer))  # (T, H, hd)
+        return self._reduce(ops.matmul(out.reshape(n, c.q_dim), lw.w_o))
+
+    def _attend(self, q: np.ndarray, k_cache, v_cache, b: ForwardBatch, window: int):
+        """q (T, H, hd) rotated, this step's K and V already in the cache -> (T, H, hd): the
+        decodes' rows through decode attention, the prefills' through prefill attention."""
+        ops = self.ops
         out = np.empty(q.shape, F32)  # (T, H, hd)
         nd = b.num_decodes
         if nd:  # decodes: rows 0..nd-1, one per sequence
@@ -271,7 +289,7 @@ class NumpyBackend(Backend):
                 self.scale,
                 window,
             )
-        return self._reduce(ops.matmul(out.reshape(n, c.q_dim), lw.w_o))
+        return out
 
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
         """qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k and v rotated and written into

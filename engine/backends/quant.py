@@ -30,7 +30,7 @@ F32 = np.dtype(np.float32)
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w (K, N) -> (q (K, N) int8, scales (N,) float32), w ~ q * scales, |w - q*s| <= s/2."""
-    w = np.asarray(w, F32)
+    w = np.ascontiguousarray(w, F32)  # q comes out row-major, as the kernels read it
     scales = (np.abs(w).max(axis=0) / np.float32(127)).astype(F32)  # (N,)
     safe = np.where(scales > 0, scales, np.float32(1))  # a zero column: q = 0, nothing divided
     r = np.divide(w, safe)  # (K, N) float32, rounded and clipped in place
@@ -168,10 +168,11 @@ class QuantWeight:
 
 
 def to_bf16(w: np.ndarray) -> QuantWeight:
-    """(K, N) float32 whose values are bf16 already (pack_weights rounded them) -> bf16 bits."""
+    """(K, N) float32 whose values are bf16 already (pack_weights rounded them), or bf16 itself
+    (a view of the checkpoint's LM head) -> bf16 bits, in one copy."""
     from .base import numpy_dtype
 
-    data = np.ascontiguousarray(w).astype(numpy_dtype("bfloat16"))
+    data = np.ascontiguousarray(w, dtype=numpy_dtype("bfloat16"))
     return QuantWeight("bf16", data)
 
 
@@ -181,9 +182,9 @@ def to_panels(w: np.ndarray) -> QuantWeight:
     k, n = w.shape
     if n % PANEL:
         raise ValueError(f"panels: a matrix's output size must be a multiple of 16, got ({k}, {n})")
-    w = w if w.dtype == np.int8 else np.asarray(w, F32)
-    panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-    return QuantWeight("panels", np.ascontiguousarray(panels))
+    panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)  # a view, any layout
+    dtype = np.int8 if w.dtype == np.int8 else F32
+    return QuantWeight("panels", np.ascontiguousarray(panels, dtype))
 
 
 def to_int8_panels(w: np.ndarray) -> QuantWeight:
@@ -199,9 +200,11 @@ def to_bf16_panels(w: np.ndarray) -> QuantWeight:
     k, n = w.shape
     if k % 2 or n % PANEL:
         raise ValueError(f"bf16 panels: a matrix must be (even, a multiple of 16), got ({k}, {n})")
-    pairs = to_bf16(w).data.reshape(k // 2, 2, n // PANEL, PANEL)  # (K/2, 2, P, 16)
-    panels = pairs.transpose(2, 0, 3, 1).reshape(n // PANEL, k // 2, 2 * PANEL)
-    return QuantWeight("bf16_panels", np.ascontiguousarray(panels))
+    from .base import numpy_dtype
+
+    pairs = w.reshape(k // 2, 2, n // PANEL, PANEL)  # (K/2, 2, P, 16): a view, any layout
+    panels = np.ascontiguousarray(pairs.transpose(2, 0, 3, 1), dtype=numpy_dtype("bfloat16"))
+    return QuantWeight("bf16_panels", panels.reshape(n // PANEL, k // 2, 2 * PANEL))
 
 
 def from_bf16_panels(panels: np.ndarray) -> np.ndarray:
@@ -237,10 +240,13 @@ def quantize(w: np.ndarray, kind: str) -> QuantWeight:
     once), so their float temporaries are a slice's, not five copies of an LM head."""
     if kind not in BLOCK_FORMATS or w.shape[1] <= COLUMNS_AT_ONCE:
         return QuantWeight(kind, *QUANTIZE[kind](w))
-    parts = [
-        QUANTIZE[kind](w[:, c : c + COLUMNS_AT_ONCE]) for c in range(0, w.shape[1], COLUMNS_AT_ONCE)
-    ]
-    data, scales = (np.concatenate(a, axis=0) for a in zip(*parts, strict=True))
+    data = scales = None  # (N, ...) each, filled a slice at a time
+    for c in range(0, w.shape[1], COLUMNS_AT_ONCE):
+        d, s = QUANTIZE[kind](w[:, c : c + COLUMNS_AT_ONCE])
+        if data is None:
+            data = np.empty((w.shape[1], *d.shape[1:]), d.dtype)
+            scales = np.empty((w.shape[1], *s.shape[1:]), s.dtype)
+        data[c : c + len(d)], scales[c : c + len(s)] = d, s
     return QuantWeight(kind, data, scales)
 
 
