@@ -1,8 +1,9 @@
-// Every layer of a decode step in one call: the same kernels, in the same order, on the same
-// arrays as the Python loop of NumpyBackend._run_layers (norm, QKV product, rotary + cache
-// write, decode attention, O product, add + norm, gate/up product, SiLU-and-mul, down
-// product), without a Python round trip and a ctypes call per kernel (about 100 us a layer at
-// batch 1). The arithmetic is the kernels': the hidden states come out with the same bits.
+// Every layer of a decode step (or a step of short runs: speculative verifies, short prompts)
+// in one call: the same kernels, in the same order, on the same arrays as the Python loop of
+// CpuBackend._run_layers (norm, QKV product, rotary + cache write, decode attention, O
+// product, add + norm, gate/up product, SiLU-and-mul, down product), without a Python round
+// trip and a ctypes call per kernel (about 100 us a layer at batch 1). The arithmetic is the
+// kernels': the hidden states come out with the same bits.
 // Threads: each kernel's own.
 #include <chrono>
 #include <cstdint>
@@ -122,9 +123,11 @@ extern "C" double matmul_seconds(float* out, const float* x, const Matrix* w, lo
   return took.count() / reps;
 }
 
-// x (T, D) embeddings of T decoding sequences (one token each) through every layer: x becomes
-// the last layer's output and residual the residual stream (the head adds them). Returns 0,
-// or the failing kernel's status.
+// x (T, D) embeddings of T tokens through every layer, each token's attention a decode over
+// its own row of block_tables and context_lens (a decoding sequence's token, or one of a
+// sequence's short run: its sequence's table and its position + 1; rotary_cache writes every
+// token's K and V before the attention reads them): x becomes the last layer's output and
+// residual the residual stream (the head adds them). Returns 0, or the failing kernel's status.
 extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
   const int T = s->T, D = s->D, nt = s->threads;
   const long q_dim = (long)s->H * s->hd, qkv_dim = q_dim + 2L * s->hkv * s->hd;

@@ -1,7 +1,8 @@
 """The cpu backend's decode steps in one native call (cpu_src/decode_layers.cpp) against the
 loop of kernel calls it replaces: the same logits bit for bit, on every family's tiny checkpoint
 (biases, per-head norms, sliding windows, GQA) and with bf16, int8, Q8_0 or Q4_1 weights and a
-16-bit cache; the fused call must really run (counted), and only on single-token decode steps."""
+16-bit cache; the fused call must really run (counted), and only on steps whose sequences
+bring at most SHORT_RUN tokens each (decodes, speculative verifies, short prompts)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def assert_same_bits(a, b):
 def test_the_same_bits_as_the_loop(tiny, fused_steps, setting):
     fused, loop = fused_and_loop(tiny, SEED_PROMPTS, **setting)
     assert_same_bits(fused, loop)
-    # every step after the prefill decodes all the prompts at once, until they finish
-    assert len(fused_steps) == GREEDY.max_tokens - 1
-    assert fused_steps[0] == len(SEED_PROMPTS)
+    # the prompts are short runs (at most SHORT_RUN tokens each): their prefill is fused too,
+    # then every step decodes all of them at once, until they finish
+    assert fused_steps[0] > len(SEED_PROMPTS)
+    assert fused_steps[1:] == [len(SEED_PROMPTS)] * (GREEDY.max_tokens - 1)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -91,6 +93,45 @@ def test_a_step_with_a_prefill_keeps_the_loop(tiny, fused_steps):
     )
     assert_same_bits(fused, loop)
     # steps 1-4: the short prompt's prefill, then its decodes beside the long one's chunks
-    # (25 + 31 + 31 + 13 tokens); steps 5-12 decode, both until the short one has its 9
-    # tokens, then the long one alone
-    assert fused_steps == [2] * 5 + [1] * 3
+    # (25 + 31 + 31 + 13 tokens: the last a short run, fused); steps 5-12 decode, both until
+    # the short one has its 9 tokens, then the long one alone
+    assert fused_steps == [1 + 13] + [2] * 5 + [1] * 3  # the last chunk is a short run
+
+
+def test_speculative_verifies_run_fused_with_the_loops_bits(tiny, fused_steps):
+    """Prompt lookup on prompts that repeat a phrase: its verify steps (each sequence's last
+    token and its drafts, 2-5 tokens) run through the fused call, each token attending as a
+    decode over its own keys, with the loop's bits (the logprobs of every token, which the
+    target's logits give; recording logits turns speculation off)."""
+    rng = np.random.default_rng()
+    prompts = [(rng.integers(3, 320, int(rng.integers(3, 7))).tolist()) * 4 for _ in range(6)]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
+    outs = []
+    for fuse in (True, False):
+        e = make_engine(tiny, backend="cpu", speculative_config=spec)
+        e.backend.fuse_decode = fuse
+        outs.append(run_to_completion(e, prompts, params))
+        assert e.spec_stats.num_accepted_tokens > 0
+    for x, y in zip(*outs, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+    # the steps with drafts were fused: more tokens than sequences, none a long run
+    assert any(n > len(prompts) for n in fused_steps[1:])
+
+
+def test_short_runs_attend_as_decodes_against_the_numpy_backend(tiny):
+    """Runs of 1 to SHORT_RUN tokens (prompts that short, then decodes) on the cpu backend
+    against the numpy backend's prefill attention: the same greedy tokens, logits close."""
+    from engine.backends.cpu_backend import SHORT_RUN
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, n).tolist() for n in (1, 2, SHORT_RUN - 1, SHORT_RUN)]
+    outs = []
+    for backend in ("numpy", "cpu"):
+        e = make_engine(tiny, backend=backend, record_logits=True)
+        outs.append(run_to_completion(e, prompts, GREEDY))
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = (np.stack(o.outputs[0].step_logits) for o in (b, a))
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

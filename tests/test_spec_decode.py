@@ -132,7 +132,7 @@ def check_same(loaded, prompts, params, accepts=True, spec=NGRAM, **engine_args)
     return stats
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cuda-cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_greedy_outputs_identical_with_speculation(tiny, backend):
     rng = np.random.default_rng()
     prompts = repetitive_prompts(rng, 8, 320)

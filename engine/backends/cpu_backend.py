@@ -40,8 +40,16 @@ from .quant import (
 )
 
 F32 = np.dtype(np.float32)
+# tokens a sequence may bring to a step that runs as decodes, one a token (a speculative
+# verify's k + 1; longer runs go to the prefill attention, which shares each key among queries)
+SHORT_RUN = 16
 log = logging.getLogger("engine.backend")
 _ptr, _i32c = ctypes.c_void_p, ctypes.c_int32
+
+
+def _short_runs(b: ForwardBatch) -> bool:
+    """Whether every sequence brings at most SHORT_RUN tokens to the step."""
+    return int(np.diff(b.query_start_loc).max(initial=0)) <= SHORT_RUN
 
 
 class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
@@ -155,13 +163,37 @@ class CpuBackend(NumpyBackend):
 
     # ---- every layer of a decode step in one native call ----
     def _run_layers(self, x: np.ndarray, residual: np.ndarray | None, batch: ForwardBatch):
-        """A step of single-token decodes (SiLU models) runs cpu_src/decode_layers.cpp: the
-        same kernels in the same order as the loop it replaces, one ctypes call instead of
-        about ten a layer. Anything else takes the NumPy backend's loop."""
-        decodes_only = batch.num_decodes == batch.num_seqs == len(batch.token_ids)
-        if self.fuse_decode and residual is None and decodes_only and self.cfg.hidden_act == "silu":
+        """A step whose sequences bring at most SHORT_RUN tokens each (decodes, speculative
+        verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
+        the same kernels in the same order as the loop it replaces, one ctypes call instead of
+        about ten a layer, each token's attention a decode of its own (``_token_tables``).
+        Anything else takes the NumPy backend's loop."""
+        fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
+        if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
+
+    def _attend(self, q, k_cache, v_cache, b: ForwardBatch, window: int):
+        """The loop's attention, as decode_layers runs it: every token of a batch of short
+        runs a decode of its own; otherwise decodes and prefills as the NumPy backend splits
+        them."""
+        if not _short_runs(b):
+            return super()._attend(q, k_cache, v_cache, b, window)
+        tables, lens = self._token_tables(b)  # (T, max_blocks), (T,)
+        return self.ops.paged_attention_decode(
+            q, k_cache, v_cache, tables, lens, self.scale, window
+        )  # (T, H, hd)
+
+    @staticmethod
+    def _token_tables(b: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        """((T, max_blocks) page tables, (T,) context lengths) with a row per token: its
+        sequence's table and its position + 1, the keys a causal query at that position sees
+        once the step's K and V are written (the step writes them before any attention). A
+        batch of decodes is its own."""
+        if b.num_tokens == b.num_seqs:
+            return b.block_tables, b.context_lens
+        seq = np.repeat(np.arange(b.num_seqs), np.diff(b.query_start_loc))  # (T,) each token's
+        return b.block_tables[seq], b.positions + 1
 
     def _layer_table(self):
         """The layers' pointers for decode_layers, made once per KV cache."""
@@ -182,7 +214,8 @@ class CpuBackend(NumpyBackend):
         c, t = self.cfg, len(b.token_ids)
         x = cpu_ops._c32(x)  # (T, D), becomes the last layer's output
         cos, sin = map(cpu_ops._c32, fast_ops._cos_sin(b.positions, c.head_dim, c.rope, F32))
-        tables, lens, slots = map(cpu_ops._i32, (b.block_tables, b.context_lens, b.slot_mapping))
+        tables, lens = map(cpu_ops._i32, self._token_tables(b))  # (T, max_blocks), (T,)
+        slots = cpu_ops._i32(b.slot_mapping)
         qkv_dim = c.q_dim + 2 * c.kv_dim
         arrays = {
             "x": x,
