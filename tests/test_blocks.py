@@ -74,11 +74,12 @@ def test_quantizers_are_gguf_py_bit_for_bit(kind, k, n):
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 23, 64, 65, 100])
 def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
-    """The GEMV (up to 8 rows) and the float32 tiles + sgemm (more) compute x quantized to
-    8 bits per 32 times W; (1536, 777) runs on two threads. Against float32 x the error is far
-    larger, so skipping x's quantization (or Q4's x-sum term) would fail."""
+    """The GEMV (up to 8 rows), the same integer dots over chunks of W (9 to 64 rows: each row
+    with the GEMV's bits) and the float32 tiles + sgemm (more) compute x quantized to 8 bits per
+    32 times W; (1536, 777) runs on two threads. Against float32 x the error is far larger, so
+    skipping x's quantization (or Q4's x-sum term) would fail."""
     rng = np.random.default_rng()
     off_float32 = []  # per shape, how far the product is from float32 x's, relative
     for k, n in [(32, 5), (576, 333), (1536, 777), (64, 1), (576, 272), (96, 16)]:
@@ -91,6 +92,9 @@ def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
         want = matmul_q8_0(x, w)
         scale = np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)  # Q4: - 8 d sx cancels
+        if rows <= 64:  # a row's integer dots are the same whatever the rows beside it
+            for i in (0, rows - 1):
+                np.testing.assert_array_equal(got[i], cpu_ops.matmul(x[i : i + 1], qw)[0])
         off_float32.append(np.abs(got - x.astype(np.float64) @ w).max() / scale)
     # over all shapes (the smallest maximum of 24 runs: 2.7e-2): one output of 64 inputs alone
     # can land within 1e-4 (measured 7.6e-5)
