@@ -2,8 +2,10 @@
 
 Three things differ from a Hugging Face checkpoint:
   * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
-  * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here, and
-    GGUF lists a tensor's dims fastest-first, the reverse of a NumPy shape;
+  * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here (each
+    when it is asked for, from the mapped file: ``LazyTensors``, and a model's layers one at a
+    time: ``LazyLayers``), and GGUF lists a tensor's dims fastest-first, the reverse of a NumPy
+    shape;
   * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
     (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
     rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
@@ -11,6 +13,7 @@ Three things differ from a Hugging Face checkpoint:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,13 @@ import gguf
 import numpy as np
 
 from .config import ModelConfig
-from .hf_weights import family_layer_names, split_fused, weights_from_tensors
+from .hf_weights import (
+    drop_pages,
+    expected_shapes,
+    family_layer_names,
+    register_map,
+    weights_from_tensors,
+)
 from .rope import RopeParams, parse_rope
 from .weights import ModelWeights
 
@@ -63,11 +72,57 @@ GGUF_FUSED = {
 GGUF_NORMS = ("blk.{i}.attn_norm.weight", "blk.{i}.ffn_norm.weight")
 
 
+class LazyTensors(Mapping):
+    """GGUF name -> float32 array in NumPy (HF) orientation, made (dequantized from the mapped
+    file, then reordered, split or offset as ``derive`` and ``split`` said) each time it is
+    asked for; its shape is known before (``shape``)."""
+
+    def __init__(self, reader: gguf.GGUFReader):
+        self._shape = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+        self._make = {t.name: (lambda t=t: _dequantized(t)) for t in reader.tensors}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._make[name]()
+
+    def __iter__(self):
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+    def __contains__(self, name) -> bool:  # (Mapping's would make the array)
+        return name in self._make
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def derive(self, name: str, fn) -> None:
+        """tensors[name] becomes fn(what it was)."""
+        make = self._make[name]
+        self._make[name] = lambda: fn(make())
+
+    def split(self, name: str, parts: dict[str, int]) -> None:
+        """The (sum(rows), D) tensor ``name`` -> its consecutive row ranges, named by parts
+        ({name: rows}); ``name`` itself goes."""
+        make, (_, d) = self._make.pop(name), self._shape.pop(name)
+        start = 0
+        for part, rows in parts.items():
+            self._shape[part] = (rows, d)
+            self._make[part] = lambda a=start, b=start + rows: np.ascontiguousarray(make()[a:b])
+            start += rows
+
+    def pop(self, name: str, default=None):
+        if name not in self._make:
+            return default
+        self._shape.pop(name)
+        return self._make.pop(name)()
+
+
 @dataclass
 class GGUFFile:
     config: ModelConfig
     metadata: dict[str, Any]  # every key/value pair (arrays as lists), tokenizer.* included
-    tensors: dict[str, np.ndarray]  # GGUF name -> float32 array in NumPy (HF) orientation
+    tensors: LazyTensors  # GGUF name -> float32 array in NumPy (HF) orientation, on demand
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -166,6 +221,14 @@ def dequantize_tensor(t: gguf.ReaderTensor) -> np.ndarray:
     return np.require(flat.reshape(shape), np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
 
 
+def _dequantized(t: gguf.ReaderTensor) -> np.ndarray:
+    """dequantize_tensor, then the tensor's pages of the mapped file let go (read again, they
+    come back from the page cache): the process holds the float32 values, not both."""
+    a = dequantize_tensor(t)
+    drop_pages(t.data)
+    return a
+
+
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row order, per head: interleaved pairs -> rotate-half halves.
 
@@ -178,23 +241,43 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(rows, dim)  # (H, 2, hd/2, dim) -> (H * hd, dim)
 
 
-def _restore_qk(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+def _restore_qk(tensors: LazyTensors, cfg: ModelConfig) -> None:
     for i in range(cfg.num_hidden_layers):
         for name, n_heads in (
             (f"blk.{i}.attn_q.weight", cfg.num_attention_heads),
             (f"blk.{i}.attn_k.weight", cfg.num_key_value_heads),
         ):
-            w = tensors.get(name)  # (n_heads * hd, dim); a missing or misshapen one is reported
-            if w is not None and w.ndim == 2 and w.shape[0] == n_heads * cfg.head_dim:
-                tensors[name] = unpermute_qk(w, n_heads)
+            # (n_heads * hd, dim); a missing or misshapen one is reported with the others
+            shape = tensors.shape(name) if name in tensors else ()
+            if len(shape) == 2 and shape[0] == n_heads * cfg.head_dim:
+                tensors.derive(name, lambda w, n=n_heads: unpermute_qk(w, n))
+
+
+def _split_fused(tensors: LazyTensors, cfg: ModelConfig) -> None:
+    """Phi-3's fused tensors (attn_qkv, ffn_up) -> the names of their parts."""
+    shapes = expected_shapes(cfg)
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in GGUF_FUSED.items():
+            name, rows = fused.format(i=i), [shapes[p][0] for p in parts]
+            got = tensors.shape(name) if name in tensors else None
+            if got is None or len(got) != 2 or got[0] != sum(rows):
+                what = "missing" if got is None else f"of shape {got}"
+                raise ValueError(
+                    f"gguf: tensor {name!r} is {what}, config implies "
+                    f"({sum(rows)}, {cfg.hidden_size})"
+                )
+            names = [GGUF_LAYER_NAMES[p].format(i=i) for p in parts]
+            tensors.split(name, dict(zip(names, rows, strict=True)))
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Config, metadata and every tensor (dequantized, Q/K rows in HF order, fused tensors
-    split, Gemma's stored 1 + w norms back to w) of a .gguf file."""
+    """Config, metadata and every tensor (dequantized when asked for, Q/K rows in HF order,
+    fused tensors split, Gemma's stored 1 + w norms back to w) of a .gguf file."""
     reader = gguf.GGUFReader(str(path))
+    if isinstance(reader.data, np.memmap):
+        register_map(reader.data)
     md = read_metadata(reader)
-    tensors = {t.name: dequantize_tensor(t) for t in reader.tensors}
+    tensors = LazyTensors(reader)
     factors = tensors.pop("rope_freqs.weight", None)  # (hd/2,) Llama 3's RoPE scaling
     tied = GGUF_GLOBAL_NAMES["lm_head"] not in tensors
     factors = () if factors is None else tuple(map(float, factors))
@@ -202,17 +285,17 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if md["general.architecture"] in PERMUTED_QK:
         _restore_qk(tensors, cfg)
     if cfg.spec.fused_projections:
-        tensors = split_fused(tensors, cfg, GGUF_FUSED, GGUF_LAYER_NAMES, "gguf")
+        _split_fused(tensors, cfg)
     if cfg.norm_offset:
         _unoffset_norms(tensors, cfg)
     return GGUFFile(config=cfg, metadata=md, tensors=tensors)
 
 
-def _unoffset_norms(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+def _unoffset_norms(tensors: LazyTensors, cfg: ModelConfig) -> None:
     names = [n.format(i=i) for i in range(cfg.num_hidden_layers) for n in GGUF_NORMS]
     for name in [*names, GGUF_GLOBAL_NAMES["final_norm"]]:
         if name in tensors:
-            tensors[name] = tensors[name] - np.float32(cfg.norm_offset)
+            tensors.derive(name, lambda w: w - np.float32(cfg.norm_offset))
 
 
 def gguf_weights(gf: GGUFFile) -> ModelWeights:

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .weights import LayerWeights, ModelWeights
+from .weights import LayerWeights, LazyLayers, ModelWeights
 
 # ModelWeights field -> Hugging Face tensor name.
 HF_GLOBAL_NAMES = {
@@ -116,17 +116,21 @@ def split_fused(
     return out
 
 
-def _take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, used: set) -> np.ndarray:
-    """The tensor ``name``, checked against ``shape``; records it as used."""
+def _check(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, used: set) -> None:
+    """The tensor ``name`` is there with ``shape`` (from ``tensors.shape(name)`` where the
+    mapping makes its arrays on demand); records it as used."""
     if name not in tensors:
         raise ValueError(f"checkpoint: missing tensor {name!r} (expected shape {shape})")
-    arr = tensors[name]
-    if tuple(arr.shape) != shape:
-        raise ValueError(
-            f"checkpoint: tensor {name!r} has shape {tuple(arr.shape)}, config implies {shape}"
-        )
+    got = tuple(tensors.shape(name) if hasattr(tensors, "shape") else tensors[name].shape)
+    if got != shape:
+        raise ValueError(f"checkpoint: tensor {name!r} has shape {got}, config implies {shape}")
     used.add(name)
-    return arr
+
+
+def _take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, used: set) -> np.ndarray:
+    """The tensor ``name``, checked against ``shape``; records it as used."""
+    _check(tensors, name, shape, used)
+    return tensors[name]
 
 
 def weights_from_tensors(
@@ -138,21 +142,22 @@ def weights_from_tensors(
     """Assemble ModelWeights from named tensors through a name table (HF's by default).
 
     Every tensor is shape-checked; with tied embeddings ``lm_head`` is the embedding array itself.
-    A tensor the table does not know is an error: the forward would silently ignore it.
+    A tensor the table does not know is an error: the forward would silently ignore it. From a
+    mapping that makes its arrays on demand (a GGUF's), the layers are LazyLayers.
     """
     if layer_names is None:
         layer_names = family_layer_names(cfg, HF_LAYER_NAMES, HF_BIAS_NAMES, HF_QK_NORM_NAMES)
     shapes, used = expected_shapes(cfg), set()
     embed = _take(tensors, global_names["embed"], shapes["embed"], used)
-    layers = [
-        LayerWeights(
-            **{
-                field: _take(tensors, name.format(i=i), shapes[field], used)
-                for field, name in layer_names.items()
-            }
-        )
-        for i in range(cfg.num_hidden_layers)
-    ]
+    for i in range(cfg.num_hidden_layers):  # every layer's names and shapes, now
+        for field, name in layer_names.items():
+            _check(tensors, name.format(i=i), shapes[field], used)
+
+    def layer(i: int) -> LayerWeights:
+        return LayerWeights(**{f: tensors[n.format(i=i)] for f, n in layer_names.items()})
+
+    n = cfg.num_hidden_layers
+    layers = LazyLayers(n, layer) if hasattr(tensors, "shape") else [layer(i) for i in range(n)]
     final_norm = _take(tensors, global_names["final_norm"], shapes["final_norm"], used)
     if cfg.tie_word_embeddings:
         used.add(global_names["lm_head"])  # a tied checkpoint may still store a copy: unused
@@ -211,17 +216,24 @@ def drop_pages(*arrays) -> None:
                     mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def register_map(mapped: np.memmap) -> np.ndarray:
+    """A read-only map of a checkpoint whose pages drop_pages may let go; -> a plain read-only
+    array over it."""
+    raw = np.asarray(mapped)
+    if raw.size and hasattr(mmap, "MADV_DONTNEED"):
+        start = raw.__array_interface__["data"][0]
+        _MAPS[:] = [m for m in _MAPS if m[2]() is not None]
+        _MAPS.append((start, start + raw.size, weakref.ref(mapped._mmap)))
+    return raw
+
+
 def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     """A safetensors file's tensors as read-only arrays over a memory map of it: nothing is
     read or copied until a tensor's bytes are used, so a loader that converts tensor by tensor
     holds one converted copy, not the file's bytes as well. The format: an 8-byte little-endian
     header length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, the data."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    raw = np.asarray(mapped)  # a plain read-only array over the map
-    if raw.size and hasattr(mmap, "MADV_DONTNEED"):
-        start = raw.__array_interface__["data"][0]
-        _MAPS[:] = [m for m in _MAPS if m[2]() is not None]
-        _MAPS.append((start, start + raw.size, weakref.ref(mapped._mmap)))
+    raw = register_map(mapped)
     n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
     if not 0 < n <= raw.size - 8:
         raise ValueError(f"checkpoint: {path.name} is not a safetensors file (header length)")

@@ -7,6 +7,7 @@ consumes (the reference, the engine's backends). Matrices keep Hugging Face's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -31,10 +32,39 @@ class LayerWeights:
     k_norm: np.ndarray | None = None  # (head_dim,)
 
 
+class LazyLayers(Sequence):
+    """A model's layers, each made on first use by ``make(i)`` and kept until ``release(i)``:
+    a GGUF's are dequantized so, and the engine packs them one at a time and releases each,
+    so the file's float32 values never all exist at once (the reference keeps them)."""
+
+    def __init__(self, n: int, make):
+        self._n, self._make, self._made = n, make, {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = range(self._n)[i]  # negative indices; IndexError past the end
+        if i not in self._made:
+            self._made[i] = self._make(i)
+        return self._made[i]
+
+    def release(self, i: int) -> None:
+        self._made.pop(i, None)
+
+
+def release_layer(layers: Sequence[LayerWeights], i: int) -> None:
+    """Let layer i go where layers are made on demand (a list keeps it: nothing to do)."""
+    if isinstance(layers, LazyLayers):
+        layers.release(i)
+
+
 @dataclass
 class ModelWeights:
     embed: np.ndarray  # (vocab, dim)
-    layers: list[LayerWeights]
+    layers: Sequence[LayerWeights]  # a list, or LazyLayers
     final_norm: np.ndarray  # (dim,)
     lm_head: np.ndarray  # (vocab, dim); the same array as embed when embeddings are tied
 

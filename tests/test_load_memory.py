@@ -6,6 +6,7 @@ table (tracemalloc counts NumPy's allocations; the checkpoint itself is mapped, 
 
 from __future__ import annotations
 
+import json
 import shutil
 import tracemalloc
 
@@ -80,3 +81,52 @@ def test_packing_into_q8_0_peaks_at_the_kept_arrays_and_a_slice(checkpoints, mon
     blocks = sum(getattr(lw, n).data.nbytes + getattr(lw, n).scales.nbytes
                  for lw in layers for n in ("w_qkv", "w_o", "w_gate_up", "w_down"))  # fmt: skip
     assert kept >= rest["embed"].nbytes + blocks + rest["lm_head"].data.nbytes
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tmp_path_factory):
+    """A Q8_0 GGUF of a random 16-layer model whose layers outweigh its table and head."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.test_loaders import write_gguf
+
+    root = tmp_path_factory.mktemp("load_memory_gguf")
+    seed = int(np.random.default_rng().integers(1 << 30))
+    src = make_tiny_model(root / "src", seed=seed, num_hidden_layers=16, intermediate_size=512)
+    cfg = {**json.loads((src / "config.json").read_text())}
+    tensors = load_file(str(src / "model.safetensors"))
+    return src, write_gguf(root / "m.gguf", cfg, tensors, src, Q.Q8_0)
+
+
+def test_a_gguf_is_dequantized_a_layer_at_a_time(q8_0_gguf):
+    """read_gguf dequantizes no layer up front; packing takes each layer as it goes and lets it
+    go, so what stays is the packed arrays and the work is a layer's (a slice's temporaries
+    included), not the whole file's float32 values; a layer asked for again comes back the
+    same."""
+    from reference.weights import LazyLayers
+
+    _, path = q8_0_gguf
+    tracemalloc.start()
+    try:
+        weights = load_model(str(path)).weights
+        assert isinstance(weights.layers, LazyLayers)
+        read = tracemalloc.get_traced_memory()[0]
+        first = [a.copy() for a in (weights.layers[3].wq, weights.layers[3].w_down)]
+        layer = sum(a.nbytes for a in vars(weights.layers[3]).values() if a is not None)
+        weights.layers.release(3)
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        store = lambda w: quant.quantize(w, "q8_0")  # noqa: E731
+        layers, rest = pack_weights(weights, np.dtype(np.float32), 0.0, store, store)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    all_layers = layer * len(layers)  # the file's layers in float32
+    packed = sum(a.nbytes for lw in layers for a in vars(lw).values() if a is not None)
+    packed += rest["lm_head"].nbytes + rest["final_norm"].nbytes
+    assert read < all_layers / 4, f"read_gguf allocated {read:,} bytes"
+    assert kept - base - packed < 2 * layer, f"{kept - base - packed:,} bytes stayed"
+    assert peak - kept < min(8 * layer, all_layers / 2), f"packing took {peak - kept:,}"
+    np.testing.assert_array_equal(weights.layers[3].wq, first[0])  # made again, the same
+    np.testing.assert_array_equal(weights.layers[3].w_down, first[1])
+    assert len(layers) == 16 and layers[3].w_qkv.kind == "q8_0"

@@ -15,7 +15,7 @@ import numpy as np
 
 from reference.config import ModelConfig
 from reference.hf_weights import drop_pages
-from reference.weights import ModelWeights
+from reference.weights import ModelWeights, release_layer
 
 from ..forward_batch import ForwardBatch
 from . import fast_ops
@@ -55,7 +55,10 @@ def _t(*mats: np.ndarray) -> np.ndarray:
 def _table(a: np.ndarray) -> np.ndarray:
     """The (V, D) embedding table as kept: a 16-bit float one as it is (its rows widen to float32
     exactly when gathered; half a float32 copy's bytes), any other float32. Read by row only."""
-    return np.array(a, dtype=a.dtype if a.dtype in HALVES else F32)  # a copy: the file's pages go
+    dtype = a.dtype if a.dtype in HALVES else F32
+    if a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous:
+        return a  # the loader's own array (a GGUF's dequantized table)
+    return np.array(a, dtype=dtype)  # a copy of a mapped file's: its pages go
 
 
 def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
@@ -77,7 +80,7 @@ def pack_weights(
 
     keep = store or (lambda m: np.ascontiguousarray(m, dtype=F32))
     layers = []
-    for lw in w.layers:
+    for i, lw in enumerate(w.layers):
         bias = None if lw.bq is None else _f32(np.concatenate([r(lw.bq), r(lw.bk), r(lw.bv)]))
         layers.append(
             PackedLayer(
@@ -93,6 +96,7 @@ def pack_weights(
             )
         )
         drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
+        release_layer(w.layers, i)  # a GGUF's dequantized layer: made again if asked
     embed = _table(r(w.embed))  # (V, D)
     drop_pages(w.embed)
     head = embed.T if w.lm_head is w.embed else np.asarray(r(w.lm_head)).T  # (D, V) views
