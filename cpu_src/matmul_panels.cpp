@@ -9,7 +9,8 @@
 // whole of K: each step loads V rows of W's panels, and each of the R values of x (one per row)
 // is broadcast and multiplied into them. With AVX-512 (32 registers, a panel's row in one) a
 // tile is 12 rows x 2 panels (24 sums); with AVX2 (16 registers, a panel's row in two) 6 x 1.
-// One or two rows keep four sets of sums that take turns over k. W's panels stream from memory
+// One or two rows keep up to four sets of sums that take turns over k, as many as the
+// registers hold (AVX2's two rows: three; four spilled to the stack). W's panels stream from memory
 // once per block of MC rows; x's rows and the tile's panels stay in L1/L2.
 // Threads: one run of whole panel groups (V panels) each, all rows (panels.h).
 #include "panels.h"
@@ -25,16 +26,16 @@ namespace {
 // vector types into memory operations, not registers).
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
-const int MR = 12, NV = 2;
+const int MR = 12, NV = 2, REGS = 32;
 #elif defined(__AVX2__)
 typedef float vf __attribute__((vector_size(32)));
-const int MR = 6, NV = 1;
+const int MR = 6, NV = 1, REGS = 16;
 #elif defined(__aarch64__)  // NEON: 32 registers of 4 floats, a panel's row in four
 typedef float vf __attribute__((vector_size(16)));
-const int MR = 6, NV = 1;
+const int MR = 6, NV = 1, REGS = 32;
 #else  // SSE2: 16 registers of 4 floats (a 32-byte vector there is two, and 6 rows spill)
 typedef float vf __attribute__((vector_size(16)));
-const int MR = 3, NV = 1;
+const int MR = 3, NV = 1, REGS = 16;
 #endif
 const long PANEL_COLS = 16;
 const int LANES = sizeof(vf) / 4, H = PANEL_COLS / LANES;
@@ -70,9 +71,11 @@ inline void load_row(vf* b, const int8_t* p) {
 template <int R, int V, typename W>
 void tile(float* out, long ldo, const float* x, long ldx, const W* w, const float* scale,
           long K) {
-  // One or two rows have too few sums to hide an FMA's latency: U sets of them take turns
-  // over k and are added at the end.
-  constexpr int U = R <= 2 ? 4 : 1;
+  // One or two rows have too few sums to hide an FMA's latency: U sets of them (up to 4, as
+  // many as the registers left beside a panel row and x's value hold) take turns over k and
+  // are added at the end.
+  constexpr int FREE = REGS - V * H - 2, SETS = FREE / (R * V * H);
+  constexpr int U = R > 2 ? 1 : SETS > 4 ? 4 : SETS < 1 ? 1 : SETS;
   vf acc[U][R][V * H];
 #pragma GCC unroll 4
   for (int u = 0; u < U; u++)
