@@ -8,7 +8,8 @@
 // rows at a time (twice float32 FMA's multiply-adds per instruction): with it, a tile of 12
 // rows x 2 panels keeps its 24 sums in registers as matmul_panels.cpp does, each pair of x's
 // values broadcast as one 32-bit word. Without it the tile (12 x 2 with AVX-512, 4 x 1 with
-// AVX2) widens a pair's 16 words into the even row's values (the low halves, shifted up) and
+// AVX2 and NEON, 2 x 1 with SSE2, each sized to its registers: 4-lane vectors without AVX2,
+// where GCC splits an 8-lane one and spilled to the stack) widens a pair's 16 words into the even row's values (the low halves, shifted up) and
 // the odd row's (the high halves, masked) and does two float32 FMAs with x's two rounded values
 // as float32: the same products (a product of two bf16 values is exact in float32), summed in
 // another order.
@@ -29,10 +30,18 @@ namespace {
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 const int MR = 12, NV = 2;
-#else
+#elif defined(__AVX2__)
 typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 const int MR = 4, NV = 1;  // 8 of AVX2's 16 registers for the sums, 4 for a pair's values
+#else  // 4-lane registers, a panel's row in four: NEON's 32 hold 4 rows' sums, SSE2's 16 two
+typedef float vf __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(16)));
+#if defined(__aarch64__)
+const int MR = 4, NV = 1;
+#else
+const int MR = 2, NV = 1;
+#endif
 #endif
 const long PANEL_COLS = 16;
 const int LANES = sizeof(vf) / 4, H = PANEL_COLS / LANES;
