@@ -404,8 +404,13 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny):
     """With speculation on (and room for every draft), a seeded request draws the same tokens
     whatever shares its steps."""
     rng = np.random.default_rng()
-    prompts = repetitive_prompts(rng, 7, 320)[1:]  # the first repeats a phrase: it drafts at once
-    seeded = SamplingParams(temperature=0.9, top_k=20, max_tokens=30, seed=42, ignore_eos=True)
+    prompts = repetitive_prompts(rng, 7, 320)[1:]  # the first repeats a phrase
+    # its tokens drawn from the phrase's alone: every one has come before, so it drafts at once
+    phrase = sorted(set(prompts[0]))
+    seeded = SamplingParams(
+        temperature=0.9, top_k=20, max_tokens=30, seed=42, ignore_eos=True,
+        allowed_token_ids=phrase,
+    )  # fmt: skip
     others = SamplingParams(temperature=0.7, max_tokens=25, ignore_eos=True)
     spec = json.dumps({**NGRAM, "prompt_lookup_min": 1})
     alone = make_engine(tiny, speculative_config=spec, backend="numpy")
