@@ -53,7 +53,7 @@ def server(tiny_model_dir, tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180  # Ray and two replicas start: slow on a busy machine
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -74,29 +74,6 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def _replica_pids(log) -> set[int]:
     return {int(p) for p in re.findall(r"engine replica \w+ ready \(pid (\d+)\)", log.read_text())}
-
-
-def _replica_names(log) -> dict[int, str]:
-    """pid -> the replica's name (its metrics' engine label), from the replicas' ready lines."""
-    found = re.findall(r"engine replica (\w+) ready \(pid (\d+)\)", log.read_text())
-    return {int(pid): name for name, pid in found}
-
-
-def _running(url: str) -> dict[str, float]:
-    """Each live replica's running requests as /metrics shows them (a step's count, published
-    every half second)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"[^}]*\} (\S+)', text)
-    return {engine: float(n) for engine, n in found}
-
-
-def _wait_for(condition, what: str, timeout: float = 90.0) -> None:
-    """Poll until condition() holds: a test waits on the server's state, never on its speed."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f} s")
-        time.sleep(0.1)
 
 
 def _live_engines(url: str) -> set[str]:
@@ -166,12 +143,10 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
             return ("transport", str(e))
         return (r.status_code, r.json())
 
-    names = _replica_names(log)
-    victim = sorted(names)[0]
+    victim = sorted(_replica_pids(log))[0]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(ask, i) for i in range(12)]
-        running = lambda: _running(url).get(names[victim], 0) > 0  # noqa: E731
-        _wait_for(running, f"request running on replica {names[victim]}")
+        time.sleep(1.5)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=90) for f in futures]
     ok = [r for s, r in results if s == 200]
@@ -211,7 +186,7 @@ def test_a_stop_signal_lets_running_requests_finish(server):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # noqa: E731
         futures = [pool.submit(post) for _ in range(3)]
-        _wait_for(lambda: sum(_running(url).values()) >= 3, "three requests running")
+        time.sleep(1.0)  # they run
         proc.send_signal(signal.SIGTERM)
         responses = [f.result(timeout=90) for f in futures]
     for r in responses:
