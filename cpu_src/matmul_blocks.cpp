@@ -13,9 +13,12 @@
 // M <= GEMV_MAX_ROWS (decode at small batch, bound by memory): each W row is read once and
 // dotted with every row of x. AVX2: 32 int8 pairs through vpmaddubsw (unsigned times signed,
 // pairs summed to int16: 2 * 127 * 127 fits) and vpmaddwd against ones (int32), then one float
-// FMA per block; the signed q (Q8_0's q, Q4's q - 8) go in as |q| with x given q's sign
-// (vpsignb), llama.cpp's trick. Other CPUs: the same sums in a plain loop (the
-// integer sums are exact either way; only the float additions' order differs).
+// FMA per block. Q8_0's signed q goes in as |q| with x given q's sign (vpsignb), llama.cpp's
+// trick. Q4 takes blocks in pairs: one 32-byte load holds two blocks' nibbles, whose low and
+// high halves are already unsigned; x is laid out to match (pair_blocks) and the -8 enters as
+// an int32 per lane, -8 times the lane's x sum, so the lanes hold sum((q - 8) qx) exactly.
+// AVX512-VNNI: vpdpbusd for the two instructions. Other CPUs: the same sums in a plain loop
+// (the integer sums are exact either way; only the float additions' order differs).
 // 9 to INT_MAX_ROWS rows (batches, speculative verifies, short prompts): the same integer
 // dots, W's rows in chunks that every group of 8 rows of x passes over while they are in the
 // caches (gemm_int), so W is read from memory once.
@@ -31,6 +34,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+const bool PAIRED = true;  // Q4's x in pair_blocks' order for the integer dots
+#else
+const bool PAIRED = false;
 #endif
 
 namespace {
@@ -69,6 +75,28 @@ void quantize_rows(int8_t* qx, float* dx, float* sx, const float* x, long M, lon
       }
       dx[m * (K / QK) + b] = d;
       sx[m * (K / QK) + b] = d * (float)sum;
+    }
+}
+
+// Q4's x for the AVX2 integer dots: each pair of blocks' 64 values reordered to [b0[0..15],
+// b1[0..15], b0[16..31], b1[16..31]], the order of one 32-byte load of the two blocks' nibbles
+// (low nibbles, then high), so dot_row takes both blocks at once with the q as stored (0..15,
+// unsigned for vpmaddubsw; no sign trick). xc (M, nb / 2, 8): -8 times the sum of each of the
+// eight 32-bit lanes' x values, added to the lanes' integer sums of q x: (q - 8) x, the same
+// integers. An odd count's last block keeps its own order.
+void pair_blocks(int8_t* qx, int32_t* xc, long M, long K) {
+  const long np = K / QK / 2;
+  for (long m = 0; m < M; m++)
+    for (long p = 0; p < np; p++) {
+      int8_t* v = qx + m * K + p * 64;
+      int8_t t[64];
+      for (int h = 0; h < 4; h++) std::memcpy(t + h * 16, v + (h % 2 * 2 + h / 2) * 16, 16);
+      std::memcpy(v, t, 64);
+      for (int l = 0; l < 8; l++) {
+        int sum = 0;
+        for (int i = 0; i < 4; i++) sum += t[4 * l + i] + t[32 + 4 * l + i];
+        xc[(m * np + p) * 8 + l] = -8 * sum;
+      }
     }
 }
 
@@ -166,13 +194,42 @@ void row_scales(float* ds, float* tail, const f16* s, const float* dx, const flo
 // spills at 8 rows.)
 template <int F, int MR>
 void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
-             const float* dx, const float* sx, long K, float* ds) {
+             const int32_t* xc, const float* dx, const float* sx, long K, float* ds) {
   const long nb = K / QK;
   float tail[MR];
   row_scales<F, MR>(ds, tail, s, dx, sx, nb);
+  // one chain of sums per row, whatever MR: a row's bits do not depend on the rows beside it
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
-  for (long b = 0; b < nb; b++) {
+  long b = 0;
+  if constexpr (F != Q8_0) {  // Q4: two blocks a step, x in pair_blocks' order
+    const long np = nb / 2;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i halves = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);  // lanes 4-7: block 2p+1
+    for (long p = 0; p < np; p++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(q + p * 32));
+      const __m256i lo = _mm256_and_si256(v, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      for (int m = 0; m < MR; m++) {
+        const int8_t* xa = qx + m * K + p * 64;
+        const __m256i xlo = _mm256_loadu_si256((const __m256i*)xa);
+        const __m256i xhi = _mm256_loadu_si256((const __m256i*)(xa + 32));
+        const __m256i c = _mm256_loadu_si256((const __m256i*)(xc + (m * np + p) * 8));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(c, lo, xlo), hi, xhi);
+#else  // q <= 15: a pair of products fits int16 with room for two (2 * 2 * 15 * 127)
+        const __m256i p16 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)), c);
+#endif
+        const __m256 d2 = _mm256_permutevar_ps(
+            _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(ds + m * nb + 2 * p))), halves);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d2, acc[m]);
+      }
+    }
+    b = 2 * np;  // an odd count's last block: below, in its own order
+  }
+  for (; b < nb; b++) {  // Q8_0's blocks; Q4's last when their count is odd
     __m256i sign;
     const __m256i uq = load_q<F>(q + b * Format<F>::QB, sign);
     for (int m = 0; m < MR; m++) {
@@ -185,7 +242,7 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
 #else
 template <int F, int MR>
 void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
-             const float* dx, const float* sx, long K, float*) {
+             const int32_t*, const float* dx, const float* sx, long K, float*) {
   const long nb = K / QK;
   for (int m = 0; m < MR; m++) {
     float acc = 0.0f, tail = 0.0f;
@@ -204,24 +261,24 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
 
 // out (MR, N): every W row dotted with the MR quantized rows of x, the rows split over nt.
 template <int F, int MR>
-void gemv(float* out, const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
-          const f16* s, long K, long N, int nt) {
+void gemv(float* out, const int8_t* qx, const int32_t* xc, const float* dx, const float* sx,
+          const uint8_t* w, const f16* s, long K, long N, int nt) {
   const long per = (N + nt - 1) / nt, nb = K / QK;
   const long row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
   on_threads(nt, [&](int t) {
     std::vector<float> ds(MR * nb);  // (MR, nb): a row's d dx
     for (long n = t * per; n < std::min(N, (t + 1) * per); n++)
-      dot_row<F, MR>(out + n, N, w + n * row_q, s + n * row_s, qx, dx, sx, K, ds.data());
+      dot_row<F, MR>(out + n, N, w + n * row_q, s + n * row_s, qx, xc, dx, sx, K, ds.data());
   });
 }
 
 // The integer dot of dot_row for R (1..8, at run time) rows of x.
 template <int F>
 void dot_rows(int R, float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
-              const float* dx, const float* sx, long K, float* ds) {
+              const int32_t* xc, const float* dx, const float* sx, long K, float* ds) {
   switch (R) {
 #define ROWS(r) \
-  case r: dot_row<F, r>(out, N, q, s, qx, dx, sx, K, ds); break;
+  case r: dot_row<F, r>(out, N, q, s, qx, xc, dx, sx, K, ds); break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
@@ -231,8 +288,8 @@ void dot_rows(int R, float* out, long N, const uint8_t* q, const f16* s, const i
 // that every group of 8 rows of x passes over, so W streams from memory once and x's
 // quantized rows (M x K bytes) from the caches.
 template <int F>
-void gemm_int(float* out, const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
-              const f16* s, long M, long K, long N, int nt) {
+void gemm_int(float* out, const int8_t* qx, const int32_t* xc, const float* dx, const float* sx,
+              const uint8_t* w, const f16* s, long M, long K, long N, int nt) {
   const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
   const long per = (N + nt - 1) / nt, NC = 16;
   on_threads(nt, [&](int t) {
@@ -243,7 +300,7 @@ void gemm_int(float* out, const int8_t* qx, const float* dx, const float* sx, co
         const int R = (int)std::min(8L, M - m);
         for (long n = c; n < std::min(n1, c + NC); n++)
           dot_rows<F>(R, out + m * N + n, N, w + n * row_q, s + n * row_s, qx + m * K,
-                      dx + m * nb, sx + m * nb, K, ds.data());
+                      xc + m * (nb / 2) * 8, dx + m * nb, sx + m * nb, K, ds.data());
       }
   });
 }
@@ -297,27 +354,31 @@ void matmul_f(float* out, const float* x, const uint8_t* w, const f16* s, long M
   std::unique_ptr<float[]> dx(new float[M * K / QK]), sx(new float[M * K / QK]);
   quantize_rows(qx.get(), dx.get(), sx.get(), x, M, K);
   const long work = 2 * M * K * N;
-  if (M > GEMV_MAX_ROWS && M <= INT_MAX_ROWS) {
-    gemm_int<F>(out, qx.get(), dx.get(), sx.get(), w, s, M, K, N, threads_for(work, threads));
-    return;
-  }
-  if (M > GEMV_MAX_ROWS) {
+  if (M > INT_MAX_ROWS) {
     const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
     gemm_tiles<F>(out, qx.get(), dx.get(), w, s, M, K, N, (int)nt);
     return;
   }
+  std::unique_ptr<int32_t[]> xc(new int32_t[M * (K / QK / 2) * 8]);
+  if (F != Q8_0 && PAIRED) pair_blocks(qx.get(), xc.get(), M, K);
+  if (M > GEMV_MAX_ROWS) {
+    gemm_int<F>(out, qx.get(), xc.get(), dx.get(), sx.get(), w, s, M, K, N,
+                threads_for(work, threads));
+    return;
+  }
   const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, N);
   const int8_t* q = qx.get();
+  const int32_t* c = xc.get();
   const float *d = dx.get(), *sm = sx.get();
   switch (M) {
-    case 1: gemv<F, 1>(out, q, d, sm, w, s, K, N, nt); break;
-    case 2: gemv<F, 2>(out, q, d, sm, w, s, K, N, nt); break;
-    case 3: gemv<F, 3>(out, q, d, sm, w, s, K, N, nt); break;
-    case 4: gemv<F, 4>(out, q, d, sm, w, s, K, N, nt); break;
-    case 5: gemv<F, 5>(out, q, d, sm, w, s, K, N, nt); break;
-    case 6: gemv<F, 6>(out, q, d, sm, w, s, K, N, nt); break;
-    case 7: gemv<F, 7>(out, q, d, sm, w, s, K, N, nt); break;
-    default: gemv<F, 8>(out, q, d, sm, w, s, K, N, nt); break;
+    case 1: gemv<F, 1>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 2: gemv<F, 2>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 3: gemv<F, 3>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 4: gemv<F, 4>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 5: gemv<F, 5>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 6: gemv<F, 6>(out, q, c, d, sm, w, s, K, N, nt); break;
+    case 7: gemv<F, 7>(out, q, c, d, sm, w, s, K, N, nt); break;
+    default: gemv<F, 8>(out, q, c, d, sm, w, s, K, N, nt); break;
   }
 }
 

@@ -73,33 +73,40 @@ def test_quantizers_are_gguf_py_bit_for_bit(kind, k, n):
     assert not qw.dequantize()[:32, 0].any()  # a block of zeros stays zeros
 
 
+def assert_product(x: np.ndarray, qw: QuantWeight) -> float:
+    """cpu_ops.matmul(x, qw) is the twin's product of x quantized to 8 bits per 32 and W, to
+    float32 rounding; a row's bits are the same whatever the rows beside it (up to 64 rows, the
+    integer dots). Returns how far the product is from float32 x's, relative."""
+    rows, w = len(x), qw.dequantize()
+    got = cpu_ops.matmul(x, qw)
+    assert got.shape == (rows, qw.shape[1]) and got.dtype == np.float32
+    want = matmul_q8_0(x, w)
+    scale = np.abs(want).max()
+    # float32 rounding of terms that cancel (Q4_1's m + 8 d against the dot, large in a column
+    # of outliers): bounded by the terms' size, |x~| @ |w|, not by the result's
+    size = np.abs(quantize_rows_q8_0(x)) @ np.abs(w.astype(np.float64))  # (rows, n)
+    off = np.abs(got - want) / (1e-5 * scale + 4e-6 * size)  # (rows, n), at most 1
+    assert off.max() <= 1, f"{qw.kind} {qw.shape}: {off.max():.2f} of the bound"
+    if rows <= 64:
+        for i in (0, rows - 1):
+            np.testing.assert_array_equal(got[i], cpu_ops.matmul(x[i : i + 1], qw)[0])
+    return np.abs(got - x.astype(np.float64) @ w).max() / scale
+
+
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 23, 64, 65, 100])
 def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
     """The GEMV (up to 8 rows), the same integer dots over chunks of W (9 to 64 rows: each row
     with the GEMV's bits) and the float32 tiles + sgemm (more) compute x quantized to 8 bits per
-    32 times W; (1536, 777) runs on two threads. Against float32 x the error is far larger, so
+    32 times W; K of 1, 18, 48 and 3 blocks (Q4's dots take blocks in pairs: an odd count leaves
+    one); (1536, 777) runs on two threads. Against float32 x the error is far larger, so
     skipping x's quantization (or Q4's x-sum term) would fail."""
     rng = np.random.default_rng()
-    off_float32 = []  # per shape, how far the product is from float32 x's, relative
+    off_float32 = []  # per shape
     for k, n in [(32, 5), (576, 333), (1536, 777), (64, 1), (576, 272), (96, 16)]:
         x = rng.standard_normal((rows, k), dtype=np.float32)
         x[:, 3] *= 40  # an outlier widens its block's step
-        qw = quantize(random_weight(rng, k, n), kind)
-        w = qw.dequantize()
-        got = cpu_ops.matmul(x, qw)
-        assert got.shape == (rows, n) and got.dtype == np.float32
-        want = matmul_q8_0(x, w)
-        scale = np.abs(want).max()
-        # float32 rounding of terms that cancel (Q4_1's m + 8 d against the dot, large in a
-        # column of outliers): bounded by the terms' size, |x~| @ |w|, not by the result's
-        size = np.abs(quantize_rows_q8_0(x)) @ np.abs(w.astype(np.float64))  # (rows, n)
-        off = np.abs(got - want) / (1e-5 * scale + 4e-6 * size)  # (rows, n), at most 1
-        assert off.max() <= 1, f"{kind} ({k}, {n}): {off.max():.2f} of the bound"
-        if rows <= 64:  # a row's integer dots are the same whatever the rows beside it
-            for i in (0, rows - 1):
-                np.testing.assert_array_equal(got[i], cpu_ops.matmul(x[i : i + 1], qw)[0])
-        off_float32.append(np.abs(got - x.astype(np.float64) @ w).max() / scale)
+        off_float32.append(assert_product(x, quantize(random_weight(rng, k, n), kind)))
     # over all shapes (the smallest maximum of 24 runs: 2.7e-2): one output of 64 inputs alone
     # can land within 1e-4 (measured 7.6e-5)
     assert max(off_float32) > 1e-4, off_float32

@@ -14,10 +14,18 @@ import pytest
 
 from engine.backends import cpu_native, cpu_ops
 from engine.backends.base import numpy_dtype
-from engine.backends.quant import to_bf16_panels, to_int8, to_int8_panels, to_panels
+from engine.backends.quant import (
+    BLOCK_FORMATS,
+    quantize,
+    to_bf16_panels,
+    to_int8,
+    to_int8_panels,
+    to_panels,
+)
 from engine.utils import cdiv
 from tests.native import remote
 from tests.oracles import numpy_ops
+from tests.test_blocks import assert_product, random_weight
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 DT = {name: numpy_dtype(name) for name in CACHES}
@@ -305,6 +313,20 @@ def test_matmul_over_bf16_panels(threads, rows):
         assert got.shape == (rows, n) and got.dtype == np.float32
         want = f64(x.astype(BF16)) @ f64(w)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 9, 23, 64, 65])
+def test_matmul_over_gguf_blocks(threads, kind, rows):
+    """matmul_blocks.cpp on each build (AVX2's vpmaddubsw, AVX-512 VNNI, the plain loops, ARM):
+    the GEMV, the integer dots over chunks of W and the float32 tiles, against the NumPy twin
+    (tests/test_blocks.py has the rest); K of 1, 3 and 18 blocks (Q4's dots take blocks in
+    pairs), (1536, 272) on two threads."""
+    rng = np.random.default_rng()
+    for k, n in [(32, 5), (96, 16), (576, 33), (1536, 272)]:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        x[:, 3] *= 40
+        assert_product(x, quantize(random_weight(rng, k, n), kind))
 
 
 def test_panels_need_whole_panels():

@@ -39,13 +39,15 @@ void argmax_rows(int32_t*, const float*, int, long, int);
 
 namespace {
 
-// cblas_sgemm for row-major, untransposed A and B: c = alpha a b + beta c
-void sgemm(int, int, int, long m, long n, long k, float alpha, const float* a, long lda,
+// cblas_sgemm for row-major A and B, either transposed: c = alpha op(a) op(b) + beta c
+void sgemm(int, int ta, int tb, long m, long n, long k, float alpha, const float* a, long lda,
            const float* b, long ldb, float beta, float* c, long ldc) {
   for (long i = 0; i < m; i++)
     for (long j = 0; j < n; j++) {
       float s = 0.0f;
-      for (long p = 0; p < k; p++) s += a[i * lda + p] * b[p * ldb + j];
+      for (long p = 0; p < k; p++)
+        s += (ta == 112 ? a[p * lda + i] : a[i * lda + p]) *  // 112: CblasTrans
+             (tb == 112 ? b[j * ldb + p] : b[p * ldb + j]);
       c[i * ldc + j] = alpha * s + (beta == 0.0f ? 0.0f : beta * c[i * ldc + j]);
     }
 }
