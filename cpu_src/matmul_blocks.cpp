@@ -38,6 +38,9 @@ const bool PAIRED = true;  // Q4's x in pair_blocks' order for the integer dots
 #else
 const bool PAIRED = false;
 #endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace {
 
@@ -100,12 +103,7 @@ void pair_blocks(int8_t* qx, int32_t* xc, long M, long K) {
     }
 }
 
-// Block b's i-th q as the integer dot takes it (Q8_0: q; Q4: q - 8) and its bias factor c
-// (the term c * sx: Q4_1's m + 8 d, none for the others).
-template <int F> inline int q_at(const uint8_t* q, int i) {
-  if constexpr (F == Q8_0) return (int8_t)q[i];
-  return (i < 16 ? q[i] & 15 : q[i - 16] >> 4) - 8;
-}
+// A block's bias factor c (the term c * sx: Q4_1's m + 8 d, none for the others).
 template <int F> inline float bias(const f16* s) {
   return F == Q4_1 ? (float)s[1] + 8.0f * (float)s[0] : 0.0f;
 }
@@ -239,23 +237,89 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
   }
   for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]) + tail[m];
 }
+#elif defined(__ARM_NEON)
+// Sixteen int8 products added into four int32 lanes: vdotq_s32 where the CPU has ARMv8.2's
+// dot product instructions (-march=native on Graviton 2 and later, Apple M1 and later), else
+// vmull_s8 to int16 and pairwise adds into int32 (exact for every int8, -128 included).
+inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
 #else
+  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  return vpadalq_s16(acc, vmull_high_s8(a, b));
+#endif
+}
+
+// A block's 32 q as the integer dot takes them (Q8_0: q; Q4: q - 8, the low nibbles first).
+template <int F> inline void load_q(const uint8_t* q, int8x16_t& lo, int8x16_t& hi) {
+  if constexpr (F == Q8_0) {
+    lo = vld1q_s8((const int8_t*)q);
+    hi = vld1q_s8((const int8_t*)q + 16);
+  } else {
+    const uint8x16_t v = vld1q_u8(q);
+    lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), vdupq_n_s8(8));
+    hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
+  }
+}
+
+template <int F, int MR>
+void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
+             const int32_t*, const float* dx, const float* sx, long K, float* ds) {
+  const long nb = K / QK;
+  float tail[MR];
+  for (int m = 0; m < MR; m++) tail[m] = 0.0f;
+  for (long b = 0; b < nb; b++) {  // the row's d dx per block, ahead of the dots
+    const f16* sb = s + b * Format<F>::NS;
+    const float d = (float)sb[0], c = bias<F>(sb);
+    for (int m = 0; m < MR; m++) {
+      ds[m * nb + b] = d * dx[m * nb + b];
+      if constexpr (F == Q4_1) tail[m] += c * sx[m * nb + b];
+    }
+  }
+  float32x4_t acc[MR];  // one chain of sums per row, whatever MR
+  for (int m = 0; m < MR; m++) acc[m] = vdupq_n_f32(0.0f);
+  for (long b = 0; b < nb; b++) {
+    int8x16_t lo, hi;
+    load_q<F>(q + b * Format<F>::QB, lo, hi);
+    for (int m = 0; m < MR; m++) {
+      const int8_t* xb = qx + m * K + b * QK;
+      const int32x4_t dot = dot16(dot16(vdupq_n_s32(0), lo, vld1q_s8(xb)), hi, vld1q_s8(xb + 16));
+      acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(dot), ds[m * nb + b]);
+    }
+  }
+  for (int m = 0; m < MR; m++) out[m * N] = vaddvq_f32(acc[m]) + tail[m];
+}
+#else
+// The portable code: a block's q expanded once to int8 for all MR rows, then loops the
+// compiler vectorizes (SSE2's pmaddwd on x86-64's baseline).
 template <int F, int MR>
 void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* qx,
              const int32_t*, const float* dx, const float* sx, long K, float*) {
   const long nb = K / QK;
-  for (int m = 0; m < MR; m++) {
-    float acc = 0.0f, tail = 0.0f;
-    for (long b = 0; b < nb; b++) {
-      const uint8_t* qb = q + b * Format<F>::QB;
-      const f16* sb = s + b * Format<F>::NS;
-      int32_t dot = 0;
-      for (int i = 0; i < QK; i++) dot += q_at<F>(qb, i) * qx[m * K + b * QK + i];
-      acc += (float)dot * ((float)sb[0] * dx[m * nb + b]);
-      tail += bias<F>(sb) * sx[m * nb + b];
+  float acc[MR], tail[MR];
+  for (int m = 0; m < MR; m++) acc[m] = tail[m] = 0.0f;
+  for (long b = 0; b < nb; b++) {
+    const uint8_t* qb = q + b * Format<F>::QB;
+    const f16* sb = s + b * Format<F>::NS;
+    int8_t u[QK];  // Q4's q - 8
+    if constexpr (F != Q8_0) {
+      for (int i = 0; i < 16; i++) {
+        u[i] = (int8_t)((qb[i] & 15) - 8);
+        u[i + 16] = (int8_t)((qb[i] >> 4) - 8);
+      }
     }
-    out[m * N] = acc + tail;
+    const int8_t* t = F == Q8_0 ? (const int8_t*)qb : u;
+    const float d = (float)sb[0], c = bias<F>(sb);
+    for (int m = 0; m < MR; m++) {
+      const int8_t* xb = qx + m * K + b * QK;
+      int32_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int i = 0; i < QK; i++) dot += t[i] * xb[i];
+      acc[m] += (float)dot * (d * dx[m * nb + b]);
+      tail[m] += c * sx[m * nb + b];
+    }
   }
+  for (int m = 0; m < MR; m++) out[m * N] = acc[m] + tail[m];
 }
 #endif
 

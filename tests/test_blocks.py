@@ -6,13 +6,14 @@ SmolLM2); what each format costs SmolLM2 in KL."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import gguf
 import numpy as np
 import pytest
 
-from engine.backends import cpu_ops, fast_ops, get_backend
+from engine.backends import cpu_native, cpu_ops, fast_ops, get_backend
 from engine.backends.quant import BLOCK_FORMATS, QuantWeight, quantize
 from engine.config import EngineConfig
 from engine.entrypoints.quant_eval import agreement, evaluate, teacher_forced_logits
@@ -20,6 +21,7 @@ from engine.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from reference.gguf_file import GGUF_LAYER_NAMES
 from reference.loader import load_model, resolve_model
+from tests.native import remote
 from tests.oracles.numpy_ops import matmul_q8_0, quantize_rows_q8_0
 from tests.test_loaders import hf, write_gguf  # noqa: F401 (hf: a fixture)
 from tests.test_quant import KL_TOKENS, matrices, smollm2_float32, threads  # noqa: F401
@@ -110,6 +112,29 @@ def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
     # over all shapes (the smallest maximum of 24 runs: 2.7e-2): one output of 64 inputs alone
     # can land within 1e-4 (measured 7.6e-5)
     assert max(off_float32) > 1e-4, off_float32
+
+
+@pytest.mark.parametrize("rows", [1, 9, 65])
+def test_products_with_arm_dot_products(rows, monkeypatch):
+    """The aarch64 build for ARMv8.2's dot products (vdotq_s32; tests/test_cpu_kernels.py runs
+    the baseline build) under qemu-user, against the twin; in CI, where the tools are there."""
+    try:
+        lib = remote.load("aarch64-dotprod")
+    except LookupError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the aarch64-dotprod build: {e}")
+    monkeypatch.setattr(cpu_native, "_lib", [lib])
+    monkeypatch.setattr(cpu_ops, "_p", lambda a: a)  # the arrays themselves go down the pipe
+    rng = np.random.default_rng()
+    try:
+        for kind in BLOCK_FORMATS:
+            for k, n in [(96, 16), (576, 33)]:
+                x = rng.standard_normal((rows, k), dtype=np.float32)
+                x[:, 3] *= 40
+                assert_product(x, quantize(random_weight(rng, k, n), kind))
+    finally:
+        lib.close()
 
 
 def test_bad_block_weights_are_one_line():

@@ -23,7 +23,7 @@ CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"
 DRIVER = Path(__file__).with_name("kernel_driver.cpp")
-FLAGS = ["-O2", "-march=armv8-a", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-Wall",
+FLAGS = ["-O2", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-Wall",
          "-Werror", "-Wno-psabi"]  # fmt: skip
 
 
@@ -35,17 +35,22 @@ def available() -> str | None:
     return None
 
 
-def build() -> Path:
-    """The driver and every kernel, built for aarch64 once per source change."""
+# build name -> -march: the baseline (NEON, no dot products), and ARMv8.2 with them (vdotq_s32)
+MARCH = {"aarch64": "armv8-a", "aarch64-dotprod": "armv8.2-a+dotprod"}
+
+
+def build(name: str = "aarch64") -> Path:
+    """The driver and every kernel, built for an aarch64 target once per source change."""
     sources = [*sorted((REPO / "cpu_src").glob("*.cpp")), DRIVER]
-    h = hashlib.sha256(" ".join(FLAGS).encode())
+    flags = [*FLAGS, f"-march={MARCH[name]}"]
+    h = hashlib.sha256(" ".join(flags).encode())
     for f in [*sources, *sorted((REPO / "cpu_src").glob("*.h"))]:
         h.update(f.name.encode() + f.read_bytes())
-    out = build_dir() / "native" / f"kernel_driver-aarch64-{h.hexdigest()[:16]}"
+    out = build_dir() / "native" / f"kernel_driver-{name}-{h.hexdigest()[:16]}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        subprocess.run([CXX, *FLAGS, *map(str, sources), "-o", str(tmp)], check=True)
+        subprocess.run([CXX, *flags, *map(str, sources), "-o", str(tmp)], check=True)
         tmp.replace(out)
     return out
 
@@ -72,12 +77,12 @@ class _Signatures:
 class RemoteLibrary:
     """The aarch64 kernels under qemu: lib.<kernel>(*args) as ctypes would call them."""
 
-    def __init__(self):
+    def __init__(self, name: str = "aarch64"):
         sigs = _Signatures()
         cpu_native._declare(sigs)
         self._sigs = sigs.kernels
         self._proc = subprocess.Popen(
-            [QEMU, "-L", SYSROOT, str(build())], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [QEMU, "-L", SYSROOT, str(build(name))], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
 
     def close(self) -> None:
@@ -135,11 +140,11 @@ def load(name: str):
     """The kernels of one build, as cpu_native.library() gives them: this machine's own
     (native), another x86-64 target built and loaded here, or the aarch64 build under qemu
     (a RemoteLibrary). Raises LookupError with the reason where this machine cannot run it."""
-    if name == "aarch64":
+    if name in MARCH:
         missing = available()
         if missing:
             raise LookupError(missing)
-        return RemoteLibrary()
+        return RemoteLibrary(name)
     try:
         path = cpu_native.library_path(name)
     except ValueError as e:  # this CPU cannot run the target
@@ -151,4 +156,7 @@ def load(name: str):
 
 if __name__ == "__main__":  # make setup: the aarch64 build ahead of the tests, where it can be
     missing = available()
-    print(f"aarch64 kernels not built: {missing}" if missing else f"aarch64 kernels: {build()}")
+    for name in MARCH:
+        print(
+            f"{name} kernels not built: {missing}" if missing else f"{name} kernels: {build(name)}"
+        )
