@@ -169,7 +169,7 @@ def _host_pool(cfg: EngineConfig, per_block: int, peak: int, weights: int, swap:
         num_blocks = min(want, fit)
         why = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {cfg.max_model_len} tokens"
         why += f", capped at {limit_name}" if fit < want else ""
-    _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why)
+    _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why, weights)
     room = f"{limit_name} less the swap pool and the activation peak"
     return num_blocks, limit - swap - peak, room, why
 
@@ -185,10 +185,10 @@ def _host_limit(cfg: EngineConfig, weights: int, ram: int) -> tuple[int, str]:
     return int(HOST_RAM_FRACTION * ram), f"{HOST_RAM_FRACTION:.2f} x available RAM"
 
 
-def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str):
+def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str, weights):
     log.info(
         "host memory plan: KV pool %s (%s) + swap %s + activation peak %s (profile: %d tokens) "
-        "= %s of %s available RAM (weights already loaded)",
+        "= %s of %s available RAM (weights already loaded: %s resident)",
         mib(pool),
         why,
         mib(swap),
@@ -196,6 +196,7 @@ def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int,
         cfg.max_num_batched_tokens,
         mib(pool + swap + peak),
         mib(ram),
+        mib(weights),
     )
 
 

@@ -4,8 +4,9 @@ Three things differ from a Hugging Face checkpoint:
   * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
   * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here (each
     when it is asked for, from the mapped file: ``LazyTensors``, and a model's layers one at a
-    time: ``LazyLayers``), and GGUF lists a tensor's dims fastest-first, the reverse of a NumPy
-    shape;
+    time: ``LazyLayers``), except an embedding table or LM head in Q8_0, Q4_0 or Q4_1, which
+    stays in its blocks (``BlockMatrix``: float32 by row or whole when asked), and GGUF lists
+    a tensor's dims fastest-first, the reverse of a NumPy shape;
   * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
     (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
     rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
@@ -72,6 +73,92 @@ GGUF_FUSED = {
 GGUF_NORMS = ("blk.{i}.attn_norm.weight", "blk.{i}.ffn_norm.weight")
 
 
+# GGUF's block formats that a backend may keep as stored (engine/backends/quant.py's kinds),
+# and a block's layout: (bytes of float16 scales, bytes of q).
+BLOCK_KINDS = {
+    gguf.GGMLQuantizationType.Q8_0: ("q8_0", 2, 32),
+    gguf.GGMLQuantizationType.Q4_0: ("q4_0", 2, 16),
+    gguf.GGMLQuantizationType.Q4_1: ("q4_1", 4, 16),
+}
+
+
+class BlockMatrix:
+    """A (N, K) GGUF matrix in one of BLOCK_KINDS kept as the file stores it, a read-only view
+    of the mapped file (``raw``: (N, bytes of a row), each row's blocks of 32 values with their
+    float16 scales). Indexed by rows it gives those rows' float32 values (an embedding table's
+    gather: the values a dequantized copy holds, bit for bit); ``np.asarray`` gives them all;
+    ``.T`` is the (K, N) matrix, still in blocks (``TransposedBlocks``). The embedding table
+    and the LM head come so, so a backend that keeps them in blocks, or reads the table by
+    row, never holds their float32 copy."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, t: gguf.ReaderTensor):
+        self.kind, self._scale_bytes, self._q_bytes = BLOCK_KINDS[t.tensor_type]
+        self.qtype, self.raw = t.tensor_type, t.data
+        self.shape = tuple(int(n) for n in reversed(t.shape))  # (N, K)
+        if self.raw.ndim != 2 or len(self.raw) != self.shape[0]:
+            raise ValueError(f"gguf: tensor {t.name!r} is not a matrix of {self.shape[0]} rows")
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    @property
+    def T(self) -> TransposedBlocks:
+        return TransposedBlocks(self)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows) -> np.ndarray:
+        """Rows (an index, a slice, an array of ids) as float32: (..., K)."""
+        return gguf.quants.dequantize(self.raw[rows], self.qtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self[:]  # (N, K) float32, a new array
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return np.asarray(self, dtype)
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(q (N, K/32 * bytes of a block's q): Q8_0's int8, Q4's uint8 nibbles; scales
+        (N, K/32 * scales a block) float16): the file's bytes, split as
+        engine/backends/quant.py keeps a block format."""
+        n, (s, q) = self.shape[0], (self._scale_bytes, self._q_bytes)
+        b = self.raw.reshape(n, -1, s + q)  # (N, K/32, a block's bytes)
+        data = np.ascontiguousarray(b[:, :, s:]).reshape(n, -1)
+        data = data.view(np.int8) if self.kind == "q8_0" else data
+        scales = np.ascontiguousarray(b[:, :, :s]).view(np.float16).reshape(n, -1)
+        return data, scales
+
+
+class TransposedBlocks:
+    """The (K, N) transpose of a BlockMatrix, as a weight matrix's products take it:
+    ``m[:, a:b]`` widens the columns a..b (rows a..b of the stored matrix), ``np.asarray`` all
+    of them; ``stored`` is the BlockMatrix, for a backend that keeps its blocks."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, stored: BlockMatrix):
+        self.stored = stored
+        self.shape = stored.shape[::-1]
+
+    @property
+    def T(self) -> BlockMatrix:
+        return self.stored
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        return self.stored[cols].T[rows]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.stored, dtype).T
+
+
 class LazyTensors(Mapping):
     """GGUF name -> float32 array in NumPy (HF) orientation, made (dequantized from the mapped
     file, then reordered, split or offset as ``derive`` and ``split`` said) each time it is
@@ -80,9 +167,17 @@ class LazyTensors(Mapping):
     def __init__(self, reader: gguf.GGUFReader):
         self._shape = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
         self._make = {t.name: (lambda t=t: _dequantized(t)) for t in reader.tensors}
+        self._plain, self._tensor = dict(self._make), {t.name: t for t in reader.tensors}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._make[name]()
+
+    def keep_blocks(self, name: str) -> None:
+        """tensors[name] becomes its BlockMatrix where the file stores it in a block format
+        (and nothing derived it); otherwise it stays a float32 array."""
+        t = self._tensor.get(name)
+        if t is not None and t.tensor_type in BLOCK_KINDS and self._make[name] is self._plain[name]:
+            self._make[name] = lambda: BlockMatrix(t)
 
     def __iter__(self):
         return iter(self._make)
@@ -123,6 +218,7 @@ class GGUFFile:
     config: ModelConfig
     metadata: dict[str, Any]  # every key/value pair (arrays as lists), tokenizer.* included
     tensors: LazyTensors  # GGUF name -> float32 array in NumPy (HF) orientation, on demand
+    # (the table and the LM head in a block format: a BlockMatrix)
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -288,6 +384,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
         _split_fused(tensors, cfg)
     if cfg.norm_offset:
         _unoffset_norms(tensors, cfg)
+    for field in ("embed", "lm_head"):  # read by row, or kept in blocks: never widened whole
+        tensors.keep_blocks(GGUF_GLOBAL_NAMES[field])
     return GGUFFile(config=cfg, metadata=md, tensors=tensors)
 
 

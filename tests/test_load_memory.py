@@ -130,3 +130,108 @@ def test_a_gguf_is_dequantized_a_layer_at_a_time(q8_0_gguf):
     np.testing.assert_array_equal(weights.layers[3].wq, first[0])  # made again, the same
     np.testing.assert_array_equal(weights.layers[3].w_down, first[1])
     assert len(layers) == 16 and layers[3].w_qkv.kind == "q8_0"
+
+
+def _gguf_of(src, path, qtype):
+    """src (a Hugging Face directory) written as a llama GGUF with its matrices in qtype."""
+    from tests.test_loaders import write_gguf
+
+    cfg = json.loads((src / "config.json").read_text())
+    return write_gguf(path, cfg, load_file(str(src / "model.safetensors")), src, qtype)
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_0", "Q4_1"])
+def block_gguf(request, tmp_path_factory):
+    """(kind, a GGUF of a random tiny model, untied, every matrix in that block format)."""
+    from gguf import GGMLQuantizationType as Q
+
+    root = tmp_path_factory.mktemp(f"blocks_{request.param}")
+    seed = int(np.random.default_rng().integers(1 << 30))
+    src = make_tiny_model(root / "src", seed=seed)
+    return request.param.lower(), _gguf_of(src, root / "m.gguf", Q[request.param])
+
+
+def test_a_gguf_table_and_head_stay_in_blocks_and_read_as_their_dequantized_values(block_gguf):
+    """The table and the LM head load as BlockMatrix (views of the file); rows gathered, the
+    whole matrix, column slices of the transpose and the engine's own dequantization of the
+    split blocks all equal the tensor dequantized whole, as it was loaded before."""
+    import gguf
+
+    from reference.gguf_file import BlockMatrix, dequantize_tensor
+
+    kind, path = block_gguf
+    w = load_model(str(path)).weights
+    assert isinstance(w.embed, BlockMatrix) and isinstance(w.lm_head, BlockMatrix)
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    rng = np.random.default_rng()
+    for m, name in ((w.embed, "token_embd.weight"), (w.lm_head, "output.weight")):
+        dense = dequantize_tensor(stored[name])  # (V, D) float32
+        assert m.kind == kind and m.shape == dense.shape and m.nbytes < dense.nbytes / 3
+        ids = rng.integers(0, len(dense), 40)
+        np.testing.assert_array_equal(m[ids], dense[ids])
+        np.testing.assert_array_equal(np.asarray(m), dense)
+        a, b = sorted(rng.integers(0, len(dense), 2))
+        np.testing.assert_array_equal(m.T[:, a : b + 1], dense.T[:, a : b + 1])
+        np.testing.assert_array_equal(quant.dequantize_blocks(kind, *m.blocks()), dense.T)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_an_engine_on_a_gguf_in_blocks_gives_the_widened_tables_tokens(block_gguf, backend):
+    """An engine whose table and head stay a GGUF's blocks gives the greedy tokens and logits,
+    bit for bit, of the same engine given them widened to float32 arrays; where the head's
+    format is the file's (q8_0, the cpu backend's default for a Q8_0 GGUF) it keeps the
+    file's bytes, which are what quantizing the widened head gives."""
+    import dataclasses
+
+    kind, path = block_gguf
+    loaded = load_model(str(path))
+    widened = dataclasses.replace(
+        loaded,
+        weights=dataclasses.replace(
+            loaded.weights,
+            embed=np.asarray(loaded.weights.embed),
+            lm_head=np.asarray(loaded.weights.lm_head),
+        ),
+    )
+    args = dict(backend=backend, record_logits=True)
+    if backend == "cpu" and kind != "q8_0":
+        args["quantization"] = kind  # (a Q8_0 file is run as q8_0 without the flag)
+    engines = [make_engine(m, **args) for m in (loaded, widened)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a, b = (run_to_completion(e, SEED_PROMPTS, greedy) for e in engines)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        np.testing.assert_array_equal(
+            np.stack(x.outputs[0].step_logits), np.stack(y.outputs[0].step_logits)
+        )
+    head = engines[0].backend.lm_head
+    if backend == "cpu" and kind == "q8_0":
+        again = quant.quantize(np.asarray(loaded.weights.lm_head).T, "q8_0")
+        np.testing.assert_array_equal(head.data, again.data)
+        np.testing.assert_array_equal(head.scales, again.scales)
+
+
+def test_packing_a_q8_0_gguf_never_widens_its_table_or_head(checkpoints, tmp_path):
+    """Loading and packing a Q8_0 GGUF whose table and head dominate its bytes allocates the
+    kept arrays and a layer's work: no float32 table or head (each 2 MB here) exists at any
+    point, and the table is kept as the file's blocks."""
+    from gguf import GGMLQuantizationType as Q
+
+    from reference.gguf_file import BlockMatrix
+
+    path = _gguf_of(checkpoints["f32"], tmp_path / "m.gguf", Q.Q8_0)
+    store = lambda w: quant.quantize(w, "q8_0")  # noqa: E731
+    tracemalloc.start()
+    try:
+        weights = load_model(str(path)).weights
+        read = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        layers, rest = pack_weights(weights, np.dtype(np.float32), 0.0, store, store)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    head_f32 = 4 * rest["lm_head"].shape[0] * rest["lm_head"].shape[1]
+    assert isinstance(rest["embed"], BlockMatrix) and rest["lm_head"].kind == "q8_0"
+    assert read < head_f32 / 2, f"loading kept {read:,} bytes"  # the metadata, the tokenizer's
+    assert kept - read < head_f32, f"{kept:,} bytes kept"  # the head's and the layers' blocks
+    assert peak - kept < head_f32 / 4, f"packing peaked at {peak - kept:,} bytes beyond"

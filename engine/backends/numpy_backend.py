@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from reference.config import ModelConfig
+from reference.gguf_file import BlockMatrix
 from reference.hf_weights import drop_pages
 from reference.weights import ModelWeights, release_layer
 
@@ -55,10 +56,17 @@ def _t(*mats: np.ndarray) -> np.ndarray:
 def _table(a: np.ndarray) -> np.ndarray:
     """The (V, D) embedding table as kept: a 16-bit float one as it is (its rows widen to float32
     exactly when gathered; half a float32 copy's bytes), any other float32. Read by row only."""
+    if isinstance(a, BlockMatrix):
+        return a  # a GGUF's Q8_0 / Q4 blocks, widened a gathered row at a time
     dtype = a.dtype if a.dtype in HALVES else F32
     if a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous:
         return a  # the loader's own array (a GGUF's dequantized table)
     return np.array(a, dtype=dtype)  # a copy of a mapped file's: its pages go
+
+
+def _head(lm_head):
+    """The (V, D) LM head's (D, V) transpose, a view: of an array, or of a GGUF's blocks."""
+    return lm_head.T if isinstance(lm_head, BlockMatrix) else np.asarray(lm_head).T
 
 
 def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
@@ -99,10 +107,11 @@ def pack_weights(
         release_layer(w.layers, i)  # a GGUF's dequantized layer: made again if asked
     embed = _table(r(w.embed))  # (V, D)
     drop_pages(w.embed)
-    head = embed.T if w.lm_head is w.embed else np.asarray(r(w.lm_head)).T  # (D, V) views
-    # head_store takes the view (in any float dtype) and widens it as it converts
+    head = embed.T if w.lm_head is w.embed else _head(r(w.lm_head))  # (D, V) views
+    # head_store takes the view (in any float dtype, or a GGUF's blocks) and widens it as it
+    # converts, or keeps the blocks where they are its format
     lm_head = head_store(head) if head_store else np.ascontiguousarray(head, dtype=F32)
-    drop_pages(w.lm_head)
+    drop_pages(getattr(w.lm_head, "raw", w.lm_head))
     return layers, dict(embed=embed, final_norm=_f32(r(w.final_norm), norm_offset), lm_head=lm_head)
 
 

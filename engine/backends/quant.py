@@ -237,7 +237,12 @@ COLUMNS_AT_ONCE = 2048  # a block format's output channels quantized together
 def quantize(w: np.ndarray, kind: str) -> QuantWeight:
     """(K, N) float32 -> QuantWeight of an --quantization kind. The block formats go
     COLUMNS_AT_ONCE output channels at a time (each block is its own: the same bytes as all at
-    once), so their float temporaries are a slice's, not five copies of an LM head."""
+    once), so their float temporaries are a slice's, not five copies of an LM head. A GGUF
+    matrix already in ``kind`` (reference.gguf_file.TransposedBlocks) keeps the file's blocks:
+    what quantizing its values again would give, without widening them."""
+    stored = getattr(w, "stored", None)
+    if stored is not None and stored.kind == kind:
+        return QuantWeight(kind, *stored.blocks())
     if kind not in BLOCK_FORMATS or w.shape[1] <= COLUMNS_AT_ONCE:
         return QuantWeight(kind, *QUANTIZE[kind](w))
     data = scales = None  # (N, ...) each, filled a slice at a time
