@@ -20,15 +20,20 @@
 // AVX512-VNNI: vpdpbusd for the two instructions; Q8_0's x comes as x + 128 (unsigned), so q
 // goes in as stored, and each block's -128 sum(q) (one vpdpbusd, shared by every row of x)
 // starts the sums: one instruction a row and block, not three, and W's next rows prefetched
-// (at 8 rows 1.4x faster: the integer work no longer hid the loads' latency). Other CPUs: the same sums in a plain loop
-// (the integer sums are exact either way; only the float additions' order differs).
-// 9 to INT_MAX_ROWS rows (batches, speculative verifies, short prompts; with AVX512-VNNI any
-// number): the same integer dots, W's rows in chunks that every group of 8 rows of x passes
-// over while they are in the caches (gemm_int), so W is read from memory once.
-// More rows (prefill, without VNNI): x's quantized values and a tile of NB W rows are expanded to float32 and
-// multiplied by the BLAS's sgemm, since without VNNI the integer dot does no more
-// multiply-adds per instruction than a float32 FMA, and sgemm keeps more of them in flight.
-// Threads: one task per run of W's rows (the GEMV, gemm_int), per slice of NB rows (the tiles).
+// (at 8 rows 1.4x faster: the integer work no longer hid the loads' latency). Other CPUs: the
+// same sums in a plain loop (the integer sums are exact either way; only the float additions'
+// order differs).
+// 9 to INT_MAX_ROWS (64) rows (batches, speculative verifies, short prompts): the same integer
+// dots, W's rows in chunks that every group of 8 rows of x passes over while they are in the
+// caches (gemm_int), so W is read from memory once.
+// More rows (prefill), with AVX512-VNNI (gemm_vnni): W's rows 16 at a time copied per call so
+// that one 64-byte vpdpbusd does 4 inputs of 16 rows against x's 4 inputs broadcast, 64
+// multiply-adds an instruction and no horizontal sums. Without VNNI: x's quantized values and
+// a tile of NB W rows are expanded to float32 and multiplied by the BLAS's sgemm, since there
+// the integer dot does no more multiply-adds per instruction than a float32 FMA, and sgemm
+// keeps more of them in flight.
+// Threads: one task per run of W's rows (the GEMV, gemm_int, gemm_vnni's runs of 16), per
+// slice of NB rows (the tiles).
 #include <memory>
 #include <vector>
 
@@ -36,6 +41,10 @@
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+// GCC 12 takes the AVX-512 intrinsics' deliberately undefined operand for an uninitialized one
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 const bool PAIRED = true;  // Q4's x in pair_blocks' order for the integer dots
 #else
@@ -51,16 +60,16 @@ const long QK = 32;     // weights per block
 const long NB = 128;    // W rows per float32 tile
 const long GEMV_WORK = 1L << 19;
 // Rows up to which the integer dots beat the float32 tiles (TinyLlama's four layer matrices,
-// 2 threads: 16 rows 2.2x faster, 64 rows 1.1-1.2x, 96 rows 0.9-1.05x; on the AVX2 build 128
-// rows 1.08x, 512 rows 0.89x). With AVX512-VNNI, since Q8_0 takes one vpdpbusd a row and
-// block, at every size: Q8_0 128 rows 1.26x, 512 rows 1.11x; Q4_0 1.20x and 1.07x.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-const long INT_MAX_ROWS = 1L << 40;
-#else
+// 2 threads, both x86 builds: 16 rows 2.2x faster, 64 rows 1.1-1.2x, 96 rows 0.9-1.05x).
 const long INT_MAX_ROWS = 64;
-#endif
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+// Rows from which gemm_vnni takes over, with AVX512-VNNI: past 64, so that up to 64 rows (a
+// batch's decodes) each row has the bits it has alone. (Its per-call copy of W costs about
+// seven GEMV passes; it is ahead from about 32 rows for Q8_0, 48 for Q4_0: TinyLlama's four
+// layer matrices, 4 layers, Q8_0 at 64 rows 108 -> 67 ms, Q4_0 at 48 rows 92 -> 71 ms.)
+const long VNNI_GEMM_ROWS = 65;
 
 // A format's layout: bytes of q per block, float16 scales per block.
 template <int F> struct Format;
@@ -400,6 +409,118 @@ void gemm_int(float* out, const int8_t* qx, const int32_t* xc, const float* dx, 
   });
 }
 
+#if defined(__AVX512VNNI__)
+// Prefill with AVX512-VNNI (gemm_vnni): W's rows 16 at a time copied, per call, into a
+// thread's buffer so that one 64-byte register holds 4 consecutive inputs of each of the 16
+// rows (ws (K/32, 8, 16, 4) int8: block b, group g of 4 inputs, row r), their q as signed
+// bytes (Q4: q - 8). One vpdpbusd then adds, in each of 16 lanes, 4 products of one row of W
+// with x's 4 inputs broadcast to every lane (x as x + 128, unsigned; each row's block starts
+// from -128 sum(q), as in dot_row): 8 of them finish a block's 16 integer dots, with no
+// horizontal sums, and a block costs one convert and one FMA per 16 outputs. That is 64
+// multiply-adds an instruction against sgemm's 16 (float32 FMA on a 64-byte register).
+struct Chunk16 {
+  std::vector<int8_t> q;     // (nb, 8, 16, 4): the rows' q in vpdpbusd's order
+  std::vector<int32_t> c;    // (nb, 16): -128 sum(q) per row and block
+  std::vector<float> d, e;   // (nb, 16): d per row and block; Q4_1's m + 8 d (else unused)
+};
+
+// W's rows n0 .. n0 + 15 (those past N as zeros: their outputs are not written) into ch.
+template <int F>
+void pack16(Chunk16& ch, const uint8_t* w, const f16* s, long n0, long N, long K) {
+  const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
+  ch.q.assign(nb * 512, 0);
+  ch.c.assign(nb * 16, 0);
+  ch.d.assign(nb * 16, 0.0f);
+  ch.e.assign(nb * 16, 0.0f);
+  for (long r = 0; r < 16 && n0 + r < N; r++) {
+    const uint8_t* q = w + (n0 + r) * row_q;
+    const f16* sr = s + (n0 + r) * row_s;
+    for (long b = 0; b < nb; b++) {
+      int8_t v[QK];
+      const uint8_t* qb = q + b * Format<F>::QB;
+      if constexpr (F == Q8_0) {
+        std::memcpy(v, qb, QK);
+      } else {
+#pragma omp simd
+        for (int i = 0; i < 16; i++) {
+          v[i] = (int8_t)((qb[i] & 15) - 8);
+          v[i + 16] = (int8_t)((qb[i] >> 4) - 8);
+        }
+      }
+      int sum = 0;
+      for (int i = 0; i < QK; i++) sum += v[i];
+      for (int g = 0; g < 8; g++) std::memcpy(&ch.q[((b * 8 + g) * 16 + r) * 4], v + 4 * g, 4);
+      const f16* sb = sr + b * Format<F>::NS;
+      ch.c[b * 16 + r] = -128 * sum;
+      ch.d[b * 16 + r] = (float)sb[0];
+      ch.e[b * 16 + r] = bias<F>(sb);
+    }
+  }
+}
+
+// out[m, n0 .. n0 + 15] for the R rows of x from m: xu (R rows at stride K) x + 128; dx, sx
+// (R rows at stride nb). Only `cols` columns are written.
+template <int F, int R>
+void tile16(float* out, long N, const uint8_t* xu, const float* dx, const float* sx, long K,
+            const Chunk16& ch, int cols) {
+  const long nb = K / QK;
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (long b = 0; b < nb; b++) {
+    const __m512i c = _mm512_loadu_si512(&ch.c[b * 16]);
+    __m512i dot[R];
+    for (int r = 0; r < R; r++) dot[r] = c;
+    const int8_t* qb = &ch.q[b * 512];
+    for (int g = 0; g < 8; g++) {
+      const __m512i wv = _mm512_loadu_si512(qb + g * 64);
+      for (int r = 0; r < R; r++) {
+        int32_t x4;
+        std::memcpy(&x4, xu + r * K + b * QK + 4 * g, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(x4), wv);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(&ch.d[b * 16]);
+    for (int r = 0; r < R; r++) {
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), ds, acc[r]);
+      if constexpr (F == Q4_1)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(&ch.e[b * 16]), _mm512_set1_ps(sx[r * nb + b]),
+                                 acc[r]);
+    }
+  }
+  const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, keep, acc[r]);
+}
+
+// out (M, N) for any M: each thread's runs of 16 W rows packed (pack16), then every group of
+// up to 8 rows of x over them. qx: x quantized, its sign bits flipped (x + 128).
+template <int F>
+void gemm_vnni(float* out, const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
+               const f16* s, long M, long K, long N, int nt) {
+  const long nb = K / QK, chunks = (N + 15) / 16, per = (chunks + nt - 1) / nt;
+  const uint8_t* xu = (const uint8_t*)qx;
+  on_threads(nt, [&](int t) {
+    Chunk16 ch;
+    for (long j = t * per; j < std::min(chunks, (t + 1) * per); j++) {
+      const long n0 = j * 16;
+      const int cols = (int)std::min(16L, N - n0);
+      pack16<F>(ch, w, s, n0, N, K);
+      for (long m = 0; m < M; m += 8) {
+        float* o = out + m * N + n0;
+        const uint8_t* xm = xu + m * K;
+        const float *dm = dx + m * nb, *sm = sx + m * nb;
+        switch (std::min(8L, M - m)) {
+#define ROWS(r) \
+  case r: tile16<F, r>(o, N, xm, dm, sm, K, ch, cols); break;
+          ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+        }
+      }
+    }
+  });
+}
+#endif
+
 // W row (q, s) as K float32 values.
 template <int F> void dequant_row(float* out, const uint8_t* q, const f16* s, long K) {
   for (long b = 0; b < K / QK; b++) {
@@ -449,6 +570,14 @@ void matmul_f(float* out, const float* x, const uint8_t* w, const f16* s, long M
   std::unique_ptr<float[]> dx(new float[M * K / QK]), sx(new float[M * K / QK]);
   quantize_rows(qx.get(), dx.get(), sx.get(), x, M, K);
   const long work = 2 * M * K * N;
+#if defined(__AVX512VNNI__)
+  if (M >= VNNI_GEMM_ROWS) {
+    flip_sign(qx.get(), M * K);
+    const int nt = std::min<long>(threads_for(work, threads), (N + 15) / 16);
+    gemm_vnni<F>(out, qx.get(), dx.get(), sx.get(), w, s, M, K, N, nt);
+    return;
+  }
+#endif
   if (M > INT_MAX_ROWS) {
     const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
     gemm_tiles<F>(out, qx.get(), dx.get(), w, s, M, K, N, (int)nt);

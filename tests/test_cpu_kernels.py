@@ -316,10 +316,11 @@ def test_matmul_over_bf16_panels(threads, rows):
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 9, 23, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 9, 23, 64, 65, 139])
 def test_matmul_over_gguf_blocks(threads, kind, rows):
     """matmul_blocks.cpp on each build (AVX2's vpmaddubsw, AVX-512 VNNI, the plain loops, ARM):
-    the GEMV, the integer dots over chunks of W and the float32 tiles, against the NumPy twin
+    the GEMV, the integer dots over chunks of W, the float32 tiles and VNNI's 16 rows of W at
+    a time (65 rows and more; N of 5, 33 and 272: chunks cut short), against the NumPy twin
     (tests/test_blocks.py has the rest); K of 1, 3 and 18 blocks (Q4's dots take blocks in
     pairs), (1536, 272) on two threads."""
     rng = np.random.default_rng()
