@@ -185,7 +185,9 @@ def _host_limit(cfg: EngineConfig, weights: int, ram: int) -> tuple[int, str]:
     return int(HOST_RAM_FRACTION * ram), f"{HOST_RAM_FRACTION:.2f} x available RAM"
 
 
-def _log_host_plan(cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str, weights):
+def _log_host_plan(
+    cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str, weights: int
+):
     log.info(
         "host memory plan: KV pool %s (%s) + swap %s + activation peak %s (profile: %d tokens) "
         "= %s of %s available RAM (weights already loaded: %s resident)",

@@ -55,9 +55,10 @@ def _t(*mats: np.ndarray) -> np.ndarray:
 
 def _table(a: np.ndarray) -> np.ndarray:
     """The (V, D) embedding table as kept: a 16-bit float one as it is (its rows widen to float32
-    exactly when gathered; half a float32 copy's bytes), any other float32. Read by row only."""
+    exactly when gathered; half a float32 copy's bytes), a GGUF's Q8_0 / Q4 blocks as they are
+    (a BlockMatrix: its gathered rows dequantized), any other float32. Read by row only."""
     if isinstance(a, BlockMatrix):
-        return a  # a GGUF's Q8_0 / Q4 blocks, widened a gathered row at a time
+        return a
     dtype = a.dtype if a.dtype in HALVES else F32
     if a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous:
         return a  # the loader's own array (a GGUF's dequantized table)
