@@ -127,6 +127,21 @@ inline void flip_sign(int8_t* qx, long n) {
   for (long i = 0; i < n; i++) qx[i] = (int8_t)(qx[i] ^ 0x80);
 }
 
+// A block's 32 q as the integer dots take them, signed: Q8_0's as stored (returned in place),
+// Q4's q - 8 (low nibbles first) written to u.
+template <int F> inline const int8_t* signed_q(const uint8_t* qb, int8_t* u) {
+  if constexpr (F == Q8_0) {
+    return (const int8_t*)qb;
+  } else {
+#pragma omp simd
+    for (int i = 0; i < 16; i++) {
+      u[i] = (int8_t)((qb[i] & 15) - 8);
+      u[i + 16] = (int8_t)((qb[i] >> 4) - 8);
+    }
+    return u;
+  }
+}
+
 // A block's bias factor c (the term c * sx: Q4_1's m + 8 d, none for the others).
 template <int F> inline float bias(const f16* s) {
   return F == Q4_1 ? (float)s[1] + 8.0f * (float)s[0] : 0.0f;
@@ -341,14 +356,8 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
   for (long b = 0; b < nb; b++) {
     const uint8_t* qb = q + b * Format<F>::QB;
     const f16* sb = s + b * Format<F>::NS;
-    int8_t u[QK];  // Q4's q - 8
-    if constexpr (F != Q8_0) {
-      for (int i = 0; i < 16; i++) {
-        u[i] = (int8_t)((qb[i] & 15) - 8);
-        u[i + 16] = (int8_t)((qb[i] >> 4) - 8);
-      }
-    }
-    const int8_t* t = F == Q8_0 ? (const int8_t*)qb : u;
+    int8_t u[QK];
+    const int8_t* t = signed_q<F>(qb, u);
     const float d = (float)sb[0], c = bias<F>(sb);
     for (int m = 0; m < MR; m++) {
       const int8_t* xb = qx + m * K + b * QK;
@@ -412,12 +421,13 @@ void gemm_int(float* out, const int8_t* qx, const int32_t* xc, const float* dx, 
 #if defined(__AVX512VNNI__)
 // Prefill with AVX512-VNNI (gemm_vnni): W's rows 16 at a time copied, per call, into a
 // thread's buffer so that one 64-byte register holds 4 consecutive inputs of each of the 16
-// rows (ws (K/32, 8, 16, 4) int8: block b, group g of 4 inputs, row r), their q as signed
-// bytes (Q4: q - 8). One vpdpbusd then adds, in each of 16 lanes, 4 products of one row of W
-// with x's 4 inputs broadcast to every lane (x as x + 128, unsigned; each row's block starts
-// from -128 sum(q), as in dot_row): 8 of them finish a block's 16 integer dots, with no
-// horizontal sums, and a block costs one convert and one FMA per 16 outputs. That is 64
-// multiply-adds an instruction against sgemm's 16 (float32 FMA on a 64-byte register).
+// rows (Chunk16::q (K/32, 8, 16, 4) int8: block b, group g of 4 inputs, row r), their q as
+// signed bytes (signed_q). One vpdpbusd then adds, in each of 16 lanes, 4 products of one row
+// of W with x's 4 inputs broadcast to every lane (x as x + 128, unsigned; each row's block
+// starts from -128 sum(q), as in dot_row): 8 of them finish a block's 16 integer dots, with no
+// horizontal sums, and a block costs one convert, one multiply (d dx) and one FMA per 16
+// outputs. That is 64 multiply-adds an instruction against sgemm's 16 (float32 FMA on a
+// 64-byte register).
 struct Chunk16 {
   std::vector<int8_t> q;     // (nb, 8, 16, 4): the rows' q in vpdpbusd's order
   std::vector<int32_t> c;    // (nb, 16): -128 sum(q) per row and block
@@ -436,17 +446,8 @@ void pack16(Chunk16& ch, const uint8_t* w, const f16* s, long n0, long N, long K
     const uint8_t* q = w + (n0 + r) * row_q;
     const f16* sr = s + (n0 + r) * row_s;
     for (long b = 0; b < nb; b++) {
-      int8_t v[QK];
-      const uint8_t* qb = q + b * Format<F>::QB;
-      if constexpr (F == Q8_0) {
-        std::memcpy(v, qb, QK);
-      } else {
-#pragma omp simd
-        for (int i = 0; i < 16; i++) {
-          v[i] = (int8_t)((qb[i] & 15) - 8);
-          v[i + 16] = (int8_t)((qb[i] >> 4) - 8);
-        }
-      }
+      int8_t u[QK];
+      const int8_t* v = signed_q<F>(q + b * Format<F>::QB, u);
       int sum = 0;
       for (int i = 0; i < QK; i++) sum += v[i];
       for (int g = 0; g < 8; g++) std::memcpy(&ch.q[((b * 8 + g) * 16 + r) * 4], v + 4 * g, 4);
