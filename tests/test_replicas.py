@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -74,6 +75,28 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def _replica_pids(log) -> set[int]:
     return {int(p) for p in re.findall(r"engine replica \w+ ready \(pid (\d+)\)", log.read_text())}
+
+
+def _replica_names(log) -> dict[int, str]:
+    """pid -> the engine name its metrics carry."""
+    found = re.findall(r"engine replica (\w+) ready \(pid (\d+)\)", log.read_text())
+    return {int(pid): name for name, pid in found}
+
+
+def _running(url: str) -> dict[str, float]:
+    """engine -> its sequences running, as /metrics shows them (published every half second)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"[^}]*\} (\S+)', text)
+    return {e: float(n) for e, n in found}
+
+
+def _wait_until(what: str, check, timeout: float = 60.0) -> None:
+    """Poll check() until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.1)
 
 
 def _live_engines(url: str) -> set[str]:
@@ -144,9 +167,11 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
         return (r.status_code, r.json())
 
     victim = sorted(_replica_pids(log))[0]
+    name = _replica_names(log)[victim]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(ask, i) for i in range(12)]
-        time.sleep(1.5)
+        # killed once its metrics show it running requests: no assumption about the speed
+        _wait_until(f"replica {name} to run requests", lambda: _running(url).get(name, 0) > 0)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=90) for f in futures]
     ok = [r for s, r in results if s == 200]
@@ -182,16 +207,29 @@ def test_a_stop_signal_lets_running_requests_finish(server):
     The module's last test on the server."""
     url, _, proc = server
     body = {"model": "tiny", "prompt": "drain", "max_tokens": 150, "temperature": 0}
-    body["ignore_eos"] = True
+    body.update(ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    started = [threading.Event() for _ in range(3)]
+
+    def stream(i: int) -> tuple[int, int | None]:
+        """(status, completion tokens of the final usage chunk) of one streamed request; its
+        event is set when the first token has come (the request runs)."""
+        usage = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                started[i].set()
+                usage = (chunk.get("usage") or {}).get("completion_tokens", usage)
+            started[i].set()  # an error ends the wait too; its status fails the test below
+            return r.status_code, usage
+
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # noqa: E731
-        futures = [pool.submit(post) for _ in range(3)]
-        time.sleep(1.0)  # they run
+        futures = [pool.submit(stream, i) for i in range(3)]
+        _wait_until("the three requests' first tokens", lambda: all(e.is_set() for e in started))
         proc.send_signal(signal.SIGTERM)
-        responses = [f.result(timeout=90) for f in futures]
-    for r in responses:
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 150
+        results = [f.result(timeout=90) for f in futures]
+    assert results == [(200, 150)] * 3, results
     assert proc.wait(60) == 0
 
 
