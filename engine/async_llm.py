@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from .core import QueueFullError  # noqa: F401 - raised by add_request, caught by name here
+from .core_messages import QueueFullError  # noqa: F401 - raised by add_request, caught by name here
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

@@ -38,16 +38,15 @@ import msgspec
 import zmq
 
 from .config import EngineConfig
-from .core import (
+from .core_messages import (
     CoreOutputs,
     CoreRequest,
     CoreStats,
     QueueFullError,
     SampleDelta,
     check_queue,
-    model_eos_ids,
-    structured_compiler,
 )
+from .sequence import model_eos_ids
 from .spec_decode import SpecStats
 
 log = logging.getLogger("engine.core")
@@ -201,7 +200,9 @@ class CoreClient:
         """This side's compiler over the same tokenizer: constraints are refused here, before
         they travel (the core compiles its own)."""
         if self._compiler is None:
-            self._compiler = structured_compiler(self.loaded, model_eos_ids(self.loaded))
+            from .structured import model_compiler
+
+            self._compiler = model_compiler(self.loaded, model_eos_ids(self.loaded))
         return self._compiler
 
     def shutdown(self) -> None:

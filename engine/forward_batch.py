@@ -79,3 +79,36 @@ def token_slots(qsl: np.ndarray, context_lens: np.ndarray, tables: np.ndarray, b
     rows = np.repeat(np.arange(len(q_lens)), q_lens)  # (T,) sequence of each token
     slots = tables[rows, positions // block_size] * block_size + positions % block_size  # (T,)
     return positions.astype(np.int32), slots.astype(np.int32)
+
+
+def flat_batch(
+    tokens: list[int],
+    q_lens: np.ndarray,
+    context_lens: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    num_decodes: int,
+    row_counts: list[int] | None = None,
+) -> ForwardBatch:
+    """The ForwardBatch of B runs, decodes first: run b's q_lens[b] tokens (of ``tokens``, run
+    after run) are the last of its first context_lens[b]; tables (B, width): the page tables
+    that cover them. row_counts: rows of run b whose logits come back (its last
+    ``row_counts[b]``); None: one per run."""
+    qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)  # (B+1,)
+    np.cumsum(q_lens, out=qsl[1:])
+    positions, slot_mapping = token_slots(qsl, context_lens, tables, block_size)  # (T,), (T,)
+    sample_rows = None
+    if row_counts is not None:
+        ends = qsl[1:].tolist()
+        rows = (range(e - c, e) for e, c in zip(ends, row_counts, strict=True))
+        sample_rows = np.fromiter((r for rs in rows for r in rs), np.int32)  # (R,)
+    return ForwardBatch(
+        token_ids=np.asarray(tokens, dtype=np.int32),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        context_lens=context_lens.astype(np.int32),
+        query_start_loc=qsl,
+        num_decodes=num_decodes,
+        sample_rows=sample_rows,
+    )

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from reference.loader import LoadedModel, default_model, load_model
 
 from .config import EngineConfig, make_config
-from .core import CoreRequest, CoreStats, EngineCore
+from .core import EngineCore
+from .core_messages import CoreRequest, CoreStats
 from .input_processor import (
     FrontendState,
     bad_words_token_ids,

@@ -23,7 +23,7 @@ import numpy as np
 from reference.tokenizer import IncrementalDetokenizer
 
 from . import tracing
-from .core import SampleDelta
+from .core_messages import SampleDelta
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .stop_strings import StopStrings

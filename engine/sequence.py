@@ -1,4 +1,6 @@
-"""One sequence: its token ids, status, page table and how many of its tokens are cached."""
+"""One sequence: its token ids, status, page table and how many of its tokens are cached; made
+whole by its constructor (the sample index, RNG, stop ids, bad words and length limit the
+engine core gives each of a request's samples)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ from engine.sampler import always_plain_greedy
 from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+
+
+def model_eos_ids(loaded) -> list[int]:
+    """The ids that end a sequence of a LoadedModel: its config's, else its tokenizer's."""
+    return list(loaded.config.eos_token_ids or loaded.tokenizer.eos_token_ids)
+
 
 # async scheduling: the last token of a sequence whose step is launched but not yet read back
 PENDING_TOKEN = -2
@@ -36,6 +44,12 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        index: int = 0,
+        generator=None,
+        stop_ids: frozenset[int] = frozenset(),
+        bad_words_ids: list[list[int]] | None = None,
+        max_model_len: int | None = None,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -63,26 +77,43 @@ class Sequence:
         self.error: str | None = None  # why it was aborted (a refused token, a failed sample)
         # the engine core's: which of the request's samples, its RNG, and what the frontend has
         # been sent (output tokens so far; the logprobs and logits rows of the tokens since)
-        self.index = 0
-        self.generator = None
+        self.index = index
+        self.generator = generator
         self.num_sent = 0
         self.new_logprobs: list[dict[int, float]] = []
         self.new_logits: list = []
         self.prompt_logprobs_sent = False
-        # the engine core's stop checks, set for its requests: the ids that end it (EOS unless
-        # ignored, stop_token_ids) and its length limit (max_tokens, max_model_len)
-        self.stop_ids: frozenset[int] = frozenset()
+        # the stop checks: the ids that end it (EOS unless ignored, stop_token_ids) and its
+        # length limit, resolved here once (prompt + max_tokens, at most max_model_len)
+        self.stop_ids = stop_ids
         self.max_num_tokens = self.num_tokens + self.params.max_tokens
+        if max_model_len is not None:
+            self.max_num_tokens = min(self.max_num_tokens, max_model_len)
         self.always_plain = always_plain_greedy(self.params)  # every row an argmax of raw logits
         # the sampler's per-request rules beyond SamplingParams: bad words as token ids, and
         # the grammar state of a structured-output request (engine/structured/matcher.py)
-        self.bad_words_ids: list[list[int]] = []
+        self.bad_words_ids: list[list[int]] = bad_words_ids or []
         self.matcher = None
         # prompt_logprobs: one entry per prompt token computed so far (the first is None)
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step
         self.spec_wait = 0  # steps to go before drafting again (after rejected drafts)
         self.spec_backoff = 1  # the wait after the next wholly rejected draft
+
+    @classmethod
+    def of_request(cls, req, index: int, generator, stop_ids, max_model_len: int) -> Sequence:
+        """Sample ``index`` of a CoreRequest, with its RNG, stop ids and length limit."""
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.params,
+            req.arrival_time,
+            index=index,
+            generator=generator,
+            stop_ids=stop_ids,
+            bad_words_ids=req.bad_words_ids,
+            max_model_len=max_model_len,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -133,3 +164,18 @@ class Sequence:
             del self.output_token_ids[num_output_tokens:], self.token_ids[-drop:]
             self.num_tokens -= drop
             self.last_token_id = self.token_ids[-1] if self.token_ids else None
+
+    def check_stop(self, eos_token_ids) -> str | None:
+        """Why the last token ends it, or None: a finished grammar; EOS or a stop token id once
+        min_tokens are out (the token id is ``stop_reason``, set here; EOS comes first); else
+        the length limit (max_tokens, max_model_len). Stop strings are the frontend's."""
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "stop"  # its grammar is complete: nothing but EOS could follow
+        token, p = self.last_token_id, self.params
+        if token in self.stop_ids and self.num_output_tokens >= p.min_tokens:
+            if p.ignore_eos or token not in eos_token_ids:
+                self.stop_reason = token
+            return "stop"
+        if self.num_tokens >= self.max_num_tokens:
+            return "length"
+        return None

@@ -95,6 +95,14 @@ class ModelConfig:
         """Embeddings are multiplied by this: sqrt(hidden_size) for Gemma, else 1.0."""
         return float(self.hidden_size) ** 0.5 if self.spec.scale_embeddings else 1.0
 
+    def summary(self) -> str:
+        """One line for a log: its size in the terms of its config."""
+        return (
+            f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, "
+            f"{self.num_attention_heads} heads ({self.num_key_value_heads} KV), "
+            f"head dim {self.head_dim}, vocab {self.vocab_size}"
+        )
+
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window: a query at p sees keys > p - window (0: all)."""
         return self.layer_windows[layer] if self.layer_windows else 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.core import SampleDelta
+from engine.core_messages import SampleDelta
 from engine.golden import read_golden
 from engine.llm import run_to_completion
 from engine.output_processor import OutputProcessor

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from engine.core import CoreRequest, QueueFullError
 from engine.core_client import Add, CoreLoop
+from engine.core_messages import CoreRequest, QueueFullError
 from engine.llm import run_to_completion
 from engine.recorder import Recorder
 from engine.structured.params import StructuredOutputsParams

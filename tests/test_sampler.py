@@ -199,16 +199,16 @@ def test_a_nan_row_aborts_its_sequence_with_an_error(tiny, monkeypatch):
     params = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True)
     engine.add_request("nan", "hello there", params)
     engine.add_request("ok", "hi my name is", params)
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
     def nan_for_one(out, **kw):
-        logits = execute(out, **kw)  # (B, V)
+        logits = forward(out, **kw)  # (B, V)
         for b, (seq, _) in enumerate(out.scheduled):
             if seq.request_id == "nan":
                 logits[b] = np.nan
         return logits
 
-    monkeypatch.setattr(engine.runner, "execute", nan_for_one)
+    monkeypatch.setattr(engine.runner, "forward", nan_for_one)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})

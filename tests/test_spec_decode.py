@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from engine import SamplingParams
-from engine.core import DraftPrefix
 from engine.llm import run_to_completion
 from engine.sequence import Sequence
 from engine.spec_decode import (
@@ -22,6 +21,7 @@ from engine.spec_decode import (
     parse_speculative_config,
     propose_ngram,
 )
+from engine.spec_step import DraftPrefix, target_probs
 from reference.loader import load_model
 from tests.test_families import loaded as family
 from tests.tiny_model import make_tiny_model
@@ -445,17 +445,17 @@ def test_aborts_between_steps_and_inside_a_speculated_step(tiny):
     engine = make_engine(tiny, speculative_config=json.dumps(NGRAM), backend="numpy")
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
     aborted_inside = []
 
-    def execute_and_abort(out, greedy=False):  # request 4 leaves while its forward runs
+    def forward_and_abort(out, greedy=False):  # request 4 leaves while its forward runs
         ids = {s.seq_id for s, _ in out.scheduled if s.request_id == "4"}
         if not aborted_inside and ids & set(out.drafts):
             aborted_inside.append(engine.abort("4"))
-        return execute(out, greedy)
+        return forward(out, greedy)
 
-    engine.runner.execute = execute_and_abort
+    engine.runner.forward = forward_and_abort
     done, steps = {}, 0
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step()})
@@ -597,7 +597,7 @@ def test_draft_model_refusals(tiny):
     startup, naming what is wrong."""
     import copy
 
-    from engine.core import check_draft
+    from engine.spec_step import check_draft
 
     small_vocab = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, vocab_size=256))
     with pytest.raises(ValueError, match="vocab_size 256 != the target's 320"):
@@ -685,7 +685,7 @@ def test_each_verify_row_is_the_samplers_row_after_its_drafts(tiny):
         drafts = rng.integers(3, 12, 4).tolist()
         rows = (3 * rng.standard_normal((5, V))).astype(np.float32)  # (k+1, V)
         views = [DraftPrefix(seq, drafts[:j]) for j in range(5)]
-        got = engine.core._target_probs(rows, views)  # (k+1, V)
+        got = target_probs(engine.sampler, rows, views)  # (k+1, V)
         for j in range(5):
             alone = Sequence("r", seq.prompt_token_ids, params, 0.0)
             for t in seq.output_token_ids + drafts[:j]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.core import SampleDelta
+from engine.core_messages import SampleDelta
 from engine.llm import run_to_completion
 from engine.output_processor import OutputProcessor
 from tests.utils import SEED_PROMPTS, make_engine

@@ -14,7 +14,14 @@ ray_executor.py the ``ray`` executor (Ray actors in a placement group)
 
 from __future__ import annotations
 
-from ..backends import resolve_backend_name
+from ..backends import get_backend, resolve_backend_name
+
+
+def configured_backend(model_config, weights, config):
+    """The engine's backend: in this process, or (executor ``mp`` or ``ray``) its ranks'."""
+    if config.distributed_executor_backend in ("mp", "ray"):
+        return executor_backend(model_config, weights, config)
+    return get_backend(config.backend, model_config, weights, config)
 
 
 def executor_backend(model_config, weights, config):

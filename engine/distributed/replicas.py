@@ -108,10 +108,11 @@ class FrontendView(FrontendState):
 
     def structured_compiler(self):
         """Built on first use (half a second for a 49k vocabulary), then kept with its cache."""
-        from ..core import model_eos_ids, structured_compiler
+        from ..sequence import model_eos_ids
+        from ..structured import model_compiler
 
         if self._compiler is None:
-            self._compiler = structured_compiler(self.loaded, model_eos_ids(self.loaded))
+            self._compiler = model_compiler(self.loaded, model_eos_ids(self.loaded))
         return self._compiler
 
 

@@ -360,7 +360,7 @@ def main(argv=None) -> int:
         step, products, ratios = replayed_step_ratios(engine.backend, full_steps)
         print(
             f"the last such step replayed, alternated with the products alone ({len(ratios)} "
-            f"rounds): step p50 {step:.1f} ms, products p50 {products:.1f} ms -> "
+            f"rounds): step p50 {step:.3f} ms, products p50 {products:.3f} ms -> "
             f"{float(np.median(ratios)):.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}x)"
         )
     bench_plot.run_extras(args, engine, run_engine, outputs, (prompts, out_lens), mm)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..forward_batch import ForwardBatch, token_slots
+from ..forward_batch import ForwardBatch, flat_batch
 from ..utils import cdiv
 
 
@@ -138,29 +138,23 @@ class DraftModel:
     def _batch(self, rows, tokens: list[int] | None = None) -> ForwardBatch:
         """A forward over (seq, start, n) rows: the sequence's tokens [start, start + n), or
         with ``tokens`` one given token per row at position start. Single-token rows first."""
-        bs = self.block_size
         if tokens is None:
             tokens = [t for s, a, n in rows for t in s.token_ids[a : a + n]]
         q_lens = np.array([n for _, _, n in rows], dtype=np.int32)  # (B,)
         starts = np.array([a for _, a, _ in rows], dtype=np.int32)  # (B,)
-        qsl = np.zeros(len(rows) + 1, dtype=np.int32)  # (B+1,)
-        np.cumsum(q_lens, out=qsl[1:])
         context_lens = starts + q_lens  # (B,)
-        width = int(cdiv(context_lens.max(), bs))
-        tables = np.full((len(rows), width), -1, dtype=np.int32)  # (B, width)
-        for b, (s, _, _) in enumerate(rows):
+        tables = self._tables([s for s, _, _ in rows], context_lens)  # (B, width)
+        nd = int(np.sum(q_lens == 1))  # they come first
+        return flat_batch(tokens, q_lens, context_lens, tables, self.block_size, nd)
+
+    def _tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:
+        """(B, width) each sequence's draft blocks, -1 padded, as wide as the longest needs."""
+        width = int(cdiv(context_lens.max(), self.block_size))
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)  # (B, width)
+        for b, s in enumerate(seqs):
             t = self.seqs[s.seq_id].table[:width]
             tables[b, : len(t)] = t
-        positions, slots = token_slots(qsl, context_lens, tables, bs)  # (T,), (T,)
-        return ForwardBatch(
-            token_ids=np.asarray(tokens, dtype=np.int32),
-            positions=positions,
-            slot_mapping=slots,
-            block_tables=tables,
-            context_lens=context_lens.astype(np.int32),
-            query_start_loc=qsl,
-            num_decodes=int(np.sum(q_lens == 1)),  # they come first
-        )
+        return tables
 
     def check_invariants(self) -> None:
         """Every block is free or in exactly one sequence's table."""

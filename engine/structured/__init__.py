@@ -17,6 +17,15 @@ from .compiler import CompiledGrammar, StructuredOutputCompiler
 from .matcher import Matcher
 from .params import StructuredOutputsParams
 
+
+def model_compiler(loaded, eos_token_ids: list[int]) -> StructuredOutputCompiler:
+    """A compiler over a LoadedModel's tokenizer (about half a second to build for a 49k
+    vocabulary)."""
+    return StructuredOutputCompiler(
+        loaded.tokenizer, vocab_size=loaded.config.vocab_size, eos_token_ids=eos_token_ids
+    )
+
+
 __all__ = [
     "CompiledGrammar",
     "Matcher",
@@ -25,5 +34,6 @@ __all__ = [
     "allocate_bitmask",
     "apply_bitmask",
     "bitmask_width",
+    "model_compiler",
     "unpack_bitmask",
 ]
