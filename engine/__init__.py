@@ -1,8 +1,9 @@
 """The paged inference engine: ``from engine import LLM, SamplingParams``."""
 
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.llm import LLM
+from engine.frontend.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,8 +1,8 @@
-"""``python -m engine.bench``: runs engine/entrypoints/bench.py."""
+"""``python -m engine.bench``: runs engine/tools/bench.py."""
 
 import sys
 
-from engine.entrypoints.bench import main
+from engine.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

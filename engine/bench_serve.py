@@ -1,8 +1,8 @@
-"""``python -m engine.bench_serve``: runs engine/entrypoints/bench_serve.py."""
+"""``python -m engine.bench_serve``: runs engine/tools/bench_serve.py."""
 
 import sys
 
-from engine.entrypoints.bench_serve import main
+from engine.tools.bench_serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .structured.params import StructuredOutputsParams
+from engine.core.structured.params import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision anyway
@@ -198,7 +198,7 @@ class SamplingParams:
 
 def generation_defaults(gen: dict) -> dict:
     """SamplingParams keyword defaults from a model's generation_config.json sampling keys
-    (``reference.loader.read_generation_config``): ``do_sample: false`` means greedy, as in
+    (``model_loader.load.read_generation_config``): ``do_sample: false`` means greedy, as in
     transformers; ``max_new_tokens`` is ``max_tokens``."""
     if gen.get("do_sample") is False:
         out = {"temperature": 0.0}

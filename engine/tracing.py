@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 
 trace = logging.getLogger("engine.trace")
 trace.setLevel(logging.WARNING)  # `--trace` (or a caller) sets it to INFO

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .model import KVCache, forward
-from .weights import ModelWeights
+from model_loader.config import ModelConfig
+from model_loader.weights import ModelWeights
+from reference.model import KVCache, forward
 
 
 @dataclass
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from .loader import load_model
+    from model_loader.load import load_model
 
     args = parse_args(argv)
     try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .rope import rope_cos_sin
-from .weights import LayerWeights, ModelWeights
+from model_loader.config import ModelConfig
+from model_loader.rope import rope_cos_sin
+from model_loader.weights import LayerWeights, ModelWeights
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:

@@ -23,8 +23,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference.loader import load_model  # noqa: E402
-from tests.serve_utils import LiveServer  # noqa: E402
+from engine.tools.live_server import LiveServer  # noqa: E402
+from model_loader.load import load_model  # noqa: E402
 
 MiB = 1 << 20
 N = 131_000  # just under --max-json-items

@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends import fast_ops  # noqa: E402
-from engine.entrypoints import bench  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from engine.tools import bench  # noqa: E402
 
 
 def stub_everything_but_matmuls() -> None:

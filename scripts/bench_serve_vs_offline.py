@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM  # noqa: E402
-from engine.entrypoints.bench_serve import read_prompts, run_load, summarize_results  # noqa: E402
+from engine.tools.bench_serve import read_prompts, run_load, summarize_results  # noqa: E402
 
 
 def offline(args, prompts: list[str]) -> float:

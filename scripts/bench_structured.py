@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.structured import StructuredOutputsParams  # noqa: E402
-from reference.loader import load_model  # noqa: E402
+from engine.core.structured import StructuredOutputsParams  # noqa: E402
+from engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from model_loader.load import load_model  # noqa: E402
 
 SCHEMA = {
     "type": "object",

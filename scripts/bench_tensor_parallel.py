@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from reference.loader import load_model  # noqa: E402
+from engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from model_loader.load import load_model  # noqa: E402
 
 
 def run(loaded, tp: int, batch: int, steps: int) -> tuple[float, float, float]:

@@ -14,7 +14,7 @@
 #   tp      tensor parallel 2 on the tiny model against one process, two
 #           ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), NCCL's
 #           version                                                       -> tp.log, tp.json
-#   bench   python -m engine.bench_gpu, graphs and eager                  -> bench.log, bench.json
+#   bench   python -m engine.tools.bench_gpu, graphs and eager                  -> bench.log, bench.json
 # summary.md: each stage's exit status and seconds, then the tests' and the benchmark's ends.
 # --emulate: backend cuda-cpu, the tiny model, PAGEDLLM_EMULATE_GPU=1 for the gpu tests, a small
 # benchmark workload. CI runs it (tests/test_gpu_check_script.py); the files are the same.
@@ -79,7 +79,7 @@ stage tests 80 pytest.log env REQUIRE_GPU=1 "$PY" -m pytest -m gpu -x -q -rs \
   -p no:cacheprovider tests/test_gpu.py tests/test_capture_rules.py
 stage tp 40 tp.log env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" scripts/gpu_tp_check.py \
   --model "$MODELS/tiny" --json "$OUT/tp.json" $EMULATE
-stage bench 90 bench.log "$PY" -m engine.bench_gpu --model "$BENCH_MODEL" \
+stage bench 90 bench.log "$PY" -m engine.tools.bench_gpu --model "$BENCH_MODEL" \
   --json "$OUT/bench.json" $EMULATE
 
 {

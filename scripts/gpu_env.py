@@ -23,7 +23,7 @@ def version(module: str) -> str:
 
 
 def devices() -> str:
-    from engine.backends.devices import gpu_status
+    from engine.devices.device import gpu_status
 
     n, why = gpu_status()
     return f"{n}" if n else f"0 ({why})"
@@ -42,15 +42,15 @@ def headers() -> str:
 
 
 def cublas() -> str:
-    from engine.cublas import find_cublas
+    from engine.kernels.cublas import find_cublas
 
     return find_cublas()
 
 
 def project() -> str:
     import engine.backends.cupy_backend  # noqa: F401
-    import engine.bench_gpu  # noqa: F401
-    import reference.loader  # noqa: F401
+    import engine.tools.bench_gpu  # noqa: F401
+    import model_loader.load  # noqa: F401
 
     return "imports ok"
 

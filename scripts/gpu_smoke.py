@@ -30,12 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.oracles import cuda_cpu_ops as C  # noqa: E402
-from tests.oracles import numpy_ops as N  # noqa: E402
+from engine.emulation import kernel_ops as C  # noqa: E402
+from reference import kernel_ops as N  # noqa: E402
 
 
 def make_device(emulate: bool):
-    from engine.backends.devices import CupyDevice, EmulatedDevice
+    from engine.devices.device import CupyDevice
+    from engine.emulation.device import EmulatedDevice
 
     return EmulatedDevice() if emulate else CupyDevice()
 

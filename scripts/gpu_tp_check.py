@@ -25,8 +25,8 @@ PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 
 
 def run(loaded, backend: str, tp: int, out: dict) -> list:
-    from engine.llm import run_to_completion
-    from engine.llm_engine import LLMEngine
+    from engine.frontend.llm import run_to_completion
+    from engine.frontend.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--json", required=True, help="where the results go, rewritten per stage")
     ap.add_argument("--emulate", action="store_true", help="backend cuda-cpu instead of cuda")
     args = ap.parse_args()
-    from reference.loader import load_model
+    from model_loader.load import load_model
 
     backend = "cuda-cpu" if args.emulate else "cuda"
     loaded, out = load_model(args.model), {"backend": backend}

@@ -14,7 +14,7 @@ transformers' own config classes, never fetched from the Hub.
 It writes, for each family in FAMILIES, a directory tests/data/families/<name>/ holding
 
     config.json, generation_config.json, model.safetensors   model.save_pretrained(), float32
-    tokenizer.json, tokenizer_config.json                     tests/tiny_model.py's tiny BPE
+    tokenizer.json, tokenizer_config.json                     model_loader/synthetic.py's tiny BPE
                                                               (train_tokenizer(320), ChatML)
     golden.json                                               see below
 
@@ -82,7 +82,7 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.tiny_model import CHATML, train_tokenizer  # noqa: E402  (numpy, tokenizers only)
+from model_loader.synthetic import CHATML, train_tokenizer  # noqa: E402  (numpy, tokenizers only)
 
 OUT = ROOT / "tests" / "data" / "families"
 VOCAB = 320
@@ -354,7 +354,7 @@ def make_cases(model) -> tuple[list[dict], float]:
 
 
 def write_tokenizer(path: Path) -> None:
-    """The same files tests/tiny_model.py writes: tokenizer.json and tokenizer_config.json."""
+    """The same files model_loader/synthetic.py writes: tokenizer.json and tokenizer_config.json."""
     tok = train_tokenizer(VOCAB)
     assert tok.get_vocab_size() <= VOCAB
     specials = [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]

@@ -11,7 +11,7 @@ transformers and torch are NOT project dependencies: this script runs in a throw
 default wheel pulls CUDA libraries you don't want.) It writes
 
     engine/golden/smollm2.json  SmolLM2-135M-Instruct, loaded by transformers from the GGUF
-    engine/golden/tiny.json     the tests' tiny random model (tests/tiny_model.py, seed 0)
+    engine/golden/tiny.json     the tests' tiny random model (model_loader/synthetic.py, seed 0)
 
 For every prompt: its text (and chat messages), prompt token ids, 32 greedy token ids from a
 plain argmax loop that does NOT stop at EOS, their decoded text, and the float32 logits at the
@@ -161,7 +161,7 @@ def make_tiny() -> dict:
         tok = AutoTokenizer.from_pretrained(path)
         model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return {
-            "meta": metadata("tests/tiny_model.py make_tiny_model(seed=0)"),
+            "meta": metadata("model_loader/synthetic.py make_tiny_model(seed=0)"),
             "cases": cases(model, tok, TINY_PROMPTS, None),
             "tokenizer_cases": tokenizer_cases(tok),
         }
@@ -181,7 +181,7 @@ def main() -> None:
     if (ROOT / "tests" / "tiny_model.py").exists():
         write("tiny.json", make_tiny())
     else:
-        print("tests/tiny_model.py not found: tiny.json not written")
+        print("model_loader/synthetic.py not found: tiny.json not written")
 
 
 if __name__ == "__main__":

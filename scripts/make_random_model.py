@@ -2,7 +2,7 @@
 
     python scripts/make_random_model.py DIR [--tiny-only]
 
-DIR/tiny        the tests' tiny random LLaMA (tests/tiny_model.py), float32
+DIR/tiny        the tests' tiny random LLaMA (model_loader/synthetic.py), float32
 DIR/tinyllama   TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4 KV heads, ffn 5632,
                 vocab 32000) with random bfloat16 weights, a BPE tokenizer and a ChatML template
 """
@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.tiny_model import CHATML, make_tiny_model, train_tokenizer  # noqa: E402
+from model_loader.synthetic import CHATML, make_tiny_model, train_tokenizer  # noqa: E402
 
 TINYLLAMA = dict(
     vocab_size=32000,

@@ -6,9 +6,9 @@ Starts ``python -m engine.serve`` on the given model (default: the tests' tiny r
 written to a temporary directory) and sends a mix, ``--concurrency`` at a time: plain and
 streamed completions and chats, prompts as token ids, requests refused for their length or
 their parameters, big bodies (a quarter of a megabyte) to /tokenize, and streams the client
-leaves after two chunks (tests/soak_mix.py). The server's RSS (/proc/PID/status) is read after
-the first 20% of the requests (warm-up) and at the end; the script prints both, the growth, and
-the status codes it got, and exits 1 if any request got a 500 or the server died. Its fast
+leaves after two chunks (engine/tools/soak_mix.py). The server's RSS (/proc/PID/status) is read
+after the first 20% of the requests (warm-up) and at the end; the script prints both, the growth,
+and the status codes it got, and exits 1 if any request got a 500 or the server died. Its fast
 version in the suite is tests/test_server_limits.py::test_a_soak_leaves_nothing_behind.
 """
 
@@ -28,8 +28,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.soak_mix import one_request, send  # noqa: E402
-from tests.tiny_model import make_tiny_model  # noqa: E402
+from engine.tools.soak_mix import one_request, send  # noqa: E402
+from model_loader.synthetic import make_tiny_model  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

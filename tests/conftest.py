@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from reference.loader import load_model
+from model_loader.load import load_model
+from model_loader.synthetic import make_tiny_model
 from tests.gpu_target import EMULATE, make_device
-from tests.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A tiny random LLaMA in Hugging Face layout (see tests/tiny_model.py)."""
+    """A tiny random LLaMA in Hugging Face layout (see model_loader/synthetic.py)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or EMULATE:
         return
-    from engine.backends.devices import gpu_status
+    from engine.devices.device import gpu_status
 
     count, why = gpu_status()
     if count:

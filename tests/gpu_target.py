@@ -11,6 +11,7 @@ BACKEND = "cuda-cpu" if EMULATE else "cuda"
 
 
 def make_device():
-    from engine.backends.devices import CupyDevice, EmulatedDevice
+    from engine.devices.device import CupyDevice
+    from engine.emulation.device import EmulatedDevice
 
     return EmulatedDevice() if EMULATE else CupyDevice()

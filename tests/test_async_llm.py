@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineDeadError, LoggingStatLogger, QueueFullError
-from engine.llm import run_to_completion
+from engine.frontend.async_llm import AsyncLLM, EngineDeadError, LoggingStatLogger, QueueFullError
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, make_engine
 

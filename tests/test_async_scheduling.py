@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from engine.backends.stub import StubBackend
-from engine.host_overhead import measure
+from engine.core.sequence import PENDING_TOKEN
 from engine.sampling_params import SamplingParams
-from engine.sequence import PENDING_TOKEN
+from engine.tools.host_overhead import measure
 from tests.utils import make_engine
 
 

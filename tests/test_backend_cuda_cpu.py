@@ -11,10 +11,10 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine import kernels as K
 from engine.backends.cupy_backend import CupyBackend
-from engine.backends.devices import EmulatedDevice
+from engine.emulation.device import EmulatedDevice
+from engine.frontend.llm import run_to_completion
 from engine.generate import main as generate_main
 from engine.golden import read_golden
-from engine.llm import run_to_completion
 from reference.generate import generate as reference_generate
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]

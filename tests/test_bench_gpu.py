@@ -1,11 +1,11 @@
-"""engine.bench_gpu's ceilings, computed from the loaded weights' own shapes."""
+"""engine.tools.bench_gpu's ceilings, computed from the loaded weights' own shapes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine import bench_gpu
+from engine.tools import bench_gpu
 
 
 def matmul_weights(loaded) -> int:

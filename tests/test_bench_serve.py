@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 
-from engine.entrypoints.bench_serve import arrival_times, main
-from tests.serve_utils import LiveServer
+from engine.tools.bench_serve import arrival_times, main
+from engine.tools.live_server import LiveServer
 
 
 def test_bench_serve_counts_every_token(tiny, capsys):

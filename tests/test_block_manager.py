@@ -3,8 +3,8 @@ invariant check."""
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
 from tests.utils import make_seq, random_tokens
 
 

@@ -16,13 +16,13 @@ import pytest
 from engine.backends import cpu_native, cpu_ops, fast_ops, get_backend
 from engine.backends.quant import BLOCK_FORMATS, QuantWeight, quantize
 from engine.config import EngineConfig
-from engine.entrypoints.quant_eval import agreement, evaluate, teacher_forced_logits
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from reference.gguf_file import GGUF_LAYER_NAMES
-from reference.loader import load_model, resolve_model
+from engine.tools.quant_eval import agreement, evaluate, teacher_forced_logits
+from model_loader.gguf_file import GGUF_LAYER_NAMES
+from model_loader.load import load_model, resolve_model
+from reference.kernel_ops import matmul_q8_0, quantize_rows_q8_0
 from tests.native import remote
-from tests.oracles.numpy_ops import matmul_q8_0, quantize_rows_q8_0
 from tests.test_loaders import hf, write_gguf  # noqa: F401 (hf: a fixture)
 from tests.test_quant import KL_TOKENS, matrices, smollm2_float32, threads  # noqa: F401
 from tests.utils import SEED_PROMPTS, make_engine

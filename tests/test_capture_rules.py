@@ -2,7 +2,7 @@
 a GPU: the same tests, so the emulation is held to what CuPy and CUDA really do.
 
 - CuPy's cuBLAS module refuses to run while the current stream captures; the engine's own
-  handle (``engine.cublas``) is captured, and the graph replays on new inputs.
+  handle (``engine.kernels.cublas``) is captured, and the graph replays on new inputs.
 - A host synchronisation spoils the capture; host<->device copies raise (CuPy's checks).
 - A capture that allocates what its warm-up did not fails (the engine's rule).
 - A backend whose capture fails logs why and serves eager.
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from engine.backends.cupy_backend import CupyBackend
-from engine.backends.devices import CaptureAllocationError, EmulatedDevice
 from engine.config import EngineConfig
-from engine.cublas import Cublas, host_scalar
-from engine.gemm import gemm_plan
+from engine.devices.device import CaptureAllocationError
+from engine.emulation.device import EmulatedDevice
+from engine.kernels.cublas import Cublas, host_scalar
+from engine.kernels.gemm import gemm_plan
 from engine.utils import cdiv
 from reference.model import forward as reference_forward
 
@@ -131,7 +132,7 @@ def test_capture_that_allocates_beyond_its_warm_up_fails(dev):
 
 
 def prefill(backend, ids):
-    from engine.forward_batch import ForwardBatch
+    from engine.backends.forward_batch import ForwardBatch
 
     n = len(ids)
     return ForwardBatch(
@@ -201,7 +202,7 @@ def test_emulated_replay_that_launches_something_else_raises(emu, rng):
 
 @pytest.mark.parametrize("mistake", ["other stream", "no workspace"])
 def test_emulated_cublas_rules_during_capture(emu, rng, mistake):
-    from engine.backends.emulated import EmuStream
+    from engine.emulation.runtime import EmuStream
 
     lib = emu.cublas.lib
     if mistake == "other stream":

@@ -4,10 +4,10 @@ more shapes of template)."""
 
 import pytest
 
-from engine.chat import chat_prompt_ids
-from engine.llm import LLM
+from engine.frontend.chat import chat_prompt_ids
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from reference.tokenizer import Tokenizer
+from model_loader.tokenizer import Tokenizer
 from tests.test_tokenizer import custom
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

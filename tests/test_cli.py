@@ -11,13 +11,13 @@ import sys
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.entrypoints.bench import build_parser as bench_parser
 from engine.entrypoints.diff import build_parser as diff_parser
 from engine.entrypoints.diff import main as diff_main
 from engine.entrypoints.engine_args import engine_config, engine_kwargs
 from engine.entrypoints.generate import build_parser
 from engine.entrypoints.generate import main as generate_main
 from engine.golden import golden_logits, read_golden
+from engine.tools.bench import build_parser as bench_parser
 from reference.generate import generate as reference_generate
 
 ISSUE_FLAGS = """--model --prompt --prompts-file --chat --temperature --top-p --top-k --max-tokens
@@ -200,7 +200,7 @@ def test_bench_replays_the_full_batch_step_against_its_products(tiny_model_dir, 
     products alone: both lines carry positive times and a ratio consistent with them."""
     import re
 
-    from engine.entrypoints.bench import main as bench_main
+    from engine.tools.bench import main as bench_main
 
     argv = ["--model", str(tiny_model_dir), "--backend", "cpu", "--num-requests", "6"]
     argv += ["--max-num-seqs", "4", "--min-prompt", "4", "--max-prompt", "12"]

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from engine.entrypoints.bench import main as bench_main
 from engine.entrypoints.diff import main as diff_main
 from engine.entrypoints.engine_args import check_backend
 from engine.entrypoints.generate import main as generate_main
 from engine.entrypoints.serve import main as serve_main
+from engine.tools.bench import main as bench_main
 
 MAINS = {"generate": generate_main, "diff": diff_main, "bench": bench_main, "serve": serve_main}
 
@@ -113,7 +113,7 @@ def no_model_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model loaded before the arguments were checked")
 
-    monkeypatch.setattr("engine.llm_engine.load_model", load)
+    monkeypatch.setattr("engine.frontend.llm_engine.load_model", load)
     monkeypatch.setattr("engine.entrypoints.diff.load_model", load)
 
 
@@ -134,16 +134,16 @@ def test_model_dir_without_config_before_loading(cli, tmp_path, capsys, no_model
 def test_backend_cuda_without_gpu_before_loading(
     cli, tiny_model_dir, capsys, monkeypatch, no_model_load
 ):
-    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "no driver"))
+    monkeypatch.setattr("engine.devices.device.gpu_status", lambda: (0, "no driver"))
     rc = MAINS[cli](["--model", str(tiny_model_dir), "--backend", "cuda"])
     line = one_line_error(capsys, rc, "--backend cuda needs a GPU that CuPy can see")
     assert "(no driver); use --backend auto, numpy or cuda-cpu" in line
 
 
 def test_backend_cuda_with_a_gpu_passes_the_check(monkeypatch):
-    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (1, ""))
+    monkeypatch.setattr("engine.devices.device.gpu_status", lambda: (1, ""))
     check_backend("cuda")
-    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "none"))
+    monkeypatch.setattr("engine.devices.device.gpu_status", lambda: (0, "none"))
     for name in ("auto", "numpy", "cuda-cpu"):
         check_backend(name)  # only cuda asks for a GPU
 

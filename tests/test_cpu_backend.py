@@ -21,7 +21,7 @@ def fresh_threads(monkeypatch):
 
 
 def test_auto_is_cpu_without_a_gpu_and_numpy_without_a_compiler(monkeypatch):
-    from engine.backends import devices
+    from engine.devices import device as devices
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     assert resolve_backend_name("auto") == "cpu"
@@ -65,7 +65,7 @@ def test_tensor_parallel_on_cpu_is_refused_by_name(tiny):
 def test_a_cpu_backend_that_cannot_be_built_is_numpy_under_auto_and_an_error_by_name(
     tiny, monkeypatch, caplog
 ):
-    from engine.backends import devices
+    from engine.devices import device as devices
 
     def no_build():
         raise cpu_native.NativeBuildError("g++ failed on cpu_src/:\nsome log")
@@ -83,9 +83,9 @@ def test_a_cpu_backend_that_cannot_be_built_is_numpy_under_auto_and_an_error_by_
 def test_a_head_dim_the_kernels_cannot_take_is_numpy_under_auto_and_an_error_by_name(
     tmp_path, monkeypatch, caplog
 ):
-    from engine.backends import devices
-    from reference.loader import load_model
-    from tests.tiny_model import make_tiny_model
+    from engine.devices import device as devices
+    from model_loader.load import load_model
+    from model_loader.synthetic import make_tiny_model
 
     loaded = load_model(str(make_tiny_model(tmp_path / "hd24", head_dim=24)))
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)

@@ -1,5 +1,5 @@
 """The native CPU kernels (``cpu_src/`` through ``engine.backends.cpu_ops``) against their NumPy
-twins in ``tests/oracles/numpy_ops`` computed in float64 (a 16- or 8-bit cache read exactly),
+twins in ``reference/kernel_ops`` computed in float64 (a 16- or 8-bit cache read exactly),
 on ragged shapes: context lengths 1, 15, 16, 17 and over 1,000, GQA groups 1, 2, 3 and 8, head
 dims 64, 80 and 128, float32, bfloat16 and the two 8-bit float caches (and float16 once),
 sliding windows; on one thread and on two, which give the same bits (a task's arithmetic does
@@ -23,8 +23,8 @@ from engine.backends.quant import (
     to_panels,
 )
 from engine.utils import cdiv
+from reference import kernel_ops as numpy_ops
 from tests.native import remote
-from tests.oracles import numpy_ops
 from tests.test_blocks import assert_product, random_weight
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]

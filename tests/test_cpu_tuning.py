@@ -14,7 +14,7 @@ import pytest
 
 from engine.backends import cpu_native, cpu_tuning
 from engine.backends.quant import QuantWeight
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, assert_same_greedy, make_engine
 
@@ -70,7 +70,7 @@ def test_the_faster_layout_is_kept_and_measurements_are_read_back(timings):
 def test_the_backend_keeps_the_measured_layout_and_the_numpy_backends_tokens(
     tiny, timings, fastest, monkeypatch
 ):
-    from engine.backends import devices
+    from engine.devices import device as devices
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     timings["fastest"] = fastest
@@ -89,7 +89,7 @@ def test_the_backend_keeps_the_measured_layout_and_the_numpy_backends_tokens(
 def test_auto_takes_numpy_where_the_cpu_products_measured_slower(
     tiny, timings, monkeypatch, caplog, tmp_path
 ):
-    from engine.backends import devices
+    from engine.devices import device as devices
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     timings["fastest"] = "numpy"
@@ -130,7 +130,7 @@ def test_a_target_that_is_not_one_or_that_this_cpu_cannot_run_is_refused_by_name
 def test_a_kept_format_is_timed_against_numpy_and_auto_follows(
     tiny, timings, monkeypatch, caplog, setting
 ):
-    from engine.backends import devices
+    from engine.devices import device as devices
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     state = {"kept": 2.0, "asked": []}

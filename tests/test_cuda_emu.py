@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from engine import emulation as E
 from engine import kernels as K
 
 i32 = np.int32
@@ -122,15 +123,15 @@ extern "C" __global__ void smem_overflow(float* __restrict__ out) {
 """
 
 
-@pytest.fixture(params=K.ORDERS)
+@pytest.fixture(params=E.ORDERS)
 def order(request):
-    K.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
+    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
     yield request.param
-    K.set_thread_order("forward")
+    E.set_thread_order("forward")
 
 
 def build(source: str, tag: str):
-    return K.cpu_module_from_source(textwrap.dedent(source), tag)
+    return E.cpu_module_from_source(textwrap.dedent(source), tag)
 
 
 # Every snippet build the tests below load: (source, tag).
@@ -196,7 +197,7 @@ def test_dynamic_shared_memory_is_poisoned_then_usable():
 )
 def test_barrier_bugs_are_caught(order, kernel, block, message):
     fn = build(BARRIERS, "emu_barriers").get_function(kernel)
-    with pytest.raises(K.KernelLaunchError, match=message):
+    with pytest.raises(E.KernelLaunchError, match=message):
         fn((1,), (block,), (np.zeros(block, np.float32),))
 
 
@@ -213,7 +214,7 @@ def test_barrier_bugs_are_caught(order, kernel, block, message):
 )
 def test_warp_bugs_are_caught(order, kernel, block, message):
     fn = build(WARPS, "emu_warps").get_function(kernel)
-    with pytest.raises(K.KernelLaunchError, match=message):
+    with pytest.raises(E.KernelLaunchError, match=message):
         fn((1,), (block,), (np.zeros(block, np.float32),))
 
 
@@ -258,15 +259,16 @@ def test_launch_arguments_are_checked():
         fn((1,), (8,), (x, x, np.int64(8)))
     with pytest.raises(TypeError, match=r"3 arguments, got 2"):
         fn((1,), (8,), (x, x))
-    with pytest.raises(K.KernelLaunchError, match=r"invalid block size"):
+    with pytest.raises(E.KernelLaunchError, match=r"invalid block size"):
         fn((1,), (2048,), (x, x, i32(8)))
 
 
 ASAN_SCRIPT = """
 import numpy as np, textwrap
+from engine import emulation as E
 from engine import kernels as K
 from tests.test_cuda_emu import INTRINSICS
-mod = K.cpu_module_from_source(textwrap.dedent(INTRINSICS), "emu_intrinsics")
+mod = E.cpu_module_from_source(textwrap.dedent(INTRINSICS), "emu_intrinsics")
 out, x = np.zeros(32, np.float32), np.ones(100, np.float32)
 mod.get_function("overflow")((1,), (32,), (out, x, np.int32(100 + {extra})))
 mod.get_function("smem_overflow")((1,), (31,), (out,), shared_mem={smem})

@@ -17,16 +17,18 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.backends import cupy_backend as CB
 from engine.backends.base import resolve_kv_dtype
-from engine.backends.devices import (
+from engine.backends.forward_batch import ForwardBatch
+from engine.config import EngineConfig
+from engine.devices.device import (
     CUPY_ADDED_OPTIONS,
     BlockReplay,
     CaptureAllocationError,
-    EmulatedDevice,
     rawmodule_options,
 )
-from engine.config import EngineConfig
-from engine.forward_batch import ForwardBatch
-from engine.gemm import (
+from engine.emulation.device import EmulatedDevice
+from engine.frontend.llm import run_to_completion
+from engine.kernels import KernelBuildError, define_sets, kernel_names, read_source
+from engine.kernels.gemm import (
     CUBLAS_OP_N,
     CUBLAS_OP_T,
     CUDA_R_16BF,
@@ -34,8 +36,6 @@ from engine.gemm import (
     check_gemm,
     gemm_plan,
 )
-from engine.kernels import KernelBuildError, define_sets, kernel_names, read_source
-from engine.llm import run_to_completion
 from engine.utils import cdiv
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
@@ -370,8 +370,7 @@ def test_rawmodule_options_compile_every_kernel_with_nvrtc():
 
 def test_import_needs_no_gpu_and_cuda_backend_says_so():
     code = (
-        "import engine.backends.cupy_backend as m, engine.backends.devices as d; "
-        "print(d.gpu_count())"
+        "import engine.backends.cupy_backend as m, engine.devices.device as d; print(d.gpu_count())"
     )
     env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
     res = subprocess.run(
@@ -382,7 +381,7 @@ def test_import_needs_no_gpu_and_cuda_backend_says_so():
 
 
 def test_cuda_backend_without_gpu_is_a_clear_error(tiny, monkeypatch):
-    monkeypatch.setattr("engine.backends.devices.gpu_status", lambda: (0, "no driver here"))
+    monkeypatch.setattr("engine.devices.device.gpu_status", lambda: (0, "no driver here"))
     cfg = EngineConfig(max_model_len=64).resolve(tiny.config)
     with pytest.raises(ValueError, match=r"needs a GPU .*\(no driver here\)"):
         CB.cuda_backend(tiny.config, tiny.weights, cfg)

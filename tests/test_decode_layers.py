@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from engine.backends.cpu_backend import CpuBackend
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from reference.loader import load_model
+from model_loader.load import load_model
 from tests.test_families import FAMILIES, FAMILY_DIR
 from tests.utils import SEED_PROMPTS, make_engine
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.core_messages import SampleDelta
+from engine.core.messages import SampleDelta
+from engine.frontend.llm import run_to_completion
+from engine.frontend.output_processor import OutputProcessor
 from engine.golden import read_golden
-from engine.llm import run_to_completion
-from engine.output_processor import OutputProcessor
 from engine.utils import MiB
 from reference.generate import generate as reference_generate
 from tests.spies import count_forwards

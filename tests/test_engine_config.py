@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from reference.config import ModelConfig
+from model_loader.config import ModelConfig
 
 
 def model_config(max_positions: int = 4096) -> ModelConfig:

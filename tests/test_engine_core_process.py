@@ -12,13 +12,13 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from engine.core_client import Add, CoreLoop
-from engine.core_messages import CoreRequest, QueueFullError
-from engine.llm import run_to_completion
-from engine.recorder import Recorder
-from engine.structured.params import StructuredOutputsParams
-from reference.loader import load_model
-from tests.serve_utils import MODEL, LiveServer
+from engine.core.messages import CoreRequest, QueueFullError
+from engine.core.structured.params import StructuredOutputsParams
+from engine.frontend.core_client import Add, CoreLoop
+from engine.frontend.llm import run_to_completion
+from engine.tools.live_server import MODEL, LiveServer
+from engine.tools.recorder import Recorder
+from model_loader.load import load_model
 from tests.utils import SEED_PROMPTS, make_engine
 
 PROMPTS = [*SEED_PROMPTS, "the cat sat on the"]

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.llm import run_to_completion
-from reference.families import FAMILIES as FAMILY_TABLE
+from engine.frontend.llm import run_to_completion
+from model_loader.families import FAMILIES as FAMILY_TABLE
+from model_loader.load import load_model
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
 from reference.model import forward
 from tests.utils import make_engine
 

@@ -9,8 +9,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.entrypoints.protocol import CompletionRequest
 from engine.sampling_params import generation_defaults
-from reference.loader import read_generation_config
-from tests.tiny_model import make_tiny_model
+from model_loader.load import read_generation_config
+from model_loader.synthetic import make_tiny_model
 
 
 def test_generation_defaults_follow_transformers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 
 CONV = [{"role": "user", "content": "hello there"}]
 

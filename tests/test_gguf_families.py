@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from reference.gguf_file import read_gguf
-from reference.loader import load_model
+from model_loader.gguf_file import read_gguf
+from model_loader.load import load_model
+from model_loader.rope import inv_freq
 from reference.model import forward
-from reference.rope import inv_freq
 from tests.test_families import FAMILY_DIR, loaded
 from tests.test_loaders import gguf_tokenizer_metadata, llama_cpp_permute
 

@@ -1,7 +1,7 @@
 """The kernels, the gemm and the engine through CuPy on a real GPU (marker ``gpu``).
 
 Skipped where CuPy sees no device; scripts/gpu_check.sh runs them on the GPU machine. Each kernel
-is checked against its NumPy twin (tests.oracles.numpy_ops) on fresh random inputs, outputs
+is checked against its NumPy twin (reference.kernel_ops) on fresh random inputs, outputs
 poisoned with NaN first; the engine's greedy tokens against the reference, taken on the device
 (only ids come back) unless a row needs the host sampler.
 """
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine import gemm as G
-from engine.forward_batch import ForwardBatch
+from engine.backends.forward_batch import ForwardBatch
+from engine.emulation import kernel_ops as C
+from engine.frontend.llm import run_to_completion
 from engine.kernels import PARTITION_SIZE
-from engine.llm import run_to_completion
+from engine.kernels import gemm as G
 from engine.utils import cdiv
+from reference import kernel_ops as N
 from reference.generate import generate as reference_generate
 from reference.model import forward as reference_forward
 from tests.gpu_target import BACKEND, EMULATE
-from tests.oracles import cuda_cpu_ops as C
-from tests.oracles import numpy_ops as N
 from tests.spies import CallCounter, count_forwards
 
 pytestmark = pytest.mark.gpu  # skipped without a GPU, or failed with REQUIRE_GPU=1 (conftest)

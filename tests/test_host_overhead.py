@@ -5,13 +5,13 @@ against streaming steps."""
 import numpy as np
 import pytest
 
-from engine import host_overhead
 from engine.backends.stub import StubBackend, stub_next_token
-from engine.llm import run_to_completion
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm import run_to_completion
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.tools import host_overhead
 from engine.utils import cdiv
-from reference.tokenizer import IncrementalDetokenizer
+from model_loader.tokenizer import IncrementalDetokenizer
 
 
 def stub_engine(loaded, **engine_args) -> LLMEngine:

@@ -18,10 +18,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from engine import emulation as E
 from engine import kernels as K
+from engine.emulation import kernel_ops as C
 from engine.utils import cdiv
-from tests.oracles import cuda_cpu_ops as C
-from tests.oracles import numpy_ops as N
+from reference import kernel_ops as N
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 DTYPE_IDS = ["f32", "f16", "bf16"]
@@ -57,14 +58,14 @@ def randn(rng, shape, dtype, scale=1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale + 0.1).astype(dtype)
 
 
-@pytest.fixture(params=K.ORDERS)
+@pytest.fixture(params=E.ORDERS)
 def order(request):
-    K.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
+    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
     yield request.param
-    K.set_thread_order("forward")
+    E.set_thread_order("forward")
 
 
-kern = K.cpu_kernels
+kern = E.cpu_kernels
 
 
 # The counting builds the traffic tests at the end of this file launch: (file, defines).
@@ -403,7 +404,7 @@ class LaunchLog:
         self.launches: list[tuple[str, tuple]] = []
 
     def load(self, name, defines=()):
-        module, log = K.cpu_module(name, defines), self.launches
+        module, log = E.cpu_module(name, defines), self.launches
 
         class Logged:
             def get_function(self, entry):
@@ -455,8 +456,8 @@ def test_decode_reads_each_kv_byte_once(group, rng):
     lengths = [1, 15, 16, 17, 300]
     q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (group * Hkv, Hkv), hd, dtype)
     out = poisoned(q.shape, dtype)
-    with K.memory_traffic() as t:
-        K.counting_kernels().paged_attention_decode(
+    with E.memory_traffic() as t:
+        E.counting_kernels().paged_attention_decode(
             out, q, k_cache, v_cache, tables, lens, 0.125, 300, 128
         )
     assert_close(out, N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
@@ -515,8 +516,8 @@ def test_windowed_decode_reads_only_the_windows_kv(rng):
     lengths = [1, 15, 100, 300, 1030]
     q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (8, Hkv), hd, dtype)
     out = poisoned(q.shape, dtype)
-    with K.memory_traffic() as t:
-        K.counting_kernels().paged_attention_decode(
+    with E.memory_traffic() as t:
+        E.counting_kernels().paged_attention_decode(
             out, q, k_cache, v_cache, tables, lens, 0.125, 1030, 64, window
         )
     want = N.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
@@ -861,8 +862,8 @@ def test_kernels_under_address_sanitizer(built_kernels, tmp_path):
 
 def counted(op: str, *args):
     """The traffic of one checked launch through the counting builds (memory_traffic)."""
-    with K.memory_traffic() as t:
-        getattr(K.counting_kernels(), op)(*args)
+    with E.memory_traffic() as t:
+        getattr(E.counting_kernels(), op)(*args)
     return t
 
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import engine.kernels as K
+import engine.emulation as E
 from engine.backends import fast_ops as F
 from engine.utils import cdiv
 from tests.test_kernels import (
@@ -35,8 +35,8 @@ def test_decode_window_matches_numpy_and_reads_only_the_window(window, rng):
     lengths = [1, 15, 40, 300, 333]
     q, k_cache, v_cache, tables, lens = decode_case(rng, lengths, (4 * Hkv, Hkv), hd, dtype)
     out = poisoned(q.shape, dtype)
-    with K.memory_traffic() as t:
-        K.counting_kernels().paged_attention_decode(
+    with E.memory_traffic() as t:
+        E.counting_kernels().paged_attention_decode(
             out, q, k_cache, v_cache, tables, lens, 0.125, 333, 64, window=window
         )
     want = F.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
@@ -51,8 +51,8 @@ def test_decode_window_changes_the_result(window, rng):
     ignoring it), and one at least as long must not."""
     q, k_cache, v_cache, tables, lens = decode_case(rng, [60], (4, 2), 64, np.float32)
     a, b = poisoned(q.shape, np.float32), poisoned(q.shape, np.float32)
-    K.cpu_kernels().paged_attention_decode(a, q, k_cache, v_cache, tables, lens, 0.125, 60)
-    K.cpu_kernels().paged_attention_decode(
+    E.cpu_kernels().paged_attention_decode(a, q, k_cache, v_cache, tables, lens, 0.125, 60)
+    E.cpu_kernels().paged_attention_decode(
         b, q, k_cache, v_cache, tables, lens, 0.125, 60, window=window
     )
     assert (np.abs(a - b).max() > 1e-3) == (window < 60)
@@ -70,7 +70,7 @@ def test_prefill_window_matches_numpy(window, dtype, rng):
     lens = np.array(ctx_lens, np.int32)
     q = randn(rng, (int(qsl[-1]), H, hd), dtype)
     out = poisoned(q.shape, dtype)
-    K.cpu_kernels().paged_attention_prefill(
+    E.cpu_kernels().paged_attention_prefill(
         out, q, k_cache, v_cache, tables, qsl, lens, 0.125, window=window
     )
     want = F.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.125, window)
@@ -92,7 +92,7 @@ def test_rotary_cache_bias_and_qk_norm_match_numpy(rng):
     k_want, v_want = k_cache.copy(), v_cache.copy()
     q = np.empty((T, H, hd), np.float32)
     table = rope_table(64, hd, 1e4)
-    K.cpu_kernels().rotary_cache(
+    E.cpu_kernels().rotary_cache(
         q, k_cache, v_cache, qkv, pos, slots, table, bias=bias, q_norm=qn, k_norm=kn, eps=1e-6
     )
     x = qkv + bias
@@ -109,18 +109,18 @@ def test_rotary_cache_bias_and_qk_norm_match_numpy(rng):
 def test_act_and_mul_matches_numpy(activation, rng):
     gate_up = randn(rng, (5, 2 * 96), np.float32) * 3
     out = np.empty((5, 96), np.float32)
-    K.cpu_kernels().act_and_mul(out, gate_up, activation)
+    E.cpu_kernels().act_and_mul(out, gate_up, activation)
     np.testing.assert_allclose(out, F.act_and_mul(gate_up, activation), atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="relu"):
-        K.cpu_kernels().act_and_mul(out, gate_up, "relu")
+        E.cpu_kernels().act_and_mul(out, gate_up, "relu")
 
 
 def test_norm_offset_and_embedding_scale_match_numpy(rng):
     x, w = randn(rng, (6, 64), np.float32), 0.1 * randn(rng, (64,), np.float32)
     out = np.empty_like(x)
-    K.cpu_kernels().rms_norm(out, x, w, 1e-6, 1.0)
+    E.cpu_kernels().rms_norm(out, x, w, 1e-6, 1.0)
     np.testing.assert_allclose(out, F.rms_norm(x, w, 1e-6, 1.0), atol=1e-5)
     table, ids = randn(rng, (20, 64), np.float32), rng.integers(0, 20, 7).astype(np.int32)
     emb = np.empty((7, 64), np.float32)
-    K.cpu_kernels().embedding(emb, ids, table, 8.0)
+    E.cpu_kernels().embedding(emb, ids, table, 8.0)
     np.testing.assert_allclose(emb, F.embedding(ids, table, 8.0), rtol=1e-6)

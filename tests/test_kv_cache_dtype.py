@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.backends.base import numpy_dtype
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import SEED_PROMPTS, assert_same_greedy, make_engine
 

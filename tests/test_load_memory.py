@@ -17,10 +17,10 @@ from safetensors.numpy import load_file, save_file
 
 from engine.backends import quant
 from engine.backends.numpy_backend import pack_weights
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from reference.loader import load_model
-from tests.tiny_model import make_tiny_model
+from model_loader.load import load_model
+from model_loader.synthetic import make_tiny_model
 from tests.utils import SEED_PROMPTS, make_engine
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -103,7 +103,7 @@ def test_a_gguf_is_dequantized_a_layer_at_a_time(q8_0_gguf):
     go, so what stays is the packed arrays and the work is a layer's (a slice's temporaries
     included), not the whole file's float32 values; a layer asked for again comes back the
     same."""
-    from reference.weights import LazyLayers
+    from model_loader.weights import LazyLayers
 
     _, path = q8_0_gguf
     tracemalloc.start()
@@ -157,7 +157,7 @@ def test_a_gguf_table_and_head_stay_in_blocks_and_read_as_their_dequantized_valu
     split blocks all equal the tensor dequantized whole, as it was loaded before."""
     import gguf
 
-    from reference.gguf_file import BlockMatrix, dequantize_tensor
+    from model_loader.gguf_file import BlockMatrix, dequantize_tensor
 
     kind, path = block_gguf
     w = load_model(str(path)).weights
@@ -217,7 +217,7 @@ def test_packing_a_q8_0_gguf_never_widens_its_table_or_head(checkpoints, tmp_pat
     point, and the table is kept as the file's blocks."""
     from gguf import GGMLQuantizationType as Q
 
-    from reference.gguf_file import BlockMatrix
+    from model_loader.gguf_file import BlockMatrix
 
     path = _gguf_of(checkpoints["f32"], tmp_path / "m.gguf", Q.Q8_0)
     store = lambda w: quant.quantize(w, "q8_0")  # noqa: E731

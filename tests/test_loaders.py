@@ -14,13 +14,13 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
 from engine.golden import read_golden
-from reference.config import ModelConfig
-from reference.gguf_file import gguf_weights, read_gguf
-from reference.hf_weights import load_hf_weights
-from reference.loader import TINYLLAMA, default_model, load_model, resolve_model
+from model_loader.config import ModelConfig
+from model_loader.gguf_file import gguf_weights, read_gguf
+from model_loader.hf_weights import load_hf_weights
+from model_loader.load import TINYLLAMA, default_model, load_model, resolve_model
+from model_loader.synthetic import CORPUS, SPECIALS, make_tiny_model
+from model_loader.tokenizer import Tokenizer
 from reference.model import forward
-from reference.tokenizer import Tokenizer
-from tests.tiny_model import CORPUS, SPECIALS, make_tiny_model
 
 # The test's own copy of the Hugging Face names (the spec the loader's table must agree with).
 HF_LAYER = {
@@ -430,7 +430,7 @@ def test_loading_a_hf_directory_does_not_import_gguf(tiny_model_dir):
     import sys
 
     code = (
-        "import sys; from reference.loader import load_model; "
+        "import sys; from model_loader.load import load_model; "
         f"load_model({str(tiny_model_dir)!r}); print('gguf' in sys.modules)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -442,7 +442,7 @@ def test_safetensors_are_mapped_with_the_bytes_safetensors_reads(tmp_path):
     """map_safetensors against the safetensors package's own reader, on fresh random tensors
     of every dtype the checkpoints use; read-only views of the file, and a file that is not
     safetensors named."""
-    from reference.hf_weights import map_safetensors
+    from model_loader.hf_weights import map_safetensors
 
     rng = np.random.default_rng()
     tensors = {
@@ -470,7 +470,7 @@ def test_dropped_pages_leave_the_process_and_read_back_the_same(tmp_path):
     and reading it again gives the file's values."""
     import os
 
-    from reference.hf_weights import drop_pages, map_safetensors
+    from model_loader.hf_weights import drop_pages, map_safetensors
 
     def resident() -> int:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

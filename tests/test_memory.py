@@ -1,4 +1,4 @@
-"""The memory plan (engine/memory.py): host pools that fit the available RAM, said in the log,
+"""The memory plan (engine/core/memory.py): host pools that fit the available RAM, said in the log,
 flags too large for the memory refused before anything is allocated, and memory that stays flat
 over a long run."""
 
@@ -10,8 +10,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from engine import LLMEngine, SamplingParams, memory
-from engine.llm import run_to_completion
+from engine import LLMEngine, SamplingParams
+from engine.core import memory
+from engine.frontend.llm import run_to_completion
 from engine.utils import GiB, MiB, mib
 
 

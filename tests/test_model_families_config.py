@@ -9,11 +9,11 @@ import shutil
 import numpy as np
 import pytest
 
-from reference.config import ModelConfig
-from reference.families import FAMILIES, HARMLESS_KEYS
-from reference.loader import load_model
+from model_loader.config import ModelConfig
+from model_loader.families import FAMILIES, HARMLESS_KEYS
+from model_loader.load import load_model
+from model_loader.rope import RopeParams, inv_freq, parse_rope
 from reference.model import forward
-from reference.rope import RopeParams, inv_freq, parse_rope
 from tests.test_families import FAMILY_DIR
 
 BASE = {

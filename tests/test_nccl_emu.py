@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engine.backends import emulated
-from engine.backends.devices import EmulatedDevice
-from engine.distributed import nccl_emu
-from engine.distributed.nccl import NCCL_BFLOAT16, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_SUM
+from engine.devices.nccl import NCCL_BFLOAT16, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_SUM
+from engine.emulation import nccl as nccl_emu
+from engine.emulation import runtime as emulated
+from engine.emulation.device import EmulatedDevice
 
 LIB = nccl_emu.EMULATED_NCCL
 TYPES = {np.float32: NCCL_FLOAT32, np.float16: NCCL_FLOAT16, ml_dtypes.bfloat16: NCCL_BFLOAT16}
@@ -279,8 +279,8 @@ def test_a_rank_that_finds_the_block_still_empty_waits_for_its_size():
     import os
     import threading
 
-    from engine.distributed.comm import ShmComm
-    from engine.distributed.nccl_emu import SLOT_BYTES, EmulatedNcclCommunicator
+    from engine.devices.comm import ShmComm
+    from engine.emulation.nccl import SLOT_BYTES, EmulatedNcclCommunicator
 
     name = f"emunccl-test-{os.getpid()}"
     os.close(os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600))  # made, no size yet

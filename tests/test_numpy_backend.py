@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from engine.backends import fast_ops
+from engine.backends.forward_batch import ForwardBatch
 from engine.backends.numpy_backend import NumpyBackend
-from engine.forward_batch import ForwardBatch
 from engine.utils import cdiv
-from tests.oracles import numpy_ops
+from reference import kernel_ops as numpy_ops
 
 BS, HKV, HD, H = 4, 2, 8, 6
 

@@ -2,7 +2,7 @@
 
 import math
 
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import make_engine
 

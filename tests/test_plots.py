@@ -1,4 +1,4 @@
-"""The benchmarks' ``--plot`` charts (engine/entrypoints/plots.py, bench_plot.py): each file a
+"""The benchmarks' ``--plot`` charts (engine/tools/plots.py, bench_plot.py): each file a
 real PNG of a sane size that decodes to more than one colour; the batch-1 decode-step split adds
 up to the ITL it splits; the concurrency sweeps run the workload once per value."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from engine.entrypoints import bench, bench_plot, bench_serve, plots
-from engine.entrypoints.bench_plot import OUTSIDE_FORWARD, REST_OF_FORWARD
-from tests.serve_utils import LiveServer
+from engine.tools import bench, bench_plot, bench_serve, plots
+from engine.tools.bench_plot import OUTSIDE_FORWARD, REST_OF_FORWARD
+from engine.tools.live_server import LiveServer
 from tests.utils import make_engine
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -9,11 +9,11 @@ import os
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.block_manager import BlockManager, FreeBlockQueue, hash_block
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager, FreeBlockQueue, hash_block
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
 from engine.entrypoints.generate import main as generate_main
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
 from reference.generate import generate as reference_generate
 from tests.test_scheduler_random import FakePagedModel
 from tests.utils import make_engine, make_scheduler, make_seq, random_tokens, scheduled_ids, step

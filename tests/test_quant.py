@@ -14,10 +14,10 @@ from engine.backends.cpu_backend import CpuBackend
 from engine.backends.numpy_backend import MATRICES
 from engine.backends.quant import QuantWeight, dequantize_int8, quantize_int8, to_bf16, to_int8
 from engine.config import EngineConfig
-from engine.entrypoints.quant_eval import agreement, project_text, teacher_forced_logits
-from engine.entrypoints.quant_eval import main as quant_eval_main
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
+from engine.tools.quant_eval import agreement, project_text, teacher_forced_logits
+from engine.tools.quant_eval import main as quant_eval_main
 from tests.utils import SEED_PROMPTS, assert_same_greedy, make_engine
 
 BF16 = numpy_dtype("bfloat16")
@@ -169,7 +169,7 @@ def test_host_only_options_where_they_cannot_run_are_refused_by_name(
 ):
     args, flag, what = HOST_ONLY[option]
     if where == "auto-to-cuda":
-        from engine.backends import devices
+        from engine.devices import device as devices
 
         monkeypatch.setattr(devices, "gpu_count", lambda: 1)
         args = {**args, "backend": "auto"}

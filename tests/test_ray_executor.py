@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine.distributed.nccl_emu import block_name
-from engine.llm import run_to_completion
+from engine.emulation.nccl import block_name
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import assert_same_greedy, kill_rank_mid_run, make_engine
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference.config import ModelConfig
+from model_loader.config import ModelConfig
 from reference.generate import generate
 from reference.model import KVCache, apply_rope, causal_attention, forward, rms_norm, rope_cos_sin
 

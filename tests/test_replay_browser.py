@@ -1,4 +1,4 @@
-"""The HTML replay (engine/replay.html) in a real headless Chromium, opened from a file:// URL
+"""The HTML replay (engine/tools/replay.html) in a real headless Chromium, opened from a file:// URL
 with the network off: no console errors, one grid cell per block, and scrubbing to a step shows
 exactly the blocks each sequence held then (the block manager's tables, captured by a spy). With
 speculative decoding, every step shows each speculated sequence's drafts as the scheduler
@@ -22,8 +22,8 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.wait import WebDriverWait
 
-from engine.llm import run_to_completion
-from engine.recorder import Recorder
+from engine.frontend.llm import run_to_completion
+from engine.tools.recorder import Recorder
 from tests.spies import ScheduleSpy
 from tests.test_recorder import stopped_run
 from tests.utils import make_engine, shared_prefix_workload

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import make_engine
 
@@ -238,11 +238,11 @@ def test_a_serve_config_file_builds_the_application(tiny_model_dir):
     import yaml
     from ray.serve import Application
 
-    from engine.distributed.replicas import app
+    from engine.entrypoints.replicas.deployment import app
 
     path = Path(__file__).resolve().parents[1] / "deploy" / "serve_config.yaml"
     config = yaml.safe_load(path.read_text())["applications"][0]
-    assert config["import_path"] == "engine.distributed.replicas:app"
+    assert config["import_path"] == "engine.entrypoints.replicas.deployment:app"
     args = {**config["args"], "model": str(tiny_model_dir)}
     assert isinstance(app(args), Application)
     with pytest.raises(ValueError, match="--router-imbalance must be >= 0, got -1"):
@@ -252,9 +252,9 @@ def test_a_serve_config_file_builds_the_application(tiny_model_dir):
 def test_without_a_model_the_default_is_chosen_once_for_every_replica(tiny_model_dir):
     """No --model: the ingress and the replicas are given the same, resolved name (each
     resolving it alone could differ, and the ingress had no name to tokenize with)."""
-    from engine.distributed.replicas import server_options, with_model
-    from engine.entrypoints.serve import build_parser
-    from reference.loader import default_model
+    from engine.entrypoints.replicas.deployment import server_options, with_model
+    from engine.entrypoints.serve_args import build_parser
+    from model_loader.load import default_model
 
     assert with_model({"model": str(tiny_model_dir)})["model"] == str(tiny_model_dir)
     kwargs = with_model({"backend": "numpy"})
@@ -268,9 +268,12 @@ def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
     host backend's replicas split the RAM; bad bounds, and a replica flag where it would do
     nothing (one engine, or no autoscaler), are one line."""
     from engine.config import make_config
-    from engine.distributed.replicas import engine_deployment_options, replica_engine_kwargs
     from engine.entrypoints.engine_args import engine_kwargs
-    from engine.entrypoints.serve import build_parser, check_replica_args
+    from engine.entrypoints.replicas.deployment import (
+        engine_deployment_options,
+        replica_engine_kwargs,
+    )
+    from engine.entrypoints.serve_args import build_parser, check_replica_args
 
     argv = "--data-parallel-size 2 --min-replicas 1 --max-replicas 4 --router round-robin"
     args = build_parser().parse_args(argv.split())
@@ -348,7 +351,7 @@ class _Response:
         return self._messages()
 
     async def _messages(self):
-        from engine.distributed.replicas import ACCEPTED
+        from engine.entrypoints.replicas.deployment import ACCEPTED
 
         if self.error is not None:
             raise self.error
@@ -363,8 +366,8 @@ def test_a_request_whose_replica_dies_before_queueing_it_goes_to_another():
     """Not yet queued: sent again (up to RETRIES times), then a one-line EngineDeadError."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from engine.async_llm import EngineDeadError
-    from engine.distributed.replicas import RETRIES, ReplicatedLLM
+    from engine.entrypoints.replicas.deployment import RETRIES, ReplicatedLLM
+    from engine.frontend.async_llm import EngineDeadError
 
     async def start(handle):
         llm = ReplicatedLLM.__new__(ReplicatedLLM)

@@ -1,5 +1,5 @@
-"""The replica router's policies (engine/distributed/routing.py), and the prefix-aware policy in
-front of two real engines with prefix caching: on 4 system prompts x 16 users it finds the
+"""The replica router's policies (engine/entrypoints/replicas/routing.py), and the prefix-aware
+policy in front of two real engines with prefix caching: on 4 system prompts x 16 users it finds the
 cache at least 1.5x as often as round-robin, and each replica serves a fair share."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.distributed.routing import PrefixIndex, Router, chunk_names
+from engine.entrypoints.replicas.routing import PrefixIndex, Router, chunk_names
 from engine.sampling_params import SamplingParams
 from tests.utils import make_engine
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from engine.sampler import NO_TOKEN, Sampler, apply_penalties, draw, sampling_probs
+from engine.core.sampler import NO_TOKEN, Sampler, apply_penalties, draw, sampling_probs
 from tests.utils import make_engine
 
 V = 50

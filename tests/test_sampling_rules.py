@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.llm import run_to_completion
-from engine.sampler import bad_word_bans
-from engine.structured import StructuredOutputsParams
+from engine.core.sampler import bad_word_bans
+from engine.core.structured import StructuredOutputsParams
+from engine.frontend.llm import run_to_completion
 from reference.model import forward
 from tests.test_structured import PERSON, check_schema
 from tests.utils import make_engine
@@ -208,7 +208,7 @@ def test_structured_requests_beside_speculation(tiny):
 def test_prompt_logprobs_equal_the_reference(tiny, args):
     """Each prompt token's log-probability given the tokens before it (the first has none),
     and the top-N around it, equal the reference forward's, however the prompt was run."""
-    from engine.sampler import log_softmax
+    from engine.core.sampler import log_softmax
 
     rng = np.random.default_rng()
     prompts = [rng.integers(3, 320, int(rng.integers(20, 40))).tolist() for _ in range(4)]

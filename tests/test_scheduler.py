@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler
-from engine.sequence import SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SequenceStatus
 from tests.utils import make_scheduler, make_seq, scheduled_ids, step
 
 

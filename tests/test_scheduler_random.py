@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, hash_block
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager, hash_block
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
 
 MAX_MODEL_LEN = 48
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from tests.utils import make_engine
 
 

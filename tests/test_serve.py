@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.serve_utils import MODEL, LiveServer
+from engine.tools.live_server import MODEL, LiveServer
 from tests.utils import SEED_PROMPTS
 
 NO_EOS = {"ignore_eos": True}  # vLLM's extra: every request makes exactly max_tokens tokens

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_utils import MODEL, LiveServer
+from engine.tools.live_server import MODEL, LiveServer
 
 NUM_REQUESTS, CONCURRENCY = 200, 32
 

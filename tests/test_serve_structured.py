@@ -21,12 +21,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine import SamplingParams
+from engine.core.sampler import log_softmax
 from engine.entrypoints.tool_calls import HermesParser, ToolMode, ToolStream, required_schema
 from engine.entrypoints.tool_calls import Tool as ToolModel
-from engine.llm import run_to_completion
-from engine.sampler import log_softmax
+from engine.frontend.llm import run_to_completion
+from engine.tools.live_server import MODEL, LiveServer
 from reference.model import forward
-from tests.serve_utils import MODEL, LiveServer
 from tests.test_sampling_rules import greedy_tokens
 from tests.utils import make_engine
 

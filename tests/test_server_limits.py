@@ -21,14 +21,14 @@ import weakref
 import httpx
 import pytest
 
-from engine.async_llm import AsyncLLM
 from engine.entrypoints.api_server import BODIES, build_app
 from engine.entrypoints.limits import ServerLimits
 from engine.entrypoints.serve import main as serve_main
-from engine.output_processor import _first_stop
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.output_processor import _first_stop
+from engine.frontend.stop_strings import StopStrings
 from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStrings
-from tests.serve_utils import MODEL, LiveServer
+from engine.tools.live_server import MODEL, LiveServer
 from tests.utils import make_engine
 
 GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -576,10 +576,10 @@ def test_a_soak_leaves_nothing_behind(tiny):
     """scripts/soak_server.py's mix (streams left early, refusals, quarter-megabyte bodies),
     120 requests after 40 of warm-up, 8 at a time, on a server of its own: no 500, the engine
     idle with every block free, no request object alive, and the process's memory flat."""
-    from engine.async_llm import RequestStream
-    from engine.output_processor import RequestState
-    from engine.sequence import Sequence
-    from tests.soak_mix import one_request, send
+    from engine.core.sequence import Sequence
+    from engine.frontend.async_llm import RequestStream
+    from engine.frontend.output_processor import RequestState
+    from engine.tools.soak_mix import one_request, send
 
     async def soak(url: str, requests: range, rng, codes) -> None:
         sem = asyncio.Semaphore(8)

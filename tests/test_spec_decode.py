@@ -13,18 +13,18 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from engine import SamplingParams
-from engine.llm import run_to_completion
-from engine.sequence import Sequence
-from engine.spec_decode import (
+from engine.core.sequence import Sequence
+from engine.core.spec_decode import (
     accept_greedy,
     accept_sampled,
     parse_speculative_config,
     propose_ngram,
 )
-from engine.spec_step import DraftPrefix, target_probs
-from reference.loader import load_model
+from engine.core.spec_step import DraftPrefix, target_probs
+from engine.frontend.llm import run_to_completion
+from model_loader.load import load_model
+from model_loader.synthetic import make_tiny_model
 from tests.test_families import loaded as family
-from tests.tiny_model import make_tiny_model
 from tests.utils import make_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -228,7 +228,7 @@ def test_server_speculates_and_exports_the_counters(tiny):
 
     import httpx
 
-    from tests.serve_utils import MODEL, LiveServer
+    from engine.tools.live_server import MODEL, LiveServer
 
     rng = np.random.default_rng()
     prompts = repetitive_prompts(rng, 4, 320)
@@ -422,7 +422,7 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny):
 
 
 def test_stats_line_reports_acceptance(tiny):
-    from engine.async_llm import engine_snapshot, format_stats_line
+    from engine.frontend.async_llm import engine_snapshot, format_stats_line
 
     rng = np.random.default_rng()
     engine = make_engine(tiny, speculative_config=json.dumps(NGRAM), backend="numpy")
@@ -597,7 +597,7 @@ def test_draft_model_refusals(tiny):
     startup, naming what is wrong."""
     import copy
 
-    from engine.spec_step import check_draft
+    from engine.core.spec_step import check_draft
 
     small_vocab = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, vocab_size=256))
     with pytest.raises(ValueError, match="vocab_size 256 != the target's 320"):
@@ -662,7 +662,7 @@ def test_each_verify_row_is_the_samplers_row_after_its_drafts(tiny):
     """Row j of a speculated run has the distribution the plain sampler gives the sequence
     once it has drafts 1..j as output: penalties, min_tokens, temperature, top-k/p, min-p, on
     random logits and random parameters."""
-    from engine.sampler import sampling_probs
+    from engine.core.sampler import sampling_probs
 
     rng = np.random.default_rng()
     engine = make_engine(tiny, backend="numpy")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.core_messages import SampleDelta
-from engine.llm import run_to_completion
-from engine.output_processor import OutputProcessor
+from engine.core.messages import SampleDelta
+from engine.frontend.llm import run_to_completion
+from engine.frontend.output_processor import OutputProcessor
 from tests.utils import SEED_PROMPTS, make_engine
 
 PROMPT = SEED_PROMPTS[0]

@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from engine.structured import (
+from engine.core.structured import (
     StructuredOutputCompiler,
     StructuredOutputsParams,
     allocate_bitmask,

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.distributed.comm import ShmComm
-from engine.distributed.sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
+from engine.devices.comm import ShmComm
 from engine.entrypoints.generate import main as generate_main
-from engine.llm import run_to_completion
+from engine.executor.sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
-from reference.config import ModelConfig
+from engine.tools.live_server import MODEL, LiveServer
+from model_loader.config import ModelConfig
+from model_loader.load import load_model
+from model_loader.synthetic import make_tiny_model
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
-from tests.serve_utils import MODEL, LiveServer
-from tests.tiny_model import make_tiny_model
 from tests.utils import assert_same_greedy, kill_rank_mid_run, make_engine
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]

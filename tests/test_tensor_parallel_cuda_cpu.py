@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.llm import run_to_completion
+from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from tests.utils import assert_same_greedy, kill_rank_mid_run, make_engine
 

@@ -15,8 +15,8 @@ from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.golden import read_golden
-from reference.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.tiny_model import CHATML, CORPUS
+from model_loader.synthetic import CHATML, CORPUS
+from model_loader.tokenizer import IncrementalDetokenizer, Tokenizer
 
 HYPOTHESIS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -13,8 +13,8 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference.gguf_file import read_metadata
-from reference.tokenizer import Tokenizer
+from model_loader.gguf_file import read_metadata
+from model_loader.tokenizer import Tokenizer
 from tests.test_tokenizer import stream
 
 HYPOTHESIS = settings(

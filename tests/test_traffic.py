@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from engine import emulation as E
 from engine import kernels as K
 
 # Grid: (1,)  Block: (n,). copy: out[i] = x[i] (scalar); twice: out[i] = x[i] + x[i + 1], so
@@ -51,11 +52,11 @@ def mod():
         ]
         for job in jobs:
             job.result()
-    return K.cpu_module_from_source(textwrap.dedent(SNIPPETS), "emu_traffic", counting=True)
+    return E.cpu_module_from_source(textwrap.dedent(SNIPPETS), "emu_traffic", counting=True)
 
 
 def launch(mod, name, n, *args, threads=None):
-    with K.memory_traffic() as t:
+    with E.memory_traffic() as t:
         mod.get_function(name)((1,), (threads or n,), args)
     return t
 
@@ -100,9 +101,9 @@ def test_overlapping_arguments_are_one_range_and_plain_builds_count_nothing(mod)
     t = launch(mod, "copy", n, buf[n:], buf[n // 2 : n // 2 + n])  # out overlaps x
     assert t.launches[0][1][0][:2] == (buf[n // 2 :].ctypes.data, buf.ctypes.data + buf.nbytes)
     assert (t.read(buf), t.written(buf)) == (4 * n, 4 * n)
-    plain = K.cpu_module_from_source(textwrap.dedent(SNIPPETS), "emu_traffic")
+    plain = E.cpu_module_from_source(textwrap.dedent(SNIPPETS), "emu_traffic")
     x, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    with K.memory_traffic() as t:
+    with E.memory_traffic() as t:
         plain.get_function("copy")((1,), (n,), (out, x))
     assert t.launches == []
 
@@ -114,10 +115,10 @@ def test_a_real_kernel_writes_exactly_its_output():
     x = rng.standard_normal((T, D)).astype(dt)
     w = rng.standard_normal(D).astype(dt)
     out = np.empty_like(x)
-    with K.memory_traffic() as t:
-        K.counting_kernels().rms_norm(out, x, w, 1e-5)
+    with E.memory_traffic() as t:
+        E.counting_kernels().rms_norm(out, x, w, 1e-5)
     assert t.written(out) == out.nbytes and t.written(x) == 0
     assert t.read(x) >= x.nbytes and t.read(w) >= w.nbytes
     ref = np.empty_like(x)
-    K.cpu_kernels().rms_norm(ref, x, w, 1e-5)
+    E.cpu_kernels().rms_norm(ref, x, w, 1e-5)
     np.testing.assert_array_equal(out.view(np.uint16), ref.view(np.uint16))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import itertools
 import random
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
 
 SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from ..config import BACKENDS, host_only_refusal
-from .numpy_backend import NumpyBackend
+from engine.backends.numpy_backend import NumpyBackend
+from engine.config import BACKENDS, host_only_refusal
 
 log = logging.getLogger("engine.backend")
 
@@ -24,8 +24,8 @@ def resolve_backend_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     if name == "auto":
-        from .cpu_native import compiler_available
-        from .devices import gpu_count
+        from engine.backends.cpu_native import compiler_available
+        from engine.devices.device import gpu_count
 
         n = gpu_count()
         if n:
@@ -41,8 +41,8 @@ def resolve_backend_name(name: str) -> str:
 
 def _cpu_backend(model_config, weights, engine_config):
     """The cpu backend; where ``auto`` chose it and it cannot be built, the numpy one."""
-    from .cpu_backend import CpuBackend
-    from .cpu_native import NativeBuildError
+    from engine.backends.cpu_backend import CpuBackend
+    from engine.backends.cpu_native import NativeBuildError
 
     try:
         backend = CpuBackend(model_config, weights, engine_config)
@@ -73,7 +73,9 @@ def get_backend(name: str, model_config, weights, engine_config):
     elif name == "cpu":
         backend = _cpu_backend(model_config, weights, engine_config)
     else:
-        from .cupy_backend import cuda_backend  # CuPy itself is imported only by a GPU device
+        from engine.backends.cupy_backend import (
+            cuda_backend,  # CuPy itself is imported only by a GPU device
+        )
 
         backend = cuda_backend(model_config, weights, engine_config, emulate=name == "cuda-cpu")
     if engine_config.dtype == "auto" and backend.kv_dtype != model_config.torch_dtype:

@@ -16,9 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from reference.config import ModelConfig
-
-from ..forward_batch import ForwardBatch
+from engine.backends.forward_batch import ForwardBatch
+from model_loader.config import ModelConfig
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 

@@ -22,14 +22,11 @@ import logging
 
 import numpy as np
 
-from reference.config import ModelConfig
-from reference.weights import ModelWeights
-
-from ..forward_batch import ForwardBatch
-from . import cpu_ops, cpu_tuning, fast_ops
-from .cpu_native import NativeBuildError, library, threads
-from .numpy_backend import NumpyBackend, PackedLayer
-from .quant import (
+from engine.backends import cpu_ops, cpu_tuning, fast_ops
+from engine.backends.cpu_native import NativeBuildError, library, threads
+from engine.backends.forward_batch import ForwardBatch
+from engine.backends.numpy_backend import NumpyBackend, PackedLayer
+from engine.backends.quant import (
     HEAD_FORMAT,
     PANEL,
     quantize,
@@ -38,6 +35,8 @@ from .quant import (
     to_int8_panels,
     to_panels,
 )
+from model_loader.config import ModelConfig
+from model_loader.weights import ModelWeights
 
 F32 = np.dtype(np.float32)
 # tokens a sequence may bring to a step that runs as decodes, one a token (a speculative

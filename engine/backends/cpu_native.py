@@ -27,7 +27,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from ..kernels.build import REPO, build_dir
+from engine.kernels.build import REPO, build_dir
 
 log = logging.getLogger("engine.backend")
 

@@ -15,11 +15,11 @@ from ctypes import Structure, addressof, c_char, c_int32, c_void_p
 
 import numpy as np
 
-from . import fast_ops
-from .base import numpy_dtype
-from .cpu_native import library, threads
-from .fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
-from .quant import BLOCK_FORMATS, QuantWeight
+from engine.backends import fast_ops
+from engine.backends.base import numpy_dtype
+from engine.backends.cpu_native import library, threads
+from engine.backends.fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
+from engine.backends.quant import BLOCK_FORMATS, QuantWeight
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -157,7 +157,7 @@ def rotary_cache(
     """qkv (T, (H + 2 Hkv) hd) rows q | k | v: + bias if given, q and k heads RMS-normed with
     q_norm and k_norm (hd,) if given, then rotated; k and v written into their slots of the
     (N, bs, Hkv, hd) caches (slot < 0 skipped) -> rotated q (T, H, hd) float32.
-    rope: a reference.rope.RopeParams or a bare theta."""
+    rope: a model_loader.rope.RopeParams or a bare theta."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together")
     qkv = _c32(qkv)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cpu_native import cpu_flags, cpuinfo, library, threads
-from .quant import to_panels
+from engine.backends.cpu_native import cpu_flags, cpuinfo, library, threads
+from engine.backends.quant import to_panels
 
 log = logging.getLogger("engine.backend")
 
@@ -79,7 +79,7 @@ def _seconds(product) -> float:
 def _native_seconds(x: np.ndarray, w) -> float:
     """The best of REPEATS native timings of x @ w (cpu_src/decode_layers.cpp: matmul_seconds,
     no ctypes call per product, as the decode step runs them), each at least MIN_SECONDS."""
-    from . import cpu_ops
+    from engine.backends import cpu_ops
 
     m, k = x.shape
     n = w.shape[1]
@@ -94,7 +94,7 @@ def _time_rows(w: np.ndarray, native: dict) -> dict:
     """{name: [seconds at each of ROWS]} for x @ each of ``native``'s matrices timed natively
     (inf for None), and "numpy": NumPy's product with w, the same values in float32
     (fast_ops.matmul, what the numpy backend runs), timed from Python."""
-    from . import fast_ops
+    from engine.backends import fast_ops
 
     rng = np.random.default_rng(0)
     times = {name: [] for name in [*native, "numpy"]}

@@ -1,6 +1,6 @@
 """The GPU backend: weights and the KV pool in device memory, every op a ``cuda_src`` kernel.
 
-One class, written over a device (``engine.backends.devices``) and its array module ``xp``:
+One class, written over a device (``engine.devices.device``) and its array module ``xp``:
 
     CupyDevice      backend ``cuda``: CuPy on a GPU, kernels through ``cupy.RawModule``, cuBLAS
                     on the device's own handle, CUDA graphs for decode, pinned swap space
@@ -36,13 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
+from engine.backends.forward_batch import ForwardBatch
+from engine.backends.rope import rope_table
+from engine.devices.device import CupyDevice, PendingDownload, raw_view
 from engine.utils import MiB, cdiv
-from reference.weights import ModelWeights
-
-from ..forward_batch import ForwardBatch
-from .base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
-from .devices import CupyDevice, EmulatedDevice, PendingDownload, raw_view
-from .rope import rope_table
+from model_loader.weights import ModelWeights
 
 log = logging.getLogger("engine.backend")
 
@@ -437,7 +436,7 @@ class CupyBackend(Backend):
         k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
         return self._lm_head(ws)  # (B, V) float32
 
-    # What a tensor-parallel rank (``engine.distributed.rank_cupy``) does across its ranks.
+    # What a tensor-parallel rank (``engine.executor.rank_cupy``) does across its ranks.
     def _embed(self, out, token_ids) -> None:
         self.k.embedding(out, token_ids, self.embed, self.embed_scale)  # (T, D)
 
@@ -596,9 +595,11 @@ def fill_padding(fields, lo: int, hi: int) -> None:
 def cuda_backend(model_config, weights, engine_config, emulate: bool = False) -> CupyBackend:
     """``cuda`` on the first GPU (ValueError when CuPy finds none), or with ``emulate``,
     ``cuda-cpu``: the same backend on the emulated device."""
-    from .devices import gpu_status
+    from engine.devices.device import gpu_status
 
     if emulate:
+        from engine.emulation.device import EmulatedDevice
+
         return CupyBackend(model_config, weights, engine_config, device=EmulatedDevice())
     n, why = gpu_status()
     if n == 0:

@@ -1,7 +1,8 @@
-"""The NumPy backend's operations over the paged KV-cache layout of ``engine.forward_batch``.
+"""The NumPy backend's operations over the paged KV-cache layout of
+``engine.backends.forward_batch``.
 
 Same functions, same arguments, same results (within float rounding) as the plain twins of the
-CUDA kernels that the tests hold as oracles (``tests/oracles``). The differences are only
+CUDA kernels that the tests hold as oracles (``reference/kernel_ops.py``). The differences are only
 how NumPy is driven:
 - attention groups the query heads that share a K/V head (no ``np.repeat`` copies of K and V) and
   uses batched ``matmul`` instead of ``einsum``;
@@ -15,10 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.backends.base import FP8_MAX, copy_host_blocks
 from engine.utils import cdiv
 from reference.model import ACTIVATIONS, apply_rope, rope_cos_sin
-
-from .base import FP8_MAX, copy_host_blocks
 
 QUERY_CHUNK = 512  # prefill query rows per score matrix: (H, 512, S) float32 at most
 
@@ -119,7 +119,7 @@ def _cos_sin(positions: np.ndarray, head_dim: int, rope, dtype):
 
 def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope):
     # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,) -> rotated (q, k), rotate-half layout;
-    # rope: a reference.rope.RopeParams or a bare theta
+    # rope: a model_loader.rope.RopeParams or a bare theta
     cos, sin = _cos_sin(positions, q.shape[-1], rope, _f(q).dtype)  # (T, hd)
     q_out = apply_rope(_f(q), cos, sin).astype(q.dtype, copy=False)
     k_out = apply_rope(_f(k), cos, sin).astype(k.dtype, copy=False)

@@ -3,7 +3,8 @@
 Weights are re-arranged once for speed: every matrix pre-transposed to (in, out) and contiguous,
 Q/K/V fused into one matrix and gate/up into another, so a layer is four matrix products. Everything
 that is not a matrix product goes through ``self.ops`` (``fast_ops``; the tests' oracles in
-``tests/oracles`` have the same functions), so another ops module swaps the math underneath.
+``reference/kernel_ops.py`` has the same functions), so another ops module swaps the math
+underneath.
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from reference.config import ModelConfig
-from reference.gguf_file import BlockMatrix
-from reference.hf_weights import drop_pages
-from reference.weights import ModelWeights, release_layer
-
-from ..forward_batch import ForwardBatch
-from . import fast_ops
-from .base import Backend, copy_host_blocks, numpy_dtype, resolve_kv_dtype, retain_freed_memory
-from .fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
-from .quant import HEAD_FORMAT, QuantWeight, quantize
+from engine.backends import fast_ops
+from engine.backends.base import (
+    Backend,
+    copy_host_blocks,
+    numpy_dtype,
+    resolve_kv_dtype,
+    retain_freed_memory,
+)
+from engine.backends.fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
+from engine.backends.forward_batch import ForwardBatch
+from engine.backends.quant import HEAD_FORMAT, QuantWeight, quantize
+from model_loader.config import ModelConfig
+from model_loader.gguf_file import BlockMatrix
+from model_loader.hf_weights import drop_pages
+from model_loader.weights import ModelWeights, release_layer
 
 log = logging.getLogger("engine.backend")
 
@@ -256,7 +262,7 @@ class NumpyBackend(Backend):
         )  # (R, D)
         return self._lm_head(h)  # (R, V)
 
-    # the three places a tensor-parallel rank differs (engine/distributed/rank_numpy.py)
+    # the three places a tensor-parallel rank differs (engine/executor/rank_numpy.py)
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.ops.embedding(token_ids, self.embed, self.embed_scale)  # (T, D)
 

@@ -170,7 +170,7 @@ class QuantWeight:
 def to_bf16(w: np.ndarray) -> QuantWeight:
     """(K, N) float32 whose values are bf16 already (pack_weights rounded them), or bf16 itself
     (a view of the checkpoint's LM head) -> bf16 bits, in one copy."""
-    from .base import numpy_dtype
+    from engine.backends.base import numpy_dtype
 
     data = np.ascontiguousarray(w, dtype=numpy_dtype("bfloat16"))
     return QuantWeight("bf16", data)
@@ -200,7 +200,7 @@ def to_bf16_panels(w: np.ndarray) -> QuantWeight:
     k, n = w.shape
     if k % 2 or n % PANEL:
         raise ValueError(f"bf16 panels: a matrix must be (even, a multiple of 16), got ({k}, {n})")
-    from .base import numpy_dtype
+    from engine.backends.base import numpy_dtype
 
     pairs = w.reshape(k // 2, 2, n // PANEL, PANEL)  # (K/2, 2, P, 16): a view, any layout
     panels = np.ascontiguousarray(pairs.transpose(2, 0, 3, 1), dtype=numpy_dtype("bfloat16"))
@@ -238,7 +238,7 @@ def quantize(w: np.ndarray, kind: str) -> QuantWeight:
     """(K, N) float32 -> QuantWeight of an --quantization kind. The block formats go
     COLUMNS_AT_ONCE output channels at a time (each block is its own: the same bytes as all at
     once), so their float temporaries are a slice's, not five copies of an LM head. A GGUF
-    matrix already in ``kind`` (reference.gguf_file.TransposedBlocks) keeps the file's blocks:
+    matrix already in ``kind`` (model_loader.gguf_file.TransposedBlocks) keeps the file's blocks:
     what quantizing its values again would give, without widening them."""
     stored = getattr(w, "stored", None)
     if stored is not None and stored.kind == kind:

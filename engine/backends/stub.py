@@ -16,10 +16,9 @@ import time
 
 import numpy as np
 
-from reference.config import ModelConfig
-
-from ..forward_batch import ForwardBatch
-from .base import Backend, GreedyIds, block_pairs, resolve_kv_dtype, take_prev_ids
+from engine.backends.base import Backend, GreedyIds, block_pairs, resolve_kv_dtype, take_prev_ids
+from engine.backends.forward_batch import ForwardBatch
+from model_loader.config import ModelConfig
 
 STUB_MEMORY_BYTES = 1 << 40  # what it reports as device memory: the pool is never allocated
 

@@ -37,14 +37,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
-from engine.chat import chat_prompt_ids
-from engine.input_processor import tokenize_prompt
-from engine.structured import StructuredOutputsParams
-
-from .limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
-from .prometheus import PrometheusStatLogger
-from .protocol import (
+from engine.core.structured import StructuredOutputsParams
+from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
+from engine.entrypoints.prometheus import PrometheusStatLogger
+from engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -53,8 +49,11 @@ from .protocol import (
     UnsupportedField,
     error_body,
 )
-from .responses import ChatFormat, CompletionFormat
-from .uvicorn_config import ABORT_CONNECTION
+from engine.entrypoints.responses import ChatFormat, CompletionFormat
+from engine.entrypoints.uvicorn_config import ABORT_CONNECTION
+from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from engine.frontend.chat import chat_prompt_ids
+from engine.frontend.input_processor import tokenize_prompt
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread

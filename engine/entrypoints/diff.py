@@ -18,15 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.entrypoints.cli_utils import SEED_PROMPTS, CliParser, check_utf8
+from engine.entrypoints.engine_args import add_engine_args, check_engine_args, engine_kwargs
+from engine.frontend.llm import run_to_completion
+from engine.frontend.llm_engine import LLMEngine
 from engine.golden import LOGITS_ATOL, golden_logits, golden_path
-from engine.llm import run_to_completion
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from model_loader.load import load_model
 from reference.generate import generate as reference_generate
-from reference.loader import load_model
-
-from .cli_utils import SEED_PROMPTS, CliParser, check_utf8
-from .engine_args import add_engine_args, check_engine_args, engine_kwargs
 
 DEFAULT_GOLDEN = {"smollm2": golden_path("smollm2")}
 # engine defaults of this CLI: the NumPy backend in float32, no swap pool

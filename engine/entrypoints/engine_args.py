@@ -1,9 +1,10 @@
 """``EngineConfig`` fields <-> command-line flags, in one place (vLLM's ``EngineArgs`` idea).
 
 ``add_engine_args(parser)`` adds one flag per field (``block_size`` -> ``--block-size``) with the
-help text and choices kept beside the field in engine/config.py; ``engine_kwargs(args)`` turns the
-parsed flags back into keyword arguments for ``LLMEngine`` / ``LLM`` / ``make_config``, holding
-only the flags given (or defaulted by the CLI), so every other field keeps EngineConfig's default.
+help text and choices kept beside the field in engine/config/__init__.py;
+``engine_kwargs(args)`` turns the parsed flags back into keyword arguments for ``LLMEngine`` /
+``LLM`` / ``make_config``, holding only the flags given (or defaulted by the CLI), so every other
+field keeps EngineConfig's default.
 ``check_engine_args(args)`` checks what can be checked before the model loads.
 """
 
@@ -14,9 +15,9 @@ import dataclasses
 import typing
 from pathlib import Path
 
-from engine.backends import devices
 from engine.config import EngineConfig, make_config
-from reference.loader import INSTEAD, REPO_ID, SMOLLM2_ALIAS, resolve_model
+from engine.devices import device as devices
+from model_loader.load import INSTEAD, REPO_ID, SMOLLM2_ALIAS, resolve_model
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TYPES = typing.get_type_hints(EngineConfig)
@@ -39,7 +40,7 @@ def add_engine_args(
     unknown = sorted((set(defaults) | set(required) | set(exclude)) - set(FIELDS))
     if unknown:
         raise ValueError(f"add_engine_args: {unknown[0]!r} is not an EngineConfig field")
-    group = parser.add_argument_group("engine", "EngineConfig fields (engine/config.py)")
+    group = parser.add_argument_group("engine", "EngineConfig fields (engine/config/__init__.py)")
     names = tuple(name for name in FIELDS if name not in exclude)
     for name in names:
         _add_flag(group, FIELDS[name], defaults.get(name), name in required)

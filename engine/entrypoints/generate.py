@@ -17,10 +17,7 @@ import os
 import sys
 import time
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-
-from .cli_utils import (
+from engine.entrypoints.cli_utils import (
     SEED_PROMPTS,
     CliParser,
     check_utf8,
@@ -29,7 +26,9 @@ from .cli_utils import (
     spec_stats,
     summarize,
 )
-from .engine_args import add_engine_args, check_engine_args, engine_kwargs
+from engine.entrypoints.engine_args import add_engine_args, check_engine_args, engine_kwargs
+from engine.frontend.llm import LLM
+from engine.sampling_params import SamplingParams
 
 # (flag, type, help) for every SamplingParams field the CLI exposes
 SAMPLING_FLAGS = [

@@ -22,10 +22,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.core.structured import StructuredOutputsParams
+from engine.entrypoints.tool_calls import Tool, ToolCall, ToolMode, tool_mode
 from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutputsParams
-
-from .tool_calls import Tool, ToolCall, ToolMode, tool_mode
 
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance")  # guided_decoding_backend values served
 

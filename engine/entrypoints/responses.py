@@ -19,10 +19,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.async_llm import RequestStream
+from engine.entrypoints.tool_calls import ToolMode, ToolStream
+from engine.frontend.async_llm import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
-
-from .tool_calls import ToolMode, ToolStream
 
 LENGTH = dict(finish_reason="length", stop_reason=None)
 

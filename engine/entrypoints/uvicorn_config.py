@@ -19,7 +19,7 @@ import asyncio
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .limits import ServerLimits
+from engine.entrypoints.limits import ServerLimits
 
 DEFAULT_HEAD_TIMEOUT = ServerLimits.request_header_timeout
 ABORT_CONNECTION = "pagedllm.abort_connection"

@@ -4,18 +4,19 @@ One source, three compilers:
   ``compile_nvrtc(name, arch)``  NVRTC through ``cupy.cuda.nvrtc`` (no device needed): a cubin
                                  and the ptxas report; the production compiler.
   ``cpu_module(name)``           g++ with ``cuda_src/cpu/cuda_emu.h``: a shared library whose
-                                 kernels run on the CPU, one fiber per CUDA thread.
+                                 kernels run on the CPU, one fiber per CUDA thread
+                                 (engine/emulation/, which loads them).
   ``cupy.RawModule``             the GPU backend, on ``read_source(name)`` with the same names.
 Each takes ``defines`` too: a file built per set of compile-time constants (the decode
 attention's head dim and block size) gets them as ``-D`` options, one build per set.
 
   build.py     sources, entry points, the NVRTC and g++ builds
-  emulator.py  the CPU builds loaded and called like CuPy's kernels; thread order; the
-               counting builds' global memory traffic (``memory_traffic``)
-  launch.py    ``Kernels``: one checked launch per operation; block sizes
+  launch.py    ``Kernels``: one checked launch per operation over a module loader; block sizes
+  cublas.py    cuBLAS through the engine's own handle (graph capture)
+  gemm.py      ``out = x @ w.T`` for the GPU backend, one cuBLAS GemmEx per product
 """
 
-from .build import (
+from engine.kernels.build import (
     ASAN_ENV,
     BUILD_ENV,
     EMU_DIR,
@@ -43,20 +44,7 @@ from .build import (
     nvrtc_options,
     read_source,
 )
-from .emulator import (
-    ORDERS,
-    CpuKernel,
-    CpuModule,
-    KernelLaunchError,
-    Traffic,
-    cpu_module,
-    cpu_module_from_source,
-    memory_traffic,
-    merged_ranges,
-    set_thread_order,
-    thread_order,
-)
-from .launch import (
+from engine.kernels.launch import (
     ACTIVATIONS,
     ATTN_THREADS,
     DECODE_CHUNK,
@@ -70,8 +58,6 @@ from .launch import (
     ROW_CACHE,
     SAMPLE_THREADS,
     Kernels,
-    counting_kernels,
-    cpu_kernels,
     decode_split,
     row_launch,
 )
@@ -88,7 +74,6 @@ __all__ = [
     "EMULATED_SM_COUNT",
     "MAX_HEAD_DIM",
     "NORM_THREADS",
-    "ORDERS",
     "PARTITION_SIZE",
     "PREFILL_TILE",
     "REPO",
@@ -96,12 +81,8 @@ __all__ = [
     "ROW_CACHE",
     "SAMPLE_THREADS",
     "SRC_DIR",
-    "CpuKernel",
-    "CpuModule",
     "KernelBuildError",
-    "KernelLaunchError",
     "Kernels",
-    "Traffic",
     "NvrtcResult",
     "asan_enabled",
     "asan_env",
@@ -111,10 +92,6 @@ __all__ = [
     "compile_cpu",
     "compile_cpu_source",
     "compile_nvrtc",
-    "counting_kernels",
-    "cpu_kernels",
-    "cpu_module",
-    "cpu_module_from_source",
     "cuda_include_dirs",
     "decode_split",
     "define_options",
@@ -123,12 +100,8 @@ __all__ = [
     "gxx_flags",
     "include_options",
     "kernel_names",
-    "memory_traffic",
-    "merged_ranges",
     "normalize_defines",
     "nvrtc_options",
     "read_source",
     "row_launch",
-    "set_thread_order",
-    "thread_order",
 ]

@@ -6,16 +6,13 @@ kernels mirror. Scalars are numpy scalars of the parameter's exact type (np.int3
 
 from __future__ import annotations
 
-import functools
 import math
 
 import ml_dtypes
 import numpy as np
 
+from engine.kernels.build import normalize_defines
 from engine.utils import cdiv
-
-from .build import normalize_defines
-from .emulator import cpu_module
 
 DTYPE_SUFFIX = {
     np.dtype(np.float32): "f32",
@@ -402,25 +399,3 @@ class Kernels:
             fn = self._fn("sample", f"sample_{_suffix('sample', logits)}")
             args = (out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, i32(V))
             fn((B,), (SAMPLE_THREADS,), args)
-
-
-_cpu_kernels: Kernels | None = None
-
-
-def cpu_kernels() -> Kernels:
-    """The checked launches over the CPU builds."""
-    global _cpu_kernels
-    if _cpu_kernels is None:
-        _cpu_kernels = Kernels(cpu_module)
-    return _cpu_kernels
-
-
-_counting_kernels: Kernels | None = None
-
-
-def counting_kernels() -> Kernels:
-    """The checked launches over the counting CPU builds: use inside ``memory_traffic()``."""
-    global _counting_kernels
-    if _counting_kernels is None:
-        _counting_kernels = Kernels(functools.partial(cpu_module, counting=True))
-    return _counting_kernels

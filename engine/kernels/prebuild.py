@@ -7,8 +7,8 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..backends.cpu_native import compiler_available, library_path
-from .build import build_dir, build_everything
+from engine.backends.cpu_native import compiler_available, library_path
+from engine.kernels.build import build_dir, build_everything
 
 
 def _native(target: str) -> None:

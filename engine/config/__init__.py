@@ -1,0 +1,419 @@
+"""The engine's configuration: one dataclass, vLLM's names and defaults, checked at construction.
+
+Each field carries its command-line help (and choices); engine/entrypoints/engine_args.py turns
+the fields into flags (``--block-size`` -> ``block_size``). Values that depend on
+the model (``max_model_len``, the default ``max_num_batched_tokens``) are filled in by
+``EngineConfig.resolve(model_config)``, which returns a checked copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from engine.config.speculative import parse_speculative_config
+from engine.utils import GiB
+from model_loader.config import ModelConfig
+
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
+BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
+EXECUTORS = ("uni", "mp", "ray")
+GENERATION_CONFIGS = ("auto", "ignore")
+QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's: fp8 is e4m3
+HOST_ONLY_BACKENDS = ("auto", "cpu", "numpy")  # where --quantization, --kv-cache-dtype run
+DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
+DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
+# sane upper bounds: past them a value is a typo, not a configuration
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_SEQS = 1 << 16
+MAX_TOKENS = 1 << 24  # max_model_len, max_num_batched_tokens
+MAX_BLOCKS = (1 << 31) - 1  # block ids are int32
+MAX_BUDGET_BYTES = 1 << 50
+MAX_SWAP_GIB = 1024
+UPPER_BOUNDS = {
+    "block_size": MAX_BLOCK_SIZE,
+    "max_num_seqs": MAX_NUM_SEQS,
+    "max_num_batched_tokens": MAX_TOKENS,
+    "max_model_len": MAX_TOKENS,
+    "num_gpu_blocks": MAX_BLOCKS,
+    "memory_budget_bytes": MAX_BUDGET_BYTES,
+}
+OPTIONAL_COUNTS = (
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_gpu_blocks",
+    "memory_budget_bytes",
+)
+
+
+def _bad(name: str, value, expected: str) -> ValueError:
+    return ValueError(f"EngineConfig: {name} must be {expected}, got {value!r}")
+
+
+def _check_count(name: str, value, top: int, optional: bool) -> None:
+    """An integer in [1, top] (or None when optional), else a ValueError naming the field."""
+    if optional and value is None:
+        return
+    if not is_int(value) or not 1 <= value <= top:
+        raise _bad(name, value, f"an integer in [1, {top}]" + (" or None" if optional else ""))
+
+
+def is_int(value) -> bool:
+    """A real int (bool is not one here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float (bool is not one here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def option(default, help: str, choices: tuple[str, ...] | None = None, default_help=None):
+    """A field with its command-line help beside it (engine/entrypoints/engine_args.py makes the
+    flag). default_help: how ``--help`` describes a default of None."""
+    meta = {"help": help, "choices": choices, "default_help": default_help}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model: str = option(
+        "",
+        "HF directory, .gguf file, Hub id or 'smollm2'",
+        default_help="TinyLlama when cached or reachable, else the bundled SmolLM2",
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.90,
+        "cuda backend: fraction of device memory for weights, activations and the KV cache "
+        "(the host backends size their pool from max_num_seqs x max_model_len tokens, at most "
+        "half the available RAM)",
+    )
+    swap_space: float | None = option(
+        None,
+        f"GiB of host memory for swapped-out blocks, at most {MAX_SWAP_GIB}",
+        default_help=f"{DEFAULT_SWAP_GIB} with preemption_mode swap, 0 with recompute",
+    )
+    max_num_seqs: int = option(256, "sequences in one step at most")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "tokens in one step at most",
+        default_help=f"max(max_model_len, {DEFAULT_BATCHED_TOKENS}); "
+        f"{DEFAULT_BATCHED_TOKENS} with chunked prefill",
+    )
+    max_model_len: int | None = option(
+        None, "prompt + output tokens per sequence", default_help="the model's"
+    )
+    num_gpu_blocks: int | None = option(
+        None,
+        "KV-cache blocks in the pool, overriding the size computed from the memory budget",
+        default_help="computed",
+    )
+    preemption_mode: str = option(
+        "recompute",
+        "what to do with a running sequence when blocks run out: recompute (free its blocks, "
+        "re-prefill later) or swap (copy its blocks to host memory)",
+        choices=PREEMPTION_MODES,
+    )
+    dtype: str = option(
+        "auto",
+        "weights and KV-cache dtype; auto keeps the checkpoint's (float32 on the host backends); "
+        "half is float16, float is float32",
+        choices=DTYPES,
+    )
+    quantization: str | None = option(
+        None,
+        "int8: weight-only int8 for the matrices of every layer and the LM head, symmetric, one "
+        "float32 scale per output channel (its absmax / 127), each weight rounded to the nearest "
+        "multiple of it; activations and accumulation stay float32. The cpu backend keeps them "
+        "as int8 (a quarter of float32's bytes); the numpy backend dequantizes them to float32 "
+        "at load (the plain reference for the same values). q8_0, q4_0, q4_1: llama.cpp's "
+        "block formats, float16 scales per 32 inputs of an output channel (the LM head Q8_0 "
+        "under the 4-bit ones); the cpu backend quantizes activations to 8 bits per 32 and "
+        "multiplies with integer dot products; a GGUF already in the format keeps its own "
+        "blocks, and one whose layers are all Q8_0 runs q8_0 without the flag. cpu and numpy "
+        "backends, one rank",
+        choices=QUANTIZATIONS,
+        default_help="none: the weights in --dtype (on the cpu backend, bfloat16 keeps them in "
+        "bf16, half the bytes)",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's dtype, apart from the weights': float16 or bfloat16 halve a float32 "
+        "cache's bytes (twice the tokens in the same memory, half the bytes decode attention "
+        "reads); fp8 (vLLM's name for fp8_e4m3) and fp8_e5m2 quarter them, 8-bit floats with "
+        "3 or 2 mantissa bits and no scales, saturating at their largest value (448, 57344): "
+        "a real accuracy cost (SmolLM2, float32 weights: mean KL 0.011 for e4m3, 0.040 for "
+        "e5m2, against 4e-5 for bfloat16). K and V are rounded to it (to nearest even) when "
+        "written, and attention still computes in float32. cpu and numpy backends, one rank",
+        choices=KV_CACHE_DTYPES,
+        default_help="auto: the --dtype's",
+    )
+    backend: str = option(
+        "auto",
+        "auto: cuda when CuPy sees a GPU, else cpu (numpy without g++); cpu: native C++ "
+        "kernels on the host, multi-threaded, NumPy's BLAS for the products; numpy: NumPy on "
+        "the host, the plain one; cuda: the kernels on a GPU through CuPy; cuda-cpu: the cuda "
+        "backend on an emulated device (the kernels' CPU builds, CUDA's capture rules checked)",
+        choices=BACKENDS,
+    )
+    seed: int = option(0, "engine seed for sampling (a request's own seed overrides it)")
+    enable_chunked_prefill: bool = option(
+        False, "split long prefills into chunks that fit the token budget, mixed with decodes"
+    )
+    enable_prefix_caching: bool = option(
+        False,
+        "reuse the KV blocks of a prompt prefix already computed for an earlier request (full "
+        "blocks, matched by chained hashes; needs preemption_mode recompute)",
+    )
+    memory_budget_bytes: int | None = option(
+        None,
+        "explicit memory budget in bytes, instead of gpu_memory_utilization",
+        default_help="off",
+    )
+    enforce_eager: bool = option(False, "cuda and cuda-cpu backends: no CUDA graphs for decode")
+    speculative_config: str | None = option(
+        None,
+        "speculative decoding, a JSON object with vLLM's keys: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4, "disable_by_batch_size": 16}\': prompt lookup drafts up to k '
+        "tokens per decode, all checked by one forward (greedy outputs unchanged, sampled ones "
+        'drawn from the same distribution); \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\': a smaller model with the same tokenizer drafts them',
+        default_help="off",
+    )
+    generation_config: str = option(
+        "auto",
+        "auto: the model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens; do_sample false means greedy) gives the default "
+        "sampling parameters of requests that do not set them; ignore: SamplingParams' own "
+        "defaults",
+        choices=GENERATION_CONFIGS,
+    )
+    async_scheduling: bool = option(
+        False,
+        "schedule and launch the next decode step before the current one's token ids are read "
+        "back, so the host's bookkeeping (appends, stop checks, detokenizing, outputs) overlaps "
+        "the device's forward; only steps of plain-greedy decodes are overlapped, outputs are "
+        "identical",
+    )
+    engine_core_process: bool = option(
+        False,
+        "run the engine core (scheduler, KV cache, executor, sampler) in a process of its own, "
+        "fed over ZMQ: this process keeps tokenizing, detokenizing, stop strings and the "
+        "outputs, so their cost overlaps the core's steps",
+    )
+
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the model is split across: attention heads, MLP units and vocabulary rows "
+        "sharded, one all-reduce after attention and one after the MLP (one worker process "
+        "per rank; on the cuda backends the collectives are NCCL's)",
+    )
+    pipeline_parallel_size: int = option(
+        1,
+        "stages the layers are split into, each of tensor_parallel_size ranks; each stage "
+        "hands its hidden state to the next (numpy backend only, one worker process per rank)",
+    )
+    distributed_executor_backend: str | None = option(
+        None,
+        "uni: one rank, in this process; mp: one worker process per rank on this host; ray: "
+        "one Ray actor per rank, in a placement group (numpy ranks: on this node)",
+        choices=EXECUTORS,
+        default_help="uni for one rank, mp for more",
+    )
+    ray_address: str | None = option(
+        None,
+        "the Ray cluster to join with the ray executor or data parallel (host:port, or 'auto' "
+        "for the one running here)",
+        default_help="RAY_ADDRESS, else a new local cluster",
+    )
+    data_parallel_size: int = option(
+        1,
+        "replicas of the whole engine (each with its tensor x pipeline parallel ranks) behind "
+        "one endpoint, on Ray Serve, a router choosing the replica of each request (the "
+        "server only: python -m engine.serve)",
+    )
+
+    def __post_init__(self):
+        self._check_types()
+        self._check_ranges()
+        self._check_choices()
+        self.speculative = parse_speculative_config(self.speculative_config)
+        self._check_parallel()
+        if self.enable_prefix_caching and self.preemption_mode == "swap":
+            raise ValueError(
+                "EngineConfig: preemption_mode='swap' does not work with "
+                "enable_prefix_caching=True (shared blocks cannot be swapped); use 'recompute'"
+            )
+
+    def _check_types(self):
+        if not isinstance(self.model, str):
+            raise _bad("model", self.model, "a string")
+        bools = (
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "async_scheduling",
+            "engine_core_process",
+        )
+        for name in bools:
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if not is_int(self.seed):
+            raise _bad("seed", self.seed, "an integer")
+
+    def _check_ranges(self):
+        for name, top in UPPER_BOUNDS.items():
+            _check_count(name, getattr(self, name), top, optional=name in OPTIONAL_COUNTS)
+        util = self.gpu_memory_utilization
+        if not is_number(util) or not 0 < util <= 1:
+            raise _bad("gpu_memory_utilization", util, "in (0, 1]")
+        swap = self.swap_space
+        finite = is_number(swap) and math.isfinite(swap)
+        if swap is not None and not (finite and 0 <= swap <= MAX_SWAP_GIB):
+            raise _bad("swap_space", swap, f"a number of GiB in [0, {MAX_SWAP_GIB}] or None")
+
+    def _check_choices(self):
+        for name, choices in (
+            ("preemption_mode", PREEMPTION_MODES),
+            ("dtype", DTYPES),
+            ("backend", BACKENDS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+        ):
+            if getattr(self, name) not in choices:
+                raise _bad(name, getattr(self, name), "one of " + ", ".join(choices))
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        q = self.quantization
+        if q is not None and q not in QUANTIZATIONS:
+            raise _bad("quantization", q, "None or one of " + ", ".join(QUANTIZATIONS))
+
+    def _check_parallel(self):
+        """The parallel sizes and their executor; what is not built is refused by name."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            n = getattr(self, name)
+            if not is_int(n) or not 1 <= n <= 8:
+                raise _bad(name, n, "an integer in [1, 8]")
+        ranks = self.world_size
+        if ranks > 8:
+            raise ValueError(
+                f"EngineConfig: tensor_parallel_size x pipeline_parallel_size is {ranks} ranks, "
+                "more than 8"
+            )
+        ex = self.distributed_executor_backend
+        if ex is not None and ex not in EXECUTORS:
+            raise _bad("distributed_executor_backend", ex, "one of " + ", ".join(EXECUTORS))
+        dp = self.data_parallel_size
+        if not is_int(dp) or not 1 <= dp <= 64:
+            raise _bad("data_parallel_size", dp, "an integer in [1, 64]")
+        if self.ray_address is not None and ex != "ray" and dp == 1:
+            raise ValueError(
+                "EngineConfig: ray_address needs distributed_executor_backend 'ray' or "
+                "data_parallel_size above 1"
+            )
+        if ex is None:
+            self.distributed_executor_backend = "uni" if ranks == 1 else "mp"
+        elif ex == "uni" and ranks > 1:
+            raise ValueError(
+                f"EngineConfig: distributed_executor_backend 'uni' runs one rank; "
+                f"{ranks} ranks (tensor x pipeline parallel) need 'mp'"
+            )
+        if self.pipeline_parallel_size > 1 and self.backend not in ("auto", "numpy"):
+            raise ValueError(
+                f"EngineConfig: pipeline parallel runs on the numpy backend only; the "
+                f"{self.backend} backend's ranks split by tensor parallel alone"
+            )
+        why = host_only_refusal(self, self.backend, ranks)
+        if why:
+            raise ValueError(why)
+        draft = self.speculative is not None and self.speculative.method == "draft_model"
+        if ranks > 1 and draft:
+            raise ValueError(
+                "EngineConfig: speculative decoding with a draft model is not implemented under "
+                "tensor or pipeline parallel (the ngram method is)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def swap_gib(self) -> float:
+        """swap_space, or its default: DEFAULT_SWAP_GIB when preempting by swap, else 0."""
+        if self.swap_space is not None:
+            return self.swap_space
+        return DEFAULT_SWAP_GIB if self.preemption_mode == "swap" else 0
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_gib * GiB)
+
+    def resolve(self, model_config: ModelConfig) -> EngineConfig:
+        """A copy with max_model_len and max_num_batched_tokens filled in and cross-checked."""
+        model_max = model_config.max_position_embeddings
+        max_len = self.max_model_len or model_max
+        if max_len > model_max:
+            raise ValueError(
+                f"EngineConfig: max_model_len ({max_len}) is longer than the model's "
+                f"max_position_embeddings ({model_max})"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                budget = max(max_len, budget)
+            budget = max(budget, self.max_num_seqs)
+        if not self.enable_chunked_prefill and budget < max_len:
+            raise ValueError(
+                f"EngineConfig: max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_len}); raise it or enable_chunked_prefill"
+            )
+        if budget < self.max_num_seqs:
+            raise ValueError(
+                f"EngineConfig: max_num_batched_tokens ({budget}) is smaller than max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=budget)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.max_model_len is not None and self.max_num_batched_tokens is not None
+
+
+def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
+    """Why the options only the host backends build (``--quantization``, a ``--kv-cache-dtype``
+    other than auto) cannot run on this backend (a resolved name, or auto) and this many ranks,
+    in one line; None where they can."""
+    asked = []
+    if getattr(config, "quantization", None) is not None:
+        asked.append((f"--quantization {config.quantization}", f"{config.quantization} kernels"))
+    kv = getattr(config, "kv_cache_dtype", "auto")
+    if kv != "auto":
+        asked.append((f"--kv-cache-dtype {kv}", "cache dtype apart from --dtype"))
+    for flag, what in asked:
+        if backend not in HOST_ONLY_BACKENDS:
+            return (
+                f"{flag} runs on the cpu and numpy backends (the {backend} backend has no {what})"
+            )
+        if world_size > 1:
+            return (
+                f"{flag} runs on one rank; tensor_parallel_size x pipeline_parallel_size is "
+                f"{world_size}"
+            )
+    return None
+
+
+def make_config(model: str | None = None, **engine_args) -> EngineConfig:
+    """EngineConfig from keyword arguments; an unknown name is a ValueError naming it."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ValueError(f"unknown engine argument {unknown[0]!r}")
+    return EngineConfig(model=model or "", **engine_args)

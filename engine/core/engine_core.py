@@ -1,0 +1,353 @@
+"""The engine core: requests as token ids in, one scheduled forward per ``step()``, token-id
+deltas out. It holds the scheduler, the block manager and the model runner (which holds the
+sampler); the frontend (engine/frontend/llm_engine.py, in this process, or
+engine/frontend/core_client.py, in another) tokenizes, detokenizes, looks for stop strings and
+builds the outputs.
+
+add_request -> one Sequence per sample (its RNG, stop ids, bad words, grammar, length limit)
+step        -> 0. drafts for the running decodes (speculative decoding: engine/core/spec_step.py)
+            -> 1. Scheduler.schedule
+            -> 2. ModelRunner.execute: swaps, the forward, sampling or draft verification ->
+               a RunnerOutput (each sequence's token; each speculated run's accepted tokens)
+            -> 3. update: append the tokens (Scheduler.update, one at a time for accepted
+               drafts), stop checks on ids (EOS, stop token ids, max_tokens, max_model_len, a
+               finished grammar), grammars advanced, finished sequences' blocks freed
+            -> 4. a ``SampleDelta`` per sequence with news: its new token ids (and logprobs),
+               how it ended
+finish_sample -> the frontend found a stop string: that sequence ends, its blocks go back
+
+``async_scheduling``: a step of plain-greedy decodes alone is launched, not waited for. The next
+``step()`` schedules as if each of its sequences had its token (a ``PENDING_TOKEN``), launches the
+next such step (the device takes those tokens from the ids of the step before), and only then
+reads the launched step's ids and runs 3. and 4. for them while the device computes: outputs lag
+one step. Any other step first reads back the step in flight, then runs as above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from engine import tracing
+from engine.config import EngineConfig
+from engine.core.async_step import InFlight, can_overlap, collect
+from engine.core.block_manager import BlockManager
+from engine.core.memory import plan_kv_cache
+from engine.core.messages import (
+    CoreOutputs,
+    CoreRequest,
+    CoreStats,
+    check_queue,
+    core_stats,
+    deltas,
+)
+from engine.core.model_runner import ModelRunner, RunnerOutput
+from engine.core.sampler import NO_TOKEN, Sampler
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence, model_eos_ids
+from engine.core.spec_step import Accepted, Speculator, draft_backend, spec_counters
+from engine.executor import configured_backend
+from engine.sampling_params import SamplingParams
+from model_loader.load import LoadedModel
+
+log = logging.getLogger("engine")
+
+
+class EngineCore:
+    """``EngineCore(loaded, config)``: ``config`` resolved against the model. ``record_logits``
+    hands every sampled row of logits on (``engine.diff``); ``draft_loaded`` reuses a loaded
+    draft model; ``backend_factory`` ``(model_config, weights, config) -> Backend`` replaces
+    the configured backend (the host benchmark's ``StubBackend``)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        *,
+        record_logits: bool = False,
+        draft_loaded: LoadedModel | None = None,
+        backend_factory=None,
+    ):
+        self.loaded, self.config, self.model_config = loaded, config, loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.record_logits = record_logits
+        self.draft_loaded = draft_loaded
+        self._setup(backend_factory or configured_backend)
+
+    def _setup(self, backend_factory) -> None:
+        cfg, mc = self.config, self.model_config
+        log.info("model %s: %s", self.loaded.source, mc.summary())
+        self.backend = backend_factory(mc, self.loaded.weights, cfg)
+        # speculative decoding's draft model, checked against this one
+        draft = draft_backend(cfg, self.loaded, self.draft_loaded, backend_factory)
+        # the backends hold their own packed copies: the loaded arrays go (unless the caller
+        # keeps them), so a run's memory is its packed weights, not those plus the file's
+        self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
+        self.kv_plan = plan_kv_cache(cfg, self.backend, draft)
+        num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
+        self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
+        self.spec = Speculator(cfg, draft, self.kv_plan.num_draft_blocks)
+        self.drafter, self.spec_stats = self.spec.drafter, self.spec.stats
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.eos_token_ids = model_eos_ids(self.loaded)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
+        self.trace_schedule = tracing.ScheduleTracer(
+            self.block_manager, cfg.block_size, cfg.preemption_mode
+        )
+        self._counter = itertools.count()
+        self.requests: dict[str, list[Sequence]] = {}  # live requests' sequences, by sample
+        self.num_added_seqs = 0  # every sequence ever queued (a core process's frontend counts)
+        self._touched: dict[int, Sequence] = {}  # seq_id -> sequence with news in this step
+        self.in_flight: InFlight | None = None  # async scheduling: the step launched last
+        # a sequence this long would be rejected by the scheduler: read its pending token first
+        self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
+        self.recorder = None  # engine/tools/recorder.py's Recorder attaches itself here
+
+    # ---- requests ----
+    def add_request(self, req: CoreRequest, max_waiting: int | None = None) -> None:
+        """Queue one request's sequences; ValueError for a constraint that does not compile,
+        QueueFullError when more than ``max_waiting`` sequences would wait beyond the free run
+        slots (None: no limit)."""
+        params = req.params
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is not a new string id")
+        if max_waiting is not None:
+            self._check_queue(params.n, max_waiting)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids).union(eos)
+        limit = self.config.max_model_len
+        seqs = [
+            Sequence.of_request(req, i, self._generator(params, i), stop_ids, limit)
+            for i in range(params.n)
+        ]
+        if params.structured_outputs is not None:
+            compiler = self.structured_compiler()
+            compiler.compile(params.structured_outputs)  # a ValueError names a bad constraint
+            for seq in seqs:
+                seq.matcher = compiler.matcher(params.structured_outputs)
+        self.requests[req.request_id] = seqs
+        self.num_added_seqs += len(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        tracing.queued(req.request_id, req.prompt_token_ids, len(self.scheduler.waiting))
+
+    def _check_queue(self, n: int, limit: int) -> None:
+        sched = self.scheduler
+        busy = len(sched.running) + len(sched.swapped)
+        check_queue(n, limit, len(sched.waiting), busy, self.config.max_num_seqs)
+
+    def structured_compiler(self):
+        """The sampler's structured-output compiler, built on first use."""
+        if self.sampler.structured is None:
+            from engine.core.structured import model_compiler
+
+            self.sampler.structured = model_compiler(self.loaded, self.eos_token_ids)
+        return self.sampler.structured
+
+    def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
+        """Per-sequence RNG: the request's seed, else the engine seed and a request counter."""
+        if params.seed is not None:
+            return np.random.default_rng([params.seed % 2**64, index])
+        return np.random.default_rng([self.config.seed % 2**64, next(self._counter), index])
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks go back at once. False if unknown."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:  # its own sequences: no search of the scheduler's queues
+            self._touched.pop(seq.seq_id, None)
+            self.scheduler.finish(seq, "abort")  # a no-op for one already finished
+        self._release_drafts()
+        return True
+
+    def finish_sample(self, request_id: str, index: int, num_tokens: int) -> None:
+        """The frontend found a stop string in sample ``index`` at its output token
+        ``num_tokens``: it ends there (the tokens after it are dropped; no delta follows)."""
+        seqs = self.requests.get(request_id)
+        if seqs is None or seqs[index].is_finished:
+            return
+        seq = seqs[index]
+        self._touched.pop(seq.seq_id, None)
+        self._finish(seq, "stop")
+        seq.truncate_output(num_tokens)
+        self._release_drafts()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
+        free = self.block_manager.num_free_blocks
+        tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
+        self._forget_if_done(seq.request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        """A request whose every sequence has finished is no longer the core's."""
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    def _release_drafts(self) -> None:
+        self.spec.release(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> CoreStats:
+        spec = spec_counters(self.spec_stats) if self.config.speculative else None
+        return core_stats(self.scheduler, self.num_added_seqs, spec)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        self.spec.check_invariants()
+
+    # ---- the loop ----
+    def step(self) -> CoreOutputs:
+        """One scheduled forward; a delta for every sequence that got a token, finished or was
+        rejected in it."""
+        if self.in_flight is not None and self._would_reject(self.in_flight):
+            self._drain()
+        if self.config.speculative is not None and self.in_flight is None:
+            if not self.record_logits:  # 0. drafts for the decodes
+                self.spec.propose(self.scheduler.running)
+        # 1. schedule: who runs, with which blocks; who can never run
+        out = self.scheduler.schedule()
+        self._rejected(self.scheduler.take_rejected())
+        self.trace_schedule(out)
+        if self.recorder is not None:
+            self.recorder.on_schedule(out)
+        if can_overlap(self.config, self.record_logits, out):
+            self._launch(out)  # 2.-3. for the step before, while this one runs
+            outputs = self._outputs()  # 4.
+            self.scheduler.advance(out)  # then its sequences take their pending tokens
+            return outputs
+        self._drain()  # async scheduling: the step in flight is read and processed first
+        if not out.is_empty or out.drafts:
+            result = self.runner.execute(out)  # 2. execute: the forward, sampling, verifying
+            self._update(out, result)  # 3. update: append, stop checks, free the finished
+        self._release_drafts()
+        return self._outputs()  # 4. the deltas
+
+    def _outputs(self) -> CoreOutputs:
+        touched, self._touched = self._touched, {}
+        return CoreOutputs(deltas(touched.values()), time.monotonic(), self.stats())
+
+    def _rejected(self, rejected: list[tuple[Sequence, str]]) -> None:
+        """Sequences the scheduler finished because they can never run; an abort keeps why."""
+        for seq, reason in rejected:
+            if seq.request_id not in self.requests:
+                continue
+            if seq.finish_reason == "abort":
+                seq.error = reason
+            self._touched[seq.seq_id] = seq
+            self._forget_if_done(seq.request_id)
+
+    # ---- speculative decoding ----
+    def _accept_all(self, accepted: list[Accepted]) -> None:
+        """Each speculated sequence's verified tokens, one by one: it stops at the first token
+        that ends it (EOS, a stop id or string, max_tokens); the rest are dropped."""
+        self.spec.record(accepted)
+        for a in accepted:
+            seq = a.seq
+            for token, logprob in a.tokens:
+                if seq.is_finished:
+                    break
+                if token == NO_TOKEN:
+                    self._abort_unsampled([seq], [NO_TOKEN])
+                    break
+                self.scheduler.accept(seq, token)
+                self._process_tokens([seq], {seq.seq_id: (logprob, None)})
+            self.scheduler.end_speculation(seq)
+
+    # ---- async scheduling ----
+    def _would_reject(self, flight: InFlight) -> bool:
+        """Whether a sequence of the step in flight would be rejected by the next schedule (its
+        length): its token is read first, so the outputs come in the order they do without
+        async scheduling."""
+        return max(seq.num_tokens for seq in flight.seqs) > self._longest_ok
+
+    def _launch(self, out: SchedulerOutput) -> None:
+        """Launch the decodes of ``out``; then read the step before and process its tokens
+        (``Scheduler.advance(out)`` follows once the outputs are built)."""
+        prev = self.in_flight
+        flight = self.runner.launch(out, prev)
+        self.in_flight = None
+        if prev is not None:
+            self._collect(prev)
+        self.in_flight = flight
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any, and process its tokens."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self._collect(flight)
+
+    def _collect(self, flight: InFlight) -> None:
+        grown, failed = collect(flight)
+        if failed:
+            self._abort_unsampled(failed, [NO_TOKEN] * len(failed))
+        self._process_tokens(grown, {})
+
+    def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        """The step's tokens into their sequences: prompt logprobs, each sampled token (through
+        the scheduler's accounting), each speculated run's accepted tokens; stop checks."""
+        for seq, entries in result.prompt_logprobs:
+            seq.prompt_logprobs.extend(entries)
+        seqs, ids, extras = result.seqs, result.ids, result.extras
+        if NO_TOKEN in ids:
+            self._abort_unsampled(seqs, ids)
+        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
+        extra = {} if extras is None else {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
+        self._process_tokens(self.scheduler.update(out, sampled), extra)
+        if result.accepted:
+            self._accept_all(result.accepted)
+
+    def _process_tokens(self, grown: list[Sequence], extra: dict) -> None:
+        """Stop checks on each sequence's new last token; the stopped ones finish. Its
+        logprobs (and logits row) wait for the next delta."""
+        touched, record = self._touched, self.record_logits
+        for seq in grown:
+            if seq.matcher is not None and not self._advance_grammar(seq):
+                continue
+            touched[seq.seq_id] = seq
+            if extra:
+                logprob, logits_row = extra.get(seq.seq_id, (None, None))
+                if logprob is not None:
+                    seq.new_logprobs.append(logprob)
+                if record:
+                    seq.new_logits.append(np.array(logits_row, dtype=np.float32))
+            # most tokens end nothing: the full checks only where one could
+            if (
+                seq.last_token_id in seq.stop_ids
+                or seq.num_tokens >= seq.max_num_tokens
+                or seq.matcher is not None
+            ):
+                reason = seq.check_stop(self.eos_token_ids)
+                if reason is not None:
+                    self._finish(seq, reason)
+
+    def _advance_grammar(self, seq: Sequence) -> bool:
+        """Feed seq's new token to its grammar; a token it refuses (or a matcher error) ends
+        the sequence as an error, never as unconstrained text."""
+        if seq.matcher.accept(seq.last_token_id):
+            return True
+        why = seq.matcher.error or f"token {seq.last_token_id} is not allowed by the grammar"
+        self._fail(seq, f"structured output: {why}")
+        return False
+
+    def _abort_unsampled(self, seqs, ids) -> None:
+        """Sequences whose row had no token to pick (NaN or all banned) end as an error."""
+        for seq, t in zip(seqs, ids, strict=True):
+            if t == NO_TOKEN:
+                self._fail(seq, "sampling failed: no finite logit to pick a token from")
+
+    def _fail(self, seq: Sequence, why: str) -> None:
+        seq.error = why
+        self._touched[seq.seq_id] = seq
+        self._finish(seq, "abort")  # its blocks go back now

@@ -1,0 +1,123 @@
+"""One request's place in its grammar: which tokens may come next, given the tokens taken so far.
+
+A thin layer over ``llguidance.LLMatcher`` with three guarantees the engine relies on:
+  * a refused token changes nothing (``accept`` checks before it consumes; llguidance alone
+    would enter an error state it never leaves);
+  * EOS is allowed exactly when the grammar can end here (``is_accepting``), and once nothing
+    else can follow (``is_stopped``) the mask allows only the EOS ids;
+  * ``rollback(n)`` undoes the last n accepted tokens, counting an EOS taken after the grammar
+    stopped (llguidance does not record that one, so it is not passed on).
+Ids past the tokenizer's own vocabulary (padding rows of a larger lm_head) are never allowed.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import numpy as np
+
+from engine.core.structured.bitmask import bitmask_width, unpack_bitmask
+
+
+class Matcher:
+    """A fresh grammar state per request; built by ``StructuredOutputCompiler.matcher``."""
+
+    def __init__(self, ll: llguidance.LLMatcher, vocab_size: int, eos_token_ids):
+        self._ll = ll
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._counted: list[bool] = []  # per accepted token: whether llguidance recorded it
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens accepted so far (and not rolled back)."""
+        return len(self._counted)
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's error (a resource limit hit while matching), else None. Final: the
+        matcher then allows only EOS and accepts nothing; abort the request."""
+        return self._ll.get_error() if self._ll.is_error() else None
+
+    def is_accepting(self) -> bool:
+        """Whether the output so far is complete: the grammar may end here (EOS is allowed)."""
+        return self._ll.is_accepting()
+
+    def is_stopped(self) -> bool:
+        """Whether nothing but EOS can follow (the grammar has ended, or an EOS was taken)."""
+        return self._ll.is_stopped()
+
+    # --- masks ------------------------------------------------------------------------------
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        """Write the allowed next tokens into row, a contiguous (W,) int32, W = ceil(V / 32)."""
+        width = bitmask_width(self.vocab_size)
+        if row.shape != (width,) or row.dtype != np.int32 or not row.flags.c_contiguous:
+            raise ValueError(
+                f"Matcher.fill_bitmask: row must be a contiguous ({width},) int32, "
+                f"got {row.shape} {row.dtype}"
+            )
+        self._ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def allowed_mask(self) -> np.ndarray:
+        """(V,) bool: True for each token the grammar allows next."""
+        row = np.empty(bitmask_width(self.vocab_size), dtype=np.int32)  # (W,)
+        self.fill_bitmask(row)
+        return unpack_bitmask(row, self.vocab_size)
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    def accept(self, token: int) -> bool:
+        """Take token if the grammar allows it next; a refused token leaves the state unchanged."""
+        token = int(token)
+        stopped = self._ll.is_stopped()
+        if self._ll.is_error() or (stopped and token not in self.eos_token_ids):
+            return False
+        if not stopped and (not self._in_vocab(token) or self._ll.validate_tokens([token]) != 1):
+            return False
+        ok = self._ll.consume_token(token)
+        assert ok, f"llguidance refused a validated token {token}: {self._ll.get_error()}"
+        self._counted.append(not stopped)  # an EOS after the stop is not recorded by llguidance
+        return True
+
+    def validate_tokens(self, tokens) -> int:
+        """How many of tokens (a draft) ``accept`` would take one after another, up to the first
+        EOS (the request ends there); the state does not change."""
+        tokens = [int(t) for t in tokens]
+        eos = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+        tokens = tokens if eos is None else tokens[: eos + 1]
+        inside = next((i for i, t in enumerate(tokens) if not self._in_vocab(t)), len(tokens))
+        n = self._ll.validate_tokens(tokens[:inside]) if inside else 0
+        # llguidance counts no EOS when the state is already stopped; accept takes it
+        if n < len(tokens) and tokens[n] in self.eos_token_ids and self._stops_after(tokens[:n]):
+            n += 1
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (rejected speculative tokens)."""
+        if not 0 <= num_tokens <= len(self._counted):
+            raise ValueError(
+                f"Matcher.rollback: num_tokens must be in [0, {len(self._counted)}], "
+                f"got {num_tokens}"
+            )
+        undone = self._counted[len(self._counted) - num_tokens :]
+        del self._counted[len(self._counted) - num_tokens :]
+        recorded = sum(undone)
+        if recorded:
+            ok = self._ll.rollback(recorded)
+            assert ok, f"llguidance rollback({recorded}) failed: {self._ll.get_error()}"
+
+    def reset(self) -> None:
+        """Back to the start of the grammar, as if no token had been accepted."""
+        self.rollback(len(self._counted))
+
+    def _in_vocab(self, token: int) -> bool:
+        return 0 <= token < self.vocab_size
+
+    def _stops_after(self, prefix: list[int]) -> bool:
+        """Whether the matcher is stopped after prefix (valid tokens): consumed, then undone."""
+        if not prefix:
+            return self._ll.is_stopped()
+        assert self._ll.consume_tokens(prefix), self._ll.get_error()
+        stopped = self._ll.is_stopped()
+        assert self._ll.rollback(len(prefix)), self._ll.get_error()
+        return stopped

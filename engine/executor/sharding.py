@@ -1,0 +1,159 @@
+"""Which part of the model each rank holds, and its weights cut to that part.
+
+Pipeline parallel: stage s of P holds a near-equal range of the layers (``Stage``), the first
+stage the embedding as well, the last the final norm and the LM head; the hidden state and the
+residual go from each stage to the next.
+
+Tensor parallel, within a stage: Megatron's split, as vLLM does it. Rank r of N holds:
+
+- attention: query heads ``H/N`` (``q_heads``), the K/V heads they read (``kv_heads``): ``Hkv/N``
+  of them when N divides Hkv, else the one K/V head its query heads share (replicated on N/Hkv
+  ranks); Wq, Wk, Wv cut by rows (the heads' columns of the fused QKV product), Wo by columns, so
+  each rank's attention output is a partial sum, all-reduced;
+- MLP: a slice of the intermediate dimension (``ffn``, near-equal slices, any N): gate and up
+  by rows, down by columns, a partial sum, all-reduced;
+- vocabulary: a slice of the rows of the embedding (a token outside it embeds as zeros, so the
+  all-reduce of the ranks' embeddings is exact) and of the LM head (the ranks' logits gathered);
+- norms: whole, on every rank.
+
+Each rank's KV cache holds its K/V heads only; the block manager is unchanged: block b names
+the same tokens on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from model_loader.config import ModelConfig
+from model_loader.weights import ModelWeights
+
+
+def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
+    """ValueError, one line, for a world size the heads cannot be split into."""
+    h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if h % n:
+        raise ValueError(
+            f"tensor_parallel_size {n} does not divide the model's {h} attention heads"
+        )
+    if hkv % n and n % hkv:
+        raise ValueError(
+            f"tensor_parallel_size {n} neither divides the model's {hkv} KV heads nor is a "
+            "multiple of them"
+        )
+
+
+def check_pipeline_parallel(cfg: ModelConfig, n: int) -> None:
+    if n > cfg.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {n} is more than the model's {cfg.num_hidden_layers} layers"
+        )
+
+
+def _part(size: int, rank: int, n: int) -> range:
+    """Rank's near-equal slice of range(size) (the first ``size % n`` slices one longer)."""
+    return range(size * rank // n, size * (rank + 1) // n)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world``: the heads, intermediate units and vocabulary rows it holds."""
+
+    rank: int
+    world: int
+    q_heads: range
+    kv_heads: range
+    ffn: range
+    vocab: range
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, world: int) -> Shard:
+        check_tensor_parallel(cfg, world)
+        h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        q = _part(h, rank, world)
+        if hkv % world == 0:
+            kv = _part(hkv, rank, world)
+        else:  # fewer K/V heads than ranks: the one this rank's query heads read
+            first = q.start // cfg.gqa_group
+            kv = range(first, first + 1)
+        ffn = _part(cfg.intermediate_size, rank, world)
+        return cls(rank, world, q, kv, ffn, _part(cfg.vocab_size, rank, world))
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this rank sees it: its heads, its MLP slice, its vocabulary rows."""
+        return dataclasses.replace(
+            cfg,
+            num_attention_heads=len(self.q_heads),
+            num_key_value_heads=len(self.kv_heads),
+            intermediate_size=len(self.ffn),
+            vocab_size=len(self.vocab),
+        )
+
+    def weights(self, w: ModelWeights, cfg: ModelConfig) -> ModelWeights:
+        """This rank's cut of the whole model's weights (copies; the whole can be dropped)."""
+        hd = cfg.head_dim
+        q = slice(self.q_heads.start * hd, self.q_heads.stop * hd)
+        kv = slice(self.kv_heads.start * hd, self.kv_heads.stop * hd)
+        f = slice(self.ffn.start, self.ffn.stop)
+        v = slice(self.vocab.start, self.vocab.stop)
+
+        def rows(a, s):
+            return None if a is None else a[s].copy()
+
+        layers = [
+            dataclasses.replace(
+                lw,
+                wq=rows(lw.wq, q),
+                wk=rows(lw.wk, kv),
+                wv=rows(lw.wv, kv),
+                wo=lw.wo[:, q].copy(),
+                w_gate=rows(lw.w_gate, f),
+                w_up=rows(lw.w_up, f),
+                w_down=lw.w_down[:, f].copy(),
+                bq=rows(lw.bq, q),
+                bk=rows(lw.bk, kv),
+                bv=rows(lw.bv, kv),
+            )
+            for lw in w.layers
+        ]
+        return dataclasses.replace(
+            w, embed=w.embed[v].copy(), layers=layers, lm_head=w.lm_head[v].copy()
+        )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage ``index`` of ``count``: the layers it runs."""
+
+    index: int
+    count: int
+    layers: range
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, index: int, count: int) -> Stage:
+        check_pipeline_parallel(cfg, count)
+        return cls(index, count, _part(cfg.num_hidden_layers, index, count))
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this stage sees it: its layers (and their sliding windows)."""
+        a, b = self.layers.start, self.layers.stop
+        windows = cfg.layer_windows[a:b] if cfg.layer_windows else ()
+        return dataclasses.replace(cfg, num_hidden_layers=b - a, layer_windows=windows)
+
+    def weights(self, w: ModelWeights) -> ModelWeights:
+        """Its layers; the embedding only on the first stage, the LM head only on the last
+        (elsewhere empty: zero rows)."""
+        return dataclasses.replace(
+            w,
+            layers=w.layers[self.layers.start : self.layers.stop],
+            embed=w.embed if self.first else w.embed[:0],
+            lm_head=w.lm_head if self.last else w.lm_head[:0],
+        )

@@ -1,0 +1,162 @@
+"""``LLM``: the offline batch API. Add every prompt, step the engine until all finish."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from engine.frontend.chat import chat_prompt_ids, is_conversation
+from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.tokenizer import HFTokenizerAdapter
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, is_integer
+from engine.tools.recorder import Recorder
+
+
+class LLM:
+    """``LLM(model=..., **engine_args)``; engine_args are ``EngineConfig`` fields.
+
+    ``trace_html="run.html"`` records every step (engine/tools/recorder.py) and, after each
+    ``generate`` or ``chat``, writes the run so far there as a self-contained HTML replay."""
+
+    def __init__(self, model: str | None = None, trace_html: str | None = None, **engine_args):
+        if trace_html and engine_args.get("engine_core_process"):
+            raise ValueError(
+                "trace_html records the scheduler and block pool of an in-process engine core: "
+                "not with engine_core_process"
+            )
+        self.engine = LLMEngine(model, **engine_args)
+        self._batch = 0
+        self.trace_html = trace_html
+        self.recorder = Recorder(self.engine) if trace_html else None
+
+    def get_tokenizer(self) -> HFTokenizerAdapter:
+        """The model's tokenizer with Hugging Face's methods (encode, decode, __call__,
+        apply_chat_template, eos_token_id, vocab_size, len())."""
+        return HFTokenizerAdapter(self.engine.tokenizer)
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); outputs come back in input order.
+
+        Every prompt is validated before any runs: a bad one is a ValueError naming its index,
+        and the engine stays usable."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        try:
+            done = self._run(ids, use_tqdm)
+        except BaseException:  # Ctrl-C or an engine error: nothing of this call keeps running
+            self._abort_all(ids)
+            raise
+        if self.recorder is not None:
+            self.recorder.write_html(self.trace_html)
+        return [done[r] for r in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without SamplingParams gets: the model's generation_config.json
+        defaults (unless the engine was made with generation_config='ignore')."""
+        return self.engine.default_sampling_params()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every request of ids finished: request id -> its final output."""
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(done) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step(stream=False):  # finished outputs only
+                if out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return done
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation ([{"role", "content"}, ...], any number of turns, system
+        prompts included) or a list of them, through the model's chat template."""
+        convs = [messages] if is_conversation(messages) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                prompts.append(chat_prompt_ids(tok, conv, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Add every prompt; on any failure (a bad prompt, a tokenizer error, Ctrl-C) abort what
+        this call added, so nothing of it runs in a later call, and re-raise."""
+        self._batch += 1
+        ids = [f"{self._batch}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                try:
+                    self.engine.add_request(rid, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+                added.append(rid)
+        except BaseException:
+            self._abort_all(added)
+            raise
+        return ids
+
+    def _abort_all(self, ids: list[str]) -> None:
+        for rid in ids:  # a finished request is a no-op
+            self.engine.abort(rid)
+
+
+def run_to_completion(
+    engine: LLMEngine, prompts: list, params, check_invariants: bool = False
+) -> list[RequestOutput]:
+    """Add every prompt (request ids "0", "1", ...) and step until all finish: the finished
+    outputs in input order. ``params``: one SamplingParams for all, or a list, one per prompt.
+    The loop of ``LLM.generate`` without its checks and progress bar, for tools and tests;
+    ``check_invariants`` runs the block and queue invariant checks after every step."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step(stream=False)})
+        if check_invariants:
+            engine.check_invariants()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        return [prompts]  # one prompt given as an array of token ids
+    if isinstance(prompts, Seq) and prompts and all(is_integer(t) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, Seq) or isinstance(prompts, bytes):
+        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,166 @@
+"""The model's configuration: the handful of numbers that fix a LLaMA-architecture network.
+
+Read once from a Hugging Face ``config.json`` (or from GGUF metadata, see
+``model_loader.gguf_file``) into one frozen dataclass that every other module takes as given. Which
+family the checkpoint is, and which keys each family reads, is ``model_loader.families``'s table: a
+config that names another family, or holds a key that would change the math and is not implemented,
+is refused here, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model_loader.families import FAMILIES, activation, check_keys, family_of, layer_windows
+from model_loader.rope import RopeParams, parse_rope
+
+# Hugging Face config.json keys that must be present (no sensible default exists).
+REQUIRED_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPE_BYTES |= {"fp8_e4m3": 1, "fp8_e5m2": 1}  # the host backends' 8-bit KV caches
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int  # dim of the residual stream
+    intermediate_size: int  # hidden dim of the SwiGLU MLP
+    num_hidden_layers: int
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # K/V heads (grouped-query attention when fewer than query heads)
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"  # the checkpoint's dtype as config.json names it
+    family: str = "llama"  # model_loader.families.FAMILIES key
+    rope: RopeParams | None = None  # None: default RoPE with rope_theta
+    hidden_act: str = "silu"  # silu | gelu_tanh | gelu: the gated MLP's activation
+    layer_windows: tuple[int, ...] = ()  # per layer, its sliding window (0 or absent: none)
+    stored_matrix_type: str | None = None  # a GGUF's layer matrices' type if one ("Q8_0")
+
+    def __post_init__(self):
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeParams(theta=self.rope_theta))
+        if self.rope.theta != self.rope_theta:
+            object.__setattr__(self, "rope_theta", self.rope.theta)
+        if self.family not in FAMILIES:
+            raise ValueError(f"config: family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"config: {len(self.layer_windows)} layer windows for "
+                f"{self.num_hidden_layers} layers"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def spec(self):
+        """The family's flags (model_loader.families.Family)."""
+        return FAMILIES[self.family]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.spec.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.spec.qk_norm
+
+    @property
+    def norm_offset(self) -> float:
+        """RMSNorms scale by (norm_offset + w): 1.0 for Gemma, else 0.0."""
+        return self.spec.norm_offset
+
+    @property
+    def embed_scale(self) -> float:
+        """Embeddings are multiplied by this: sqrt(hidden_size) for Gemma, else 1.0."""
+        return float(self.hidden_size) ** 0.5 if self.spec.scale_embeddings else 1.0
+
+    def summary(self) -> str:
+        """One line for a log: its size in the terms of its config."""
+        return (
+            f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, "
+            f"{self.num_attention_heads} heads ({self.num_key_value_heads} KV), "
+            f"head dim {self.head_dim}, vocab {self.vocab_size}"
+        )
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window: a query at p sees keys > p - window (0: all)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads that share one K/V head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        """K and V, every layer, for one token: 2 * layers * kv_heads * head_dim * bytes."""
+        nbytes = DTYPE_BYTES[dtype or self.torch_dtype]
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * nbytes
+
+    def kv_bytes_per_block(self, block_size: int = 16, dtype: str | None = None) -> int:
+        return block_size * self.kv_bytes_per_token(dtype)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        fam = family_of(d)
+        check_keys(d, fam)
+        missing = [k for k in REQUIRED_HF_FIELDS if k not in d]
+        if missing:
+            raise ValueError(f"config.json: missing required field {missing[0]!r}")
+        n_heads, max_pos = d["num_attention_heads"], d.get("max_position_embeddings", 2048)
+        rope = parse_rope(d, max_pos)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.theta,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            family=fam.name,
+            rope=rope,
+            hidden_act=activation(d, fam),
+            layer_windows=layer_windows(d, fam, d["num_hidden_layers"]),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))

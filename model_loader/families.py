@@ -1,0 +1,310 @@
+"""The model families this code runs, and the one table of what each reads from config.json.
+
+A checkpoint's ``model_type`` (or its ``architectures``) picks a ``Family``; anything else is
+refused before a byte of weights is read. Every key of config.json must be one the family reads,
+one that cannot change the forward (``HARMLESS_KEYS``: bookkeeping, dropout, training-only), or
+it is refused by name: a key that changes the math and is silently ignored gives other tokens.
+
+What differs from Llama is a handful of flags, each implemented in the reference, the NumPy
+backend and the CUDA kernels:
+
+  family   q/k/v bias  q/k norm  norms    MLP          embeddings   window
+  llama    -           -         w        SiLU         x            -
+  mistral  -           -         w        SiLU         x            sliding_window
+  qwen2    yes         -         w        SiLU         x            layer_types
+  qwen3    -           per head  w        SiLU         x            layer_types
+  phi3     -           -         w        SiLU         x            sliding_window
+  gemma    -           -         (1 + w)  GELU (tanh)  x sqrt(D)    -
+
+Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``; the loader splits
+them (``model_loader.hf_weights``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
+COMMON_KEYS = {
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "torch_dtype",
+    "dtype",
+}
+
+# Keys that do not change an inference forward: bookkeeping, dropout (off at inference),
+# initialisation, generation defaults older configs carry (generation_config.json has its own),
+# transformers' output switches.
+HARMLESS_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "initializer_range",
+    "use_cache",
+    "pad_token_id",
+    "attention_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "pretraining_tp",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "torchscript",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "task_specific_params",
+    "finetuning_task",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "tie_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "auto_map",  # custom code for other libraries; the family alone decides the math here
+}
+
+# Keys that must hold one value (the one implemented), else the checkpoint is refused.
+# key -> (values accepted, what the key would ask for).
+FIXED_VALUES = {
+    "attention_bias": ((False, None), "biases on the attention projections"),
+    "mlp_bias": ((False, None), "biases on the MLP projections"),
+    "is_encoder_decoder": ((False, None), "an encoder-decoder model"),
+    "use_bidirectional_attention": ((False, None), "bidirectional attention"),
+    "partial_rotary_factor": ((1.0, 1, None), "rotary embeddings on part of each head"),
+}
+
+# Keys that name a feature no family here implements: refused by name whatever their value
+# (unless null).
+UNSUPPORTED_KEYS = {
+    "quantization_config": "quantized checkpoints",
+    "final_logit_softcapping": "logit soft-capping",
+    "attn_logit_softcapping": "attention soft-capping",
+    "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
+}
+
+# hidden_act value -> the activation's name in this code (reference.model.ACTIVATIONS).
+SILU = {"silu": "silu"}
+# transformers 5's GemmaConfig rewrites "gelu" to "gelu_pytorch_tanh": Gemma's GELU is tanh's
+GEMMA_GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # config.json model_type
+    architectures: tuple[str, ...]
+    keys: frozenset[str] = frozenset()  # read besides COMMON_KEYS
+    qkv_bias: bool = False  # q/k/v projections carry biases (no config key says so)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    activations: dict = None  # hidden_act value -> activation (None: SILU)
+    window: str = "none"  # none | global (sliding_window) | layer_types
+    fused_projections: bool = False  # qkv_proj, gate_up_proj in the checkpoint
+    example: str = ""  # a checkpoint of the family
+    differs: str = ""  # what differs from Llama, for the docs
+
+
+QWEN_WINDOW_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "llama",
+            ("LlamaForCausalLM",),
+            frozenset({"attention_bias", "mlp_bias"}),
+            example="TinyLlama/TinyLlama-1.1B-Chat-v1.0, meta-llama/Llama-3.2-1B-Instruct",
+            differs="the baseline (Llama 3: llama3 RoPE scaling, several EOS ids)",
+        ),
+        Family(
+            "mistral",
+            ("MistralForCausalLM",),
+            frozenset({"sliding_window"}),
+            window="global",
+            example="mistralai/Mistral-7B-v0.1",
+            differs="sliding-window attention",
+        ),
+        Family(
+            "qwen2",
+            ("Qwen2ForCausalLM",),
+            frozenset(QWEN_WINDOW_KEYS),
+            qkv_bias=True,
+            window="layer_types",
+            example="Qwen/Qwen2.5-0.5B-Instruct",
+            differs="biases on q, k and v; sliding window on some layers when enabled",
+        ),
+        Family(
+            "qwen3",
+            ("Qwen3ForCausalLM",),
+            frozenset(QWEN_WINDOW_KEYS | {"attention_bias"}),
+            qk_norm=True,
+            window="layer_types",
+            example="Qwen/Qwen3-0.6B",
+            differs="RMSNorm of each q and k head before RoPE; head_dim apart from hidden/heads",
+        ),
+        Family(
+            "phi3",
+            ("Phi3ForCausalLM",),
+            frozenset(
+                {
+                    "sliding_window",
+                    "original_max_position_embeddings",
+                    "partial_rotary_factor",
+                    "attention_bias",
+                }
+            ),
+            window="global",
+            fused_projections=True,
+            example="microsoft/Phi-3-mini-4k-instruct",
+            differs="fused qkv_proj and gate_up_proj (split at load); sliding window",
+        ),
+        Family(
+            "gemma",
+            ("GemmaForCausalLM",),
+            frozenset({"attention_bias", "hidden_activation", "use_bidirectional_attention"}),
+            norm_offset=1.0,
+            scale_embeddings=True,
+            activations=GEMMA_GELU,
+            example="google/gemma-2b",
+            differs="(1 + w) norms, GELU-tanh gated MLP, embeddings times sqrt(hidden_size)",
+        ),
+    )
+}
+
+ARCHITECTURES = {a: f for f in FAMILIES.values() for a in f.architectures}
+
+
+def supported() -> str:
+    return ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+
+
+def family_of(d: dict, where: str = "config.json") -> Family:
+    """The family a config dict names by model_type (else architectures), or ValueError."""
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if model_type is None and not archs:  # a bare config (older tests, hand-written): Llama
+        return FAMILIES["llama"]
+    fam = FAMILIES.get(model_type) if model_type is not None else None
+    if model_type is not None and fam is None:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; {supported()}")
+    for arch in archs:
+        other = ARCHITECTURES.get(arch)
+        if other is None:
+            raise ValueError(f"{where}: architecture {arch!r} is not supported; {supported()}")
+        if fam is not None and other is not fam:
+            raise ValueError(
+                f"{where}: architecture {arch!r} does not match model_type {model_type!r}"
+            )
+        fam = other
+    return fam
+
+
+def check_keys(d: dict, fam: Family, where: str = "config.json") -> None:
+    """Every key is read, harmless, or holds its one implemented value; else ValueError."""
+    for key, value in d.items():
+        if key in UNSUPPORTED_KEYS and value is not None:
+            raise ValueError(f"{where}: {key!r} ({UNSUPPORTED_KEYS[key]}) is not supported")
+        if key in FIXED_VALUES and value not in FIXED_VALUES[key][0]:
+            raise ValueError(f"{where}: {key}={value!r} ({FIXED_VALUES[key][1]}) is not supported")
+    known = COMMON_KEYS | HARMLESS_KEYS | fam.keys | set(UNSUPPORTED_KEYS)
+    unknown = sorted(k for k in d if k not in known)
+    if unknown:
+        raise ValueError(
+            f"{where}: key {unknown[0]!r} is not read for model_type {fam.name!r} (it may "
+            f"change the computation, so the checkpoint is refused)"
+        )
+    acts = activations(fam)
+    act = d.get("hidden_act", next(iter(acts)))
+    if act not in acts:
+        raise ValueError(
+            f"{where}: hidden_act {act!r} is not supported for {fam.name} "
+            f"(supported: {', '.join(acts)})"
+        )
+    legacy = d.get("hidden_activation")  # transformers 4's Gemma read it; 5 reads hidden_act
+    if legacy is not None and acts.get(legacy) != acts[act]:
+        raise ValueError(
+            f"{where}: hidden_activation {legacy!r} and hidden_act {act!r} disagree; "
+            f"set both to the activation the checkpoint was trained with"
+        )
+
+
+def activations(fam: Family) -> dict:
+    """hidden_act value -> activation name, for the family."""
+    return fam.activations or SILU
+
+
+def activation(d: dict, fam: Family) -> str:
+    acts = activations(fam)
+    return acts[d.get("hidden_act", next(iter(acts)))]
+
+
+def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.json") -> tuple:
+    """Per layer, its sliding window (0: full attention), as transformers 5 derives it."""
+    if fam.window == "none":
+        return (0,) * num_layers
+    window = d.get("sliding_window")
+    if fam.window == "layer_types" and not d.get("use_sliding_window", False):
+        window = None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
+    if fam.window == "global":
+        return (window or 0,) * num_layers
+    types = d.get("layer_types")
+    if types is None:
+        first = d.get("max_window_layers", num_layers)
+        types = [
+            "sliding_attention" if window and i >= first else "full" for i in range(num_layers)
+        ]
+    if len(types) != num_layers:
+        raise ValueError(f"{where}: layer_types has {len(types)} entries for {num_layers} layers")
+    bad = sorted(set(types) - {"full_attention", "sliding_attention", "full"})
+    if bad:
+        raise ValueError(f"{where}: layer type {bad[0]!r} is not supported")
+    return tuple((window or 0) if t == "sliding_attention" else 0 for t in types)

@@ -1,0 +1,402 @@
+"""GGUF files (llama.cpp's format) -> config, metadata and float32 tensors.
+
+Three things differ from a Hugging Face checkpoint:
+  * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
+  * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here (each
+    when it is asked for, from the mapped file: ``LazyTensors``, and a model's layers one at a
+    time: ``LazyLayers``), except an embedding table or LM head in Q8_0, Q4_0 or Q4_1, which
+    stays in its blocks (``BlockMatrix``: float32 by row or whole when asked), and GGUF lists
+    a tensor's dims fastest-first, the reverse of a NumPy shape;
+  * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
+    (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
+    rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from model_loader.config import ModelConfig
+from model_loader.hf_weights import (
+    drop_pages,
+    expected_shapes,
+    family_layer_names,
+    register_map,
+    weights_from_tensors,
+)
+from model_loader.rope import RopeParams, parse_rope
+from model_loader.weights import ModelWeights
+
+# ModelWeights field -> GGUF tensor name.
+GGUF_GLOBAL_NAMES = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+
+# LayerWeights field -> GGUF tensor name ({i} is the layer index).
+GGUF_LAYER_NAMES = {
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
+}
+
+# general.architecture -> the family (model_loader.families) it is.
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
+SUPPORTED_ARCHITECTURES["phi3"] = "phi3"
+# llama.cpp's converter permutes Q/K rows for these only (the others rotate as HF does).
+PERMUTED_QK = ("llama",)
+# Family extras: LayerWeights field -> GGUF tensor name.
+GGUF_BIAS_NAMES = {f"b{x}": f"blk.{{i}}.attn_{x}.bias" for x in "qkv"}
+GGUF_QK_NORM_NAMES = {
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+}
+# Phi-3's fused tensors (llama.cpp keeps them fused; ffn_up holds gate | up): fused -> parts.
+GGUF_FUSED = {
+    "blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"),
+    "blk.{i}.ffn_up.weight": ("w_gate", "w_up"),
+}
+# Norms llama.cpp's Gemma converter stores as 1 + w (the family's forward adds the 1 itself).
+GGUF_NORMS = ("blk.{i}.attn_norm.weight", "blk.{i}.ffn_norm.weight")
+
+
+# GGUF's block formats that a backend may keep as stored (engine/backends/quant.py's kinds),
+# and a block's layout: (bytes of float16 scales, bytes of q).
+BLOCK_KINDS = {
+    gguf.GGMLQuantizationType.Q8_0: ("q8_0", 2, 32),
+    gguf.GGMLQuantizationType.Q4_0: ("q4_0", 2, 16),
+    gguf.GGMLQuantizationType.Q4_1: ("q4_1", 4, 16),
+}
+
+
+class BlockMatrix:
+    """A (N, K) GGUF matrix in one of BLOCK_KINDS kept as the file stores it, a read-only view
+    of the mapped file (``raw``: (N, bytes of a row), each row's blocks of 32 values with their
+    float16 scales). Indexed by rows it gives those rows' float32 values (an embedding table's
+    gather: the values a dequantized copy holds, bit for bit); ``np.asarray`` gives them all;
+    ``.T`` is the (K, N) matrix, still in blocks (``TransposedBlocks``). The embedding table
+    and the LM head come so, so a backend that keeps them in blocks, or reads the table by
+    row, never holds their float32 copy."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, t: gguf.ReaderTensor):
+        self.kind, self._scale_bytes, self._q_bytes = BLOCK_KINDS[t.tensor_type]
+        self.qtype, self.raw = t.tensor_type, t.data
+        self.shape = tuple(int(n) for n in reversed(t.shape))  # (N, K)
+        if self.raw.ndim != 2 or len(self.raw) != self.shape[0]:
+            raise ValueError(f"gguf: tensor {t.name!r} is not a matrix of {self.shape[0]} rows")
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    @property
+    def T(self) -> TransposedBlocks:
+        return TransposedBlocks(self)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows) -> np.ndarray:
+        """Rows (an index, a slice, an array of ids) as float32: (..., K)."""
+        return gguf.quants.dequantize(self.raw[rows], self.qtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self[:]  # (N, K) float32, a new array
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return np.asarray(self, dtype)
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(q (N, K/32 * bytes of a block's q): Q8_0's int8, Q4's uint8 nibbles; scales
+        (N, K/32 * scales a block) float16): the file's bytes, split as
+        engine/backends/quant.py keeps a block format."""
+        n, (s, q) = self.shape[0], (self._scale_bytes, self._q_bytes)
+        b = self.raw.reshape(n, -1, s + q)  # (N, K/32, a block's bytes)
+        data = np.ascontiguousarray(b[:, :, s:]).reshape(n, -1)
+        data = data.view(np.int8) if self.kind == "q8_0" else data
+        scales = np.ascontiguousarray(b[:, :, :s]).view(np.float16).reshape(n, -1)
+        return data, scales
+
+
+class TransposedBlocks:
+    """The (K, N) transpose of a BlockMatrix, as a weight matrix's products take it:
+    ``m[:, a:b]`` widens the columns a..b (rows a..b of the stored matrix), ``np.asarray`` all
+    of them; ``stored`` is the BlockMatrix, for a backend that keeps its blocks."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, stored: BlockMatrix):
+        self.stored = stored
+        self.shape = stored.shape[::-1]
+
+    @property
+    def T(self) -> BlockMatrix:
+        return self.stored
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        return self.stored[cols].T[rows]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.stored, dtype).T
+
+
+class LazyTensors(Mapping):
+    """GGUF name -> float32 array in NumPy (HF) orientation, made (dequantized from the mapped
+    file, then reordered, split or offset as ``derive`` and ``split`` said) each time it is
+    asked for; its shape is known before (``shape``)."""
+
+    def __init__(self, reader: gguf.GGUFReader):
+        self._shape = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+        self._make = {t.name: (lambda t=t: _dequantized(t)) for t in reader.tensors}
+        self._plain, self._tensor = dict(self._make), {t.name: t for t in reader.tensors}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._make[name]()
+
+    def keep_blocks(self, name: str) -> None:
+        """tensors[name] becomes its BlockMatrix where the file stores it in a block format
+        (and nothing derived it); otherwise it stays a float32 array."""
+        t = self._tensor.get(name)
+        if t is not None and t.tensor_type in BLOCK_KINDS and self._make[name] is self._plain[name]:
+            self._make[name] = lambda: BlockMatrix(t)
+
+    def __iter__(self):
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+    def __contains__(self, name) -> bool:  # (Mapping's would make the array)
+        return name in self._make
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def derive(self, name: str, fn) -> None:
+        """tensors[name] becomes fn(what it was)."""
+        make = self._make[name]
+        self._make[name] = lambda: fn(make())
+
+    def split(self, name: str, parts: dict[str, int]) -> None:
+        """The (sum(rows), D) tensor ``name`` -> its consecutive row ranges, named by parts
+        ({name: rows}); ``name`` itself goes."""
+        make, (_, d) = self._make.pop(name), self._shape.pop(name)
+        start = 0
+        for part, rows in parts.items():
+            self._shape[part] = (rows, d)
+            self._make[part] = lambda a=start, b=start + rows: np.ascontiguousarray(make()[a:b])
+            start += rows
+
+    def pop(self, name: str, default=None):
+        if name not in self._make:
+            return default
+        self._shape.pop(name)
+        return self._make.pop(name)()
+
+
+@dataclass
+class GGUFFile:
+    config: ModelConfig
+    metadata: dict[str, Any]  # every key/value pair (arrays as lists), tokenizer.* included
+    tensors: LazyTensors  # GGUF name -> float32 array in NumPy (HF) orientation, on demand
+    # (the table and the LM head in a block format: a BlockMatrix)
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Key -> Python value (str, int, float, bool, or a list of them)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _require(md: dict[str, Any], key: str):
+    if key not in md:
+        raise ValueError(f"gguf: missing required metadata key {key!r}")
+    return md[key]
+
+
+def _rope(md: dict[str, Any], arch: str, freq_factors) -> RopeParams:
+    """RoPE from ``{arch}.rope.*``: none, linear or yarn scaling, or Llama 3's per-frequency
+    factors (the ``rope_freqs.weight`` tensor, f_j divided by factor j)."""
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if scaling == "none" or (scaling == "linear" and factor == 1.0):
+        return RopeParams(theta=theta, freq_factors=freq_factors)
+    if freq_factors:
+        raise ValueError(f"gguf: rope_freqs.weight together with {scaling!r} scaling")
+    if scaling == "linear":
+        return RopeParams(theta=theta, rope_type="linear", factor=factor)
+    if scaling == "yarn":
+        original = int(_require(md, f"{arch}.rope.scaling.original_context_length"))
+        d = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        return parse_rope({"rope_parameters": {**d, "rope_theta": theta}}, 0, "gguf")
+    raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported")
+
+
+def config_from_metadata(
+    md: dict[str, Any], tied: bool, freq_factors=(), matrix_type: str | None = None
+) -> ModelConfig:
+    """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``;
+    ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one;
+    ``matrix_type``: the type every layer matrix is stored in, when they share one."""
+    arch = _require(md, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"gguf: general.architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    n_heads = int(_require(md, f"{arch}.attention.head_count"))
+    dim = int(_require(md, f"{arch}.embedding_length"))
+    head_dim = int(md.get(f"{arch}.attention.key_length", dim // n_heads))
+    rope_dims = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(
+            f"gguf: partial rotary ({arch}.rope.dimension_count={rope_dims}) unsupported"
+        )
+    rope = _rope(md, arch, freq_factors)
+    window = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
+    vocab = md.get(f"{arch}.vocab_size") or len(_require(md, "tokenizer.ggml.tokens"))
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=dim,
+        intermediate_size=int(_require(md, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_require(md, f"{arch}.block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(md.get(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=rope.theta,
+        max_position_embeddings=int(md.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=tied,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        torch_dtype="float32",  # dequantized
+        stored_matrix_type=matrix_type,
+        family=family,
+        rope=rope,
+        hidden_act="gelu_tanh" if family == "gemma" else "silu",
+        layer_windows=(window,) * int(_require(md, f"{arch}.block_count")) if window else (),
+    )
+
+
+def matrix_type(reader: gguf.GGUFReader) -> str | None:
+    """The type name ("Q8_0", "Q4_1", "F32", ...) every layer matrix of the file is stored in,
+    or None when they differ: the engine's cpu backend can keep block formats as they are."""
+    types = {
+        t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and t.name[:4] == "blk."
+    }
+    return types.pop() if len(types) == 1 else None
+
+
+def dequantize_tensor(t: gguf.ReaderTensor) -> np.ndarray:
+    """One tensor as a writable float32 array; GGUF dims (fastest first) reversed to NumPy's."""
+    shape = tuple(int(n) for n in reversed(t.shape))  # e.g. [dim, vocab] -> (vocab, dim)
+    flat = gguf.quants.dequantize(t.data, t.tensor_type)
+    if flat.size != int(np.prod(shape)):
+        raise ValueError(f"gguf: tensor {t.name!r} holds {flat.size} values, dims say {shape}")
+    return np.require(flat.reshape(shape), np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+
+
+def _dequantized(t: gguf.ReaderTensor) -> np.ndarray:
+    """dequantize_tensor, then the tensor's pages of the mapped file let go (read again, they
+    come back from the page cache): the process holds the float32 values, not both."""
+    a = dequantize_tensor(t)
+    drop_pages(t.data)
+    return a
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order, per head: interleaved pairs -> rotate-half halves.
+
+    w: (n_heads * hd, dim). In the file, head h's rows are ordered (j, half) with half in {0, 1}
+    varying fastest; Hugging Face orders them (half, j).
+    """
+    rows, dim = w.shape
+    hd = rows // n_heads
+    w = w.reshape(n_heads, hd // 2, 2, dim)  # (H, hd/2, 2, dim): as stored
+    return w.swapaxes(1, 2).reshape(rows, dim)  # (H, 2, hd/2, dim) -> (H * hd, dim)
+
+
+def _restore_qk(tensors: LazyTensors, cfg: ModelConfig) -> None:
+    for i in range(cfg.num_hidden_layers):
+        for name, n_heads in (
+            (f"blk.{i}.attn_q.weight", cfg.num_attention_heads),
+            (f"blk.{i}.attn_k.weight", cfg.num_key_value_heads),
+        ):
+            # (n_heads * hd, dim); a missing or misshapen one is reported with the others
+            shape = tensors.shape(name) if name in tensors else ()
+            if len(shape) == 2 and shape[0] == n_heads * cfg.head_dim:
+                tensors.derive(name, lambda w, n=n_heads: unpermute_qk(w, n))
+
+
+def _split_fused(tensors: LazyTensors, cfg: ModelConfig) -> None:
+    """Phi-3's fused tensors (attn_qkv, ffn_up) -> the names of their parts."""
+    shapes = expected_shapes(cfg)
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in GGUF_FUSED.items():
+            name, rows = fused.format(i=i), [shapes[p][0] for p in parts]
+            got = tensors.shape(name) if name in tensors else None
+            if got is None or len(got) != 2 or got[0] != sum(rows):
+                what = "missing" if got is None else f"of shape {got}"
+                raise ValueError(
+                    f"gguf: tensor {name!r} is {what}, config implies "
+                    f"({sum(rows)}, {cfg.hidden_size})"
+                )
+            names = [GGUF_LAYER_NAMES[p].format(i=i) for p in parts]
+            tensors.split(name, dict(zip(names, rows, strict=True)))
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Config, metadata and every tensor (dequantized when asked for, Q/K rows in HF order,
+    fused tensors split, Gemma's stored 1 + w norms back to w) of a .gguf file."""
+    reader = gguf.GGUFReader(str(path))
+    if isinstance(reader.data, np.memmap):
+        register_map(reader.data)
+    md = read_metadata(reader)
+    tensors = LazyTensors(reader)
+    factors = tensors.pop("rope_freqs.weight", None)  # (hd/2,) Llama 3's RoPE scaling
+    tied = GGUF_GLOBAL_NAMES["lm_head"] not in tensors
+    factors = () if factors is None else tuple(map(float, factors))
+    cfg = config_from_metadata(md, tied, factors, matrix_type(reader))
+    if md["general.architecture"] in PERMUTED_QK:
+        _restore_qk(tensors, cfg)
+    if cfg.spec.fused_projections:
+        _split_fused(tensors, cfg)
+    if cfg.norm_offset:
+        _unoffset_norms(tensors, cfg)
+    for field in ("embed", "lm_head"):  # read by row, or kept in blocks: never widened whole
+        tensors.keep_blocks(GGUF_GLOBAL_NAMES[field])
+    return GGUFFile(config=cfg, metadata=md, tensors=tensors)
+
+
+def _unoffset_norms(tensors: LazyTensors, cfg: ModelConfig) -> None:
+    names = [n.format(i=i) for i in range(cfg.num_hidden_layers) for n in GGUF_NORMS]
+    for name in [*names, GGUF_GLOBAL_NAMES["final_norm"]]:
+        if name in tensors:
+            tensors.derive(name, lambda w: w - np.float32(cfg.norm_offset))
+
+
+def gguf_weights(gf: GGUFFile) -> ModelWeights:
+    """ModelWeights from a read GGUF file, through the GGUF name tables (shapes checked)."""
+    names = family_layer_names(gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES)
+    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names)
