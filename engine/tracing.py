@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from engine.core.scheduler import SchedulerOutput
-from engine.core.sequence import Sequence
-
 trace = logging.getLogger("engine.trace")
 trace.setLevel(logging.WARNING)  # `--trace` (or a caller) sets it to INFO
 
@@ -56,9 +53,9 @@ class ScheduleTracer:
         self.block_manager = block_manager
         self.block_size = block_size
         self.preemption_mode = preemption_mode
-        self.tables: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, length last traced)
+        self.tables: dict[int, tuple] = {}  # seq_id -> (Sequence, length of its table last traced)
 
-    def __call__(self, out: SchedulerOutput) -> None:
+    def __call__(self, out) -> None:  # out: the step's SchedulerOutput
         if not on():
             self.tables.clear()
             return

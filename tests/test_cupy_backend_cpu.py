@@ -17,6 +17,8 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.backends import cupy_backend as CB
 from engine.backends.base import resolve_kv_dtype
+from engine.backends.cuda_graphs import graph_batch_sizes
+from engine.backends.cupy_step import pack_inputs, split_inputs
 from engine.backends.forward_batch import ForwardBatch
 from engine.config import EngineConfig
 from engine.devices.device import (
@@ -154,11 +156,11 @@ def test_forward_greedy_is_the_first_argmax_of_forward(tiny, graphs):
 
 
 def test_graph_batch_sizes():
-    assert CB.graph_batch_sizes(1) == [1]
-    assert CB.graph_batch_sizes(5) == [1, 2, 4, 5]
-    assert CB.graph_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
-    assert CB.graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
-    assert CB.graph_batch_sizes(256)[-3:] == [192, 224, 256]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    assert graph_batch_sizes(256)[-3:] == [192, 224, 256]
 
 
 # ---- dtypes ----
@@ -243,7 +245,7 @@ def test_pack_and_split_inputs_round_trip():
         query_start_loc=np.array([0, 1, 2, 3, 5, 7], np.int32),
         num_decodes=3,
     )
-    v = CB.split_inputs(CB.pack_inputs(prefill), 7, 5, 3, prefill.block_tables.shape[1])
+    v = split_inputs(pack_inputs(prefill), 7, 5, 3, prefill.block_tables.shape[1])
     np.testing.assert_array_equal(v.token_ids, prefill.token_ids)
     np.testing.assert_array_equal(v.positions, prefill.positions)
     np.testing.assert_array_equal(v.slot_mapping, prefill.slot_mapping)

@@ -13,11 +13,11 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.messages import CoreRequest, QueueFullError
-from engine.core.structured.params import StructuredOutputsParams
 from engine.frontend.core_client import Add, CoreLoop
 from engine.frontend.llm import run_to_completion
+from engine.frontend.recorder import Recorder
+from engine.structured_params import StructuredOutputsParams
 from engine.tools.live_server import MODEL, LiveServer
-from engine.tools.recorder import Recorder
 from model_loader.load import load_model
 from tests.utils import SEED_PROMPTS, make_engine
 

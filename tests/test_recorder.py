@@ -1,8 +1,8 @@
-"""The run recorder (engine/tools/recorder.py): on random workloads with preemption (recompute and
-swap) and prefix caching, the block tables rebuilt from its diffs are the block manager's, step by
-step (captured independently by a spy on ``Scheduler.schedule``), and the outputs are the same with
-it on and off. With speculative decoding, every recorded draft, accepted count and extra token is
-what the scheduler scheduled, the verifier accepted and the sequence took (spied on
+"""The run recorder (engine/frontend/recorder.py): on random workloads with preemption (recompute
+and swap) and prefix caching, the block tables rebuilt from its diffs are the block manager's, step
+by step (captured independently by a spy on ``Scheduler.schedule``), and the outputs are the same
+with it on and off. With speculative decoding, every recorded draft, accepted count and extra token
+is what the scheduler scheduled, the verifier accepted and the sequence took (spied on
 ``Scheduler.schedule``, ``SpecStats.record`` and ``Scheduler.end_speculation``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.frontend.llm import LLM, run_to_completion
-from engine.tools.recorder import DATA_MARK, Recorder, replay_tables
+from engine.frontend.recorder import DATA_MARK, Recorder, replay_tables
 from tests.spies import ScheduleSpy
 from tests.utils import make_engine, shared_prefix_workload
 

@@ -1,5 +1,5 @@
-"""The HTML replay (engine/tools/replay.html) in a real headless Chromium, opened from a file:// URL
-with the network off: no console errors, one grid cell per block, and scrubbing to a step shows
+"""The HTML replay (engine/frontend/replay.html) in a real headless Chromium, opened from a file://
+URL with the network off: no console errors, one grid cell per block, and scrubbing to a step shows
 exactly the blocks each sequence held then (the block manager's tables, captured by a spy). With
 speculative decoding, every step shows each speculated sequence's drafts as the scheduler
 scheduled them, marked as the verifier and the sequence took them (spied on), and the run's
@@ -23,7 +23,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.wait import WebDriverWait
 
 from engine.frontend.llm import run_to_completion
-from engine.tools.recorder import Recorder
+from engine.frontend.recorder import Recorder
 from tests.spies import ScheduleSpy
 from tests.test_recorder import stopped_run
 from tests.utils import make_engine, shared_prefix_workload

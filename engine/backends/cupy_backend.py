@@ -32,11 +32,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
+from engine.backends.cuda_graphs import DecodeGraphs
+from engine.backends.cupy_step import DeviceLayer, StepInputs, Workspace, pack_inputs, split_inputs
 from engine.backends.forward_batch import ForwardBatch
 from engine.backends.rope import rope_table
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
@@ -44,55 +45,6 @@ from engine.utils import MiB, cdiv
 from model_loader.weights import ModelWeights
 
 log = logging.getLogger("engine.backend")
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, then every 32 up to ``max_num_seqs`` (always included)."""
-    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs]
-    sizes += list(range(64, max_num_seqs, 32))
-    return sizes + [max_num_seqs]
-
-
-@dataclass
-class DeviceLayer:
-    attn_norm: object  # (D,)
-    w_qkv: object  # (H*hd + 2*Hkv*hd, D): q | k | v rows, (out, in) as in the checkpoint
-    w_o: object  # (D, H*hd)
-    mlp_norm: object  # (D,)
-    w_gate_up: object  # (2F, D): gate | up rows
-    w_down: object  # (D, F)
-    b_qkv: object = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2), added by rotary_cache
-    q_norm: object = None  # (hd,) per-head norms of q and k (Qwen3), in rotary_cache
-    k_norm: object = None  # (hd,)
-
-
-@dataclass
-class StepInputs:
-    """One step's int32 metadata on the device (views into one uploaded buffer)."""
-
-    token_ids: object  # (T,)
-    positions: object  # (T,)
-    slot_mapping: object  # (T,)
-    context_lens: object  # (B,)
-    block_tables: object  # (B, M)
-    prefill_qsl: object | None  # (B - nd + 1,) query starts of the prefills, from 0
-    rows: object | None  # (R,) the rows whose logits are wanted; None when every row is
-
-
-@dataclass
-class Workspace:
-    residual: object  # (T, D)
-    x: object  # (T, D) each block's output
-    h: object  # (T, D) normalized
-    qkv: object  # (T, H*hd + 2*Hkv*hd): q | k | v rows of the QKV product
-    q: object  # (T, H, hd) rotated
-    attn: object  # (T, H, hd)
-    gate_up: object  # (T, 2F)
-    act: object  # (T, F)
-    last_x: object  # (B, D) rows whose logits are needed
-    last_res: object  # (B, D)
-    last_h: object  # (B, D)
-    logits: object  # (B, V) float32
 
 
 def on_device(method):
@@ -107,26 +59,7 @@ def on_device(method):
     return run
 
 
-def pack_inputs(b: ForwardBatch) -> np.ndarray:
-    """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
-    nd, qsl = b.num_decodes, b.query_start_loc
-    parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
-    parts += [b.output_rows, b.block_tables.ravel()]
-    return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
-
-
-def split_inputs(flat, T: int, B: int, nd: int, M: int, R: int | None = None) -> StepInputs:
-    """The views of ``pack_inputs``'s layout over a device buffer; R output rows (B unless a
-    speculated run wants all of its rows)."""
-    R = B if R is None else R
-    sizes = [T, T, T, B, B - nd + 1, R, B * M]
-    ends = np.cumsum(sizes)
-    v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
-    rows = v[5] if T != R else None  # every row wanted: no gather
-    return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
-
-
-class CupyBackend(Backend):
+class CupyBackend(DecodeGraphs, Backend):
     """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device;
     ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned host memory."""
 
@@ -493,82 +426,6 @@ class CupyBackend(Backend):
         self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
         self._reduce(ws.x)
 
-    # ---- CUDA graphs for decode ----
-    def _graph_buffers(self, xp_zeros, Bmax: int, M: int):
-        """(token_ids, positions, slots, context_lens, block_tables) views of one flat buffer."""
-        flat = xp_zeros((4 * Bmax + Bmax * M,), np.int32)
-        f = [flat[i * Bmax : (i + 1) * Bmax] for i in range(4)]
-        return flat, (*f, flat[4 * Bmax :].reshape(Bmax, M))
-
-    def _capture_graphs(self) -> None:
-        """Capture the decode graphs; if anything fails, log why and run eager instead."""
-        try:
-            self._capture_all()
-        except Exception as exc:  # any failure: the engine still serves, without graphs
-            self.graphs = {}
-            self.device.release_graph_pool()
-            log.warning(
-                "CUDA graphs off, running eager: capturing the decode step failed (%s: %s)",
-                type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
-            )
-
-    def _capture_all(self) -> None:
-        sizes = graph_batch_sizes(self.max_graph_batch)
-        M = cdiv(self.max_model_len, self.block_size)
-        self._staging = [self._graph_buffers(self._pinned_zeros, sizes[-1], M) for _ in "ab"]
-        self._stage = 0
-        self._host_flat, self._host = self._staging[0]
-        self._dev_flat, dev = self._graph_buffers(self.device.zeros, sizes[-1], M)
-        self._dev_tokens = dev[0]  # (Bmax,)
-        self._graph_ids = self.device.zeros((sizes[-1],), np.int32)  # (Bmax,) greedy ids out
-        fill_padding(self._host, 0, sizes[-1])
-        self.device.copy_to(self._dev_flat, self._host_flat)
-        t0 = time.perf_counter()
-        for G in reversed(sizes):  # largest first: it sizes the shared pool
-            tok, pos, slots, lens, tables = (a[:G] for a in dev)
-            inp = StepInputs(tok, pos, slots, lens, tables, None, None)
-            self.graphs[G] = self.device.capture(lambda inp=inp, G=G: self._graph_step(inp, G))
-        self.device.synchronize()
-        log.info(
-            "CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, graph pool %.1f MiB",
-            len(sizes),
-            ", ".join(map(str, sizes)),
-            time.perf_counter() - t0,
-            self.device.graph_pool_bytes() / MiB,
-        )
-
-    def _graph_step(self, inp: StepInputs, G: int):
-        """A graph's step: (G, V) logits, and their argmax in ``_graph_ids[:G]``."""
-        logits = self._step(inp, G, G, G, self.max_model_len)  # (G, V)
-        self.k.sample_greedy(self._graph_ids[:G], logits)
-        return logits
-
-    def _pinned_zeros(self, shape, dtype) -> np.ndarray:
-        a = self.device.pinned_empty(shape, dtype)
-        a[...] = 0
-        return a
-
-    def _replay(self, batch: ForwardBatch, take=None):
-        """A pure-decode step through the graph of the next batch size up (padded rows) ->
-        (B, V) float32 logits on the device (the real rows of the graph's output); the argmax
-        of each row is in ``_graph_ids[:B]``. ``take(tokens)``: as in ``_run_eager``."""
-        B = batch.num_seqs
-        G = min(g for g in self.graphs if g >= B)
-        self._stage ^= 1
-        self._host_flat, self._host = self._staging[self._stage]
-        tok, pos, slots, lens, tables = self._host
-        tok[:B], pos[:B], slots[:B] = batch.token_ids, batch.positions, batch.slot_mapping
-        lens[:B] = batch.context_lens
-        m = batch.block_tables.shape[1]
-        tables[:B, :m], tables[:B, m:] = batch.block_tables, -1
-        fill_padding(self._host, B, G)
-        self.device.copy_to(self._dev_flat, self._host_flat)
-        if take is not None:
-            take(self._dev_tokens[:B])
-        logits = self.graphs[G]()  # (G, V) on the device
-        return logits[:B]  # (B, V) a contiguous view; padding rows dropped
-
 
 class DeviceIds(GreedyIds):
     """A queued greedy step: its ids on the device (for the next step's tokens) and their copy
@@ -583,13 +440,6 @@ class DeviceIds(GreedyIds):
         if self.ids is None:
             self.ids = self.download.wait()
         return self.ids
-
-
-def fill_padding(fields, lo: int, hi: int) -> None:
-    """Rows lo..hi-1 of the graph inputs: token 0 at position 0, no KV write (slot -1), one
-    context token read from block 0, so a padding row is harmless and its logits ignored."""
-    tok, pos, slots, lens, tables = fields
-    tok[lo:hi], pos[lo:hi], slots[lo:hi], lens[lo:hi], tables[lo:hi] = 0, 0, -1, 1, 0
 
 
 def cuda_backend(model_config, weights, engine_config, emulate: bool = False) -> CupyBackend:

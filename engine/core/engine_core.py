@@ -109,7 +109,7 @@ class EngineCore:
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
-        self.recorder = None  # engine/tools/recorder.py's Recorder attaches itself here
+        self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
 
     # ---- requests ----
     def add_request(self, req: CoreRequest, max_waiting: int | None = None) -> None:

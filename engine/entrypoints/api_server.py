@@ -21,10 +21,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import hmac
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -32,13 +30,19 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
+from engine.entrypoints.middleware import (
+    OPEN_PATHS,
+    ApiError,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    check_api_key,
+)
 from engine.entrypoints.prometheus import PrometheusStatLogger
 from engine.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -50,6 +54,12 @@ from engine.entrypoints.protocol import (
     error_body,
 )
 from engine.entrypoints.responses import ChatFormat, CompletionFormat
+from engine.entrypoints.tokenize_routes import (
+    detokenize_body,
+    json_response,
+    tokenize_body,
+    tokenizer_info_body,
+)
 from engine.entrypoints.uvicorn_config import ABORT_CONNECTION
 from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from engine.frontend.chat import chat_prompt_ids
@@ -58,25 +68,7 @@ from engine.frontend.input_processor import tokenize_prompt
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
 TEXT_WORKERS = 2  # worker threads for those: big requests wait for each other, not the loop
-OPEN_PATHS = ("/health",)  # what needs no API key (and /metrics, unless protect_metrics)
-API_KEY = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
 log = logging.getLogger("engine.serve")
-
-
-class ApiError(Exception):
-    """An error answer: HTTP status, OpenAI error type, message, optional headers, and the
-    request field it is about (OpenAI's ``param``), if one."""
-
-    def __init__(
-        self, status: int, message: str, type_: str = "BadRequestError", headers=None, param=None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.headers = status, message, type_, headers
-        self.param = param
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.status, self.param)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 class Server:
@@ -214,15 +206,6 @@ def _parse(body: bytes, model: type[BaseModel], limits: ServerLimits) -> BaseMod
         raise ApiError(400, str(e)) from None
 
 
-def check_api_key(api_key) -> None:
-    """None (no key) or a key a client can send: an empty one must not switch auth off."""
-    if api_key is not None and not (isinstance(api_key, str) and API_KEY.fullmatch(api_key)):
-        raise ValueError(
-            "the API key must be non-empty printable ASCII with no space at either end "
-            "(unset it to serve without a key)"
-        )
-
-
 def build_app(
     llm: AsyncLLM,
     model_name: str,
@@ -313,77 +296,6 @@ def _validation_message(errors: list[dict]) -> str:
     return f"{where or 'body'}: {first.get('msg')}"
 
 
-class ApiKeyMiddleware:
-    """Every request without ``Authorization: Bearer <key>`` answers 401, except on the open
-    paths. (Plain ASGI: FastAPI's ``@app.middleware`` would hide a client's disconnect from the
-    routes.)"""
-
-    def __init__(self, app, api_key: str, open_paths=OPEN_PATHS):
-        self.app, self.open_paths = app, frozenset(open_paths)
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "invalid or missing API key", "AuthenticationError")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """A body over ``max_bytes`` answers 413: at once when its Content-Length says so, else as
-    soon as that many bytes have come. One that has not fully come ``timeout`` seconds after the
-    request head answers 408. Both close the connection."""
-
-    def __init__(self, app, max_bytes: int, timeout: float):
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = Headers(scope=scope).get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            error = self._too_large() if length.isdigit() else _closing(400, "bad Content-Length")
-            await error.response()(scope, receive, send)
-            return
-        await self.app(scope, self._receive(receive), send)
-
-    def _too_large(self) -> ApiError:
-        return _closing(413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
-
-    def _receive(self, receive):
-        """receive, counting the body's bytes against max_bytes and its time against timeout."""
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        state = {"bytes": 0, "done": False}
-
-        async def limited():
-            if state["done"]:
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                why = f"request body not received within {self.timeout:g} s"
-                raise _closing(408, f"{why} (--request-body-timeout)") from None
-            if message["type"] == "http.request":
-                state["bytes"] += len(message.get("body", b""))
-                if state["bytes"] > self.max_bytes:
-                    raise self._too_large()
-                state["done"] = not message.get("more_body", False)
-            else:
-                state["done"] = True
-            return message
-
-        return limited
-
-
-def _closing(status: int, message: str) -> ApiError:
-    return ApiError(status, message, "BadRequestError", {"Connection": "close"})
-
-
 def _add_info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
@@ -417,85 +329,13 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
     async def tokenize(raw: Request):
         req, size = await server.parse(raw, TokenizeRequest)
         server.check_model(req.model)
-        return _json(await server.run(size, _tokenize, server, req))
+        return json_response(await server.run(size, tokenize_body, server, req))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         req, size = await server.parse(raw, DetokenizeRequest)
         server.check_model(req.model)
-        return _json(await server.run(size, _detokenize, server, req.tokens))
-
-
-def _json(body: str) -> Response:
-    return Response(body, media_type="application/json")
-
-
-def _tokenize(server: Server, req: TokenizeRequest) -> str:
-    """The /tokenize answer, as JSON text (a list of millions of ids is slow to encode)."""
-    if (req.prompt is None) == (req.messages is None):
-        raise ApiError(400, "give exactly one of prompt and messages")
-    max_chars, flag = server.limits.max_tokenize_chars, "(--max-tokenize-chars)"
-    if req.messages is not None:
-        try:
-            conv = [m.for_template() for m in req.messages]
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = server.chat_ids(conv, req.add_generation_prompt, max_chars, tools, flag)
-    else:
-        if len(req.prompt) > max_chars:
-            got = len(req.prompt)
-            raise ApiError(400, f"prompt has {got} characters, more than {max_chars} {flag}")
-        tokens = server.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    rest = json.dumps({"count": len(tokens), "max_model_len": server.max_model_len})
-    return f'{{"tokens": {_int_list_json(tokens)}, {rest[1:]}'
-
-
-def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
-    """``GET /tokenizer_info``, in vLLM's shape (a Hugging Face tokenizer's config): the class
-    transformers would load this tokenizer.json with, BOS / EOS, the context length, the chat
-    template and the added tokens."""
-
-    def text(token_id):
-        return None if token_id is None else tokenizer.id_to_token(token_id)
-
-    eos = tokenizer.eos_token_ids
-    added = tokenizer.backend.get_added_tokens_decoder()  # id -> AddedToken
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": text(tokenizer.bos_token_id),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token": text(eos[0]) if eos else None,
-        "eos_token_id": eos[0] if eos else None,
-        "eos_token_ids": list(eos),
-        "pad_token": None,
-        "unk_token": None,
-        "add_bos_token": tokenizer.add_bos,
-        "model_max_length": max_model_len,
-        "vocab_size": tokenizer.vocab_size,
-        "chat_template": tokenizer.chat_template,
-        "added_tokens_decoder": {
-            str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())
-        },
-    }
-
-
-def _int_list_json(ids: list[int], chunk: int = 1 << 14) -> str:
-    """``json.dumps(ids)`` in pieces: one call over millions of ids holds the GIL for seconds,
-    between pieces the event loop's thread gets its turn."""
-    pieces = (",".join(map(str, ids[i : i + chunk])) for i in range(0, len(ids), chunk))
-    return f"[{','.join(pieces)}]"
-
-
-def _detokenize(server: Server, tokens: list[int]) -> str:
-    vocab = server.vocab_size
-    bad = next((t for t in tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside [0, {vocab})")
-    return json.dumps({"prompt": server.tokenizer.decode(tokens)}, ensure_ascii=False)
-
-
-# ---- generation ----
+        return json_response(await server.run(size, detokenize_body, server, req.tokens))
 
 
 def _add_generation_routes(app: FastAPI, server: Server) -> None:

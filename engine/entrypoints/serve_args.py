@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 
-from engine.entrypoints.api_server import check_api_key
 from engine.entrypoints.cli_utils import CliParser
 from engine.entrypoints.engine_args import add_engine_args
 from engine.entrypoints.limits import ServerLimits, add_limit_args, limits_from_args
+from engine.entrypoints.middleware import check_api_key
 from engine.entrypoints.replicas.routing import POLICIES
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"

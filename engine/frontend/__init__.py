@@ -12,4 +12,5 @@ core_client.py       the engine core in a process of its own, over ZMQ (``CoreCl
 chat.py              conversations -> prompt ids through the model's chat template
 stop_strings.py      stop strings in text that grows at its end
 tokenizer.py         ``LLM.get_tokenizer()``: Hugging Face's tokenizer methods over the project's
+recorder.py          ``trace_html``: a run's steps and KV pool as one HTML replay (replay.html)
 """

@@ -9,16 +9,16 @@ from tqdm.auto import tqdm
 
 from engine.frontend.chat import chat_prompt_ids, is_conversation
 from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.recorder import Recorder
 from engine.frontend.tokenizer import HFTokenizerAdapter
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, is_integer
-from engine.tools.recorder import Recorder
 
 
 class LLM:
     """``LLM(model=..., **engine_args)``; engine_args are ``EngineConfig`` fields.
 
-    ``trace_html="run.html"`` records every step (engine/tools/recorder.py) and, after each
+    ``trace_html="run.html"`` records every step (engine/frontend/recorder.py) and, after each
     ``generate`` or ``chat``, writes the run so far there as a self-contained HTML replay."""
 
     def __init__(self, model: str | None = None, trace_html: str | None = None, **engine_args):

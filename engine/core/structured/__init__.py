@@ -1,7 +1,8 @@
 """Structured output (constrained decoding): the tokens a grammar allows next, as a logits mask.
 
-params.py    ``StructuredOutputsParams``: vLLM's names (json, regex, choice, grammar,
-             json_object); exactly one is set; ``key()`` for caching
+``StructuredOutputsParams`` (vLLM's names: json, regex, choice, grammar, json_object; exactly
+one is set; ``key()`` for caching) is engine/structured_params.py, beside ``SamplingParams``.
+
 compiler.py  ``StructuredOutputCompiler``: one per engine over the model's tokenizer; constraint ->
              checked llguidance grammar (LRU-cached) -> a fresh ``Matcher`` per request
 matcher.py   ``Matcher``: next-token mask, accept, rollback, draft validation; EOS exactly when
@@ -20,7 +21,7 @@ from engine.core.structured.bitmask import (
 )
 from engine.core.structured.compiler import CompiledGrammar, StructuredOutputCompiler
 from engine.core.structured.matcher import Matcher
-from engine.core.structured.params import StructuredOutputsParams
+from engine.structured_params import StructuredOutputsParams
 
 
 def model_compiler(loaded, eos_token_ids: list[int]) -> StructuredOutputCompiler:

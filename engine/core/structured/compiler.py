@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.structured.bitmask import bitmask_width
 from engine.core.structured.matcher import Matcher
-from engine.core.structured.params import StructuredOutputsParams
+from engine.structured_params import StructuredOutputsParams
 from model_loader.tokenizer import Tokenizer
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds its lexer: ~KBs to a few MBs)

@@ -2,7 +2,7 @@
 as one self-contained HTML file (``LLM(..., trace_html="run.html")``,
 ``python -m engine.generate --trace-html run.html``).
 
-``Recorder(engine)`` attaches itself as ``engine.tools.recorder``; the engine then calls
+``Recorder(engine)`` attaches itself as ``engine.frontend.recorder``; the engine then calls
 ``on_schedule(out)`` once per step, right after ``Scheduler.schedule()``, so the block tables
 recorded are the ones the step's forward uses. Each call appends one frame that holds only what
 changed since the last one: block-table diffs ``[seq, keep, new blocks]`` (the table is now its
@@ -10,7 +10,7 @@ first ``keep`` blocks, then ``new``), state changes, the step's scheduled sequen
 counts, preemptions, swaps and prefix-cache hits, the free queue's length, and the step's wall
 time (the time to the next frame). Output tokens are seen at the frame after the step that made
 them. ``write_html`` first appends an idle frame (the pool once the run is over), then fills
-engine/tools/replay.html with the frames as JSON.
+engine/frontend/replay.html with the frames as JSON.
 
 Speculative decoding: a step's ``SchedulerOutput.drafts`` are its frame's ``spec`` entries
 ``[seq, draft pieces, accepted, extra piece]``, completed at the next frame from the tokens the
@@ -285,7 +285,7 @@ class Recorder:
 
     def write_html(self, path: str) -> int:
         """Write the replay to path; returns its size in bytes."""
-        template = resources.files("engine.tools").joinpath("replay.html").read_text("utf-8")
+        template = resources.files("engine.frontend").joinpath("replay.html").read_text("utf-8")
         blob = json.dumps(self.data(), separators=(",", ":"), ensure_ascii=False)
         blob = blob.replace("</", "<\\/")  # no "</script>" inside the script element
         html = template.replace(DATA_MARK, blob)

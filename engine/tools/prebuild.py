@@ -1,4 +1,4 @@
-"""``python -m engine.kernels.prebuild`` (``make setup`` runs it): every CUDA kernel's CPU build,
+"""``python -m engine.tools.prebuild`` (``make setup`` runs it): every CUDA kernel's CPU build,
 plain and under ASan (``build.build_everything``), and the cpu backend's native kernels
 (``engine.backends.cpu_native``) for this CPU and, on x86-64, for x86-64-v3 and the baseline
 (the targets the kernel tests also run), ahead of the tests and the first run."""

@@ -1,0 +1,71 @@
+"""The GPU backend's step data: a layer's weights on the device, a step's inputs as views of one
+uploaded buffer, and the workspace every layer of a step reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.backends.forward_batch import ForwardBatch
+
+
+@dataclass
+class DeviceLayer:
+    attn_norm: object  # (D,)
+    w_qkv: object  # (H*hd + 2*Hkv*hd, D): q | k | v rows, (out, in) as in the checkpoint
+    w_o: object  # (D, H*hd)
+    mlp_norm: object  # (D,)
+    w_gate_up: object  # (2F, D): gate | up rows
+    w_down: object  # (D, F)
+    b_qkv: object = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2), added by rotary_cache
+    q_norm: object = None  # (hd,) per-head norms of q and k (Qwen3), in rotary_cache
+    k_norm: object = None  # (hd,)
+
+
+@dataclass
+class StepInputs:
+    """One step's int32 metadata on the device (views into one uploaded buffer)."""
+
+    token_ids: object  # (T,)
+    positions: object  # (T,)
+    slot_mapping: object  # (T,)
+    context_lens: object  # (B,)
+    block_tables: object  # (B, M)
+    prefill_qsl: object | None  # (B - nd + 1,) query starts of the prefills, from 0
+    rows: object | None  # (R,) the rows whose logits are wanted; None when every row is
+
+
+@dataclass
+class Workspace:
+    residual: object  # (T, D)
+    x: object  # (T, D) each block's output
+    h: object  # (T, D) normalized
+    qkv: object  # (T, H*hd + 2*Hkv*hd): q | k | v rows of the QKV product
+    q: object  # (T, H, hd) rotated
+    attn: object  # (T, H, hd)
+    gate_up: object  # (T, 2F)
+    act: object  # (T, F)
+    last_x: object  # (B, D) rows whose logits are needed
+    last_res: object  # (B, D)
+    last_h: object  # (B, D)
+    logits: object  # (B, V) float32
+
+
+def pack_inputs(b: ForwardBatch) -> np.ndarray:
+    """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
+    nd, qsl = b.num_decodes, b.query_start_loc
+    parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
+    parts += [b.output_rows, b.block_tables.ravel()]
+    return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
+
+
+def split_inputs(flat, T: int, B: int, nd: int, M: int, R: int | None = None) -> StepInputs:
+    """The views of ``pack_inputs``'s layout over a device buffer; R output rows (B unless a
+    speculated run wants all of its rows)."""
+    R = B if R is None else R
+    sizes = [T, T, T, B, B - nd + 1, R, B * M]
+    ends = np.cumsum(sizes)
+    v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
+    rows = v[5] if T != R else None  # every row wanted: no gather
+    return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
