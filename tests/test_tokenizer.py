@@ -296,3 +296,19 @@ def test_stream_pieces_are_the_new_text_only(sentencepiece_like):
         sentencepiece_like.decode([7 + 0xF0, 7 + 0x9F, 7 + 0x99, 7 + 0x82, 7 + 0x80])
         == "\ufffd" * 5
     )
+
+
+def test_byte_level_vocabularies_stream_in_rust_and_byte_fallback_ones_in_python(
+    smol, sentencepiece_like
+):
+    """SmolLM2 (byte-level BPE) streams through tokenizers' DecodeStream; a vocabulary with
+    byte-fallback tokens through the window decodes that hold a byte run back. Both equal the
+    whole decode, an incomplete UTF-8 tail included (random ids: the tests above)."""
+    assert IncrementalDetokenizer(smol, [])._stream is not None
+    assert IncrementalDetokenizer(sentencepiece_like, [])._stream is None
+    split = smol.encode("鬱")  # one character, three tokens of its bytes
+    assert len(split) == 3
+    ids = [*split, *smol.encode(" and "), *split[:-1]]  # the last character left incomplete
+    pieces = stream(smol, ids)
+    assert pieces[:3] == ["", "", "鬱"]  # held until the character is whole
+    assert "".join(pieces) == smol.decode(ids) and pieces[-1] == "\ufffd"

@@ -56,9 +56,12 @@ class SampleState:
 
     def sync_text(self) -> None:
         """Detokenize the output ids not yet in text."""
-        ids = self.token_ids
-        if self.detokenized < len(ids):
-            self.text += "".join(map(self.detok.add, ids[self.detokenized :]))
+        ids, done = self.token_ids, self.detokenized
+        if done == len(ids) - 1:  # a decode step's one new id: the common case
+            self.text += self.detok.add(ids[done])
+            self.detokenized = len(ids)
+        elif done < len(ids):
+            self.text += "".join(map(self.detok.add, ids[done:]))
             self.detokenized = len(ids)
 
     def scan_stops(self, before: int) -> None:
@@ -139,7 +142,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:
+            return samples[0].finish_reason is not None
+        return all(s.finished for s in samples)
 
     def on_token_time(self, token: int, now: float) -> None:
         """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
