@@ -83,17 +83,6 @@ def check_kernels(dev, rng) -> dict:
     ids = up(np.full(5, -1, np.int32))
     k.sample_greedy(ids, up(logits))
     errors["sample_greedy"] = close(down(ids), np.argmax(logits, 1), 0)
-    params = dict(
-        temperature=np.array([0.0, 0.7, 1.0, 1.0, 0.5], np.float32),
-        top_k=np.array([0, 0, 20, 0, 5], np.int32),
-        top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.8], np.float32),
-        min_p=np.array([0.0, 0.0, 0.0, 0.05, 0.0], np.float32),
-        seeds=rng.integers(0, 2**63, 5, dtype=np.uint64),
-        steps=rng.integers(0, 100, 5).astype(np.int32),
-    )
-    ids = up(np.full(5, -1, np.int32))
-    k.sample(ids, up(logits), *(up(p) for p in params.values()))
-    errors["sample"] = close(down(ids), C.sample_numpy(logits, **params), 0)
     return {"max_abs_error": errors}
 
 

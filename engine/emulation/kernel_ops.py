@@ -4,8 +4,8 @@ Same names, arguments and results as ``reference.kernel_ops`` (its twin): each c
 launches the kernel through ``engine.kernels`` on the CUDA emulator. Inputs may be float32,
 float16 or bfloat16 (ml_dtypes); metadata arrays are converted to int32. Operations that the
 kernels do in place (fused_add_rms_norm) work on copies, as the NumPy twins return new
-arrays. Sampling: ``sample_greedy`` and ``sample`` launch the sampling kernels;
-``sample_numpy`` is their NumPy twin (same filters, same Philox draws).
+arrays. ``sample_greedy`` launches the argmax kernel (the engine's sampling is the host's,
+engine/core/sampler.py).
 """
 
 from __future__ import annotations
@@ -157,94 +157,4 @@ def sample_greedy(logits: np.ndarray) -> np.ndarray:
     logits = _c(logits)
     out = np.empty(logits.shape[0], np.int32)  # (B,)
     cpu_kernels().sample_greedy(out, logits)
-    return out
-
-
-def _params(B, temperature, top_k, top_p, min_p, seeds, steps) -> tuple:
-    def col(x, dtype):
-        a = np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype), (B,)))  # (B,)
-        return a
-
-    return (
-        col(temperature, np.float32),
-        col(top_k, np.int32),
-        col(top_p, np.float32),
-        col(min_p, np.float32),
-        col(seeds, np.uint64),
-        col(steps, np.int32),
-    )
-
-
-def sample(logits, temperature, top_k, top_p, min_p, seeds, steps) -> np.ndarray:
-    """One token per row of logits (B, V); parameters are (B,) arrays or scalars.
-    temperature <= 0 is greedy; top_k <= 0, top_p >= 1, min_p <= 0 switch a filter off."""
-    logits = _c(logits)
-    out = np.empty(logits.shape[0], np.int32)  # (B,)
-    params = _params(logits.shape[0], temperature, top_k, top_p, min_p, seeds, steps)
-    cpu_kernels().sample(out, logits, *params)
-    return out
-
-
-_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
-_PHILOX_W = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))
-
-
-def philox_bits(seed: int, step: int, index: np.ndarray) -> np.ndarray:
-    """Philox4x32-10, key = seed (64 bits), counter = (index, step, 0, 0): first word, (n,)."""
-    mask = np.uint64(0xFFFFFFFF)
-    c = [np.asarray(index, np.uint64), np.full(len(index), step, np.uint64)]
-    c += [np.zeros(len(index), np.uint64), np.zeros(len(index), np.uint64)]
-    k0, k1 = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
-    with np.errstate(over="ignore"):
-        for _ in range(10):
-            p0, p1 = _PHILOX_M[0] * c[0], _PHILOX_M[1] * c[2]
-            c = [
-                (p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0),
-                p1 & mask,
-                (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1),
-                p0 & mask,
-            ]
-            k0, k1 = k0 + _PHILOX_W[0], k1 + _PHILOX_W[1]
-    return c[0].astype(np.uint32)
-
-
-def philox_uniform(seed: int, step: int, index: np.ndarray) -> np.ndarray:
-    """(n,) float32 in (0, 1): 23 random bits plus a half, as cuda_src/common.cuh."""
-    bits = philox_bits(seed, step, index) >> np.uint32(9)
-    return (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
-
-
-def kept_mask(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """(V,) bool: the tokens that survive top-k, then top-p, then min-p, by sorting."""
-    order = np.argsort(-z, kind="stable")  # (V,) best first
-    zs = z[order]
-    kept = np.ones(len(z), bool)
-    if 0 < top_k < len(z):
-        kept &= z >= zs[top_k - 1]
-    if top_p < 1.0:
-        weights = np.exp((zs - zs[0]).astype(np.float64)) * kept[order]  # (V,) sorted
-        cum = np.cumsum(weights)
-        cut = int(np.searchsorted(cum, top_p * cum[-1]))  # first index reaching the mass
-        kept &= z >= zs[min(cut, len(z) - 1)]
-    kept &= (np.exp(z - zs[0]) >= min_p) | (z == zs[0])
-    return kept
-
-
-def sample_numpy(logits, temperature, top_k, top_p, min_p, seeds, steps) -> np.ndarray:
-    """The sampling kernel's NumPy twin: same filters, same Philox Gumbel noise -> (B,)."""
-    logits = np.asarray(logits, np.float32)  # (B, V)
-    B, V = logits.shape
-    temperature, top_k, top_p, min_p, seeds, steps = _params(
-        B, temperature, top_k, top_p, min_p, seeds, steps
-    )
-    out = np.empty(B, np.int32)
-    for b in range(B):
-        if temperature[b] <= 0:
-            out[b] = np.argmax(logits[b])
-            continue
-        z = logits[b] / temperature[b]  # (V,) float32
-        kept = kept_mask(z, int(top_k[b]), float(top_p[b]), float(min_p[b]))
-        u = philox_uniform(int(seeds[b]), int(steps[b]), np.arange(V))
-        scores = np.where(kept, z - np.log(-np.log(u)), -np.inf)  # (V,)
-        out[b] = np.argmax(scores)
     return out

@@ -380,22 +380,3 @@ class Kernels:
         if B:
             fn = self._fn("sample_greedy", f"sample_greedy_{_suffix('sample_greedy', logits)}")
             fn((B,), (SAMPLE_THREADS,), (out_ids, logits, i32(V)))
-
-    def sample(self, out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps) -> None:
-        """One draw per row; every parameter is a (B,) array (see cuda_src/sample.cu)."""
-        B, V = logits.shape
-        _check("sample", "logits", logits, (B, V))
-        _check("sample", "out_ids", out_ids, (B,), np.int32)
-        for name, a, dtype in (
-            ("temperature", temperature, np.float32),
-            ("top_k", top_k, i32),
-            ("top_p", top_p, np.float32),
-            ("min_p", min_p, np.float32),
-            ("seeds", seeds, np.uint64),
-            ("steps", steps, i32),
-        ):
-            _check("sample", name, a, (B,), dtype)
-        if B:
-            fn = self._fn("sample", f"sample_{_suffix('sample', logits)}")
-            args = (out_ids, logits, temperature, top_k, top_p, min_p, seeds, steps, i32(V))
-            fn((B,), (SAMPLE_THREADS,), args)
