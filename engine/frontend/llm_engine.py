@@ -208,7 +208,7 @@ class LLMEngine(FrontendState):
         or was rejected in this step (finished requests are then forgotten). ``stream=False``:
         only for the requests that finished, for a caller that reads final outputs alone (no
         per-step outputs are built, and text is detokenized once, at the end)."""
-        out = self.core.step()  # 4.
+        out = self.core.step()  # 0.-4. in the core
         if out is None:  # a core process sent nothing yet
             return []
         for rid, index, kept in self.output_processor.process(out.deltas, out.now):  # 5.
