@@ -66,6 +66,20 @@ def test_the_faster_layout_is_kept_and_measurements_are_read_back(timings):
     assert "32x64 panels (0.50x plain, 0.50x numpy)" in line and vs_numpy == pytest.approx(0.5)
 
 
+def test_a_shape_timed_slower_than_numpy_is_timed_again_not_kept(timings):
+    """A busy machine can make the native threads wait for cores: such a measurement (native
+    slower than NumPy) is used but not written, so the next start times the shape again."""
+    mats = {(32, 48): np.ones((32, 48), np.float32)}
+    timings["fastest"] = "numpy"
+    assert cpu_tuning.choose(mats)[(32, 48)].ratio("plain", "numpy") == pytest.approx(2.0)
+    assert not timings["file"].exists()
+    timings["fastest"] = "plain"  # timed again, and this one is kept
+    assert cpu_tuning.choose(mats)[(32, 48)].ratio("plain", "numpy") == pytest.approx(0.5)
+    timings["fastest"] = "numpy"
+    assert cpu_tuning.choose(mats)[(32, 48)].ratio("plain", "numpy") == pytest.approx(0.5)
+    assert timings["timed"] == [(32, 48)] * 2
+
+
 @pytest.mark.parametrize("fastest", ["panels", "plain"])
 def test_the_backend_keeps_the_measured_layout_and_the_numpy_backends_tokens(
     tiny, timings, fastest, monkeypatch

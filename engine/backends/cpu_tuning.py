@@ -13,7 +13,9 @@ same shape. ``auto`` compares the chosen products with NumPy's and takes the num
 where the cpu backend's were slower.
 
 Timed once per (CPU, kernel build, threads, shape) on the model's own matrices: a few hundred
-milliseconds for TinyLlama's, then read back from a JSON file beside the kernels' build.
+milliseconds for TinyLlama's, then read back from a JSON file beside the kernels' build (a shape
+whose native products timed slower than NumPy's is not written: a busy machine's timings are
+not kept for good, and the next start times it again).
 In: {shape: a (K, N) float32 matrix of that shape} (or a kept matrix and its float32 values);
 out: {shape: Choice}.
 """
@@ -137,20 +139,32 @@ def _measured(keys: dict, timer) -> dict:
         except (OSError, ValueError):
             saved = {}
         missing = [k for k in keys if k not in saved]
+        timed = {}
         if missing:
             t0 = time.perf_counter()
             for k in missing:
-                saved[k] = timer(keys[k])
+                timed[k] = timer(keys[k])
             log.debug(
                 "timed the products of %d matrix shape(s) on this CPU in %.2f s (kept in %s)",
                 len(missing),
                 time.perf_counter() - t0,
                 path,
             )
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(saved, indent=1))
-            os.replace(tmp, path)
-    return {k: saved[k] for k in keys}
+            # a shape whose native products timed slower than NumPy's is not kept: it is
+            # timed again next time, so a measurement disturbed by a busy machine (the native
+            # threads waiting for cores: whole milliseconds per product) is not kept for good
+            kept = {k: t for k, t in timed.items() if _native_ratio(t) <= 1.0}
+            if kept:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({**saved, **kept}, indent=1))
+                os.replace(tmp, path)
+    return {k: timed[k] if k in timed else saved[k] for k in keys}
+
+
+def _native_ratio(times: dict) -> float:
+    """The fastest native candidate's time over NumPy's (geometric mean over ROWS)."""
+    c = Choice("plain", times)
+    return min(c.ratio(name, "numpy") for name in times if name != "numpy")
 
 
 def choose(matrices: dict) -> dict:
