@@ -41,7 +41,6 @@ from engine.core.messages import (
     CoreOutputs,
     CoreRequest,
     CoreStats,
-    check_queue,
     core_stats,
     deltas,
 )
@@ -120,7 +119,7 @@ class EngineCore:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is not a new string id")
         if max_waiting is not None:
-            self._check_queue(params.n, max_waiting)
+            self.scheduler.check_queue(params.n, max_waiting)
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         limit = self.config.max_model_len
@@ -138,11 +137,6 @@ class EngineCore:
         for seq in seqs:
             self.scheduler.add(seq)
         tracing.queued(req.request_id, req.prompt_token_ids, len(self.scheduler.waiting))
-
-    def _check_queue(self, n: int, limit: int) -> None:
-        sched = self.scheduler
-        busy = len(sched.running) + len(sched.swapped)
-        check_queue(n, limit, len(sched.waiting), busy, self.config.max_num_seqs)
 
     def structured_compiler(self):
         """The sampler's structured-output compiler, built on first use."""

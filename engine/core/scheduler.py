@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.messages import check_queue
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger("engine.scheduler")
@@ -155,6 +156,12 @@ class Scheduler:
         out.num_decodes = len(step.decodes)
         self._in_flight = {seq.seq_id: n for seq, n in out.scheduled}
         return out
+
+    def check_queue(self, n: int, limit: int) -> None:
+        """QueueFullError if n more sequences would leave more than ``limit`` waiting beyond the
+        run slots the next step can fill."""
+        busy = len(self.running) + len(self.swapped)
+        check_queue(n, limit, len(self.waiting), busy, self.config.max_num_seqs)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """After the forward: count the computed tokens; append each sampled token that is due.
