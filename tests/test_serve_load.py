@@ -102,22 +102,25 @@ def _start_server(model_dir, extra=()) -> tuple[subprocess.Popen, str, list[str]
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
-    # long requests: the signal must find them running (uvicorn checks for it every 0.1 s, and
-    # 200 tokens of the tiny model have finished within that)
+    # the signal must find the requests running, whatever the machine's speed: each client
+    # reads its first chunk, then reads no more until the signal is sent, and a response (500
+    # chunks of 20 logprobs each, 360 KB) is more than the socket buffers hold at first, so the
+    # server cannot have sent it all before then
     room = ["--max-model-len", "512", "--num-gpu-blocks", "160"]
     proc, url, log = _start_server(tiny_model_dir, room)
     try:
-        results, started = [], threading.Barrier(5)
+        results, started, sent = [], threading.Barrier(5), threading.Event()
 
         def stream_one(i: int):
             body = {"model": str(tiny_model_dir), "prompt": f"hello {i}", "max_tokens": 500}
-            body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+            body |= {"stream": True, "ignore_eos": True, "temperature": 0, "logprobs": 20}
             text, first = [], True
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if first:
                         first = False
                         started.wait()
+                        sent.wait(30)
                     text.append(line)
             results.append(text)
 
@@ -126,6 +129,7 @@ def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
             t.start()
         started.wait()  # every request is streaming
         proc.send_signal(sig)
+        sent.set()
         for t in threads:
             t.join(60)
         assert proc.wait(60) == 0
