@@ -77,6 +77,33 @@ def test_bad_input_and_full_queue_raise_at_add(tiny, allm):
         llm.shutdown()
 
 
+def test_final_only_streams_get_one_output_with_the_streamed_tokens_and_all_are_counted(tiny, allm):
+    """A request added final_only gets its finished output alone, equal to a streamed
+    request's last; the step counters still count every token of both kinds as it comes."""
+    counted = {"generation": 0, "prompt": 0}
+
+    def count(stats):
+        counted["generation"] += stats.generation_tokens
+        counted["prompt"] += stats.prompt_tokens
+
+    allm.stat_loggers.append(count)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, n=2, ignore_eos=True)
+
+    async def outputs(final_only):
+        stream = await allm.add_request(SEED_PROMPTS[1], params, final_only=final_only)
+        return [out async for out in stream]
+
+    async def main():
+        return await asyncio.gather(outputs(True), outputs(False))
+
+    final, streamed = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished and len(streamed) > 1
+    for a, b in zip(final[0].outputs, streamed[-1].outputs, strict=True):
+        assert (a.token_ids, a.text) == (b.token_ids, b.text) and len(a.token_ids) == 12
+    assert counted["generation"] == 2 * 2 * 12  # two requests of two samples
+    assert counted["prompt"] == 2 * len(final[0].prompt_token_ids)
+
+
 def test_stats_log_line(allm, caplog):
     allm.stat_loggers.append(LoggingStatLogger(interval=0.0))
     with caplog.at_level(logging.INFO, logger="engine.async"):

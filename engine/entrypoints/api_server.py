@@ -185,10 +185,11 @@ class Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    async def start(self, prompts, params) -> list[RequestStream]:
-        """Queue every prompt, or none; bad input -> 400, a full queue -> 503 with Retry-After."""
+    async def start(self, prompts, params, stream: bool) -> list[RequestStream]:
+        """Queue every prompt, or none; bad input -> 400, a full queue -> 503 with Retry-After.
+        Not ``stream``ed: each request's finished output alone comes back (none per step)."""
         try:
-            return await self.llm.add_requests(prompts, params)
+            return await self.llm.add_requests(prompts, params, final_only=not stream)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except QueueFullError as e:
@@ -358,7 +359,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         params = await server.run(size, _call, req.sampling_params, *args)  # checks logit_bias
         prompts = await server.run(size, server.prompt_ids, req)
         await server.compile(named)
-        streams = await server.start(prompts, params)
+        streams = await server.start(prompts, params, req.stream)
         texts = await server.run(size, server.prompt_texts, req, prompts) if req.echo else None
         fmt = CompletionFormat(
             server.tokenizer, req.model or server.model_name, req, texts, echo_only
@@ -389,7 +390,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             fits = max(server.max_model_len - len(ids), 1)
             params = _call(dataclasses.replace, params, max_tokens=fits)
         await server.compile(named)
-        streams = await server.start([ids], params)
+        streams = await server.start([ids], params, req.stream)
         fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
         if req.stream:
             return _sse(fmt.chunks(streams), streams, server.limits.stream_write_timeout)

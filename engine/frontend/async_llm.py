@@ -78,8 +78,6 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.num_tokens = 0  # tokens seen so far, all samples
-        self.started = False  # its first token came
 
     def put(self, item) -> None:
         """Thread-safe: from the engine thread onto the caller's loop."""
@@ -152,10 +150,13 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Queue one request: ValueError for bad input, QueueFullError past
-        max_waiting_requests. Iterate the returned stream for its outputs."""
-        (stream,) = await self.add_requests([prompt], params, [request_id] if request_id else None)
+        max_waiting_requests. Iterate the returned stream for its outputs (``final_only``: the
+        finished one alone)."""
+        rids = [request_id] if request_id else None
+        (stream,) = await self.add_requests([prompt], params, rids, final_only)
         return stream
 
     async def add_requests(
@@ -163,16 +164,20 @@ class AsyncLLM:
         prompts: list[str | list[int]],
         params: SamplingParams | None = None,
         request_ids: list[str] | None = None,
+        final_only: bool = False,
     ) -> list[RequestStream]:
         """Queue every prompt with the same params in one trip to the engine thread, or none:
-        the first refusal (ValueError, QueueFullError) undoes the others and is raised."""
+        the first refusal (ValueError, QueueFullError) undoes the others and is raised.
+        ``final_only``: each stream gets its finished output alone (no output is built per
+        step: a caller that answers once, at the end)."""
         rids = request_ids or [uuid.uuid4().hex for _ in prompts]
         if len(rids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(rids)} request ids")
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop) for _ in prompts]
         try:
-            await self._call(functools.partial(self._add_all, rids, prompts, streams, params))
+            add = functools.partial(self._add_all, rids, prompts, streams, params, final_only)
+            await self._call(add)
         except asyncio.CancelledError:
             for rid in rids:  # the adds may still run: undo them
                 self.abort(rid)
@@ -231,13 +236,15 @@ class AsyncLLM:
             del fn, fut
 
     # ---- engine thread ----
-    def _add_all(self, rids: list[str], prompts: list, streams: list[_Stream], params) -> None:
+    def _add_all(
+        self, rids: list[str], prompts: list, streams: list[_Stream], params, final
+    ) -> None:
         """Add each prompt under its id and stream; on a refusal abort the ones added."""
         added = []
         try:
             for rid, prompt, stream in zip(rids, prompts, streams, strict=True):
                 try:
-                    self._add(rid, prompt, params, stream)
+                    self._add(rid, prompt, params, stream, final)
                 except ValueError as e:
                     if len(prompts) == 1:
                         raise
@@ -248,8 +255,9 @@ class AsyncLLM:
                 self._abort(rid)
             raise
 
-    def _add(self, rid: str, prompt, params, stream: _Stream) -> None:
-        self.engine.add_request(rid, prompt, params, max_waiting=self.max_waiting_requests)
+    def _add(self, rid: str, prompt, params, stream: _Stream, final_only: bool) -> None:
+        limit = self.max_waiting_requests
+        self.engine.add_request(rid, prompt, params, max_waiting=limit, final_only=final_only)
         self._streams[rid] = stream
 
     def _abort(self, rid: str) -> None:
@@ -318,8 +326,10 @@ class AsyncLLM:
     def _step(self) -> None:
         outputs = self.engine.step()
         stats = engine_snapshot(self.engine, time.monotonic())
+        stats.generation_tokens, stats.prompt_tokens = self.engine.output_processor.take_counts()
         for out in outputs:
-            self._count(out, stats)
+            if out.finished:
+                stats.finished.append(out)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -331,20 +341,6 @@ class AsyncLLM:
     def _log_stats(self, stats: StepStats) -> None:
         for logger in self.stat_loggers:
             logger(stats)
-
-    def _count(self, out: RequestOutput, stats: StepStats) -> None:
-        """Add this output's new tokens to the step's counts."""
-        stream = self._streams.get(out.request_id)
-        if out.finished:
-            stats.finished.append(out)
-        if stream is None:
-            return
-        total = sum(len(c.token_ids) for c in out.outputs)
-        stats.generation_tokens += total - stream.num_tokens
-        stream.num_tokens = total
-        if total and not stream.started:
-            stream.started = True
-            stats.prompt_tokens += len(out.prompt_token_ids)
 
 
 class LoggingStatLogger:

@@ -136,12 +136,16 @@ class LLMEngine(FrontendState):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         max_waiting: int | None = None,
+        final_only: bool = False,
     ) -> list[int]:
         """Validate and queue one request (ValueError for bad input); returns its prompt ids.
 
         ``arrival_time``: seconds on ``time.monotonic()``'s clock (None: now); ``max_waiting``:
-        a QueueFullError when more sequences would wait beyond the free run slots. Every check
-        runs before anything is queued or allocated, the cheap ones first."""
+        a QueueFullError when more sequences would wait beyond the free run slots;
+        ``final_only``: ``step`` gives its output once, when it finishes (vLLM's
+        ``RequestOutputKind.FINAL_ONLY``: none is built per step for a caller that reads only
+        the last). Every check runs before anything is queued or allocated, the cheap ones
+        first."""
         if not isinstance(request_id, str) or request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is not a new string id")
         params = self.default_sampling_params() if params is None else params
@@ -160,7 +164,9 @@ class LLMEngine(FrontendState):
         core_id = (
             f"{request_id}@{next(self._core_ids)}" if self.config.engine_core_process else None
         )
-        self.output_processor.add_request(request_id, text, ids, params, arrival, core_id)
+        self.output_processor.add_request(
+            request_id, text, ids, params, arrival, core_id, final_only
+        )
         req = CoreRequest(core_id or request_id, ids, params, arrival, bad)
         try:
             self.core.add_request(req, max_waiting)

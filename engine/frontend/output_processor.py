@@ -128,8 +128,11 @@ class RequestTimes:
 class RequestState:
     """One request: its samples, prompt and latency metrics."""
 
-    def __init__(self, request_id, prompt, prompt_ids, params, samples, times, core_id=None):
+    def __init__(
+        self, request_id, prompt, prompt_ids, params, samples, times, core_id=None, final_only=False
+    ):
         self.request_id = request_id
+        self.final_only = final_only  # no output until it finishes (its caller reads that alone)
         self.core_id = request_id if core_id is None else core_id  # its id in the core
         self.prompt: str | None = prompt
         self.prompt_ids: list[int] = prompt_ids
@@ -209,6 +212,15 @@ class OutputProcessor:
         self.by_core_id: dict[str, RequestState] = {}  # the same requests, by their core ids
         self._touched: dict[str, RequestState] = {}  # requests with news in this step
         self._ended: dict[str, RequestState] = {}  # requests with a sample that ended in it
+        # output tokens taken, and prompt tokens of the requests whose first token came, since
+        # the last ``take_counts``: the throughput counters, whether or not outputs are built
+        self.new_tokens = self.new_prompt_tokens = 0
+
+    def take_counts(self) -> tuple[int, int]:
+        """(output tokens, prompt tokens) counted since the last call; the counts restart."""
+        counts = self.new_tokens, self.new_prompt_tokens
+        self.new_tokens = self.new_prompt_tokens = 0
+        return counts
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -217,16 +229,26 @@ class OutputProcessor:
         return bool(self.requests)
 
     def add_request(
-        self, request_id, prompt, prompt_ids, params: SamplingParams, arrival, core_id=None
+        self,
+        request_id,
+        prompt,
+        prompt_ids,
+        params: SamplingParams,
+        arrival,
+        core_id=None,
+        final_only=False,
     ):
         """Start the state of one request: one sample per sequence, each with its detokenizer.
-        ``core_id``: the request's id in the core's deltas (default: request_id)."""
+        ``core_id``: the request's id in the core's deltas (default: request_id);
+        ``final_only``: ``outputs`` gives it one output, when it has finished."""
         stops = StopStrings(params.stop) if len(params.stop) > FEW_STOPS else None
         samples = [
             SampleState(i, self._detokenizer(prompt_ids, params), stops) for i in range(params.n)
         ]
         times = RequestTimes(arrival, self.wall_offset)
-        req = RequestState(request_id, prompt, prompt_ids, params, samples, times, core_id)
+        req = RequestState(
+            request_id, prompt, prompt_ids, params, samples, times, core_id, final_only
+        )
         self.requests[request_id] = self.by_core_id[req.core_id] = req
 
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
@@ -288,7 +310,10 @@ class OutputProcessor:
         p, last = req.params, len(d.token_ids) - 1
         for k, token in enumerate(d.token_ids):
             sample.token_ids.append(token)
+            self.new_tokens += 1
             if d.index == 0:
+                if req.times.first_token is None:
+                    self.new_prompt_tokens += len(req.prompt_ids)
                 req.on_token_time(token, now)
             if not p.stop or (k == last and d.finish_reason in ("stop", "abort")):
                 continue
@@ -308,8 +333,9 @@ class OutputProcessor:
         return None
 
     def outputs(self, stream: bool = True) -> list[RequestOutput]:
-        """One output per request touched since the last call (``stream=False``: per request
-        that finished since then); finished requests are forgotten."""
+        """One output per request touched since the last call (``stream=False``, or a request
+        added ``final_only``: per request that finished since then); finished requests are
+        forgotten."""
         touched, self._touched = self._touched, {}
         ended, self._ended = self._ended, {}
         outputs = []
@@ -320,6 +346,6 @@ class OutputProcessor:
                     req.times.finish = time.monotonic()
                 self.requests.pop(req.request_id, None)
                 self.by_core_id.pop(req.core_id, None)
-            if finished or stream:
+            if finished or (stream and not req.final_only):
                 outputs.append(req.output(self.record_logits, finished))
         return outputs

@@ -77,7 +77,7 @@ class EngineReplica:
     async def generate(self, request: dict):
         """ACCEPTED once queued (a refusal raises), then each RequestOutput of the request."""
         ids, params, rid = request["prompt_token_ids"], request["params"], request["request_id"]
-        stream = await self.llm.add_request(ids, params, rid)
+        stream = await self.llm.add_request(ids, params, rid, request.get("final_only", False))
         yield ACCEPTED
         async for out in stream:  # leaving early (the caller cancelled) aborts the request
             yield out
@@ -149,8 +149,11 @@ class ReplicatedLLM:
         self.model_name = model_name
         self.stat_loggers: list = []  # the server's own logger sees no steps here: unused
 
-    async def add_requests(self, prompts: list, params=None, request_ids=None) -> list:
-        """Route each prompt to a replica; all queued, or none (the first refusal raises)."""
+    async def add_requests(
+        self, prompts: list, params=None, request_ids=None, final_only: bool = False
+    ) -> list:
+        """Route each prompt to a replica; all queued, or none (the first refusal raises).
+        ``final_only``: as AsyncLLM's."""
         import uuid
 
         if await self._is_draining():
@@ -159,17 +162,18 @@ class ReplicatedLLM:
         streams: list[RemoteStream] = []
         try:
             for rid, ids in zip(rids, prompts, strict=True):
-                streams.append(await self._start(rid, ids, params))
+                streams.append(await self._start(rid, ids, params, final_only))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return streams
 
-    async def _start(self, rid: str, ids, params) -> RemoteStream:
+    async def _start(self, rid: str, ids, params, final_only: bool = False) -> RemoteStream:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         request = {"prompt_token_ids": list(ids), "params": params, "request_id": rid}
+        request["final_only"] = final_only
         for attempt in range(RETRIES + 1):
             response = self.handle.options(stream=True).generate.remote(request)
             it = response.__aiter__()
