@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import threading
+import time
 
 import pytest
 
@@ -97,6 +98,9 @@ def test_final_only_streams_get_one_output_with_the_streamed_tokens_and_all_are_
         return await asyncio.gather(outputs(True), outputs(False))
 
     final, streamed = asyncio.run(main())
+    deadline = time.monotonic() + 10  # the last step's counts are logged after its outputs go
+    while counted["generation"] < 2 * 2 * 12 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(final) == 1 and final[0].finished and len(streamed) > 1
     for a, b in zip(final[0].outputs, streamed[-1].outputs, strict=True):
         assert (a.token_ids, a.text) == (b.token_ids, b.text) and len(a.token_ids) == 12

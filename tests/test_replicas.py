@@ -45,7 +45,10 @@ def server(tiny_model_dir, tmp_path_factory):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
     cmd = [sys.executable, "-m", "engine.serve", "--model", str(tiny_model_dir)]
     cmd += ["--data-parallel-size", "2", "--port", str(port), "--backend", "numpy"]
-    cmd += ["--enable-prefix-caching", "--max-model-len", "256", "--served-model-name", "tiny"]
+    cmd += ["--enable-prefix-caching", "--max-model-len", "512", "--served-model-name", "tiny"]
+    # two sequences run at a time per replica, the rest queue in it: a test that needs requests
+    # in flight finds them there for seconds (the tiny model makes 500 tokens in under one)
+    cmd += ["--max-num-seqs", "2"]
     # autoscaling from 2 up to 3 replicas at 2 requests in flight each, deciding in a second
     fast = {"upscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1}
     cmd += ["--min-replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2"]
@@ -153,7 +156,7 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
     Its requests fail with an error status, the endpoint keeps answering, Serve replaces the
     dead replica and adds a third: four replica processes have started, three are live."""
     url, log, _ = server
-    body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
     def ask(i: int):
         try:
@@ -178,7 +181,7 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
     failed = [(s, r) for s, r in results if s != 200]
     for r in ok:  # a success is whole, never cut short by the death
         assert (
-            r["usage"]["completion_tokens"] == 200 and r["choices"][0]["finish_reason"] == "length"
+            r["usage"]["completion_tokens"] == 480 and r["choices"][0]["finish_reason"] == "length"
         )
     assert failed, "the killed replica had requests in flight"
     assert all(s in (500, 503) for s, _ in failed), failed

@@ -207,9 +207,9 @@ class EngineCore:
         rejected in it."""
         if self.in_flight is not None and self._would_reject(self.in_flight):
             self._drain()
-        if self.config.speculative is not None and self.in_flight is None:
-            if not self.record_logits:  # 0. drafts for the decodes
-                self.spec.propose(self.scheduler.running)
+        speculates = self.config.speculative is not None and not self.record_logits
+        if speculates and self.in_flight is None:
+            self.spec.propose(self.scheduler.running)  # 0. drafts for the decodes
         # 1. schedule: who runs, with which blocks; who can never run
         out = self.scheduler.schedule()
         self._rejected(self.scheduler.take_rejected())
