@@ -86,11 +86,15 @@ def _replica_names(log) -> dict[int, str]:
     return {int(pid): name for name, pid in found}
 
 
-def _running(url: str) -> dict[str, float]:
-    """engine -> its sequences running, as /metrics shows them (published every half second)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"[^}]*\} (\S+)', text)
-    return {e: float(n) for e, n in found}
+def _load(url: str) -> dict[str, float]:
+    """engine -> its sequences running and waiting, as /metrics shows them (published every
+    half second)."""
+    text, load = httpx.get(f"{url}/metrics", timeout=10).text, {}
+    for kind in ("running", "waiting"):
+        found = re.findall(rf'pagedllm:num_requests_{kind}\{{engine="(\w+)"[^}}]*\}} (\S+)', text)
+        for e, n in found:
+            load[e] = load.get(e, 0.0) + float(n)
+    return load
 
 
 def _wait_until(what: str, check, timeout: float = 60.0) -> None:
@@ -152,9 +156,10 @@ def test_metrics_show_every_replica_and_the_router(server):
 
 
 def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(server):
-    """12 requests in flight on two replicas (Serve aims for 2 each): one replica is killed.
-    Its requests fail with an error status, the endpoint keeps answering, Serve replaces the
-    dead replica and adds a third: four replica processes have started, three are live."""
+    """36 requests in flight on two replicas (each runs two at a time, the rest queue in it):
+    the one with more is killed. Its requests fail with an error status, the endpoint keeps
+    answering, Serve replaces the dead replica and, 12 more requests coming, adds a third:
+    four replica processes have started, three are live."""
     url, log, _ = server
     body = {"model": "tiny", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
@@ -169,15 +174,27 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
             return ("transport", str(e))
         return (r.status_code, r.json())
 
-    victim = sorted(_replica_pids(log))[0]
-    name = _replica_names(log)[victim]
-    with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(ask, i) for i in range(12)]
-        # killed once its metrics show it running requests: no assumption about the speed
-        _wait_until(f"replica {name} to run requests", lambda: _running(url).get(name, 0) > 0)
+    pid_of = {name: pid for pid, name in _replica_names(log).items()}
+    busiest = []
+
+    def loaded() -> bool:  # a replica with requests beyond the two it runs: queued there
+        load = _load(url)
+        busiest[:] = [max(load, key=load.get)] if load else []
+        return bool(load) and load[busiest[0]] > 2
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        futures = [pool.submit(ask, i) for i in range(36)]
+        # the router decides where requests go: the replica its metrics show with the most,
+        # more than it runs at once, is killed (no assumption about the speed or the spread)
+        _wait_until("a replica with requests queued", loaded)
+        victim = pid_of[busiest[0]]
         os.kill(victim, signal.SIGKILL)
+        # more load after the death, so the replicas left stay above their target while Serve
+        # decides (the victim had the most: its requests alone may not keep them there)
+        more = [pool.submit(ask, i) for i in range(36, 48)]
         results = [f.result(timeout=90) for f in futures]
-    ok = [r for s, r in results if s == 200]
+        later = [f.result(timeout=120) for f in more]
+    ok = [r for s, r in results + later if s == 200]
     failed = [(s, r) for s, r in results if s != 200]
     for r in ok:  # a success is whole, never cut short by the death
         assert (
