@@ -9,6 +9,7 @@ DIR/tinyllama   TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4 KV h
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -95,11 +96,13 @@ def make_tinyllama_shaped(path: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    args = [a for a in argv if a != "--tiny-only"]
-    out = Path(args[0] if args else "models")
-    t0 = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", nargs="?", default="models", help="where to write them (./models)")
+    p.add_argument("--tiny-only", action="store_true", help="the tiny model alone")
+    args = p.parse_args(argv)
+    out, t0 = Path(args.dir), time.perf_counter()
     make_tiny_model(out / "tiny", seed=0)
-    if "--tiny-only" not in argv:
+    if not args.tiny_only:
         make_tinyllama_shaped(out / "tinyllama")
     print(f"models in {out} after {time.perf_counter() - t0:.1f} s")
     return 0
