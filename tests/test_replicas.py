@@ -77,7 +77,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _replica_pids(log) -> set[int]:
-    return {int(p) for p in re.findall(r"engine replica \w+ ready \(pid (\d+)\)", log.read_text())}
+    return set(_replica_names(log))
 
 
 def _replica_names(log) -> dict[int, str]:

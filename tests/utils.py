@@ -13,6 +13,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.tools.live_server import SMALL_POOL
 
 SEED_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
 
@@ -27,8 +28,7 @@ def random_tokens(n: int) -> list[int]:
 
 def make_engine(loaded, **engine_args) -> LLMEngine:
     """An engine on an already loaded model, with a small fixed pool unless engine_args say."""
-    kw = {"model": "test", "num_gpu_blocks": 64, "max_model_len": 256, "swap_space": 0.01}
-    return LLMEngine(loaded=loaded, **{**kw, **engine_args})
+    return LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
 
 
 def make_seq(

@@ -139,8 +139,8 @@ def _measured(keys: dict, timer) -> dict:
         except (OSError, ValueError):
             saved = {}
         missing = [k for k in keys if k not in saved]
-        timed = {}
         if missing:
+            timed = {}
             t0 = time.perf_counter()
             for k in missing:
                 timed[k] = timer(keys[k])
@@ -158,7 +158,8 @@ def _measured(keys: dict, timer) -> dict:
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps({**saved, **kept}, indent=1))
                 os.replace(tmp, path)
-    return {k: timed[k] if k in timed else saved[k] for k in keys}
+            saved |= timed  # this start uses every measurement, kept or not
+    return {k: saved[k] for k in keys}
 
 
 def _native_ratio(times: dict) -> float:

@@ -237,14 +237,14 @@ class AsyncLLM:
 
     # ---- engine thread ----
     def _add_all(
-        self, rids: list[str], prompts: list, streams: list[_Stream], params, final
+        self, rids: list[str], prompts: list, streams: list[_Stream], params, final_only: bool
     ) -> None:
         """Add each prompt under its id and stream; on a refusal abort the ones added."""
         added = []
         try:
             for rid, prompt, stream in zip(rids, prompts, streams, strict=True):
                 try:
-                    self._add(rid, prompt, params, stream, final)
+                    self._add(rid, prompt, params, stream, final_only)
                 except ValueError as e:
                     if len(prompts) == 1:
                         raise

@@ -150,15 +150,17 @@ class RequestState:
             return samples[0].finish_reason is not None
         return all(s.finished for s in samples)
 
-    def on_token_time(self, token: int, now: float) -> None:
-        """Latency metrics follow the first sample: time to first token, then inter-token gaps."""
-        times = self.times
-        if times.first_token is None:
+    def on_token_time(self, token: int, now: float) -> bool:
+        """Latency metrics follow the first sample: time to first token, then inter-token gaps.
+        True for the request's first token."""
+        times, first = self.times, self.times.first_token is None
+        if first:
             times.first_token = now
             tracing.first_token(self.request_id, token, 1e3 * (now - times.arrival))
         else:
             times.itl.append(now - times.last_token)
         times.last_token = now
+        return first
 
     def output(self, record_logits: bool, finished: bool) -> RequestOutput:
         outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
@@ -311,10 +313,8 @@ class OutputProcessor:
         for k, token in enumerate(d.token_ids):
             sample.token_ids.append(token)
             self.new_tokens += 1
-            if d.index == 0:
-                if req.times.first_token is None:
-                    self.new_prompt_tokens += len(req.prompt_ids)
-                req.on_token_time(token, now)
+            if d.index == 0 and req.on_token_time(token, now):
+                self.new_prompt_tokens += len(req.prompt_ids)
             if not p.stop or (k == last and d.finish_reason in ("stop", "abort")):
                 continue
             before = len(sample.text)
