@@ -63,6 +63,11 @@ class ScheduleTracer:
         for seq, hits in out.prefix_hits:
             tokens = len(hits) * self.block_size
             trace.info("%s: prefix cache hit: %d tokens (blocks %s)", seq.request_id, tokens, hits)
+        for seq, ids, _ in out.tier_loads:
+            tokens = len(ids) * self.block_size
+            trace.info("%s: KV tier hit: %d tokens loaded (blocks %s)", seq.request_id, tokens, ids)
+        if out.blocks_to_store:
+            trace.info("KV tiers: %d evicted blocks stored", len(out.blocks_to_store))
         for seq in out.preempted:
             trace.info(
                 "%s: preempted (%s): blocks released, %d free now",

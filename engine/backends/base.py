@@ -163,6 +163,21 @@ class Backend(ABC):
     def copy_blocks(self, pairs) -> None:
         """Whole blocks within the pool, for each (src, dst) (copy-on-write)."""
 
+    @property
+    def block_dtype(self) -> np.dtype:
+        """The dtype of ``read_blocks``' arrays: the pool's (a host pool's own)."""
+        return np.dtype(self.kv_cache.dtype)
+
+    def read_blocks(self, ids) -> np.ndarray:
+        """(L, 2, n, block_size, Hkv, hd) a host copy of pool blocks ``ids``, their bytes as
+        they are (the KV tiers store them)."""
+        return self.kv_cache[:, :, np.asarray(ids, dtype=np.intp)]
+
+    def write_blocks(self, ids, data: np.ndarray) -> None:
+        """Pool blocks ``ids`` = ``data`` (L, 2, n, block_size, Hkv, hd), as ``read_blocks``
+        gave them (a KV tier's load)."""
+        self.kv_cache[:, :, np.asarray(ids, dtype=np.intp)] = data
+
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (B, V) float32 logits on the host, one row per sequence."""

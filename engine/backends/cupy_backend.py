@@ -251,6 +251,24 @@ class CupyBackend(DecodeGraphs, Backend):
             rows = self.device.upload(raw_view(self.cpu_cache)[:, :, c])  # (L, 2, n, bs, Hkv, hd)
             raw_view(self.kv_cache)[:, :, self.device.upload(g)] = rows
 
+    @property
+    def block_dtype(self) -> np.dtype:
+        """``read_blocks``' dtype: the pool's raw view (16-bit floats as their bits)."""
+        return np.dtype(raw_view(self.kv_cache).dtype.name)
+
+    @on_device
+    def read_blocks(self, ids) -> np.ndarray:
+        """(L, 2, n, bs, Hkv, hd) pool blocks ``ids`` on the host, in ``block_dtype`` (a
+        synchronous download on the compute stream; the KV tiers store them)."""
+        idx = self.device.upload(np.asarray(ids, dtype=np.int32))
+        return self.device.download(self.xp.take(raw_view(self.kv_cache), idx, axis=2))
+
+    @on_device
+    def write_blocks(self, ids, data: np.ndarray) -> None:
+        """Pool blocks ``ids`` = ``data`` as ``read_blocks`` gave them (a KV tier's load)."""
+        idx = self.device.upload(np.asarray(ids, dtype=np.int32))
+        raw_view(self.kv_cache)[:, :, idx] = self.device.upload(np.ascontiguousarray(data))
+
     @on_device
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write: whole blocks within the device pool, for each (src, dst)."""

@@ -28,6 +28,7 @@ KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's: fp8 is e4m3
 HOST_ONLY_BACKENDS = ("auto", "cpu", "numpy")  # where --quantization, --kv-cache-dtype run
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 DEFAULT_SWAP_GIB = 4  # vLLM's swap_space, used when preemption_mode is swap
+DEFAULT_KV_DISK_GIB = 16  # the disk tier's bound when only kv_cache_dir is given
 # sane upper bounds: past them a value is a typo, not a configuration
 MAX_BLOCK_SIZE = 1024
 MAX_NUM_SEQS = 1 << 16
@@ -171,6 +172,26 @@ class EngineConfig:
         "reuse the KV blocks of a prompt prefix already computed for an earlier request (full "
         "blocks, matched by chained hashes; needs preemption_mode recompute)",
     )
+    kv_offload_bytes: int = option(
+        0,
+        "bytes of host memory for a KV tier under the prefix cache: a cached block evicted "
+        "from the pool is kept there (least recently used out first), and a later prompt with "
+        "that prefix loads it instead of computing it; needs enable_prefix_caching (0: off)",
+    )
+    kv_cache_dir: str | None = option(
+        None,
+        "a directory for a KV tier on disk under the prefix cache (and under kv_offload_bytes' "
+        "host tier): evicted blocks are written there as files that outlive the process, keyed "
+        "by the model's weights, dtypes and layout, so a restarted engine loads a prompt's "
+        "prefix instead of computing it; engines may share it; needs enable_prefix_caching",
+        default_help="off",
+    )
+    kv_disk_bytes: int | None = option(
+        None,
+        "bytes the kv_cache_dir directory may hold (every model's files in it); past them the "
+        "least recently used files go",
+        default_help=f"{DEFAULT_KV_DISK_GIB} GiB with kv_cache_dir",
+    )
     memory_budget_bytes: int | None = option(
         None,
         "explicit memory budget in bytes, instead of gpu_memory_utilization",
@@ -246,6 +267,7 @@ class EngineConfig:
         self._check_choices()
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_parallel()
+        self._check_tiers()
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "
@@ -338,6 +360,37 @@ class EngineConfig:
                 "EngineConfig: speculative decoding with a draft model is not implemented under "
                 "tensor or pipeline parallel (the ngram method is)"
             )
+
+    def _check_tiers(self):
+        """The KV tiers: sizes in range, under the prefix cache, one rank in this process."""
+        off, disk, where = self.kv_offload_bytes, self.kv_disk_bytes, self.kv_cache_dir
+        if not is_int(off) or not 0 <= off <= MAX_BUDGET_BYTES:
+            raise _bad("kv_offload_bytes", off, f"an integer in [0, {MAX_BUDGET_BYTES}]")
+        if where is not None and (not isinstance(where, str) or not where):
+            raise _bad("kv_cache_dir", where, "a directory's path or None")
+        if disk is not None and (not is_int(disk) or not 1 <= disk <= MAX_BUDGET_BYTES):
+            raise _bad("kv_disk_bytes", disk, f"an integer in [1, {MAX_BUDGET_BYTES}] or None")
+        if disk is not None and where is None:
+            raise ValueError("EngineConfig: kv_disk_bytes bounds kv_cache_dir, which is not set")
+        if not (off or where):
+            return
+        asked = "kv_offload_bytes" if off else "kv_cache_dir"
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                f"EngineConfig: {asked} is a tier under the prefix cache; it needs "
+                "enable_prefix_caching=True"
+            )
+        if self.world_size > 1 or self.distributed_executor_backend in ("mp", "ray"):
+            raise ValueError(
+                f"EngineConfig: {asked}: the KV tiers are not implemented under the mp and ray "
+                "executors (tensor or pipeline parallel ranks); they run with one rank in this "
+                "process"
+            )
+
+    @property
+    def kv_disk_limit(self) -> int:
+        """kv_disk_bytes, or its default with kv_cache_dir."""
+        return self.kv_disk_bytes or DEFAULT_KV_DISK_GIB * GiB
 
     @property
     def world_size(self) -> int:

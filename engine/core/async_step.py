@@ -35,7 +35,7 @@ def can_overlap(config, record_logits: bool, out: SchedulerOutput) -> bool:
         and bool(out.scheduled)
         and out.num_decodes == len(out.scheduled)
         and not (out.preempted or out.blocks_to_swap_out or out.blocks_to_swap_in)
-        and not out.blocks_to_copy
+        and not (out.blocks_to_copy or out.blocks_to_store or out.tier_loads)
         and all(plain_greedy(seq) for seq, _ in out.scheduled)
     )
 

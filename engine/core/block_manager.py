@@ -93,6 +93,10 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id (in use, or free and cached)
         self.block_hash: dict[int, int] = {}  # cached block id -> its hash
         self.block_keys: dict[int, BlockKey] = {}  # cached block id -> what its hash hashed
+        # KV tiers under the cache (engine/kv_offload): evicted blocks some tier lacks wait in
+        # ``evicted`` for the step's forward to store their bytes first
+        self.connector = None
+        self.evicted: list[tuple[int, int, BlockKey]] = []  # (block id, hash, key)
 
     # -- GPU pool -------------------------------------------------------------------------------
 
@@ -159,7 +163,9 @@ class BlockManager:
         h = self.block_hash.pop(block, None)
         if h is not None:  # evict: the least recently freed cached block goes first
             del self.cached[h]
-            del self.block_keys[block]
+            key = self.block_keys.pop(block)
+            if self.connector is not None and self.connector.missing(h):
+                self.evicted.append((block, h, key))
         self.ref_counts[block] = 1
         return block
 
@@ -196,6 +202,26 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def tier_prefix(self, seq: Sequence, start: int) -> list:
+        """The blocks of seq's prompt after its first ``start`` full blocks (those the pool
+        holds) that the KV tiers hold, a leading run, as arrays to load; capped like
+        ``cached_prefix``."""
+        if self.connector is None:
+            return []
+        limit, bs, ids = (seq.num_tokens - 1) // self.block_size, self.block_size, seq.token_ids
+        hashes = self.block_hashes(seq)[start:limit]
+        keys = [
+            (hashes[j - 1] if j else (seq.block_hashes[start - 1] if start else None),
+             tuple(ids[(start + j) * bs : (start + j + 1) * bs]))
+            for j in range(len(hashes))
+        ]  # fmt: skip
+        return self.connector.fetch(hashes, keys)
+
+    def take_evicted(self) -> list[tuple[int, int, BlockKey]]:
+        """The evicted blocks whose bytes the tiers still need, since the last call."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def take_cached(self, seq: Sequence, hits: list[int]) -> None:
         """Start seq's table with the cached blocks ``hits`` (ref += 1; revived if free)."""

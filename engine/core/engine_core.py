@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 
 import numpy as np
 
@@ -50,6 +51,8 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence, model_eos_ids
 from engine.core.spec_step import Accepted, Speculator, draft_backend, spec_counters
 from engine.executor import configured_backend
+from engine.kv_offload import KVConnector, make_connector
+from engine.kv_offload.cache_key import engine_key
 from engine.sampling_params import SamplingParams
 from model_loader.load import LoadedModel
 
@@ -83,6 +86,8 @@ class EngineCore:
         self.backend = backend_factory(mc, self.loaded.weights, cfg)
         # speculative decoding's draft model, checked against this one
         draft = draft_backend(cfg, self.loaded, self.draft_loaded, backend_factory)
+        tiers = cfg.kv_offload_bytes or cfg.kv_cache_dir  # keyed while the weights are here
+        tier_key = engine_key(self.loaded, self.backend, cfg) if tiers else None
         # the backends hold their own packed copies: the loaded arrays go (unless the caller
         # keeps them), so a run's memory is its packed weights, not those plus the file's
         self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
@@ -98,6 +103,7 @@ class EngineCore:
         self.eos_token_ids = model_eos_ids(self.loaded)
         self.sampler = Sampler(self.eos_token_ids)
         self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
+        self.connector = None if tier_key is None else self._attach_tiers(tier_key)
         self.trace_schedule = tracing.ScheduleTracer(
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
@@ -109,6 +115,26 @@ class EngineCore:
         # a sequence this long would be rejected by the scheduler: read its pending token first
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
+
+    def _attach_tiers(self, key) -> KVConnector:
+        """The KV tiers under the prefix cache, known to the block manager (which evicts into
+        them) and the runner (which moves the bytes); at exit the pool's cached blocks are
+        saved and the disk writes finished (``shutdown``, or when the interpreter exits)."""
+        shape = self.backend.cache_shape(1)  # (L, 2, 1, bs, Hkv, hd)
+        block_shape = shape[:2] + shape[3:]  # (L, 2, bs, Hkv, hd)
+        connector = make_connector(self.config, key, block_shape, self.backend.block_dtype)
+        self.block_manager.connector = self.runner.connector = connector
+        self._close_tiers = weakref.finalize(
+            self, close_tiers, connector, self.block_manager, self.backend
+        )
+        return connector
+
+    def shutdown(self) -> None:
+        """With KV tiers: the cached blocks still in the pool are saved to the tiers, and the
+        disk tier's writes finished, so a restarted engine finds them."""
+        if self.connector is not None:
+            self._close_tiers()
+            self.connector = self.block_manager.connector = self.runner.connector = None
 
     # ---- requests ----
     def add_request(self, req: CoreRequest, max_waiting: int | None = None) -> None:
@@ -345,3 +371,19 @@ class EngineCore:
         seq.error = why
         self._touched[seq.seq_id] = seq
         self._finish(seq, "abort")  # its blocks go back now
+
+
+def close_tiers(connector: KVConnector, bm: BlockManager, backend, batch: int = 64) -> None:
+    """Save the pool's cached blocks that some tier lacks, ``batch`` blocks a read, then close
+    the tiers (the disk tier's writes finished)."""
+    try:
+        todo = [(b, h) for b, h in bm.block_hash.items() if connector.missing(h)]
+        for i in range(0, len(todo), batch):
+            part = todo[i : i + batch]
+            data = backend.read_blocks([b for b, _ in part])  # (L, 2, n, bs, Hkv, hd)
+            connector.save(
+                [(h, bm.block_keys[b], np.ascontiguousarray(data[:, :, j]))
+                 for j, (b, h) in enumerate(part)]
+            )  # fmt: skip
+    finally:
+        connector.close()

@@ -15,8 +15,9 @@ weights and the activation peak; the swap pool lives in host memory. On the host
 (``numpy``, ``cuda-cpu``) the pool, the swap pool and the activation peak all come out of host
 RAM (the weights are already loaded): the default pool holds ``max_num_seqs x max_model_len``
 tokens, capped so that the three together take at most ``HOST_RAM_FRACTION`` of the available
-RAM. An explicit ``num_gpu_blocks``, ``memory_budget_bytes`` or ``swap_space`` that does not fit
-the memory there is is a ValueError naming it, never a MemoryError.
+RAM. The host KV tier under the prefix cache (``kv_offload_bytes``) is host memory taken as the
+swap pool is. An explicit ``num_gpu_blocks``, ``memory_budget_bytes`` or ``swap_space`` that
+does not fit the memory there is is a ValueError naming it, never a MemoryError.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
     swap = num_cpu_blocks * per_block
     ram = available_ram_bytes()
     _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
+    if cfg.kv_offload_bytes:  # the host KV tier: host memory, like the swap pool
+        tier = f"kv_offload_bytes={cfg.kv_offload_bytes}"
+        _check_below(swap + cfg.kv_offload_bytes, ram, tier, "the available RAM")
+        swap += cfg.kv_offload_bytes
     peak = _activation_peak(cfg, backend)
     both = per_block + d.per_block, peak + d.fixed, backend.weights_bytes + d.weights
     if backend.name in HOST_BACKENDS:
@@ -189,7 +194,8 @@ def _log_host_plan(
     cfg: EngineConfig, pool: int, swap: int, peak: int, ram: int, why: str, weights: int
 ):
     log.info(
-        "host memory plan: KV pool %s (%s) + swap %s + activation peak %s (profile: %d tokens) "
+        "host memory plan: KV pool %s (%s) + swap and host KV tier %s + activation peak %s "
+        "(profile: %d tokens) "
         "= %s of %s available RAM (weights already loaded: %s resident)",
         mib(pool),
         why,

@@ -60,6 +60,11 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     kv_cache_usage: float = 0.0  # fraction of GPU blocks in use
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0
+    tier_queries: int = 0  # cumulative prompt tokens looked up with KV tiers on
+    tier_hits: int = 0  # of those, loaded from a tier
+    # per KV tier: [name, capacity, used bytes, queries, hits, loads, load bytes, stores, store
+    # bytes, evictions, rejected] (engine/kv_offload TierStats), None without tiers
+    kv_tiers: list | None = None
     num_preemptions: int = 0
     num_added_seqs: int = 0  # cumulative: sequences queued
     # speculative decoding: [drafts, draft tokens, accepted tokens, accepted by position]
@@ -107,9 +112,18 @@ def delta(seq: Sequence) -> SampleDelta:
     return d
 
 
+TIER_FIELDS = (
+    "name", "capacity_bytes", "used_bytes", "queries", "hits", "loads", "load_bytes", "stores",
+    "store_bytes", "evictions", "rejected",
+)  # fmt: skip
+
+
 def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> CoreStats:
     """The scheduler's queues and counters (and its block manager's use) as a CoreStats."""
     bm = scheduler.block_manager
+    tiers = None
+    if bm.connector is not None:
+        tiers = [[getattr(t, f) for f in TIER_FIELDS] for t in bm.connector.stats()]
     return CoreStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -117,6 +131,9 @@ def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> Core
         kv_cache_usage=1.0 - bm.num_free_blocks / max(bm.num_blocks, 1),
         prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits,
+        tier_queries=scheduler.tier_queries,
+        tier_hits=scheduler.tier_hits,
+        kv_tiers=tiers,
         num_preemptions=scheduler.num_preemptions,
         num_added_seqs=num_added_seqs,
         spec_decode=spec_decode,

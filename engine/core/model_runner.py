@@ -120,6 +120,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.record_logits = record_logits
+        self.connector = None  # the KV tiers (engine/kv_offload), when on
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
@@ -226,12 +227,24 @@ class ModelRunner:
 
     def _move_blocks(self, output: SchedulerOutput) -> None:
         be = self.backend
+        if output.blocks_to_store:  # before anything writes the evicted blocks
+            self._store(output.blocks_to_store)
+        for _, ids, loads in output.tier_loads:
+            be.write_blocks(ids, np.stack(loads, axis=2))  # (L, 2, n, bs, Hkv, hd)
         if output.blocks_to_swap_out:
             be.swap_out(output.blocks_to_swap_out)
         if output.blocks_to_swap_in:
             be.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_copy:
             be.copy_blocks(output.blocks_to_copy)
+
+    def _store(self, evicted: list[tuple]) -> None:
+        """The evicted blocks' bytes to the KV tiers that lack them."""
+        data = self.backend.read_blocks([b for b, _, _ in evicted])  # (L, 2, n, bs, Hkv, hd)
+        entries = [
+            (h, key, np.ascontiguousarray(data[:, :, i])) for i, (_, h, key) in enumerate(evicted)
+        ]
+        self.connector.save(entries)
 
 
 def prompt_logprobs(output: SchedulerOutput, logits: np.ndarray, counts) -> list:

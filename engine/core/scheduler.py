@@ -50,6 +50,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
+    # KV tiers: blocks evicted from the cache whose bytes a tier still needs (block id, hash,
+    # key), read before the forward; then (seq, pool block ids, arrays) loaded from the tiers
+    blocks_to_store: list[tuple] = field(default_factory=list)
+    tier_loads: list[tuple[Sequence, list[int], list]] = field(default_factory=list)
     # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
     # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
     drafts: dict[int, list[int]] = field(default_factory=dict)
@@ -60,6 +64,7 @@ class SchedulerOutput:
         """Nothing to run and nothing to copy: the step can be skipped."""
         return not (
             self.scheduled
+            or self.blocks_to_store
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
             or self.blocks_to_copy
@@ -95,6 +100,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.tier_queries = 0  # prompt tokens looked up with KV tiers on (first admissions)
+        self.tier_hits = 0  # of those, tokens loaded from the tiers
         self._rejected: list[tuple[Sequence, str]] = []
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
@@ -154,6 +161,7 @@ class Scheduler:
                 self._schedule_waiting(step, out)
         out.scheduled = step.decodes + step.prefills
         out.num_decodes = len(step.decodes)
+        out.blocks_to_store = self.block_manager.take_evicted()
         self._in_flight = {seq.seq_id: n for seq, n in out.scheduled}
         return out
 
@@ -332,11 +340,15 @@ class Scheduler:
                 continue
             # [] without prefix caching; a prompt whose logprobs are asked runs whole
             hits = bm.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size)
-            if n == 0 or not bm.can_allocate(seq, n, hits):
+            loads = self._tier_blocks(seq, len(hits)) if bm.connector is not None else []
+            loaded = len(loads) * bm.block_size  # tokens the tiers hold after the pool's
+            n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size + loaded)
+            if n == 0 or not bm.can_allocate(seq, loaded + n, hits):
                 return
             self.waiting.popleft()
-            self._take_prefix(seq, hits, out)
+            self._take_prefix(seq, hits, out, loaded)
+            if loads:
+                self._load(seq, loads, out)
             self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
@@ -347,15 +359,38 @@ class Scheduler:
         self.block_manager.allocate(seq, n)
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
-    def _take_prefix(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> None:
-        """seq starts with the cached blocks ``hits``: their tokens count as computed."""
+    def _tier_blocks(self, seq: Sequence, start: int) -> list:
+        """The tiers' blocks of seq after its ``start`` pool hits (read once while it waits)."""
+        if seq.tier_fetch is None or seq.tier_fetch[0] != start:
+            seq.tier_fetch = (start, self.block_manager.tier_prefix(seq, start))
+        return seq.tier_fetch[1]
+
+    def _load(self, seq: Sequence, loads: list, out: SchedulerOutput) -> None:
+        """Fresh blocks for the tiers' ``loads`` after seq's pool hits, registered in the cache
+        and counted computed: the step's forward finds their bytes written first."""
+        bm = self.block_manager
+        n = len(loads) * bm.block_size
+        new = bm.allocate(seq, n)
+        seq.num_computed_tokens += n
+        bm.cache_full_blocks(seq, seq.num_computed_tokens)
+        out.tier_loads.append((seq, new, loads))
+
+    def _take_prefix(
+        self, seq: Sequence, hits: list[int], out: SchedulerOutput, loaded: int = 0
+    ) -> None:
+        """seq starts with the cached blocks ``hits``: their tokens count as computed.
+        ``loaded``: tokens after them that come from the KV tiers (counted as cached)."""
+        seq.tier_fetch = None
         if not self.config.enable_prefix_caching:
             return
         hit_tokens = len(hits) * self.block_manager.block_size
         if seq.num_cached_tokens is None:  # first admission: the hit-rate statistics
-            seq.num_cached_tokens = hit_tokens
+            seq.num_cached_tokens = hit_tokens + loaded
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += hit_tokens
+            if self.block_manager.connector is not None:
+                self.tier_queries += seq.num_prompt_tokens
+                self.tier_hits += loaded
         if hits:
             self.block_manager.take_cached(seq, hits)
             seq.num_computed_tokens = hit_tokens

@@ -72,6 +72,9 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
+        # KV tiers: (pool blocks it was looked up after, the blocks found) while it waits at the
+        # head of the queue, so a prompt that does not fit yet is not read again each step
+        self.tier_fetch: tuple[int, list] | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.error: str | None = None  # why it was aborted (a refused token, a failed sample)

@@ -243,12 +243,15 @@ def run(args) -> int:
     params = sampling_params(args, llm.engine.sampling_defaults)
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
-    t0 = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=not (args.no_tqdm or args.json))
-    wall = time.perf_counter() - t0
-    for prompt, output in zip(prompts, outputs, strict=True):
-        print_output(output, prompt, args, tokenizer)
-    stats = format_stats(summarize(outputs, wall) | spec_stats(llm.engine))
+    try:
+        t0 = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=not (args.no_tqdm or args.json))
+        wall = time.perf_counter() - t0
+        for prompt, output in zip(prompts, outputs, strict=True):
+            print_output(output, prompt, args, tokenizer)
+        stats = format_stats(summarize(outputs, wall) | spec_stats(llm.engine))
+    finally:
+        llm.shutdown()  # a core process exits; KV tiers are saved
     print(stats, file=sys.stderr if args.json else sys.stdout)
     if args.trace_html:
         print(f"replay: {args.trace_html}", file=sys.stderr)

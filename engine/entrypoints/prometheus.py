@@ -10,11 +10,30 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.core.messages import TIER_FIELDS
 from engine.frontend.async_llm import StepStats
 
 PREFIX = "pagedllm:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+EXTERNAL = {  # vLLM's names for the KV connector's counters -> StepStats' fields
+    "external_prefix_cache_queries": "tier_queries",
+    "external_prefix_cache_hits": "tier_hits",
+}
+TIER_COUNTERS = {  # per KV tier (label ``tier``: host, disk)
+    "queries": "KV blocks looked up in the tier (those the tiers above did not hold)",
+    "hits": "KV blocks found in the tier",
+    "loads": "KV blocks loaded from the tier into the pool",
+    "load_bytes": "bytes loaded from the tier",
+    "stores": "KV blocks stored in the tier",
+    "store_bytes": "bytes stored in the tier",
+    "evictions": "KV blocks dropped from the tier to stay within its size",
+    "rejected": "stored blocks that failed their checks (the disk tier's files)",
+}
+TIER_GAUGES = {
+    "usage_bytes": "bytes the tier holds",
+    "capacity_bytes": "bytes the tier may hold",
+}
 
 
 class PrometheusStatLogger:
@@ -38,6 +57,8 @@ class PrometheusStatLogger:
             "generation_tokens": "generated tokens",
             "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
             "prefix_cache_hits": "prompt tokens found in the prefix cache",
+            "external_prefix_cache_queries": "prompt tokens looked up in the KV tiers",
+            "external_prefix_cache_hits": "prompt tokens loaded from the KV tiers",
             "request_success": "requests finished",
             "spec_decode_num_drafts": "speculated steps of a sequence (drafts verified)",
             "spec_decode_num_draft_tokens": "draft tokens proposed",
@@ -59,9 +80,18 @@ class PrometheusStatLogger:
             labelnames=[*names, "position"],
             registry=self.registry,
         )
+        tier = dict(labelnames=[*names, "tier"], registry=self.registry)
+        self.tier_counters = {
+            k: Counter(PREFIX + "kv_tier_" + k, h, **tier) for k, h in TIER_COUNTERS.items()
+        }
+        self.tier_gauges = {
+            k: Gauge(PREFIX + "kv_tier_" + k, h, **tier) for k, h in TIER_GAUGES.items()
+        }
         for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
             metric.labels(*self.label_values)  # every series from the start, at 0
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._last |= {"external_prefix_cache_queries": 0, "external_prefix_cache_hits": 0}
+        self._tier_last: dict = {}
         self._spec_last: dict = {}
 
     def __call__(self, s: StepStats) -> None:
@@ -73,7 +103,7 @@ class PrometheusStatLogger:
         rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         self.gauges["prefix_cache_hit_rate"].labels(*m).set(rate)
         for name in self._last:  # cumulative engine counters -> increments
-            value = getattr(s, name)
+            value = getattr(s, EXTERNAL.get(name, name))
             self.counters[name].labels(*m).inc(max(value - self._last[name], 0))
             self._last[name] = value
         self.counters["prompt_tokens"].labels(*m).inc(s.prompt_tokens)
@@ -82,6 +112,20 @@ class PrometheusStatLogger:
             self._observe(out.metrics)
         if s.spec_decode is not None:
             self._spec(s.spec_decode)
+        if s.kv_tiers is not None:
+            self._tiers(s.kv_tiers)
+
+    def _tiers(self, tiers: list) -> None:
+        """Each KV tier's cumulative counters -> increments; its fill as gauges."""
+        for row in tiers:
+            t = dict(zip(TIER_FIELDS, row, strict=True))
+            m = [*self.label_values, t["name"]]
+            for k in TIER_COUNTERS:
+                last = self._tier_last.get((t["name"], k), 0)
+                self.tier_counters[k].labels(*m).inc(max(t[k] - last, 0))
+                self._tier_last[(t["name"], k)] = t[k]
+            self.tier_gauges["usage_bytes"].labels(*m).set(t["used_bytes"])
+            self.tier_gauges["capacity_bytes"].labels(*m).set(t["capacity_bytes"])
 
     def _spec(self, st) -> None:
         """Speculative decoding's cumulative counters -> increments."""

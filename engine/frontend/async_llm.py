@@ -51,6 +51,9 @@ class StepStats:
     generation_tokens: int  # tokens generated in this step (all samples)
     finished: list[RequestOutput]  # requests that ended in this step
     spec_decode: object = None  # the engine's SpecStats (cumulative), None without speculation
+    tier_queries: int = 0  # cumulative prompt tokens looked up with KV tiers on
+    tier_hits: int = 0  # of those, loaded from a tier
+    kv_tiers: list | None = None  # CoreStats.kv_tiers: each tier's counters, None without
 
 
 def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
@@ -69,6 +72,9 @@ def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
         generation_tokens=0,
         finished=[],
         spec_decode=engine.spec_stats if engine.config.speculative is not None else None,
+        tier_queries=c.tier_queries,
+        tier_hits=c.tier_hits,
+        kv_tiers=c.kv_tiers,
     )
 
 
@@ -373,6 +379,9 @@ def format_stats_line(s: StepStats, prompt: int, gen: int, elapsed: float) -> st
         f"running {s.num_running}, waiting {s.num_waiting}, swapped {s.num_swapped} seqs, "
         f"KV cache usage {100 * s.kv_cache_usage:.1f}%, prefix cache hit rate {hit:.1f}%"
     )
+    if s.kv_tiers is not None:
+        tier = 100 * s.tier_hits / s.tier_queries if s.tier_queries else 0.0
+        line += f", KV tier hit rate {tier:.1f}%"
     spec = s.spec_decode
     if spec is not None and spec.num_drafts:  # cumulative, since the engine started
         line += (

@@ -312,6 +312,7 @@ def run_core(config: EngineConfig, to_core: str, from_core: str, parent: int, le
         outbox.close(linger=1000)
         ctx.term()
         if core is not None:
+            core.shutdown()  # the KV tiers saved and closed
             getattr(core.backend, "shutdown", lambda: None)()  # tensor-parallel workers
 
 

@@ -32,6 +32,11 @@ class LLM:
         self.trace_html = trace_html
         self.recorder = Recorder(self.engine) if trace_html else None
 
+    def shutdown(self) -> None:
+        """Stop the engine: a core process exits; KV tiers save the pool's cached blocks and
+        finish their disk writes (also done when the interpreter exits)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> HFTokenizerAdapter:
         """The model's tokenizer with Hugging Face's methods (encode, decode, __call__,
         apply_chat_template, eos_token_id, vocab_size, len())."""

@@ -205,7 +205,7 @@ class LLMEngine(FrontendState):
         getattr(self.core, "check_alive", lambda: None)()
 
     def shutdown(self) -> None:
-        """Stop a core process (a no-op for the in-process core)."""
+        """Stop a core process; the in-process core saves its KV tiers (when on)."""
         getattr(self.core, "shutdown", lambda: None)()
 
     # ---- the loop ----

@@ -7,10 +7,10 @@ as one self-contained HTML file (``LLM(..., trace_html="run.html")``,
 recorded are the ones the step's forward uses. Each call appends one frame that holds only what
 changed since the last one: block-table diffs ``[seq, keep, new blocks]`` (the table is now its
 first ``keep`` blocks, then ``new``), state changes, the step's scheduled sequences and token
-counts, preemptions, swaps and prefix-cache hits, the free queue's length, and the step's wall
-time (the time to the next frame). Output tokens are seen at the frame after the step that made
-them. ``write_html`` first appends an idle frame (the pool once the run is over), then fills
-engine/frontend/replay.html with the frames as JSON.
+counts, preemptions, swaps, prefix-cache hits, KV-tier loads and stores, the free queue's
+length, and the step's wall time (the time to the next frame). Output tokens are seen at the
+frame after the step that made them. ``write_html`` first appends an idle frame (the pool once
+the run is over), then fills engine/frontend/replay.html with the frames as JSON.
 
 Speculative decoding: a step's ``SchedulerOutput.drafts`` are its frame's ``spec`` entries
 ``[seq, draft pieces, accepted, extra piece]``, completed at the next frame from the tokens the
@@ -141,6 +141,10 @@ class Recorder:
             ]
         if out.prefix_hits:
             frame["hit"] = [[self._index(s), len(hits)] for s, hits in out.prefix_hits]
+        if out.tier_loads:
+            frame["tier"] = [[self._index(s), len(ids)] for s, ids, _ in out.tier_loads]
+        if out.blocks_to_store:
+            frame["st"] = len(out.blocks_to_store)
         if out.blocks_to_swap_out:
             frame["so"] = len(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:

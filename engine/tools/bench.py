@@ -36,7 +36,7 @@ from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.llm import run_to_completion
 from engine.frontend.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tools import bench_plot, host_overhead
+from engine.tools import bench_conversations, bench_plot, host_overhead
 from model_loader.load import load_model
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
@@ -44,7 +44,7 @@ HOST_BATCHES = (1, 64, 256)  # --host-overhead
 ENGINE_DEFAULTS = dict(model="smollm2", backend="auto", max_num_seqs=64, swap_space=0.5)
 
 
-WORKLOADS = ("random", "copy", "open")
+WORKLOADS = ("random", "copy", "open", "conversations")
 
 
 def build_parser() -> CliParser:
@@ -61,13 +61,16 @@ def build_parser() -> CliParser:
         default="random",
         help="random: random token prompts and output lengths (ignore_eos); copy: chat prompts "
         "asking to repeat or lightly edit a passage of about 100-300 tokens (greedy to EOS or "
-        "--max-output); open: open-ended chat questions (greedy to EOS or --max-output) "
-        "(default random)",
+        "--max-output); open: open-ended chat questions (greedy to EOS or --max-output); "
+        "conversations: multi-turn conversations with long system prompts on a small pool, the "
+        "KV tiers off, in host memory, on disk and after a restart (engine/tools/"
+        "bench_conversations.py; its flags below) (default random)",
     )
     p.add_argument("--batch1-tokens", type=int, default=32, help="batch-1 decode steps timed")
     p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
     p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
     bench_plot.add_args(p)
+    bench_conversations.add_args(p)
     p.add_argument(
         "--host-overhead",
         action="store_true",
@@ -269,12 +272,23 @@ def peer_dtype(args) -> str:
 def check_workload(args) -> None:
     """The workload flags: counts >= 1, each minimum at most its maximum (ValueError naming)."""
     counts = ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch")
+    counts += ("conversations", "turns", "system_tokens", "turn_tokens", "pool_prefixes")
+    counts += ("concurrency",)
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(bench_conversations.CONFIGS))
+    if unknown:
+        raise ValueError(f"configs: unknown {unknown}; known: {bench_conversations.CONFIGS}")
+    if "restart" in configs and "disk" not in configs:
+        raise ValueError("configs: restart reruns the disk configuration's directory; add disk")
     if args.device_step_ms < 0:
         raise ValueError(f"device_step_ms must be at least 0, got {args.device_step_ms}")
     for flag in (*counts, "host_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"{flag} must be at least 1, got {getattr(args, flag)}")
-    for low, high in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
+    pairs = [("min_prompt", "max_prompt"), ("min_output", "max_output")]
+    if args.workload == "conversations":  # its answers are --max-output tokens each
+        pairs = []
+    for low, high in pairs:
         if getattr(args, low) > getattr(args, high):
             raise ValueError(f"{low} ({getattr(args, low)}) is more than {high}")
 
@@ -327,6 +341,8 @@ def main(argv=None) -> int:
         bench_plot.check_args(args)
         if args.host_overhead:
             return run_host_overhead(args)
+        if args.workload == "conversations":
+            return bench_conversations.run(args)
         engine = make_engine(args)
     except ValueError as e:
         return parser.fail(e)

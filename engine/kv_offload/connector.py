@@ -1,0 +1,152 @@
+"""The KV connector: the tiers under the prefix cache, walked in order.
+
+Its three calls have the shape of vLLM's KV connector (save blocks, look a prefix up, load it):
+
+- ``fetch(hashes, keys)``: the scheduler, admitting a prompt, asks for the blocks past its pool
+  hits; it gets the bytes of the longest leading run that some tier holds (a block found lower
+  down is put in the tiers above it on the way), and loads them into fresh pool blocks;
+- ``save(entries)``: the model runner, before a step's forward, hands over the bytes of the
+  cached blocks that the step's allocations evicted from the pool; each tier that lacks a
+  block stores it (the disk tier on a writer thread of its own, so the step does not wait for
+  the disk);
+- ``missing(h)``: whether some tier lacks a block (an evicted block that every tier already
+  holds is not read from the pool at all).
+
+A block is a (L, 2, block_size, Hkv, hd) array in the cache's dtype, exactly the bytes the pool
+held, so a prompt served from a tier computes what it would have computed from the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger("engine")
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+
+
+@dataclass
+class TierStats:
+    """One tier's counters (cumulative) and its fill."""
+
+    name: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    queries: int = 0  # blocks looked up here (those the tiers above did not have)
+    hits: int = 0  # of those, found
+    loads: int = 0  # blocks handed to the pool from this tier
+    load_bytes: int = 0
+    stores: int = 0  # blocks written to this tier
+    store_bytes: int = 0
+    evictions: int = 0  # blocks dropped to stay within capacity_bytes
+    rejected: int = 0  # stored blocks that failed their checks (the disk tier's files)
+
+
+class KVTier(ABC):
+    """A store of blocks by hash, LRU within ``stats.capacity_bytes``."""
+
+    name: str
+    stats: TierStats
+
+    @abstractmethod
+    def get(self, h: int, key: BlockKey) -> np.ndarray | None:
+        """The block stored under hash ``h`` whose key is ``key``, or None."""
+
+    @abstractmethod
+    def put(self, h: int, key: BlockKey, data: np.ndarray) -> None:
+        """Store a block (the caller no longer changes ``data``)."""
+
+    @abstractmethod
+    def __contains__(self, h: int) -> bool:
+        """Whether a block is stored under ``h`` (no key check, nothing read)."""
+
+    def flush(self) -> None:  # noqa: B027 - a tier that stores as it is handed has nothing to do
+        """Every block put so far is stored."""
+
+    def close(self) -> None:
+        """Flush, and stop any worker."""
+        self.flush()
+
+
+class KVConnector:
+    """``tiers`` in lookup order (host memory before disk); ``block_shape`` and ``dtype``: a
+    block's array."""
+
+    def __init__(self, tiers: list[KVTier], block_shape: tuple[int, ...], dtype: np.dtype):
+        self.tiers = tiers
+        self.block_shape = block_shape  # (L, 2, block_size, Hkv, hd)
+        self.dtype = np.dtype(dtype)
+        self.block_bytes = int(np.prod(block_shape)) * self.dtype.itemsize
+
+    def fetch(self, hashes: list[int], keys: list[BlockKey]) -> list[np.ndarray]:
+        """The blocks of the longest leading run of ``hashes`` that the tiers hold, in order."""
+        found = []
+        for h, key in zip(hashes, keys, strict=True):
+            data = self._get(h, key)
+            if data is None:
+                break
+            found.append(data)
+        return found
+
+    def _get(self, h: int, key: BlockKey) -> np.ndarray | None:
+        for i, tier in enumerate(self.tiers):
+            tier.stats.queries += 1
+            data = tier.get(h, key)
+            if data is None:
+                continue
+            tier.stats.hits += 1
+            tier.stats.loads += 1
+            tier.stats.load_bytes += data.nbytes
+            for above in self.tiers[:i]:  # found lower down: kept nearer from now on
+                above.put(h, key, data)
+            return data
+        return None
+
+    def missing(self, h: int) -> bool:
+        """Whether some tier lacks the block ``h``."""
+        return any(h not in tier for tier in self.tiers)
+
+    def save(self, entries: list[tuple[int, BlockKey, np.ndarray]]) -> None:
+        """Blocks evicted from the pool: (hash, key, data) each, into every tier that lacks it."""
+        for h, key, data in entries:
+            assert data.shape == self.block_shape, f"a block of shape {data.shape}"
+            for tier in self.tiers:
+                if h not in tier:
+                    tier.put(h, key, data)
+
+    def stats(self) -> list[TierStats]:
+        return [tier.stats for tier in self.tiers]
+
+    def flush(self) -> None:
+        for tier in self.tiers:
+            tier.flush()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def make_connector(config, key, block_shape: tuple[int, ...], dtype) -> KVConnector | None:
+    """The connector ``config`` asks for (``kv_offload_bytes``, ``kv_cache_dir``), or None."""
+    from engine.kv_offload.disk_tier import DiskTier
+    from engine.kv_offload.host_tier import HostTier
+
+    tiers: list[KVTier] = []
+    if config.kv_offload_bytes:
+        tiers.append(HostTier(config.kv_offload_bytes))
+    if config.kv_cache_dir:
+        tiers.append(DiskTier(config.kv_cache_dir, config.kv_disk_limit, key, block_shape, dtype))
+    if not tiers:
+        return None
+    connector = KVConnector(tiers, block_shape, dtype)
+    log.info(
+        "KV tiers under the prefix cache: %s; %d bytes a block (%s)",
+        ", ".join(f"{t.name} {t.stats.capacity_bytes / 2**20:.0f} MiB" for t in tiers),
+        connector.block_bytes,
+        key.describe(),
+    )
+    return connector

@@ -1,0 +1,46 @@
+"""Blocks in host memory, LRU by bytes: the tier just under the pool."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.kv_offload.connector import BlockKey, KVTier, TierStats
+
+
+class HostTier(KVTier):
+    name = "host"
+
+    def __init__(self, capacity_bytes: int):
+        self.stats = TierStats(self.name, capacity_bytes)
+        self._blocks: OrderedDict[int, tuple[BlockKey, np.ndarray]] = OrderedDict()  # LRU first
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, h: int, key: BlockKey) -> np.ndarray | None:
+        entry = self._blocks.get(h)
+        if entry is None or entry[0] != key:
+            return None
+        self._blocks.move_to_end(h)  # most recently used
+        return entry[1]
+
+    def put(self, h: int, key: BlockKey, data: np.ndarray) -> None:
+        s = self.stats
+        if data.nbytes > s.capacity_bytes:
+            return
+        old = self._blocks.pop(h, None)
+        if old is not None:
+            s.used_bytes -= old[1].nbytes
+        while self._blocks and s.used_bytes + data.nbytes > s.capacity_bytes:
+            _, (_, dropped) = self._blocks.popitem(last=False)  # the least recently used
+            s.used_bytes -= dropped.nbytes
+            s.evictions += 1
+        self._blocks[h] = (key, data)
+        s.used_bytes += data.nbytes
+        s.stores += 1
+        s.store_bytes += data.nbytes
