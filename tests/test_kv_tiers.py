@@ -273,15 +273,13 @@ def test_evicted_blocks_are_stored_and_a_later_prompt_loads_them_into_fresh_bloc
     assert (sched.tier_hits, sched.tier_queries) == (8, 9 + 21 + 9)
 
 
-def test_tiers_need_the_prefix_cache_and_one_rank():
+def test_tiers_need_the_prefix_cache():
     with pytest.raises(ValueError, match="kv_offload_bytes is a tier under the prefix cache"):
         EngineConfig(kv_offload_bytes=1 << 20)
     with pytest.raises(ValueError, match="kv_cache_dir is a tier .* enable_prefix_caching"):
         EngineConfig(kv_cache_dir="/tmp/x")
     with pytest.raises(ValueError, match="kv_disk_bytes bounds kv_cache_dir, which is not set"):
         EngineConfig(kv_disk_bytes=1 << 20, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="not implemented under the mp and ray executors"):
-        EngineConfig(kv_offload_bytes=1, enable_prefix_caching=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_offload_bytes must be an integer"):
         EngineConfig(kv_offload_bytes=-1, enable_prefix_caching=True)
 
@@ -350,6 +348,31 @@ def test_chunked_prefill_and_speculation_over_tier_hits(tiny):
     engine, outs = run_tiers(tiny, prompts, kv_offload_bytes=1 << 24, **kw)
     assert engine.scheduler.tier_hits > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2)])
+def test_parallel_ranks_store_and_load_whole_blocks(tiny, tmp_path, tp, pp):
+    """The ranks' cuts (KV heads of tensor parallel, layers of pipeline stages; at tp 4 the
+    tiny model's 2 KV heads are shared by pairs of ranks) gathered into whole blocks and cut
+    again on the way back: the tokens of the same ranks computing in full, the logprobs of their
+    own pool hits, and the whole blocks a restart on one rank could not tell apart in shape."""
+    prompts = workload(tiny.tokenizer)
+    kw = dict(backend="numpy", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    plain = run_staggered(make_engine(tiny, **SMALL, **kw), prompts, PARAMS)
+    pool_engine = make_engine(tiny, **SMALL, enable_prefix_caching=True, num_gpu_blocks=200, **kw)
+    pool = run_staggered(pool_engine, prompts, PARAMS)
+    engine, outs = run_tiers(
+        tiny, prompts, kv_offload_bytes=1 << 24, kv_cache_dir=str(tmp_path), **kw
+    )
+    assert engine.scheduler.tier_hits > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert logprobs(outs) == logprobs(pool)
+    whole = engine.backend.read_blocks([0, 1])  # (L, 2, n, bs, Hkv, hd)
+    assert whole.shape == (2, 2, 2, 8, 2, 16)
+    engine.backend.write_blocks([2, 3], whole)
+    assert engine.backend.read_blocks([2, 3]).tobytes() == whole.tobytes()
+    for e in (engine, pool_engine):
+        e.shutdown()
 
 
 def test_a_restarted_engine_loads_its_prefixes_from_disk(tiny, tmp_path, caplog):

@@ -362,7 +362,7 @@ class EngineConfig:
             )
 
     def _check_tiers(self):
-        """The KV tiers: sizes in range, under the prefix cache, one rank in this process."""
+        """The KV tiers: sizes in range, under the prefix cache."""
         off, disk, where = self.kv_offload_bytes, self.kv_disk_bytes, self.kv_cache_dir
         if not is_int(off) or not 0 <= off <= MAX_BUDGET_BYTES:
             raise _bad("kv_offload_bytes", off, f"an integer in [0, {MAX_BUDGET_BYTES}]")
@@ -379,12 +379,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig: {asked} is a tier under the prefix cache; it needs "
                 "enable_prefix_caching=True"
-            )
-        if self.world_size > 1 or self.distributed_executor_backend in ("mp", "ray"):
-            raise ValueError(
-                f"EngineConfig: {asked}: the KV tiers are not implemented under the mp and ray "
-                "executors (tensor or pipeline parallel ranks); they run with one rank in this "
-                "process"
             )
 
     @property

@@ -37,7 +37,7 @@ from model_loader.config import ModelConfig
 
 log = logging.getLogger("engine")
 EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats", "pid", "unique_id", "join")
-EVERY_RANK += ("device_memory",)  # answered by every rank
+EVERY_RANK += ("device_memory", "read_blocks")  # answered by every rank
 
 
 class Worker:
@@ -54,6 +54,7 @@ class Worker:
         tp = plan["tp"]
         self.stage, self.index = stage, index = divmod(rank, tp)
         shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
+        self.kv_part = (layers.layers, shard.kv_heads)  # its cut of a whole KV block
         self.answers = rank == plan["output_rank"]
         if plan["backend"] != "numpy":  # the GPU backend's ranks: NCCL, joined by ``join``
             self.comm = None
@@ -88,6 +89,15 @@ class Worker:
             result = (self.backend.device.name, self.backend.total_memory_bytes())
         elif name == "pid":
             result = os.getpid()
+        elif name == "read_blocks":  # its cut of the blocks, with where the cut starts
+            layers, heads = self.kv_part
+            result = (layers.start, heads.start, self.backend.read_blocks(*args))
+        elif name == "write_blocks":  # whole blocks: it writes its cut
+            (layers, heads), (ids, data) = self.kv_part, args
+            cut = data[layers.start : layers.stop, :, :, :, heads.start : heads.stop]
+            result = self.backend.write_blocks(ids, cut)
+        elif name == "block_dtype":
+            result = self.backend.block_dtype
         else:
             result = getattr(self.backend, name)(*args)
         # the output rank's logits stand for all (its stage's ranks have the same bits)
@@ -227,6 +237,25 @@ class Executor(Backend):
     def copy_blocks(self, pairs) -> None:
         if len(pairs):
             self._call("copy_blocks", np.asarray(pairs))
+
+    # ---- the KV tiers: whole blocks, gathered from the ranks' cuts ----
+    @property
+    def block_dtype(self) -> np.dtype:
+        return self._call("block_dtype")
+
+    def read_blocks(self, ids) -> np.ndarray:
+        """(L, 2, n, bs, Hkv, hd): each stage's layers, each shard's KV heads once (ranks that
+        share a head, where tensor_parallel_size exceeds the KV heads, hold the same bytes)."""
+        cuts: dict[int, dict[int, np.ndarray]] = {}
+        for layer, head, part in self._call("read_blocks", np.asarray(ids), all_ranks=True):
+            cuts.setdefault(layer, {})[head] = part  # (L_stage, 2, n, bs, Hkv_rank, hd)
+        stages = [
+            np.concatenate([h[k] for k in sorted(h)], axis=4) for _, h in sorted(cuts.items())
+        ]
+        return np.concatenate(stages, axis=0)
+
+    def write_blocks(self, ids, data: np.ndarray) -> None:
+        self._call("write_blocks", np.asarray(ids), data)
 
     def forward(self, batch) -> np.ndarray:
         return self._call("forward", batch)
