@@ -168,6 +168,12 @@ class Backend(ABC):
         """The dtype of ``read_blocks``' arrays: the pool's (a host pool's own)."""
         return np.dtype(self.kv_cache.dtype)
 
+    def set_lora(self, slot: int, weights) -> None:
+        """LoRA slot ``slot`` holds this adapter from now on (engine/lora/adapter.py)."""
+        raise ValueError(
+            f"enable_lora: the {self.name} backend has no LoRA products (cpu and numpy do)"
+        )
+
     def read_blocks(self, ids) -> np.ndarray:
         """(L, 2, n, block_size, Hkv, hd) a host copy of pool blocks ``ids``, their bytes as
         they are (the KV tiers store them)."""

@@ -166,8 +166,9 @@ class CpuBackend(NumpyBackend):
         verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``).
-        Anything else takes the NumPy backend's loop."""
+        Anything else (LoRA rows among them) takes the NumPy backend's loop."""
         fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
+        fused = fused and batch.lora_slots is None
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)

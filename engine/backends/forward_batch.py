@@ -34,6 +34,9 @@ class ForwardBatch:
     # speculative decoding: (R,) int32 rows whose logits are needed, ascending (every row of a
     # speculated run, the last row of the others); None: logits_indices
     sample_rows: np.ndarray | None = None
+    # LoRA: (T,) int32 the adapter slot of each token's sequence, -1 for the base model; None:
+    # every row is the base model's
+    lora_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

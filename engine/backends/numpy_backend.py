@@ -163,6 +163,7 @@ class NumpyBackend(Backend):
         retain_freed_memory()
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
+        self.loras: dict = {}  # LoRA slot -> its adapter's LoRAWeights (enable_lora)
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
 
     # ---- weights in fewer bytes ----
@@ -250,8 +251,10 @@ class NumpyBackend(Backend):
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            act = ops.act_and_mul(ops.matmul(h, lw.w_gate_up), c.hidden_act)  # (T, 2F) -> (T, F)
-            x = self._reduce(ops.matmul(act, lw.w_down))  # (T, D)
+            act = ops.act_and_mul(self._mm(h, lw, layer, "w_gate_up", batch), c.hidden_act)
+            x = self._reduce(
+                self._mm(act, lw, layer, "w_down", batch)
+            )  # (T, 2F) -> (T, F) -> (T, D)
         return x, residual
 
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
@@ -275,11 +278,35 @@ class NumpyBackend(Backend):
 
     def _attention(self, h: np.ndarray, lw: PackedLayer, layer: int, b: ForwardBatch):
         # h: (T, D) normalized -> (T, D)
-        c, ops, n = self.cfg, self.ops, h.shape[0]
+        c, n = self.cfg, h.shape[0]
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
-        q = self._rotary_cache(ops.matmul(h, lw.w_qkv), lw, k_cache, v_cache, b)  # (T, H, hd)
+        qkv = self._mm(h, lw, layer, "w_qkv", b)  # (T, H*hd + 2*Hkv*hd)
+        q = self._rotary_cache(qkv, lw, k_cache, v_cache, b)  # (T, H, hd)
         out = self._attend(q, k_cache, v_cache, b, c.window(layer))  # (T, H, hd)
-        return self._reduce(ops.matmul(out.reshape(n, c.q_dim), lw.w_o))
+        return self._reduce(self._mm(out.reshape(n, c.q_dim), lw, layer, "w_o", b))
+
+    def _mm(self, x: np.ndarray, lw: PackedLayer, layer: int, name: str, b: ForwardBatch):
+        """x (T, K) @ the layer's matrix ``name`` (K, N) -> (T, N), plus each LoRA row's update."""
+        y = self.ops.matmul(x, getattr(lw, name))
+        if b.lora_slots is not None:
+            self._add_lora(y, x, layer, name, b.lora_slots)
+        return y
+
+    def _add_lora(self, y: np.ndarray, x: np.ndarray, layer: int, name: str, slots: np.ndarray):
+        """y[rows] += (x[rows] @ A) @ B for each adapter's rows (its segment of the batch; the
+        base model's rows, slot -1, take nothing): the segmented low-rank products of
+        Punica and S-LoRA, one pair of small products per adapter in the step."""
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            pair = self.loras[slot].layers[layer].get(name)
+            if pair is None:  # the adapter leaves this matrix alone
+                continue
+            a, b = pair  # (K, R), (R, N)
+            rows = np.flatnonzero(slots == slot)  # (S,)
+            y[rows] += (x[rows] @ a) @ b  # (S, K) -> (S, R) -> (S, N)
+
+    def set_lora(self, slot: int, weights) -> None:
+        """Slot ``slot`` holds this adapter's pairs (engine/lora/adapter.py) from now on."""
+        self.loras[slot] = weights
 
     def _attend(self, q: np.ndarray, k_cache, v_cache, b: ForwardBatch, window: int):
         """q (T, H, hd) rotated, this step's K and V already in the cache -> (T, H, hd): the

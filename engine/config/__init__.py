@@ -192,6 +192,17 @@ class EngineConfig:
         "least recently used files go",
         default_help=f"{DEFAULT_KV_DISK_GIB} GiB with kv_cache_dir",
     )
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters (PEFT directories) over the base weights: a request names one "
+        "(LoRARequest, or the server's model name) and a step batches rows of several adapters "
+        "and of the base model; cpu and numpy backends, one rank",
+    )
+    max_loras: int = option(1, "adapters a step may use at once (their slots)")
+    max_lora_rank: int = option(16, "the largest adapter rank accepted")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept loaded in host memory", default_help="max_loras"
+    )
     memory_budget_bytes: int | None = option(
         None,
         "explicit memory budget in bytes, instead of gpu_memory_utilization",
@@ -268,6 +279,7 @@ class EngineConfig:
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_parallel()
         self._check_tiers()
+        self._check_lora()
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "
@@ -278,6 +290,7 @@ class EngineConfig:
         if not isinstance(self.model, str):
             raise _bad("model", self.model, "a string")
         bools = (
+            "enable_lora",
             "enable_chunked_prefill",
             "enable_prefix_caching",
             "enforce_eager",
@@ -379,6 +392,32 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig: {asked} is a tier under the prefix cache; it needs "
                 "enable_prefix_caching=True"
+            )
+
+    def _check_lora(self):
+        """The LoRA sizes in range; what is not built refused by name."""
+        for name, top in (("max_loras", 64), ("max_lora_rank", 512)):
+            n = getattr(self, name)
+            if not is_int(n) or not 1 <= n <= top:
+                raise _bad(name, n, f"an integer in [1, {top}]")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not is_int(cpu) or not self.max_loras <= cpu <= 1024):
+            raise _bad("max_cpu_loras", cpu, "None or an integer in [max_loras, 1024]")
+        if not self.enable_lora:
+            return
+        if self.backend not in ("auto", "cpu", "numpy"):
+            raise ValueError(
+                f"EngineConfig: enable_lora runs on the cpu and numpy backends (the {self.backend} "
+                "backend has no LoRA products yet)"
+            )
+        if self.world_size > 1:
+            raise ValueError(
+                "EngineConfig: enable_lora is not implemented under tensor or pipeline parallel"
+            )
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError(
+                "EngineConfig: enable_lora with a draft model is not implemented (the ngram "
+                "method works with adapters)"
             )
 
     @property

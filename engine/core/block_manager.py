@@ -185,7 +185,7 @@ class BlockManager:
         if len(hashes) < full:
             ids = seq.token_ids
             for i in range(len(hashes), full):
-                parent = hashes[-1] if hashes else None
+                parent = hashes[-1] if hashes else seq.hash_root
                 hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -212,7 +212,7 @@ class BlockManager:
         limit, bs, ids = (seq.num_tokens - 1) // self.block_size, self.block_size, seq.token_ids
         hashes = self.block_hashes(seq)[start:limit]
         keys = [
-            (hashes[j - 1] if j else (seq.block_hashes[start - 1] if start else None),
+            (hashes[j - 1] if j else (seq.block_hashes[start - 1] if start else seq.hash_root),
              tuple(ids[(start + j) * bs : (start + j + 1) * bs]))
             for j in range(len(hashes))
         ]  # fmt: skip
@@ -248,7 +248,7 @@ class BlockManager:
         for i in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[i], hashes[i]
             if h not in self.cached and block not in self.block_hash:
-                self._register(block, h, hashes[i - 1] if i else None, seq.token_ids, i)
+                self._register(block, h, hashes[i - 1] if i else seq.hash_root, seq.token_ids, i)
         seq.num_cached_blocks = full
 
     def _register(self, block: int, h: int, parent: int | None, ids: list[int], i: int) -> None:
@@ -339,7 +339,7 @@ class BlockManager:
             _require(hash_block(*self.block_keys[block]) == h, f"cache: block {block}'s key")
         bs = self.block_size
         for seq in seqs:
-            chain, parent, ids = [], None, seq.token_ids
+            chain, parent, ids = [], seq.hash_root, seq.token_ids
             for i in range(seq.num_tokens // bs):
                 parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
                 chain.append(parent)

@@ -53,6 +53,7 @@ from engine.core.spec_step import Accepted, Speculator, draft_backend, spec_coun
 from engine.executor import configured_backend
 from engine.kv_offload import KVConnector, make_connector
 from engine.kv_offload.cache_key import engine_key
+from engine.lora.manager import LoRAManager
 from engine.sampling_params import SamplingParams
 from model_loader.load import LoadedModel
 
@@ -104,6 +105,8 @@ class EngineCore:
         self.sampler = Sampler(self.eos_token_ids)
         self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
         self.connector = None if tier_key is None else self._attach_tiers(tier_key)
+        self.lora = LoRAManager(cfg, mc, self.backend) if cfg.enable_lora else None
+        self.scheduler.lora = self.runner.lora = self.lora
         self.trace_schedule = tracing.ScheduleTracer(
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
@@ -146,6 +149,9 @@ class EngineCore:
             raise ValueError(f"request_id {req.request_id!r} is not a new string id")
         if max_waiting is not None:
             self.scheduler.check_queue(params.n, max_waiting)
+        if req.lora_request is not None:  # read now: a bad adapter is this request's error
+            live = {s.lora_id for seqs in self.requests.values() for s in seqs}
+            self.lora.load(req.lora_request, live)
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         limit = self.config.max_model_len

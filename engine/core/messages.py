@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.core.sequence import Sequence
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     params: SamplingParams
     arrival_time: float  # time.monotonic() (one clock for every process of the host)
     bad_words_ids: list[list[int]] = []
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

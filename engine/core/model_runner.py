@@ -121,6 +121,7 @@ class ModelRunner:
         self.sampler = sampler
         self.record_logits = record_logits
         self.connector = None  # the KV tiers (engine/kv_offload), when on
+        self.lora = None  # the LoRAManager (enable_lora): rows carry their adapter's slot
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
@@ -139,7 +140,11 @@ class ModelRunner:
         context_lens = starts + q_lens  # (B,)
         tables = self._block_tables(seqs, context_lens)  # (B, max_blocks)
         counts = output_row_counts(output) if needs_rows(output) else None
-        return flat_batch(tokens, q_lens, context_lens, tables, self.block_size, nd, counts)
+        batch = flat_batch(tokens, q_lens, context_lens, tables, self.block_size, nd, counts)
+        if self.lora is not None and any(s.lora_id is not None for s in seqs):
+            slots = [-1 if s.lora_id is None else s.lora_slot for s in seqs]  # (B,)
+            batch.lora_slots = np.repeat(np.asarray(slots, np.int32), q_lens)  # (T,)
+        return batch
 
     def _block_tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:
         """(B, max_blocks) each sequence's blocks that hold its first context_lens tokens, -1

@@ -105,6 +105,7 @@ class Scheduler:
         self._rejected: list[tuple[Sequence, str]] = []
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
+        self.lora = None  # the LoRAManager (enable_lora): a sequence's adapter slot at admission
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -338,6 +339,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self._reject_if_hopeless(seq):
                 continue
+            if seq.lora_id is not None and not self._lora_slot(seq):
+                return  # every adapter slot is in use: it waits for one
             # [] without prefix caching; a prompt whose logprobs are asked runs whole
             hits = bm.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             loads = self._tier_blocks(seq, len(hits)) if bm.connector is not None else []
@@ -358,6 +361,15 @@ class Scheduler:
         registered now, so a prompt admitted later in the step can share them."""
         self.block_manager.allocate(seq, n)
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
+
+    def _lora_slot(self, seq: Sequence) -> bool:
+        """seq's adapter in a slot (its own, a free one, or one no running or swapped sequence
+        uses); False when there is none."""
+        seq.lora_slot = self.lora.slot_for(seq.lora_id, self._busy_slots)
+        return seq.lora_slot is not None
+
+    def _busy_slots(self) -> set[int]:
+        return {s.lora_slot for s in self.running + self.swapped if s.lora_id is not None}
 
     def _tier_blocks(self, seq: Sequence, start: int) -> list:
         """The tiers' blocks of seq after its ``start`` pool hits (read once while it waits)."""

@@ -50,8 +50,14 @@ class Sequence:
         stop_ids: frozenset[int] = frozenset(),
         bad_words_ids: list[list[int]] | None = None,
         max_model_len: int | None = None,
+        lora_id: int | None = None,
     ):
         self.seq_id = next(_seq_ids)
+        # LoRA: its adapter's id (None: the base model), the slot it runs in once admitted, and
+        # the root of its blocks' hash chain, so no adapter's prefix is another's
+        self.lora_id = lora_id
+        self.lora_slot: int | None = None
+        self.hash_root: int | None = None if lora_id is None else hash(("lora", lora_id))
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -116,6 +122,7 @@ class Sequence:
             stop_ids=stop_ids,
             bad_words_ids=req.bad_words_ids,
             max_model_len=max_model_len,
+            lora_id=None if req.lora_request is None else req.lora_request.lora_int_id,
         )
 
     def __repr__(self) -> str:

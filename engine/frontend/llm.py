@@ -11,6 +11,7 @@ from engine.frontend.chat import chat_prompt_ids, is_conversation
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.recorder import Recorder
 from engine.frontend.tokenizer import HFTokenizerAdapter
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, is_integer
 
@@ -47,8 +48,11 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs come back in input order.
+        ``lora_request``: the adapter every prompt runs with, or a list with one per prompt
+        (None: the base model); needs ``enable_lora=True``.
 
         Every prompt is validated before any runs: a bad one is a ValueError naming its index,
         and the engine stays usable."""
@@ -56,7 +60,8 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params)
+        loras = _as_lora_list(lora_request, len(prompts))
+        ids = self._add_all(prompts, params, loras)
         try:
             done = self._run(ids, use_tqdm)
         except BaseException:  # Ctrl-C or an engine error: nothing of this call keeps running
@@ -90,6 +95,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation ([{"role", "content"}, ...], any number of turns, system
         prompts included) or a list of them, through the model's chat template."""
@@ -101,18 +107,20 @@ class LLM:
                 prompts.append(chat_prompt_ids(tok, conv, add_generation_prompt))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _add_all(self, prompts, params) -> list[str]:
+    def _add_all(self, prompts, params, loras) -> list[str]:
         """Add every prompt; on any failure (a bad prompt, a tokenizer error, Ctrl-C) abort what
         this call added, so nothing of it runs in a later call, and re-raise."""
         self._batch += 1
         ids = [f"{self._batch}-{i}" for i in range(len(prompts))]
         added = []
         try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            for i, (rid, prompt, p, lora) in enumerate(
+                zip(ids, prompts, params, loras, strict=True)
+            ):
                 try:
-                    self.engine.add_request(rid, prompt, p)
+                    self.engine.add_request(rid, prompt, p, lora_request=lora)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
                 added.append(rid)
@@ -142,6 +150,19 @@ def run_to_completion(
         if check_invariants:
             engine.check_invariants()
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def _as_lora_list(lora_request, n: int) -> list:
+    """One LoRARequest (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: {len(loras)} given for {n} prompts")
+    for i, lora in enumerate(loras):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request {i}: a LoRARequest or None, got {type(lora).__name__}")
+    return loras
 
 
 def _as_prompt_list(prompts) -> list:

@@ -29,6 +29,7 @@ from engine.frontend.input_processor import (
     tokenize_prompt,
 )
 from engine.frontend.output_processor import OutputProcessor
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, StreamChunk
 from engine.sampling_params import SamplingParams
 from model_loader.load import LoadedModel, default_model, load_model
@@ -137,6 +138,7 @@ class LLMEngine(FrontendState):
         arrival_time: float | None = None,
         max_waiting: int | None = None,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Validate and queue one request (ValueError for bad input); returns its prompt ids.
 
@@ -144,8 +146,8 @@ class LLMEngine(FrontendState):
         a QueueFullError when more sequences would wait beyond the free run slots;
         ``final_only``: ``step`` gives its output once, when it finishes (vLLM's
         ``RequestOutputKind.FINAL_ONLY``: none is built per step for a caller that reads only
-        the last). Every check runs before anything is queued or allocated, the cheap ones
-        first."""
+        the last); ``lora_request``: the adapter it runs with (``enable_lora``). Every check runs
+        before anything is queued or allocated, the cheap ones first."""
         if not isinstance(request_id, str) or request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is not a new string id")
         params = self.default_sampling_params() if params is None else params
@@ -155,6 +157,14 @@ class LLMEngine(FrontendState):
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n must be in [1, max_num_seqs={cfg.max_num_seqs}], got {params.n}")
         arrival = check_arrival_time(arrival_time)
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+                )
+            if not cfg.enable_lora:
+                raise ValueError("lora_request needs an engine made with enable_lora=True")
+            lora_request.check()
         text, ids = tokenize_prompt(
             prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
         )
@@ -167,7 +177,7 @@ class LLMEngine(FrontendState):
         self.output_processor.add_request(
             request_id, text, ids, params, arrival, core_id, final_only
         )
-        req = CoreRequest(core_id or request_id, ids, params, arrival, bad)
+        req = CoreRequest(core_id or request_id, ids, params, arrival, bad, lora_request)
         try:
             self.core.add_request(req, max_waiting)
         except BaseException:

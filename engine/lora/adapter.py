@@ -1,0 +1,175 @@
+"""A PEFT LoRA adapter directory -> the low-rank pairs of the engine's fused matrices.
+
+PEFT's LoRA adds to a linear layer y = x W^T its low-rank update ``scale * (x A^T) B^T``, A
+(r, in) and B (out, r) stored as ``...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight``
+in ``adapter_model.safetensors``; ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+``use_rslora``), r the module's own rank (``rank_pattern`` changes it per module; the shapes
+say it). The engine's layers multiply four fused matrices (engine/backends/numpy_backend.py
+``PackedLayer``: q|k|v, o, gate|up, down), so an adapter becomes, per layer and fused matrix, one
+pair: A (in, R), its modules' A^T side by side, and B (R, out), each module's scale * B^T in its
+own rows and its own columns of the fused output (zero elsewhere). Then a row's update is
+``(x @ A) @ B``, the sum of its modules' updates, each in its own columns.
+
+Refused by name: a ``.bin`` adapter (a torch pickle), DoRA, ``modules_to_save``, a bias, layers
+or modules this engine does not fuse (embeddings, the LM head), ``alpha_pattern``, a rank above
+``max_lora_rank``, a shape that does not fit the model, NaN or infinite weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model_loader.config import ModelConfig
+
+# PEFT module -> (fused matrix, its parts in order); a fused checkpoint's own names take all parts
+MODULES = {
+    "q_proj": ("w_qkv", (0,)),
+    "k_proj": ("w_qkv", (1,)),
+    "v_proj": ("w_qkv", (2,)),
+    "qkv_proj": ("w_qkv", (0, 1, 2)),
+    "o_proj": ("w_o", (0,)),
+    "gate_proj": ("w_gate_up", (0,)),
+    "up_proj": ("w_gate_up", (1,)),
+    "gate_up_proj": ("w_gate_up", (0, 1)),
+    "down_proj": ("w_down", (0,)),
+}
+KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter: ``layers[i][matrix] = (A (in, R), B (R, out))``, float32, the scales in B;
+    a layer's matrix the adapter leaves alone is absent."""
+
+    name: str
+    rank: int  # the largest module rank
+    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
+
+
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused matrix's input width and its parts' output widths."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "w_qkv": (d, [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]),
+        "w_o": (cfg.q_dim, [d]),
+        "w_gate_up": (d, [f, f]),
+        "w_down": (f, [d]),
+    }
+
+
+def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str = "") -> LoRAWeights:
+    """The adapter at ``path`` for a model of ``cfg``; a ValueError naming what does not fit."""
+    path = Path(path)
+    where = f"LoRA adapter {name or path}"
+    conf = _config(path, where)
+    tensors = _tensors(path, where)
+    modules: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key, t in tensors.items():
+        m = KEY.search(key)
+        if m is None:
+            raise ValueError(f"{where}: {key!r} is not a LoRA A or B of a layer's projection")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in MODULES:
+            raise ValueError(f"{where}: target module {module!r} is not one of {sorted(MODULES)}")
+        if layer >= cfg.num_hidden_layers:
+            raise ValueError(f"{where}: layer {layer}, the model has {cfg.num_hidden_layers}")
+        if not np.isfinite(t).all():
+            raise ValueError(f"{where}: {key} holds NaN or infinite values")
+        modules.setdefault((layer, module), {})[ab] = t
+    layers, rank = _fuse(modules, conf, cfg, max_rank, where)
+    return LoRAWeights(name or str(path), rank, layers)
+
+
+def _config(path: Path, where: str) -> dict:
+    file = path / "adapter_config.json"
+    if not file.is_file():
+        raise ValueError(f"{where}: no adapter_config.json in {path}")
+    try:
+        conf = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{where}: adapter_config.json is not JSON ({e})") from None
+    refusals = {
+        "peft_type": (conf.get("peft_type", "LORA") != "LORA", "is not LORA"),
+        "use_dora": (bool(conf.get("use_dora")), "DoRA is not implemented"),
+        "modules_to_save": (bool(conf.get("modules_to_save")), "is not implemented"),
+        "bias": (conf.get("bias", "none") != "none", "LoRA biases are not implemented"),
+        "alpha_pattern": (bool(conf.get("alpha_pattern")), "is not implemented"),
+        "fan_in_fan_out": (bool(conf.get("fan_in_fan_out")), "(Conv1D layers) is not implemented"),
+    }
+    for field, (bad, why) in refusals.items():
+        if bad:
+            raise ValueError(f"{where}: {field}={conf.get(field)!r}: {why}")
+    alpha = conf.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"{where}: lora_alpha must be a positive number, got {alpha!r}")
+    return conf
+
+
+def _tensors(path: Path, where: str) -> dict[str, np.ndarray]:
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        if (path / "adapter_model.bin").exists():
+            raise ValueError(
+                f"{where}: adapter_model.bin is a torch pickle, which is not read; save the "
+                "adapter with safe_serialization=True (adapter_model.safetensors)"
+            )
+        raise ValueError(f"{where}: no adapter_model.safetensors in {path}")
+    from safetensors.numpy import load_file
+
+    try:
+        return {k: _float32(v) for k, v in load_file(str(file)).items()}
+    except Exception as e:  # noqa: BLE001 - a damaged file, named
+        raise ValueError(f"{where}: adapter_model.safetensors is not readable ({e})") from None
+
+
+def _float32(t: np.ndarray) -> np.ndarray:
+    return np.asarray(t, dtype=np.float32)
+
+
+def _fuse(modules: dict, conf: dict, cfg: ModelConfig, max_rank: int, where: str):
+    """Per layer, each fused matrix's (A, B) from its modules' pairs; the largest rank."""
+    widths, rank = shapes(cfg), 0
+    parts: dict[tuple[int, str], list] = {}
+    for (layer, module), pair in sorted(modules.items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} alone")
+        a, b = pair["A"], pair["B"]  # (r, in), (out, r)
+        matrix, idx = MODULES[module]
+        k, outs = widths[matrix]
+        out = sum(outs[i] for i in idx)
+        r = a.shape[0]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != k or b.shape != (out, r):
+            raise ValueError(
+                f"{where}: layer {layer} {module}: A {a.shape} and B {b.shape} do not fit the "
+                f"model's ({r}, {k}) and ({out}, {r})"
+            )
+        if r > max_rank:
+            raise ValueError(
+                f"{where}: layer {layer} {module} has rank {r} > max_lora_rank {max_rank}"
+            )
+        rank = max(rank, r)
+        alpha = float(conf["lora_alpha"])
+        scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+        start = sum(outs[: idx[0]])  # the first column of the module's output in the fused one
+        parts.setdefault((layer, matrix), []).append((a.T, scale * b.T, start))
+    layers: list[dict] = [{} for _ in range(cfg.num_hidden_layers)]
+    for (layer, matrix), pairs in parts.items():
+        n = sum(widths[matrix][1])
+        big_a = np.concatenate([a for a, _, _ in pairs], axis=1)  # (in, R)
+        big_b = np.zeros((big_a.shape[1], n), np.float32)  # (R, out)
+        r0 = 0
+        for a, b, start in pairs:
+            big_b[r0 : r0 + a.shape[1], start : start + b.shape[1]] = b
+            r0 += a.shape[1]
+        layers[layer][matrix] = (np.ascontiguousarray(big_a), big_b)
+    return layers, rank

@@ -1,0 +1,120 @@
+"""Write random LoRA adapters in PEFT's format for the tiny family checkpoints, plus golden greedy
+tokens and logits computed by PEFT over transformers.
+
+PEFT, transformers and torch are NOT project dependencies: this script runs in a throwaway venv,
+
+    python -m venv /tmp/golden-venv
+    /tmp/golden-venv/bin/pip install torch==2.13.0 transformers peft safetensors numpy
+    /tmp/golden-venv/bin/python scripts/make_lora_golden.py
+
+For each family in FAMILIES (tests/data/families/<family>/, written by make_family_golden.py) and
+each adapter in ADAPTERS it writes tests/data/lora/<family>/<adapter>/ (``save_pretrained``:
+adapter_config.json, adapter_model.safetensors), and tests/data/lora/<family>/golden.json:
+{"meta": {...}, "cases": [...]}, a case per (adapter or null for the base model, prompt) with
+"prompt_token_ids", "token_ids" (N_TOKENS greedy tokens from an argmax loop that recomputes the
+whole sequence each step, the adapter active; no KV cache, no EOS stop) and "logits" (float32 at
+the prompt's last position, base64 of little-endian float32).
+
+The adapters' weights are re-randomised: PEFT starts B at zero (the adapter changes nothing);
+here A ~ N(0, 1 / in) and B ~ N(0, 1 / r), so each adapter moves the logits by about as much as
+the base weights make them, and greedy tokens differ between adapters.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import peft
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("llama", "qwen2", "phi3")
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # the checkpoint's names
+# name: (r, lora_alpha, target modules (None: every projection), use_rslora)
+ADAPTERS = {
+    "r1_qv": (1, 2, ["q_proj", "v_proj"], False),
+    "r8_all": (8, 16, None, False),
+    "r64_rslora": (64, 32, None, True),
+}
+N_TOKENS = 8
+PROMPT_LENS = (5, 40)
+
+
+def b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode()
+
+
+def greedy(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    ids, first = list(prompt), None
+    with torch.no_grad():
+        for _ in range(N_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1].float().numpy()
+            first = logits if first is None else first
+            ids.append(int(np.argmax(logits)))
+    return ids[len(prompt) :], first
+
+
+def targets(family: str, wanted: list[str] | None) -> list[str]:
+    if family not in FUSED:
+        return wanted or ALL
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    return sorted({fused.get(m, m) for m in (wanted or ALL)})
+
+
+def randomise(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_A" in name:  # (r, in)
+            p.data = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
+        elif "lora_B" in name:  # (out, r)
+            p.data = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
+
+
+def family(name: str) -> None:
+    base_dir = ROOT / "tests/data/families" / name
+    out = ROOT / "tests/data/lora" / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 320, n).tolist() for n in PROMPT_LENS]
+    cases = []
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    for p in prompts:
+        tokens, logits = greedy(base, p)
+        cases.append(dict(adapter=None, prompt_token_ids=p, token_ids=tokens, logits=b64(logits)))
+    for seed, (adapter, (r, alpha, wanted, rslora)) in enumerate(ADAPTERS.items()):
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        conf = LoraConfig(
+            r=r, lora_alpha=alpha, target_modules=targets(name, wanted), use_rslora=rslora,
+            lora_dropout=0.0, task_type="CAUSAL_LM",
+        )  # fmt: skip
+        model = get_peft_model(model, conf).eval()
+        randomise(model, 100 + seed)
+        model.save_pretrained(out / adapter)
+        for p in prompts:
+            tokens, logits = greedy(model, p)
+            cases.append(
+                dict(adapter=adapter, prompt_token_ids=p, token_ids=tokens, logits=b64(logits))
+            )
+    meta = dict(
+        family=name, transformers=transformers.__version__, peft=peft.__version__,
+        torch=torch.__version__, dtype="float32", n_tokens=N_TOKENS, adapters=ADAPTERS,
+    )  # fmt: skip
+    (out / "golden.json").write_text(json.dumps(dict(meta=meta, cases=cases), indent=1))
+    moved = [c["token_ids"] for c in cases if c["prompt_token_ids"] == prompts[1]]
+    print(f"{name}: {len(cases)} cases; greedy tokens of the 40-token prompt per adapter: {moved}")
+
+
+if __name__ == "__main__":
+    for f in sys.argv[1:] or FAMILIES:
+        family(f)

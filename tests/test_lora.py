@@ -1,0 +1,230 @@
+"""LoRA adapters against PEFT: random adapters of ranks 1, 8 and 64 (rsLoRA) on the tiny llama,
+qwen2 and phi3 checkpoints (phi3's in its fused qkv_proj / gate_up_proj names), golden greedy
+tokens and logits from PEFT over transformers (scripts/make_lora_golden.py). One batch mixes the
+three adapters and the base model in its first step; the prefix cache keeps adapters apart; a bad
+adapter is a one-line error and the engine keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.config import EngineConfig
+from tests.test_families import loaded
+from tests.utils import make_engine
+
+LORA_DIR = Path(__file__).parent / "data" / "lora"
+FAMILIES = ("llama", "qwen2", "phi3")
+ATOL = 1e-4  # float32 logits at the prompt's last position, PEFT + transformers vs the engine
+
+
+@cache
+def golden(family: str) -> dict:
+    return json.loads((LORA_DIR / family / "golden.json").read_text())
+
+
+def lora(family: str, name: str | None) -> LoRARequest | None:
+    if name is None:
+        return None
+    ids = {"r1_qv": 1, "r8_all": 2, "r64_rslora": 3}
+    return LoRARequest(name, ids[name], str(LORA_DIR / family / name))
+
+
+def run(engine, prompts, loras, n: int) -> list:
+    """Every prompt added before the first step, with its adapter; outputs in order."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, (p, lr) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(i), p, params, lora_request=lr)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def slots_seen(engine) -> list[set]:
+    """The adapter slots of each forward's rows, from now on."""
+    seen, forward = [], engine.backend.forward
+
+    def spy(batch):
+        s = batch.lora_slots
+        seen.append(set() if s is None else set(s.tolist()))
+        return forward(batch)
+
+    engine.backend.forward = spy
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_three_adapters_and_the_base_model_matches_peft(family, backend):
+    cases = golden(family)["cases"]
+    engine = make_engine(
+        loaded(family), backend=backend, record_logits=True, enable_lora=True, max_loras=3,
+        max_lora_rank=64, enable_prefix_caching=True,
+    )  # fmt: skip
+    seen = slots_seen(engine)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs = run(engine, prompts, [lora(family, c["adapter"]) for c in cases], 8)
+    assert seen[0] == {-1, 0, 1, 2}  # the first step: every adapter's rows and the base model's
+    for case, out in zip(cases, outs, strict=True):
+        n = len(case["prompt_token_ids"])
+        where = f"{family} {backend} adapter {case['adapter']}, prompt of {n}"
+        assert out.outputs[0].token_ids == case["token_ids"], where
+        want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+        got = out.outputs[0].step_logits[0]
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=where)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_prefix_cache_never_shares_blocks_between_adapters():
+    family = "llama"
+    prompt = golden(family)["cases"][1]["prompt_token_ids"]  # 40 tokens: two full blocks
+    engine = make_engine(loaded(family), enable_lora=True, max_loras=2, enable_prefix_caching=True)
+    outs = run(engine, [prompt] * 4, [None, lora(family, "r1_qv"), lora(family, "r1_qv"), None], 2)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32, 32]  # each shares with its own kind
+    want = {
+        c["adapter"]: c["token_ids"][:2]
+        for c in golden(family)["cases"]
+        if c["prompt_token_ids"] == prompt
+    }
+    assert [o.outputs[0].token_ids for o in outs] == [
+        want[None],
+        want["r1_qv"],
+        want["r1_qv"],
+        want[None],
+    ]
+
+
+def test_one_slot_serves_three_adapters_in_turn_and_loses_nothing():
+    family = "qwen2"
+    cases = golden(family)["cases"]
+    engine = make_engine(loaded(family), enable_lora=True, max_loras=1, max_lora_rank=64)
+    seen = slots_seen(engine)
+    outs = run(
+        engine,
+        [c["prompt_token_ids"] for c in cases],
+        [lora(family, c["adapter"]) for c in cases],
+        8,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
+    assert all(len(s - {-1}) <= 1 for s in seen)  # one adapter a step at most
+    assert engine.core.lora.slots == [3]  # the last adapter holds the slot
+
+
+def test_llm_takes_one_lora_request_or_one_per_prompt():
+    family = "llama"
+    cases = [c for c in golden(family)["cases"] if c["adapter"] in (None, "r8_all")]
+    llm = LLM(model=str(Path(__file__).parent / "data/families" / family), enable_lora=True,
+              max_loras=2, num_gpu_blocks=64, max_model_len=128)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs = llm.generate(
+        prompts, params, use_tqdm=False, lora_request=[lora(family, c["adapter"]) for c in cases]
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
+    r8 = [c for c in cases if c["adapter"] == "r8_all"]
+    outs = llm.generate(
+        [c["prompt_token_ids"] for c in r8],
+        params,
+        use_tqdm=False,
+        lora_request=lora(family, "r8_all"),
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in r8]
+    with pytest.raises(ValueError, match="lora_request: 1 given for 2 prompts"):
+        llm.generate(prompts[:2], params, lora_request=[None])
+
+
+def broken(tmp_path, family="llama", name="r8_all", edit=None, drop=None) -> LoRARequest:
+    d = tmp_path / "bad"
+    shutil.copytree(LORA_DIR / family / name, d)
+    if edit:
+        conf = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps(conf | edit))
+    if drop:
+        (d / drop).unlink()
+    return LoRARequest("bad", 9, str(d))
+
+
+def nan_adapter(tmp_path) -> LoRARequest:
+    from safetensors.numpy import load_file, save_file
+
+    req = broken(tmp_path)
+    f = Path(req.lora_path) / "adapter_model.safetensors"
+    t = load_file(str(f))
+    key = sorted(t)[0]
+    t[key] = t[key].copy()
+    t[key][0, 0] = np.nan
+    save_file(t, str(f))
+    return req
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda p: broken(p, drop="adapter_model.safetensors"), "no adapter_model.safetensors"),
+        (lambda p: broken(p, edit=dict(use_dora=True)), "DoRA is not implemented"),
+        (lambda p: broken(p, edit=dict(modules_to_save=["lm_head"])), "modules_to_save"),
+        (lambda p: broken(p, edit=dict(lora_alpha=0)), "lora_alpha must be a positive number"),
+        (lambda p: broken(p, name="r64_rslora"), "rank 64 > max_lora_rank 16"),
+        (lambda p: broken(p, family="phi3"), None),  # phi3's fused names: fine for llama too
+        (nan_adapter, "holds NaN or infinite values"),
+        (lambda p: LoRARequest("gone", 9, str(p / "nowhere")), "no adapter_config.json"),
+    ],
+)
+def test_a_bad_adapter_is_one_line_and_the_engine_keeps_serving(tmp_path, make, why):
+    family = "llama"
+    engine = make_engine(loaded(family), enable_lora=True, max_loras=2)
+    req = make(tmp_path)
+    prompt = golden(family)["cases"][0]["prompt_token_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    if why is None:
+        engine.add_request("ok", prompt, params, lora_request=req)
+        engine.abort("ok")
+    else:
+        with pytest.raises(ValueError, match=why) as e:
+            engine.add_request("bad", prompt, params, lora_request=req)
+        assert "\n" not in str(e.value)
+    outs = run(engine, [prompt], [None], 8)  # the base model still answers
+    assert outs[0].outputs[0].token_ids == golden(family)["cases"][0]["token_ids"]
+
+
+def test_an_adapter_for_another_shape_or_depth_is_refused_by_name(tmp_path, tiny):
+    from safetensors.numpy import load_file, save_file
+
+    req = broken(tmp_path)
+    f = Path(req.lora_path) / "adapter_model.safetensors"
+    t = load_file(str(f))
+    key = next(k for k in sorted(t) if "layers.1.mlp.down_proj.lora_A" in k)
+    t[key] = t[key][:, :100].copy()  # (8, 160) -> (8, 100): another intermediate size
+    save_file(t, str(f))
+    engine = make_engine(loaded("llama"), enable_lora=True)
+    why = r"layer 1 down_proj: A \(8, 100\) and B \(64, 8\) do not fit the model's \(8, 160\)"
+    with pytest.raises(ValueError, match=why):
+        engine.add_request("0", [5, 6, 7], lora_request=req)
+    shallow = make_engine(tiny, enable_lora=True)  # 2 layers; the adapter has 3
+    with pytest.raises(ValueError, match="layer 2, the model has 2"):
+        shallow.add_request("0", [5, 6, 7], lora_request=lora("llama", "r8_all"))
+
+
+def test_lora_options_are_checked():
+    with pytest.raises(ValueError, match="lora_request needs an engine made with enable_lora"):
+        make_engine(loaded("llama")).add_request(
+            "0", [5, 6], lora_request=LoRARequest("a", 1, "/x")
+        )
+    with pytest.raises(ValueError, match="enable_lora runs on the cpu and numpy backends"):
+        EngineConfig(enable_lora=True, backend="cuda-cpu")
+    with pytest.raises(ValueError, match="not implemented under tensor or pipeline parallel"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2, backend="numpy")
+    with pytest.raises(ValueError, match="max_loras must be an integer"):
+        EngineConfig(max_loras=0)
+    with pytest.raises(ValueError, match="lora_int_id must be at least 1"):
+        LoRARequest("a", 0, "/x").check()
