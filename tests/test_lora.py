@@ -143,6 +143,19 @@ def test_llm_takes_one_lora_request_or_one_per_prompt():
         llm.generate(prompts[:2], params, lora_request=[None])
 
 
+def test_the_replay_names_each_requests_adapter(tmp_path):
+    family = "llama"
+    html = tmp_path / "run.html"
+    llm = LLM(model=str(Path(__file__).parent / "data/families" / family), enable_lora=True,
+              num_gpu_blocks=64, max_model_len=128, trace_html=str(html))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(
+        [[5, 6, 7], [8, 9]], params, use_tqdm=False, lora_request=[lora(family, "r8_all"), None]
+    )
+    text = html.read_text()
+    assert '"lora":"r8_all"' in text and '"lora":null' in text
+
+
 def broken(tmp_path, family="llama", name="r8_all", edit=None, drop=None) -> LoRARequest:
     d = tmp_path / "bad"
     shutil.copytree(LORA_DIR / family / name, d)
@@ -228,3 +241,62 @@ def test_lora_options_are_checked():
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="lora_int_id must be at least 1"):
         LoRARequest("a", 0, "/x").check()
+
+
+# ---- the server ----
+
+
+def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(tmp_path):
+    """The official openai client: /v1/models lists the adapters with their parent; a request's
+    model picks its adapter (PEFT's tokens); an adapter loaded while serving, unloaded, and an
+    unknown one's 404."""
+    import httpx
+    import openai
+
+    from engine.tools.live_server import LiveServer
+
+    family = "llama"
+    cases = {(c["adapter"], len(c["prompt_token_ids"])): c for c in golden(family)["cases"]}
+    modules = [("r1", str(LORA_DIR / family / "r1_qv")), ("r8", str(LORA_DIR / family / "r8_all"))]
+    kw = dict(
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=64,
+        model=str(LORA_DIR.parent / "families" / family),
+    )
+    with LiveServer(loaded(family), lora_modules=modules, runtime_lora=True, **kw) as s:
+        client = s.openai_client()
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny", "r1", "r8"}
+        assert models["r8"].model_extra["parent"] == "tiny"
+
+        def complete(model, adapter):
+            case = cases[(adapter, 40)]
+            out = client.completions.create(
+                model=model, prompt=case["prompt_token_ids"], max_tokens=8, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return out, case
+
+        for model, adapter in (("r1", "r1_qv"), ("tiny", None), ("r8", "r8_all")):
+            out, case = complete(model, adapter)
+            assert out.model == model
+            assert out.choices[0].text == s.engine.tokenizer.decode(case["token_ids"]), model
+        post = lambda path, body: httpx.post(s.url + path, json=body, timeout=30)  # noqa: E731
+        r = post(
+            "/v1/load_lora_adapter",
+            {"lora_name": "r64", "lora_path": str(LORA_DIR / family / "r64_rslora")},
+        )
+        assert r.status_code == 200, r.text
+        out, case = complete("r64", "r64_rslora")
+        assert out.choices[0].text == s.engine.tokenizer.decode(case["token_ids"])
+        assert post("/v1/unload_lora_adapter", {"lora_name": "r64"}).status_code == 200
+        r = post("/v1/unload_lora_adapter", {"lora_name": "r64"})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+        with pytest.raises(openai.BadRequestError, match="model 'r64' is not served here"):
+            complete("r64", "r64_rslora")
+        r = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+        out, _ = complete("r1", "r1_qv")  # still serving
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'running_lora_adapters="r1"' in metrics and 'max_lora="2"' in metrics

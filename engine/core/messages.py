@@ -67,6 +67,11 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     # per KV tier: [name, capacity, used bytes, queries, hits, loads, load bytes, stores, store
     # bytes, evictions, rejected] (engine/kv_offload TierStats), None without tiers
     kv_tiers: list | None = None
+    # LoRA (enable_lora): the adapters of the running and of the waiting sequences, by name;
+    # the slots a step may use. None without LoRA
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] | None = None
+    max_loras: int = 0
     num_preemptions: int = 0
     num_added_seqs: int = 0  # cumulative: sequences queued
     # speculative decoding: [drafts, draft tokens, accepted tokens, accepted by position]
@@ -123,7 +128,10 @@ TIER_FIELDS = (
 def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> CoreStats:
     """The scheduler's queues and counters (and its block manager's use) as a CoreStats."""
     bm = scheduler.block_manager
-    tiers = None
+    tiers, running, waiting, lora = None, None, None, scheduler.lora
+    if lora is not None:
+        running = sorted({lora.name_of(s.lora_id) for s in scheduler.running if s.lora_id})
+        waiting = sorted({lora.name_of(s.lora_id) for s in scheduler.waiting if s.lora_id})
     if bm.connector is not None:
         tiers = [[getattr(t, f) for f in TIER_FIELDS] for t in bm.connector.stats()]
     return CoreStats(
@@ -136,6 +144,9 @@ def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> Core
         tier_queries=scheduler.tier_queries,
         tier_hits=scheduler.tier_hits,
         kv_tiers=tiers,
+        lora_running=running,
+        lora_waiting=waiting,
+        max_loras=0 if lora is None else len(lora.slots),
         num_preemptions=scheduler.num_preemptions,
         num_added_seqs=num_added_seqs,
         spec_decode=spec_decode,

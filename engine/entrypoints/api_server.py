@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
+from engine.entrypoints.lora_routes import ServedAdapters, add_lora_routes
 from engine.entrypoints.middleware import (
     OPEN_PATHS,
     ApiError,
@@ -64,6 +65,7 @@ from engine.entrypoints.uvicorn_config import ABORT_CONNECTION
 from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
+from engine.lora.request import LoRARequest
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
@@ -94,14 +96,19 @@ class Server:
         # /metrics: this engine's, or (replicas behind this server) every replica's, gathered
         self.render_metrics = getattr(llm, "render_metrics", None) or self._render_own_metrics
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
+        self.adapters = ServedAdapters(llm.engine, self.names)  # LoRA adapters, by model name
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
 
     async def _render_own_metrics(self) -> bytes:
         return self.metrics.render()
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
+        if name is not None and name not in self.names and name not in self.adapters.by_name:
             raise ApiError(400, f"model {name!r} is not served here (try {self.model_name!r})")
+
+    def lora_of(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.adapters.by_name.get(name) if name is not None else None
 
     def check_request(self, req: SamplingRequest, logprobs: tuple[str, int | None]) -> None:
         """The model, fields given values this server does not implement, and the bounds: a
@@ -185,11 +192,15 @@ class Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    async def start(self, prompts, params, stream: bool) -> list[RequestStream]:
+    async def start(self, prompts, params, stream: bool, model=None) -> list[RequestStream]:
         """Queue every prompt, or none; bad input -> 400, a full queue -> 503 with Retry-After.
-        Not ``stream``ed: each request's finished output alone comes back (none per step)."""
+        Not ``stream``ed: each request's finished output alone comes back (none per step).
+        ``model``: the request's, which may name a LoRA adapter."""
+        lora = self.lora_of(model)
         try:
-            return await self.llm.add_requests(prompts, params, final_only=not stream)
+            return await self.llm.add_requests(
+                prompts, params, final_only=not stream, lora_request=lora
+            )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except QueueFullError as e:
@@ -214,11 +225,17 @@ def build_app(
     aliases=(),
     limits: ServerLimits | None = None,
     protect_metrics: bool = False,
+    lora_modules=(),
+    runtime_lora: bool = False,
 ) -> FastAPI:
     """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
-    route but /health (and /metrics, unless ``protect_metrics``) needs it."""
+    route but /health (and /metrics, unless ``protect_metrics``) needs it. ``lora_modules``:
+    (name, path) adapters served as models of their own; ``runtime_lora``: the routes that
+    load and unload them while it runs."""
     check_api_key(api_key)
     server = Server(llm, model_name, api_key, aliases, limits)
+    for name, path in lora_modules:
+        server.adapters.add(name, path)
     app = FastAPI(title="pagedllm", version="0.1.0", lifespan=_lifespan(server))
     app.state.server = server
     _add_error_handlers(app)
@@ -231,6 +248,8 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    if runtime_lora:
+        add_lora_routes(app, server)
     app.openapi = functools.partial(_openapi, app)
     return app
 
@@ -315,7 +334,8 @@ def _add_info_routes(app: FastAPI, server: Server) -> None:
             owned_by="pagedllm",
             max_model_len=server.max_model_len,
         )
-        return {"object": "list", "data": [card]}
+        loras = server.adapters.cards(server.model_name, server.max_model_len)
+        return {"object": "list", "data": [card, *loras]}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -359,7 +379,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         params = await server.run(size, _call, req.sampling_params, *args)  # checks logit_bias
         prompts = await server.run(size, server.prompt_ids, req)
         await server.compile(named)
-        streams = await server.start(prompts, params, req.stream)
+        streams = await server.start(prompts, params, req.stream, req.model)
         texts = await server.run(size, server.prompt_texts, req, prompts) if req.echo else None
         fmt = CompletionFormat(
             server.tokenizer, req.model or server.model_name, req, texts, echo_only
@@ -390,7 +410,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             fits = max(server.max_model_len - len(ids), 1)
             params = _call(dataclasses.replace, params, max_tokens=fits)
         await server.compile(named)
-        streams = await server.start([ids], params, req.stream)
+        streams = await server.start([ids], params, req.stream, req.model)
         fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
         if req.stream:
             return _sse(fmt.chunks(streams), streams, server.limits.stream_write_timeout)

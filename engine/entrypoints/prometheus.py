@@ -8,6 +8,8 @@ several servers in one process do not collide.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.core.messages import TIER_FIELDS
@@ -87,6 +89,12 @@ class PrometheusStatLogger:
         self.tier_gauges = {
             k: Gauge(PREFIX + "kv_tier_" + k, h, **tier) for k, h in TIER_GAUGES.items()
         }
+        self.lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "LoRA adapters of the running and waiting requests (the value: when it was seen)",
+            labelnames=[*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=self.registry,
+        )
         for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
             metric.labels(*self.label_values)  # every series from the start, at 0
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
@@ -114,6 +122,10 @@ class PrometheusStatLogger:
             self._spec(s.spec_decode)
         if s.kv_tiers is not None:
             self._tiers(s.kv_tiers)
+        if s.lora_running is not None:  # vLLM's shape: the adapters in labels, the time as value
+            running, waiting = ",".join(s.lora_running), ",".join(s.lora_waiting)
+            labels = [*self.label_values, running, waiting, str(s.max_loras)]
+            self.lora_info.labels(*labels).set(time.time())
 
     def _tiers(self, tiers: list) -> None:
         """Each KV tier's cumulative counters -> increments; its fill as gauges."""

@@ -17,6 +17,7 @@ import sys
 from engine.entrypoints.api_server import build_app
 from engine.entrypoints.cli_utils import setup_logging
 from engine.entrypoints.engine_args import check_engine_args, engine_kwargs
+from engine.entrypoints.lora_routes import parse_lora_modules
 from engine.entrypoints.serve_args import build_parser, check_replica_args, check_server_args
 from engine.entrypoints.uvicorn_config import uvicorn_config
 from engine.frontend.async_llm import AsyncLLM, LoggingStatLogger
@@ -45,7 +46,15 @@ def run(args) -> int:
         return run_replicated(args, limits)
     llm, name = make_async_llm(args)
     aliases = [llm.engine.config.model]
-    app = build_app(llm, name, args.api_key, aliases, limits, args.protect_metrics)
+    try:
+        app = build_app(
+            llm, name, args.api_key, aliases, limits, args.protect_metrics,
+            parse_lora_modules(args.lora_modules), args.allow_runtime_lora_updating,
+        )  # fmt: skip
+    except ValueError as e:  # an adapter that does not fit: one line, as for any bad flag
+        llm.shutdown()
+        log.error("--lora-modules: %s", e)
+        return 2
     config = uvicorn_config(
         app,
         limits,

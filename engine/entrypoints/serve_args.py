@@ -11,6 +11,7 @@ import os
 from engine.entrypoints.cli_utils import CliParser
 from engine.entrypoints.engine_args import add_engine_args
 from engine.entrypoints.limits import ServerLimits, add_limit_args, limits_from_args
+from engine.entrypoints.lora_routes import parse_lora_modules
 from engine.entrypoints.middleware import check_api_key
 from engine.entrypoints.replicas.routing import POLICIES
 
@@ -52,6 +53,19 @@ def build_parser() -> CliParser:
         help="seconds between throughput log lines while requests run (default 5)",
     )
     p.add_argument("--trace", action="store_true", help="log the life of every request")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as models of their own: a request whose "
+        "model is NAME runs with the adapter at PATH (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's routes that "
+        "serve and stop serving adapters while the server runs",
+    )
     add_replica_args(p)
     add_limit_args(p)
     return add_engine_args(p)
@@ -115,6 +129,10 @@ def add_replica_args(p) -> None:
 
 def check_server_args(args) -> ServerLimits:
     """The server's own flags, checked before the model loads; returns the limits."""
+    parse_lora_modules(args.lora_modules)  # a ValueError names a bad item
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--allow-runtime-lora-updating"
+        raise ValueError(f"{flag} needs --enable-lora")
     if args.api_key is not None:
         try:
             check_api_key(args.api_key)

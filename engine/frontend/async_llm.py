@@ -54,6 +54,9 @@ class StepStats:
     tier_queries: int = 0  # cumulative prompt tokens looked up with KV tiers on
     tier_hits: int = 0  # of those, loaded from a tier
     kv_tiers: list | None = None  # CoreStats.kv_tiers: each tier's counters, None without
+    lora_running: list[str] | None = None  # adapters of the running sequences (enable_lora)
+    lora_waiting: list[str] | None = None
+    max_loras: int = 0
 
 
 def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
@@ -75,6 +78,9 @@ def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
         tier_queries=c.tier_queries,
         tier_hits=c.tier_hits,
         kv_tiers=c.kv_tiers,
+        lora_running=c.lora_running,
+        lora_waiting=c.lora_waiting,
+        max_loras=c.max_loras,
     )
 
 
@@ -171,18 +177,21 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_ids: list[str] | None = None,
         final_only: bool = False,
+        lora_request=None,
     ) -> list[RequestStream]:
         """Queue every prompt with the same params in one trip to the engine thread, or none:
         the first refusal (ValueError, QueueFullError) undoes the others and is raised.
         ``final_only``: each stream gets its finished output alone (no output is built per
-        step: a caller that answers once, at the end)."""
+        step: a caller that answers once, at the end); ``lora_request``: their adapter."""
         rids = request_ids or [uuid.uuid4().hex for _ in prompts]
         if len(rids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(rids)} request ids")
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop) for _ in prompts]
         try:
-            add = functools.partial(self._add_all, rids, prompts, streams, params, final_only)
+            add = functools.partial(
+                self._add_all, rids, prompts, streams, params, final_only, lora_request
+            )
             await self._call(add)
         except asyncio.CancelledError:
             for rid in rids:  # the adds may still run: undo them
@@ -243,14 +252,20 @@ class AsyncLLM:
 
     # ---- engine thread ----
     def _add_all(
-        self, rids: list[str], prompts: list, streams: list[_Stream], params, final_only: bool
+        self,
+        rids: list[str],
+        prompts: list,
+        streams: list[_Stream],
+        params,
+        final_only: bool,
+        lora_request=None,
     ) -> None:
         """Add each prompt under its id and stream; on a refusal abort the ones added."""
         added = []
         try:
             for rid, prompt, stream in zip(rids, prompts, streams, strict=True):
                 try:
-                    self._add(rid, prompt, params, stream, final_only)
+                    self._add(rid, prompt, params, stream, final_only, lora_request)
                 except ValueError as e:
                     if len(prompts) == 1:
                         raise
@@ -261,9 +276,11 @@ class AsyncLLM:
                 self._abort(rid)
             raise
 
-    def _add(self, rid: str, prompt, params, stream: _Stream, final_only: bool) -> None:
+    def _add(self, rid: str, prompt, params, stream: _Stream, final_only: bool, lora=None) -> None:
         limit = self.max_waiting_requests
-        self.engine.add_request(rid, prompt, params, max_waiting=limit, final_only=final_only)
+        self.engine.add_request(
+            rid, prompt, params, max_waiting=limit, final_only=final_only, lora_request=lora
+        )
         self._streams[rid] = stream
 
     def _abort(self, rid: str) -> None:

@@ -209,6 +209,7 @@ class Recorder:
         row = {
             "req": seq.request_id,
             "sid": seq.seq_id,
+            "lora": self._lora_name(seq),
             "arr": arrival,
             "join": f,
             "out": [],
@@ -216,6 +217,11 @@ class Recorder:
         }
         self._live[seq.seq_id] = _Track(len(self.seqs), seq)
         self.seqs.append(row)
+
+    def _lora_name(self, seq: Sequence) -> str | None:
+        """The name of seq's LoRA adapter (None: the base model)."""
+        lora = getattr(self.engine.core, "lora", None)
+        return None if seq.lora_id is None or lora is None else lora.name_of(seq.lora_id)
 
     def _changes(self, track: _Track, changes: dict, f: int) -> None:
         seq, i = track.seq, track.index
