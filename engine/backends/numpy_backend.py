@@ -164,6 +164,8 @@ class NumpyBackend(Backend):
         self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.loras: dict = {}  # LoRA slot -> its adapter's LoRAWeights (enable_lora)
+        self._lora_kept: dict = {}  # (active slots, layer, matrix) -> their pairs as multiplied
+        self._lora_memo = None  # (a batch's lora_slots, [(slot, rows)])
         self.cpu_cache: np.ndarray | None = None  # (L, 2, N_cpu, bs, Hkv, hd)
 
     # ---- weights in fewer bytes ----
@@ -293,20 +295,65 @@ class NumpyBackend(Backend):
         return y
 
     def _add_lora(self, y: np.ndarray, x: np.ndarray, layer: int, name: str, slots: np.ndarray):
-        """y[rows] += (x[rows] @ A) @ B for each adapter's rows (its segment of the batch; the
-        base model's rows, slot -1, take nothing): the segmented low-rank products of
-        Punica and S-LoRA, one pair of small products per adapter in the step."""
-        for slot in np.unique(slots[slots >= 0]).tolist():
-            pair = self.loras[slot].layers[layer].get(name)
-            if pair is None:  # the adapter leaves this matrix alone
-                continue
-            a, b = pair  # (K, R), (R, N)
-            rows = np.flatnonzero(slots == slot)  # (S,)
-            y[rows] += (x[rows] @ a) @ b  # (S, K) -> (S, R) -> (S, N)
+        """y[rows] += (x[rows] @ A) @ B for each adapter's rows (the base model's rows, slot
+        -1, take nothing): the segmented low-rank products of Punica and S-LoRA. The step's
+        adapters' A side by side make one product for the whole batch (x @ [A_1 .. A_n], small:
+        the ranks are); each adapter's rows then take their own columns of it through their B.
+        Through the backend's own product (the cpu backend's packed layouts); a step whose rows
+        all run one adapter gathers nothing."""
+        plan = self._lora_rows(slots)
+        stack = self._lora_stack(tuple(s for s, _ in plan), layer, name)
+        if stack is None:  # none of the step's adapters changes this matrix
+            return
+        a, parts = stack  # (K, sum R); [(slot, first column, B (R, N))]
+        t = self.ops.matmul(x, a)  # (T, sum R)
+        rows_of = dict(plan)
+        for slot, c0, b in parts:
+            rows, r = rows_of[slot], b.shape[0]
+            if rows is None:  # every row
+                y += self.ops.matmul(t[:, c0 : c0 + r], b)  # (T, R) -> (T, N)
+            else:
+                y[rows] += self.ops.matmul(t[rows, c0 : c0 + r], b)  # (S, R) -> (S, N)
+
+    def _lora_stack(self, active: tuple[int, ...], layer: int, name: str):
+        """For the step's adapters and one matrix: (their A side by side, kept as this backend
+        multiplies it; [(slot, its first column, its B)]), None when none changes it."""
+        key = (active, layer, name)
+        if key not in self._lora_kept:
+            pairs = [(s, self.loras[s].layers[layer].get(name)) for s in active]
+            pairs = [(s, p) for s, p in pairs if p is not None]
+            stack = None
+            if pairs:
+                a = np.concatenate([p[0] for _, p in pairs], axis=1)  # (K, sum R)
+                starts = np.cumsum([0] + [p[0].shape[1] for _, p in pairs])[:-1].tolist()
+                parts = [
+                    (s, c0, self._lora_store(p[1]))
+                    for (s, p), c0 in zip(pairs, starts, strict=True)
+                ]
+                stack = (self._lora_store(a), parts)
+            self._lora_kept[key] = stack
+        return self._lora_kept[key]
+
+    def _lora_rows(self, slots: np.ndarray) -> list:
+        """[(slot, its rows, or None for every row)] of a batch, worked out once per batch."""
+        memo = self._lora_memo
+        if memo is None or memo[0] is not slots:
+            active = np.unique(slots[slots >= 0]).tolist()
+            if len(active) == 1 and bool((slots == active[0]).all()):
+                plan = [(active[0], None)]
+            else:
+                plan = [(s, np.flatnonzero(slots == s)) for s in active]
+            self._lora_memo = memo = (slots, plan)
+        return memo[1]
+
+    def _lora_store(self, m: np.ndarray):
+        """An adapter's matrix as this backend keeps it (float32; the cpu backend packs it)."""
+        return np.ascontiguousarray(m, dtype=F32)
 
     def set_lora(self, slot: int, weights) -> None:
         """Slot ``slot`` holds this adapter's pairs (engine/lora/adapter.py) from now on."""
         self.loras[slot] = weights
+        self._lora_kept = {k: v for k, v in self._lora_kept.items() if slot not in k[0]}
 
     def _attend(self, q: np.ndarray, k_cache, v_cache, b: ForwardBatch, window: int):
         """q (T, H, hd) rotated, this step's K and V already in the cache -> (T, H, hd): the

@@ -135,15 +135,17 @@ class LLM:
 
 
 def run_to_completion(
-    engine: LLMEngine, prompts: list, params, check_invariants: bool = False
+    engine: LLMEngine, prompts: list, params, check_invariants: bool = False, loras=None
 ) -> list[RequestOutput]:
     """Add every prompt (request ids "0", "1", ...) and step until all finish: the finished
     outputs in input order. ``params``: one SamplingParams for all, or a list, one per prompt.
     The loop of ``LLM.generate`` without its checks and progress bar, for tools and tests;
-    ``check_invariants`` runs the block and queue invariant checks after every step."""
+    ``check_invariants`` runs the block and queue invariant checks after every step; ``loras``:
+    a LoRARequest (or None) per prompt."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
+    loras = loras or [None] * len(prompts)
+    for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
+        engine.add_request(str(i), prompt, p, lora_request=lora)
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step(stream=False)})

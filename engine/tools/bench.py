@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import copy
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -35,8 +37,10 @@ from engine.entrypoints.engine_args import add_engine_args, check_engine_args, e
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.llm import run_to_completion
 from engine.frontend.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.tools import bench_conversations, bench_plot, host_overhead
+from engine.tools.random_lora import write_random_adapter
 from model_loader.load import load_model
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
@@ -67,6 +71,15 @@ def build_parser() -> CliParser:
         "bench_conversations.py; its flags below) (default random)",
     )
     p.add_argument("--batch1-tokens", type=int, default=32, help="batch-1 decode steps timed")
+    p.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        help="random LoRA adapters (every projection, rank --lora-rank) the requests take in "
+        "turn: request i runs with adapter i mod N (sets --enable-lora, --max-loras N) "
+        "(default 0: the base model)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="their rank (default 16)")
     p.add_argument("--peer", choices=["transformers"], help="also run a peer implementation")
     p.add_argument("--peer-batch", type=int, default=64, help="peer static batch (default 64)")
     bench_plot.add_args(p)
@@ -94,7 +107,23 @@ def make_engine(args) -> LLMEngine:
     """The engine of the flags; max_model_len defaults to the longest prompt + output."""
     kw = engine_kwargs(args)
     kw.setdefault("max_model_len", args.max_prompt + args.max_output)
+    if args.lora_adapters:
+        kw |= dict(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=args.lora_rank)
     return LLMEngine(**kw)
+
+
+def random_loras(engine: LLMEngine, args) -> list:
+    """--lora-adapters random adapters in a temporary directory, as LoRARequests."""
+    if not args.lora_adapters:
+        return []
+    folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    cfg = engine.model_config
+    return [
+        LoRARequest(
+            f"random{i}", i + 1, str(write_random_adapter(folder / str(i), cfg, args.lora_rank, i))
+        )
+        for i in range(args.lora_adapters)
+    ]
 
 
 def workload(args, vocab: int, tokenizer=None):
@@ -149,14 +178,17 @@ def chat_workload(args, tokenizer):
     return prompts, outs
 
 
-def run_engine(engine: LLMEngine, prompts, out_lens, ignore_eos=True) -> tuple[list, float]:
-    """Every prompt with its output length, greedy (to EOS too unless ignore_eos):
-    (outputs, seconds)."""
+def run_engine(
+    engine: LLMEngine, prompts, out_lens, ignore_eos=True, loras=()
+) -> tuple[list, float]:
+    """Every prompt with its output length, greedy (to EOS too unless ignore_eos), request i
+    with ``loras[i % len(loras)]`` if any: (outputs, seconds)."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in out_lens
     ]
+    per = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     t0 = time.perf_counter()
-    outputs = run_to_completion(engine, prompts, params)
+    outputs = run_to_completion(engine, prompts, params, loras=per)
     return outputs, time.perf_counter() - t0
 
 
@@ -273,7 +305,9 @@ def check_workload(args) -> None:
     """The workload flags: counts >= 1, each minimum at most its maximum (ValueError naming)."""
     counts = ("num_requests", "min_prompt", "min_output", "batch1_tokens", "peer_batch")
     counts += ("conversations", "turns", "system_tokens", "turn_tokens", "pool_prefixes")
-    counts += ("concurrency",)
+    counts += ("concurrency", "lora_rank")
+    if args.lora_adapters < 0:
+        raise ValueError(f"lora_adapters must be at least 0, got {args.lora_adapters}")
     configs = args.configs.split(",")
     unknown = sorted(set(configs) - set(bench_conversations.CONFIGS))
     if unknown:
@@ -347,13 +381,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         return parser.fail(e)
     prompts, out_lens = workload(args, engine.model_config.vocab_size, engine.tokenizer)
-    run_engine(engine, [prompts[0][:16]], [4])  # warm-up
+    loras = random_loras(engine, args)
+    run_engine(engine, [prompts[0][:16]], [4], loras=loras[:1])  # warm-up
     full_steps = time_full_decode_steps(engine, args.max_num_seqs)
-    outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random")
+    outputs, wall = run_engine(engine, prompts, out_lens, args.workload == "random", loras)
     stats = summarize(outputs, wall) | spec_stats(engine)
     b = engine.backend
     weights = b.quantization or b.kv_dtype
     what = f"{b.name}, weights {weights}, KV cache {b.cache_dtype}, {args.num_requests} requests"
+    if loras:
+        what += f" over {len(loras)} LoRA adapters of rank {args.lora_rank}"
     print(f"engine ({what}):")
     print(format_stats(stats))
     itl = batch1_itl_ms(engine, prompts[0][:32], args.batch1_tokens)
