@@ -442,3 +442,19 @@ def test_cli_restart_hits_the_disk_tier_and_the_replay_lists_it(tiny_model_dir, 
     hits = [r.getMessage() for r in caplog.records if "KV tier hit:" in r.getMessage()]
     assert len(hits) == 1 and "tokens loaded (blocks [" in hits[0]
     assert '"tier":' in html.read_text()
+
+
+def test_the_conversations_benchmark_runs_each_configuration(tiny_model_dir, capsys, tmp_path):
+    from engine.tools.bench import main as bench_main
+
+    argv = ["--model", str(tiny_model_dir), "--workload", "conversations", "--conversations", "3"]
+    argv += ["--turns", "2", "--system-tokens", "40", "--turn-tokens", "4", "--max-output", "2"]
+    argv += ["--pool-prefixes", "1", "--block-size", "4", "--kv-cache-dir", str(tmp_path)]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("off", "host", "disk", "restart"):
+        assert f"\n{name} " in out or out.startswith(f"{name} "), out
+    assert "restart: first round's mean TTFT" in out
+    served = {line.split()[0]: int(line.split("prompt tokens from the tiers ")[1].split()[0])
+              for line in out.splitlines() if "prompt tokens from the tiers" in line}  # fmt: skip
+    assert served["off"] == 0 and served["host"] > 0 and served["restart"] > 0

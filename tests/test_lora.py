@@ -300,3 +300,14 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(tmp
         out, _ = complete("r1", "r1_qv")  # still serving
         metrics = httpx.get(s.url + "/metrics").text
         assert 'running_lora_adapters="r1"' in metrics and 'max_lora="2"' in metrics
+
+
+def test_bench_spreads_requests_over_random_adapters(tiny_model_dir, capsys):
+    from engine.tools.bench import main as bench_main
+
+    argv = ["--model", str(tiny_model_dir), "--backend", "cpu", "--num-requests", "6"]
+    argv += ["--max-num-seqs", "4", "--min-prompt", "4", "--max-prompt", "12", "--min-output"]
+    argv += ["8", "--max-output", "8", "--batch1-tokens", "4", "--lora-adapters", "3"]
+    assert bench_main([*argv, "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "6 requests over 3 LoRA adapters of rank 4" in out and "48 generated" not in out

@@ -369,6 +369,8 @@ def overlap_table(loaded, device_step_s: float, steps: int, seed: int) -> str:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.workload == "conversations":  # its tiers sit under the prefix cache
+        args.enable_prefix_caching = True
     try:
         check_workload(args)
         check_engine_args(args)  # bad engine values and --model fail before the model loads
