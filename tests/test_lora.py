@@ -311,3 +311,16 @@ def test_bench_spreads_requests_over_random_adapters(tiny_model_dir, capsys):
     assert bench_main([*argv, "--lora-rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "6 requests over 3 LoRA adapters of rank 4" in out and "48 generated" not in out
+
+
+def test_serve_refuses_adapters_it_cannot_serve(capsys):
+    from engine.entrypoints.serve import main as serve_main
+
+    base = ["--model", str(Path(__file__).parent / "data/families/llama"), "--port", "0"]
+    assert serve_main([*base, "--lora-modules", "a=/x"]) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert serve_main([*base, "--enable-lora", "--lora-modules", "a"]) == 2
+    assert "'a' is not name=path" in capsys.readouterr().err
+    dp = ["--enable-lora", "--lora-modules", "a=/x", "--data-parallel-size", "2"]
+    assert serve_main([*base, *dp]) == 2
+    assert "not implemented with --data-parallel-size above 1" in capsys.readouterr().err

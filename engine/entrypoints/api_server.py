@@ -197,10 +197,9 @@ class Server:
         Not ``stream``ed: each request's finished output alone comes back (none per step).
         ``model``: the request's, which may name a LoRA adapter."""
         lora = self.lora_of(model)
+        extra = {} if lora is None else {"lora_request": lora}  # replicas: the base model alone
         try:
-            return await self.llm.add_requests(
-                prompts, params, final_only=not stream, lora_request=lora
-            )
+            return await self.llm.add_requests(prompts, params, final_only=not stream, **extra)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except QueueFullError as e:
