@@ -408,8 +408,8 @@ def test_another_dtype_never_loads_the_blocks_of_the_first(tiny, tmp_path):
     other, outs2 = run_tiers(tiny, prompts, **kw)
     assert outs2[0].num_cached_tokens == 0  # the first engine's files are not its own
     assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs]
+    other.shutdown()  # its writes finished
     assert len({p.parent for p in tmp_path.glob("*/*.kvb")}) == 2  # a folder per key
-    other.shutdown()
 
 
 # ---- where the tiers show ----

@@ -295,29 +295,34 @@ class NumpyBackend(Backend):
         return y
 
     def _add_lora(self, y: np.ndarray, x: np.ndarray, layer: int, name: str, slots: np.ndarray):
-        """y[rows] += (x[rows] @ A) @ B for each adapter's rows (the base model's rows, slot
-        -1, take nothing): the segmented low-rank products of Punica and S-LoRA. The step's
-        adapters' A side by side make one product for the whole batch (x @ [A_1 .. A_n], small:
-        the ranks are); each adapter's rows then take their own columns of it through their B.
-        Through the backend's own product (the cpu backend's packed layouts); a step whose rows
-        all run one adapter gathers nothing."""
+        """y[rows] += each adapter's update of its rows (the base model's rows, slot -1, take
+        nothing): the segmented low-rank products of Punica and S-LoRA. The step's adapters'
+        A side by side make one product for the whole batch (x @ [A_1 .. A_n], small: the
+        ranks are); each adapter's rows then take each module's columns of it through the
+        module's B into the module's output columns. Through the backend's own product (the
+        cpu backend's packed layouts); a step whose rows all run one adapter gathers nothing."""
         plan = self._lora_rows(slots)
         stack = self._lora_stack(tuple(s for s, _ in plan), layer, name)
         if stack is None:  # none of the step's adapters changes this matrix
             return
-        a, parts = stack  # (K, sum R); [(slot, first column, B (R, N))]
-        t = self.ops.matmul(x, a)  # (T, sum R)
+        mm = self.ops.matmul
+        a, parts = stack  # (K, sum R); [(slot, [(first column of t, last, output column, B)])]
+        t = mm(x, a)  # (T, sum R)
         rows_of = dict(plan)
-        for slot, c0, b in parts:
-            rows, r = rows_of[slot], b.shape[0]
-            if rows is None:  # every row
-                y += self.ops.matmul(t[:, c0 : c0 + r], b)  # (T, R) -> (T, N)
-            else:
-                y[rows] += self.ops.matmul(t[rows, c0 : c0 + r], b)  # (S, R) -> (S, N)
+        for slot, bs in parts:
+            rows = rows_of[slot]
+            ts = t if rows is None else t[rows]  # (S, sum R): its rows
+            for r0, r1, c0, b in bs:
+                upd = mm(np.ascontiguousarray(ts[:, r0:r1]), b)  # (S, r) -> (S, n)
+                if rows is None:  # every row
+                    y[:, c0 : c0 + upd.shape[1]] += upd
+                else:
+                    y[rows, c0 : c0 + upd.shape[1]] += upd
 
     def _lora_stack(self, active: tuple[int, ...], layer: int, name: str):
         """For the step's adapters and one matrix: (their A side by side, kept as this backend
-        multiplies it; [(slot, its first column, its B)]), None when none changes it."""
+        multiplies it; [(slot, [(first column, last, output column, B) of each module])]);
+        None when none of them changes it."""
         key = (active, layer, name)
         if key not in self._lora_kept:
             pairs = [(s, self.loras[s].layers[layer].get(name)) for s in active]
@@ -327,8 +332,8 @@ class NumpyBackend(Backend):
                 a = np.concatenate([p[0] for _, p in pairs], axis=1)  # (K, sum R)
                 starts = np.cumsum([0] + [p[0].shape[1] for _, p in pairs])[:-1].tolist()
                 parts = [
-                    (s, c0, self._lora_store(p[1]))
-                    for (s, p), c0 in zip(pairs, starts, strict=True)
+                    (s, [(c + r0, c + r1, c0, self._lora_store(b)) for r0, r1, c0, b in p[1]])
+                    for (s, p), c in zip(pairs, starts, strict=True)
                 ]
                 stack = (self._lora_store(a), parts)
             self._lora_kept[key] = stack

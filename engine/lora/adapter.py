@@ -5,10 +5,10 @@ PEFT's LoRA adds to a linear layer y = x W^T its low-rank update ``scale * (x A^
 in ``adapter_model.safetensors``; ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
 ``use_rslora``), r the module's own rank (``rank_pattern`` changes it per module; the shapes
 say it). The engine's layers multiply four fused matrices (engine/backends/numpy_backend.py
-``PackedLayer``: q|k|v, o, gate|up, down), so an adapter becomes, per layer and fused matrix, one
-pair: A (in, R), its modules' A^T side by side, and B (R, out), each module's scale * B^T in its
-own rows and its own columns of the fused output (zero elsewhere). Then a row's update is
-``(x @ A) @ B``, the sum of its modules' updates, each in its own columns.
+``PackedLayer``: q|k|v, o, gate|up, down), so an adapter becomes, per layer and fused matrix,
+A (in, R), its modules' A^T side by side, and each module's scale * B^T, which takes the
+module's columns of x @ A to the module's columns of the fused output. A row's update is
+``t = x @ A``, then for each module ``t[:, r0:r1] @ B_m`` added into its output columns.
 
 Refused by name: a ``.bin`` adapter (a torch pickle), DoRA, ``modules_to_save``, a bias, layers
 or modules this engine does not fuse (embeddings, the LM head), ``alpha_pattern``, a rank above
@@ -44,8 +44,10 @@ KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)
 
 @dataclass
 class LoRAWeights:
-    """One adapter: ``layers[i][matrix] = (A (in, R), B (R, out))``, float32, the scales in B;
-    a layer's matrix the adapter leaves alone is absent."""
+    """One adapter: ``layers[i][matrix] = (A (in, R), [(r0, r1, c0, B_m)])``, float32: its
+    modules' A side by side, and each module's B_m (r1 - r0, n_m), the scale in it, for A's
+    columns r0:r1 and the fused output's columns c0:c0 + n_m; a layer's matrix the adapter
+    leaves alone is absent."""
 
     name: str
     rank: int  # the largest module rank
@@ -53,7 +55,8 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
+        pairs = [pair for layer in self.layers for pair in layer.values()]
+        return sum(a.nbytes + sum(b.nbytes for *_, b in bs) for a, bs in pairs)
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
@@ -164,12 +167,10 @@ def _fuse(modules: dict, conf: dict, cfg: ModelConfig, max_rank: int, where: str
         parts.setdefault((layer, matrix), []).append((a.T, scale * b.T, start))
     layers: list[dict] = [{} for _ in range(cfg.num_hidden_layers)]
     for (layer, matrix), pairs in parts.items():
-        n = sum(widths[matrix][1])
         big_a = np.concatenate([a for a, _, _ in pairs], axis=1)  # (in, R)
-        big_b = np.zeros((big_a.shape[1], n), np.float32)  # (R, out)
-        r0 = 0
+        bs, r0 = [], 0
         for a, b, start in pairs:
-            big_b[r0 : r0 + a.shape[1], start : start + b.shape[1]] = b
+            bs.append((r0, r0 + a.shape[1], start, np.ascontiguousarray(b)))
             r0 += a.shape[1]
-        layers[layer][matrix] = (np.ascontiguousarray(big_a), big_b)
+        layers[layer][matrix] = (np.ascontiguousarray(big_a), bs)
     return layers, rank
