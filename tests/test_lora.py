@@ -324,3 +324,29 @@ def test_serve_refuses_adapters_it_cannot_serve(capsys):
     dp = ["--enable-lora", "--lora-modules", "a=/x", "--data-parallel-size", "2"]
     assert serve_main([*base, *dp]) == 2
     assert "not implemented with --data-parallel-size above 1" in capsys.readouterr().err
+
+
+def test_adapters_through_the_kv_tiers_and_a_core_process(tmp_path):
+    """Blocks an adapter computed, stored on disk and loaded by a restarted engine, only ever
+    serve that adapter (the chain's root is the adapter's); and a core process runs adapters."""
+    family = "llama"
+    cases = [c for c in golden(family)["cases"] if len(c["prompt_token_ids"]) == 40]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    loras = [lora(family, c["adapter"]) for c in cases]
+    kw = dict(enable_lora=True, max_loras=3, max_lora_rank=64, enable_prefix_caching=True)
+    kw |= dict(kv_cache_dir=str(tmp_path), block_size=8)
+    first = make_engine(loaded(family), **kw)
+    run(first, prompts, loras, 8)
+    first.shutdown()
+    again = make_engine(loaded(family), **kw)
+    outs = run(again, prompts, loras, 8)
+    assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
+    assert [o.num_cached_tokens for o in outs] == [32] * 4  # each from its own blocks on disk
+    again.shutdown()
+    core = make_engine(loaded(family), enable_lora=True, max_loras=3, max_lora_rank=64,
+                       engine_core_process=True, model=str(LORA_DIR.parent / "families" / family))  # fmt: skip
+    try:
+        outs = run(core, prompts, loras, 8)
+        assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
+    finally:
+        core.shutdown()
