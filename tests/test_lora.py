@@ -343,8 +343,9 @@ def test_adapters_through_the_kv_tiers_and_a_core_process(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
     assert [o.num_cached_tokens for o in outs] == [32] * 4  # each from its own blocks on disk
     again.shutdown()
-    core = make_engine(loaded(family), enable_lora=True, max_loras=3, max_lora_rank=64,
-                       engine_core_process=True, model=str(LORA_DIR.parent / "families" / family))  # fmt: skip
+    model = str(LORA_DIR.parent / "families" / family)
+    kw = dict(enable_lora=True, max_loras=3, max_lora_rank=64, engine_core_process=True)
+    core = make_engine(loaded(family), model=model, **kw)
     try:
         outs = run(core, prompts, loras, 8)
         assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
