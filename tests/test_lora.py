@@ -351,3 +351,23 @@ def test_adapters_through_the_kv_tiers_and_a_core_process(tmp_path):
         assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
     finally:
         core.shutdown()
+
+
+def test_generate_runs_every_prompt_with_the_adapter_of_lora(capsys):
+    from engine.entrypoints.generate import main as generate_main
+
+    family = "llama"
+    model = str(Path(__file__).parent / "data/families" / family)
+    argv = ["--model", model, "--prompt", "hello there", "--max-tokens", "8", "--ignore-eos"]
+    argv += ["--num-gpu-blocks", "32", "--max-model-len", "64", "--no-tqdm", "--json"]
+    texts = []
+    for extra in ([], ["--lora", str(LORA_DIR / family / "r8_all")]):
+        assert generate_main([*argv, *extra]) == 0
+        texts.append(json.loads(capsys.readouterr().out.splitlines()[0])["text"])
+    llm = LLM(model=model, enable_lora=True, num_gpu_blocks=32, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate("hello there", params, use_tqdm=False, lora_request=lora(family, "r8_all"))
+    assert texts[1] == want[0].outputs[0].text != texts[0]
+    rank64 = ["--lora", str(LORA_DIR / family / "r64_rslora")]
+    assert generate_main([*argv, *rank64]) == 2
+    assert "rank 64 > max_lora_rank 16" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from engine.entrypoints.cli_utils import (
     SEED_PROMPTS,
@@ -28,6 +29,7 @@ from engine.entrypoints.cli_utils import (
 )
 from engine.entrypoints.engine_args import add_engine_args, check_engine_args, engine_kwargs
 from engine.frontend.llm import LLM
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 # (flag, type, help) for every SamplingParams field the CLI exposes
@@ -84,6 +86,12 @@ def build_parser() -> CliParser:
         "a timeline of the steps, the KV block pool at every step (a slider and a play button), "
         "each request's tokens, page table, states, TTFT and ITL, and the startup block "
         "arithmetic",
+    )
+    p.add_argument(
+        "--lora",
+        metavar="PATH",
+        help="run every prompt with the LoRA adapter (a PEFT directory) at PATH over the base "
+        "weights (sets --enable-lora; an adapter above rank 16 needs --max-lora-rank)",
     )
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     return add_engine_args(p)
@@ -239,13 +247,18 @@ def run(args) -> int:
     check_n(params, check_engine_args(args).max_num_seqs)  # and bad engine values, --model
     prompts = read_prompts(args)  # and bad prompts
     check_trace_html(args.trace_html, args.engine_core_process)
+    lora = None
+    if args.lora:
+        lora = LoRARequest(Path(args.lora).name or "lora", 1, args.lora)
+        args.enable_lora = True
     llm = LLM(trace_html=args.trace_html, **engine_kwargs(args))
     params = sampling_params(args, llm.engine.sampling_defaults)
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
     try:
         t0 = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=not (args.no_tqdm or args.json))
+        bar = not (args.no_tqdm or args.json)
+        outputs = llm.generate(inputs, params, use_tqdm=bar, lora_request=lora)
         wall = time.perf_counter() - t0
         for prompt, output in zip(prompts, outputs, strict=True):
             print_output(output, prompt, args, tokenizer)
