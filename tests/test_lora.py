@@ -371,3 +371,24 @@ def test_generate_runs_every_prompt_with_the_adapter_of_lora(capsys):
     rank64 = ["--lora", str(LORA_DIR / family / "r64_rslora")]
     assert generate_main([*argv, *rank64]) == 2
     assert "rank 64 > max_lora_rank 16" in capsys.readouterr().err
+
+
+def test_loaded_adapters_stay_within_max_cpu_loras_least_recently_used_out():
+    family = "llama"
+    engine = make_engine(
+        loaded(family), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=64
+    )
+    manager = engine.core.lora
+    prompt = golden(family)["cases"][0]["prompt_token_ids"]
+    outs = {}
+    for name in ("r1_qv", "r8_all", "r64_rslora", "r1_qv"):
+        outs[name] = run(engine, [prompt], [lora(family, name)], 8)[0].outputs[0].token_ids
+        assert len(manager.loaded) <= 2
+    # r8_all, the least recently used and in no slot, went first; r1_qv was read again
+    assert list(manager.loaded) == [3, 1] and manager.slots == [1]
+    want = {
+        c["adapter"]: c["token_ids"]
+        for c in golden(family)["cases"]
+        if c["prompt_token_ids"] == prompt
+    }
+    assert outs == {k: want[k] for k in outs}
