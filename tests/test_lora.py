@@ -85,6 +85,31 @@ def test_a_batch_of_three_adapters_and_the_base_model_matches_peft(family, backe
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2)])
+def test_parallel_ranks_each_keep_their_cut_of_the_adapters(tp, pp):
+    """Tensor parallel (at 4 ranks the 2 KV heads are shared by pairs of ranks) and pipeline
+    parallel: each rank its cut of each adapter; PEFT's tokens and logits, adapters mixed."""
+    family = "qwen2"
+    cases = golden(family)["cases"]
+    engine = make_engine(
+        loaded(family), backend="numpy", record_logits=True, enable_lora=True, max_loras=3,
+        max_lora_rank=64, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    )  # fmt: skip
+    try:
+        outs = run(
+            engine,
+            [c["prompt_token_ids"] for c in cases],
+            [lora(family, c["adapter"]) for c in cases],
+            8,
+        )
+        for case, out in zip(cases, outs, strict=True):
+            assert out.outputs[0].token_ids == case["token_ids"], case["adapter"]
+            want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+            np.testing.assert_allclose(out.outputs[0].step_logits[0], want, atol=ATOL, rtol=0)
+    finally:
+        engine.backend.shutdown()
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
     family = "llama"
     prompt = golden(family)["cases"][1]["prompt_token_ids"]  # 40 tokens: two full blocks
@@ -235,8 +260,6 @@ def test_lora_options_are_checked():
         )
     with pytest.raises(ValueError, match="enable_lora runs on the cpu and numpy backends"):
         EngineConfig(enable_lora=True, backend="cuda-cpu")
-    with pytest.raises(ValueError, match="not implemented under tensor or pipeline parallel"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2, backend="numpy")
     with pytest.raises(ValueError, match="max_loras must be an integer"):
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="lora_int_id must be at least 1"):

@@ -196,7 +196,7 @@ class EngineConfig:
         False,
         "serve LoRA adapters (PEFT directories) over the base weights: a request names one "
         "(LoRARequest, or the server's model name) and a step batches rows of several adapters "
-        "and of the base model; cpu and numpy backends, one rank",
+        "and of the base model; cpu and numpy backends (numpy ranks each keep their cut)",
     )
     max_loras: int = option(1, "adapters a step may use at once (their slots)")
     max_lora_rank: int = option(16, "the largest adapter rank accepted")
@@ -409,10 +409,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig: enable_lora runs on the cpu and numpy backends (the {self.backend} "
                 "backend has no LoRA products yet)"
-            )
-        if self.world_size > 1:
-            raise ValueError(
-                "EngineConfig: enable_lora is not implemented under tensor or pipeline parallel"
             )
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ValueError(

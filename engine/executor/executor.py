@@ -31,7 +31,13 @@ import numpy as np
 from engine.backends.base import Backend, resolve_kv_dtype
 from engine.devices.comm import ShmComm
 from engine.emulation.nccl import remove_block
-from engine.executor.sharding import Shard, Stage, check_pipeline_parallel, check_tensor_parallel
+from engine.executor.sharding import (
+    Shard,
+    Stage,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    shard_lora,
+)
 from engine.utils import mib
 from model_loader.config import ModelConfig
 
@@ -55,6 +61,7 @@ class Worker:
         self.stage, self.index = stage, index = divmod(rank, tp)
         shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
         self.kv_part = (layers.layers, shard.kv_heads)  # its cut of a whole KV block
+        self.cut = (shard, layers, cfg)  # for its cut of a LoRA adapter
         self.answers = rank == plan["output_rank"]
         if plan["backend"] != "numpy":  # the GPU backend's ranks: NCCL, joined by ``join``
             self.comm = None
@@ -98,6 +105,9 @@ class Worker:
             result = self.backend.write_blocks(ids, cut)
         elif name == "block_dtype":
             result = self.backend.block_dtype
+        elif name == "set_lora":  # a whole adapter: it keeps its cut
+            slot, weights = args
+            result = self.backend.set_lora(slot, shard_lora(weights, *self.cut))
         else:
             result = getattr(self.backend, name)(*args)
         # the output rank's logits stand for all (its stage's ranks have the same bits)
@@ -256,6 +266,10 @@ class Executor(Backend):
 
     def write_blocks(self, ids, data: np.ndarray) -> None:
         self._call("write_blocks", np.asarray(ids), data)
+
+    def set_lora(self, slot: int, weights) -> None:
+        """Every rank keeps its cut of the adapter in ``slot`` (sharding.py ``shard_lora``)."""
+        self._call("set_lora", slot, weights)
 
     def forward(self, batch) -> np.ndarray:
         return self._call("forward", batch)

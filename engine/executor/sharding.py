@@ -157,3 +157,42 @@ class Stage:
             embed=w.embed if self.first else w.embed[:0],
             lm_head=w.lm_head if self.last else w.lm_head[:0],
         )
+
+
+def shard_lora(weights, shard: Shard, stage: Stage, cfg: ModelConfig):
+    """This rank's cut of a LoRA adapter (engine/lora/adapter.py ``LoRAWeights``): its stage's
+    layers; for the column-split matrices (q|k|v, gate|up) the whole A and each module's B
+    columns that land in this rank's output columns; for the row-split ones (o, down) A's rows
+    of this rank's inputs and the whole B, whose partial products the all-reduce after them
+    sums as it sums the base matrix's (the update is linear in the input rows)."""
+    import numpy as np
+
+    from engine.lora.adapter import LoRAWeights
+
+    hd, f = cfg.head_dim, cfg.intermediate_size
+    heads = lambda r, base: np.arange(base + r.start * hd, base + r.stop * hd)  # noqa: E731
+    q_cols = heads(shard.q_heads, 0)
+    kv = [heads(shard.kv_heads, cfg.q_dim), heads(shard.kv_heads, cfg.q_dim + cfg.kv_dim)]
+    ffn = np.arange(shard.ffn.start, shard.ffn.stop)
+    cols = {  # full output column -> this rank's, for the column-split matrices
+        "w_qkv": np.concatenate([q_cols, *kv]),
+        "w_gate_up": np.concatenate([ffn, f + ffn]),
+    }
+    rows = {"w_o": heads(shard.q_heads, 0), "w_down": ffn}  # this rank's input rows
+    layers = []
+    for i in stage.layers:
+        layer = {}
+        for name, (a, bs) in weights.layers[i].items():
+            if name in rows:
+                layer[name] = (np.ascontiguousarray(a[rows[name]]), bs)
+                continue
+            where = {c: j for j, c in enumerate(cols[name].tolist())}  # full -> rank column
+            parts = []
+            for r0, r1, c0, b in bs:
+                keep = [j for j in range(b.shape[1]) if c0 + j in where]
+                if keep:
+                    sub = np.ascontiguousarray(b[:, keep])
+                    parts.append((r0, r1, where[c0 + keep[0]], sub))
+            layer[name] = (a, parts)
+        layers.append(layer)
+    return LoRAWeights(weights.name, weights.rank, layers)
