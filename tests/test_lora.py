@@ -344,9 +344,6 @@ def test_serve_refuses_adapters_it_cannot_serve(capsys):
     assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
     assert serve_main([*base, "--enable-lora", "--lora-modules", "a"]) == 2
     assert "'a' is not name=path" in capsys.readouterr().err
-    dp = ["--enable-lora", "--lora-modules", "a=/x", "--data-parallel-size", "2"]
-    assert serve_main([*base, *dp]) == 2
-    assert "not implemented with --data-parallel-size above 1" in capsys.readouterr().err
 
 
 def test_adapters_through_the_kv_tiers_and_a_core_process(tmp_path):

@@ -27,6 +27,7 @@ import pytest
 
 from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
+from engine.tools.random_lora import write_random_adapter
 from tests.utils import make_engine
 
 PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
@@ -39,16 +40,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    """(base url, the server's log path) of a server with two replicas."""
+def server(tiny_model_dir, tiny, tmp_path_factory):
+    """(base url, the server's log path) of a server with two replicas (and a LoRA adapter,
+    ``ad``)."""
     port, log = _free_port(), tmp_path_factory.mktemp("dp") / "server.log"
+    adapter = write_random_adapter(log.parent / "ad", tiny.config, 4, seed=3)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
     cmd = [sys.executable, "-m", "engine.serve", "--model", str(tiny_model_dir)]
     cmd += ["--data-parallel-size", "2", "--port", str(port), "--backend", "numpy"]
     cmd += ["--enable-prefix-caching", "--max-model-len", "512", "--served-model-name", "tiny"]
     # two sequences run at a time per replica, the rest queue in it: a test that needs requests
     # in flight finds them there for seconds (the tiny model makes 500 tokens in under one)
-    cmd += ["--max-num-seqs", "2"]
+    cmd += ["--max-num-seqs", "2", "--enable-lora", "--lora-modules", f"ad={adapter}"]
     # autoscaling from 2 up to 3 replicas at 2 requests in flight each, deciding in a second
     fast = {"upscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1}
     cmd += ["--min-replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2"]
@@ -110,6 +113,27 @@ def _live_engines(url: str) -> set[str]:
     """The replicas whose metrics /metrics shows (a dead one's leave within seconds)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return set(re.findall(r'pagedllm:num_requests_running\{engine="(\w+)"', text))
+
+
+def test_a_request_for_an_adapter_runs_it_on_its_replica(server, tiny_model_dir, tiny):
+    """``model: ad`` runs the adapter (the text an in-process engine makes with it), routed by
+    adapter and prefix like any request."""
+    from engine import LLM, LoRARequest, SamplingParams
+
+    url, log, _ = server
+    ad = str(log.parent / "ad")
+    body = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = {m: httpx.post(f"{url}/v1/completions", json={**body, "model": m}, timeout=60).json()
+           for m in ("ad", "tiny")}  # fmt: skip
+    llm = LLM(model=str(tiny_model_dir), enable_lora=True, num_gpu_blocks=32, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(
+        "hello there", params, use_tqdm=False, lora_request=LoRARequest("ad", 1, ad)
+    )
+    assert got["ad"]["choices"][0]["text"] == want[0].outputs[0].text
+    assert got["ad"]["choices"][0]["text"] != got["tiny"]["choices"][0]["text"]
+    models = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "ad"] and models[1]["parent"] == "tiny"
 
 
 def test_the_replicas_answer_one_engines_text(server, tiny):

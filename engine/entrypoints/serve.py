@@ -42,8 +42,6 @@ def run(args) -> int:
     limits = check_server_args(args)
     config = check_engine_args(args)  # bad engine values and --model fail before the model loads
     check_replica_args(args, config.data_parallel_size)
-    if config.data_parallel_size > 1 and (args.lora_modules or args.allow_runtime_lora_updating):
-        raise ValueError("LoRA adapters are not implemented with --data-parallel-size above 1")
     if config.data_parallel_size > 1:
         return run_replicated(args, limits)
     llm, name = make_async_llm(args)

@@ -163,12 +163,13 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         final_only: bool = False,
+        lora_request=None,
     ) -> RequestStream:
         """Queue one request: ValueError for bad input, QueueFullError past
         max_waiting_requests. Iterate the returned stream for its outputs (``final_only``: the
-        finished one alone)."""
+        finished one alone; ``lora_request``: its adapter)."""
         rids = [request_id] if request_id else None
-        (stream,) = await self.add_requests([prompt], params, rids, final_only)
+        (stream,) = await self.add_requests([prompt], params, rids, final_only, lora_request)
         return stream
 
     async def add_requests(

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.backends import resolve_backend_name
 from engine.backends.cpu_native import THREADS_ENV
 from engine.config import make_config
+from engine.entrypoints.lora_routes import parse_lora_modules
 from engine.frontend.async_llm import AsyncLLM, EngineDeadError
 from engine.frontend.input_processor import FrontendState
 from model_loader.load import default_model, load_model
@@ -77,7 +78,8 @@ class EngineReplica:
     async def generate(self, request: dict):
         """ACCEPTED once queued (a refusal raises), then each RequestOutput of the request."""
         ids, params, rid = request["prompt_token_ids"], request["params"], request["request_id"]
-        stream = await self.llm.add_request(ids, params, rid, request.get("final_only", False))
+        final_only, lora = request.get("final_only", False), request.get("lora_request")
+        stream = await self.llm.add_request(ids, params, rid, final_only, lora_request=lora)
         yield ACCEPTED
         async for out in stream:  # leaving early (the caller cancelled) aborts the request
             yield out
@@ -150,10 +152,15 @@ class ReplicatedLLM:
         self.stat_loggers: list = []  # the server's own logger sees no steps here: unused
 
     async def add_requests(
-        self, prompts: list, params=None, request_ids=None, final_only: bool = False
+        self,
+        prompts: list,
+        params=None,
+        request_ids=None,
+        final_only: bool = False,
+        lora_request=None,
     ) -> list:
         """Route each prompt to a replica; all queued, or none (the first refusal raises).
-        ``final_only``: as AsyncLLM's."""
+        ``final_only``, ``lora_request``: as AsyncLLM's."""
         import uuid
 
         if await self._is_draining():
@@ -162,18 +169,23 @@ class ReplicatedLLM:
         streams: list[RemoteStream] = []
         try:
             for rid, ids in zip(rids, prompts, strict=True):
-                streams.append(await self._start(rid, ids, params, final_only))
+                streams.append(await self._start(rid, ids, params, final_only, lora_request))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return streams
 
-    async def _start(self, rid: str, ids, params, final_only: bool = False) -> RemoteStream:
+    async def _start(
+        self, rid: str, ids, params, final_only: bool = False, lora=None
+    ) -> RemoteStream:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         request = {"prompt_token_ids": list(ids), "params": params, "request_id": rid}
         request["final_only"] = final_only
+        if lora is not None:  # routed by adapter too: its chunks named after the adapter's id
+            request["lora_request"] = lora
+            request["route_ids"] = [-lora.lora_int_id, *ids]
         for attempt in range(RETRIES + 1):
             response = self.handle.options(stream=True).generate.remote(request)
             it = response.__aiter__()
@@ -287,8 +299,9 @@ class Ingress:
 
         o = self.server
         return build_app(
-            self.llm, o["model_name"], o["api_key"], o["aliases"], o["limits"], o["protect"]
-        )
+            self.llm, o["model_name"], o["api_key"], o["aliases"], o["limits"], o["protect"],
+            o.get("lora_modules", ()), o.get("runtime_lora", False),
+        )  # fmt: skip
 
 
 def most_replicas(args, n: int) -> int:
@@ -419,6 +432,8 @@ def server_options(args, kwargs: dict, limits) -> dict:
         aliases=[kwargs["model"]],
         limits=limits,
         protect=args.protect_metrics,
+        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+        runtime_lora=getattr(args, "allow_runtime_lora_updating", False),
     )
 
 

@@ -38,9 +38,10 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {name: cache.get(r.replica_id) or 0 for name, r in by_name.items()}
-        pick, reason = self.router.decide(request["prompt_token_ids"], loads)
+        ids = request.get("route_ids") or request["prompt_token_ids"]  # an adapter's: its own
+        pick, reason = self.router.decide(ids, loads)
         self.decided[pending_request.metadata.internal_request_id] = (
-            request["prompt_token_ids"],
+            ids,
             pick,
             reason,
         )
