@@ -369,6 +369,9 @@ def test_adapters_through_the_kv_tiers_and_a_core_process(tmp_path):
     try:
         outs = run(core, prompts, loras, 8)
         assert [o.outputs[0].token_ids for o in outs] == [c["token_ids"] for c in cases]
+        bad = LoRARequest("bad", 7, str(tmp_path / "nowhere"))
+        with pytest.raises(ValueError, match="no adapter_config.json"):  # refused here, at once
+            core.add_request("bad", prompts[0], lora_request=bad)
     finally:
         core.shutdown()
 

@@ -29,6 +29,7 @@ from engine.frontend.input_processor import (
     tokenize_prompt,
 )
 from engine.frontend.output_processor import OutputProcessor
+from engine.lora.adapter import load_adapter
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, StreamChunk
 from engine.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class LLMEngine(FrontendState):
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
         self._core_ids = itertools.count()
+        self._checked_adapters: set = set()  # (lora_int_id, path) read here (a core process)
         if self.config.engine_core_process:
             from engine.frontend.core_client import CoreClient
 
@@ -165,6 +167,8 @@ class LLMEngine(FrontendState):
             if not cfg.enable_lora:
                 raise ValueError("lora_request needs an engine made with enable_lora=True")
             lora_request.check()
+            if cfg.engine_core_process:  # the core's refusal would come back as an abort
+                self._check_adapter(lora_request)
         text, ids = tokenize_prompt(
             prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
         )
@@ -184,6 +188,14 @@ class LLMEngine(FrontendState):
             self.output_processor.abort(request_id)
             raise
         return ids
+
+    def _check_adapter(self, req: LoRARequest) -> None:
+        """Read ``req``'s adapter here once (a ValueError names what is wrong), so that a core
+        process's requests are refused as an in-process core's are."""
+        key = (req.lora_int_id, req.lora_path)
+        if key not in self._checked_adapters:
+            load_adapter(req.lora_path, self.model_config, self.config.max_lora_rank, req.lora_name)
+            self._checked_adapters.add(key)
 
     def structured_compiler(self):
         """The core's structured-output compiler (this process's own beside a core process):
