@@ -458,3 +458,10 @@ def test_the_conversations_benchmark_runs_each_configuration(tiny_model_dir, cap
     served = {line.split()[0]: int(line.split("prompt tokens from the tiers ")[1].split()[0])
               for line in out.splitlines() if "prompt tokens from the tiers" in line}  # fmt: skip
     assert served["off"] == 0 and served["host"] > 0 and served["restart"] > 0
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"kv_cache_dir .*file/kv: cannot write there"):
+        disk(blocker / "kv")

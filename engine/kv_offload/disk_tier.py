@@ -59,8 +59,13 @@ class DiskTier(KVTier):
     ):
         self.root, self.key, self.digest = Path(root), key, key.digest
         self.dir = self.root / self.digest[:8].hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._describe_key()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._describe_key()
+        except OSError as e:
+            raise ValueError(
+                f"kv_cache_dir {root}: cannot write there ({e.strerror or e})"
+            ) from None
         self.block_shape, self.dtype = tuple(block_shape), np.dtype(dtype)
         self.block_size = block_shape[2]
         self.payload_bytes = int(np.prod(block_shape)) * self.dtype.itemsize
