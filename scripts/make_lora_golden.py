@@ -15,6 +15,11 @@ adapter_config.json, adapter_model.safetensors), and tests/data/lora/<family>/go
 whole sequence each step, the adapter active; no KV cache, no EOS stop) and "logits" (float32 at
 the prompt's last position, base64 of little-endian float32).
 
+With ``--llama-cpp DIR`` (a llama.cpp source tree, e.g. the one inside PyPI's llama-cpp-python
+sdist; its ``gguf-py`` and ``convert_lora_to_gguf.py``, which also need ``sentencepiece`` in the
+venv) it then converts each family's r8_all adapter with llama.cpp's own converter to
+tests/data/lora/<family>/r8_all.gguf (F32), which the engine must load to PEFT's tokens too.
+
 The adapters' weights are re-randomised: PEFT starts B at zero (the adapter changes nothing);
 here A ~ N(0, 1 / in) and B ~ N(0, 1 / r), so each adapter moves the logits by about as much as
 the base weights make them, and greedy tokens differ between adapters.
@@ -115,6 +120,25 @@ def family(name: str) -> None:
     print(f"{name}: {len(cases)} cases; greedy tokens of the 40-token prompt per adapter: {moved}")
 
 
+def to_gguf(name: str, llama_cpp: Path) -> None:
+    """llama.cpp's converter: tests/data/lora/<family>/r8_all -> r8_all.gguf."""
+    import os
+    import subprocess
+
+    lora = ROOT / "tests/data/lora" / name
+    cmd = [sys.executable, str(llama_cpp / "convert_lora_to_gguf.py"), "--outtype", "f32"]
+    cmd += ["--base", str(ROOT / "tests/data/families" / name), "--outfile"]
+    cmd += [str(lora / "r8_all.gguf"), str(lora / "r8_all")]
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    subprocess.run(cmd, check=True, env=env)
+
+
 if __name__ == "__main__":
-    for f in sys.argv[1:] or FAMILIES:
+    args, llama_cpp = sys.argv[1:], None
+    if "--llama-cpp" in args:
+        i = args.index("--llama-cpp")
+        llama_cpp, args = Path(args[i + 1]), args[:i] + args[i + 2 :]
+    for f in args or FAMILIES:
         family(f)
+        if llama_cpp is not None and f in ("llama", "qwen2"):
+            to_gguf(f, llama_cpp)

@@ -415,3 +415,25 @@ def test_loaded_adapters_stay_within_max_cpu_loras_least_recently_used_out():
         if c["prompt_token_ids"] == prompt
     }
     assert outs == {k: want[k] for k in outs}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_llama_cpp_lora_gguf_gives_pefts_tokens(family):
+    """llama.cpp's convert_lora_to_gguf.py of the r8 adapter (Q/K B rows permuted for llama, as
+    its base weights are): loaded as a GGUF, the tokens and logits of PEFT."""
+    cases = [c for c in golden(family)["cases"] if c["adapter"] == "r8_all"]
+    engine = make_engine(loaded(family), enable_lora=True, record_logits=True)
+    gguf_lora = LoRARequest("g", 1, str(LORA_DIR / family / "r8_all.gguf"))
+    outs = run(engine, [c["prompt_token_ids"] for c in cases], [gguf_lora] * len(cases), 8)
+    for case, out in zip(cases, outs, strict=True):
+        assert out.outputs[0].token_ids == case["token_ids"]
+        want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+        np.testing.assert_allclose(out.outputs[0].step_logits[0], want, atol=ATOL, rtol=0)
+
+
+def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
+    engine = make_engine(loaded("llama"), enable_lora=True)
+    model_gguf = tmp_path / "x.gguf"
+    model_gguf.write_bytes(b"GGUF not really")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        engine.add_request("0", [5, 6], lora_request=LoRARequest("x", 1, str(model_gguf)))

@@ -71,11 +71,14 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str = "") -> LoRAWeights:
-    """The adapter at ``path`` for a model of ``cfg``; a ValueError naming what does not fit."""
+    """The adapter at ``path`` (a PEFT directory, or llama.cpp's LoRA GGUF) for a model of
+    ``cfg``; a ValueError naming what does not fit."""
     path = Path(path)
     where = f"LoRA adapter {name or path}"
-    conf = _config(path, where)
-    tensors = _tensors(path, where)
+    if path.suffix == ".gguf" and path.is_file():
+        conf, tensors = _gguf(path, cfg, where)
+    else:
+        conf, tensors = _config(path, where), _tensors(path, where)
     modules: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, t in tensors.items():
         m = KEY.search(key)
@@ -133,6 +136,55 @@ def _tensors(path: Path, where: str) -> dict[str, np.ndarray]:
         return {k: _float32(v) for k, v in load_file(str(file)).items()}
     except Exception as e:  # noqa: BLE001 - a damaged file, named
         raise ValueError(f"{where}: adapter_model.safetensors is not readable ({e})") from None
+
+
+# llama.cpp's tensor names -> PEFT's modules (convert_lora_to_gguf.py writes blk.{i}.NAME.weight
+# .lora_a (r, in) and .lora_b (out, r), and the alpha as adapter.lora.alpha)
+GGUF_MODULES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_up_gate": "mlp.gate_up_proj",
+}  # fmt: skip
+GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+def _gguf(path: Path, cfg: ModelConfig, where: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """llama.cpp's LoRA GGUF as PEFT's config and tensors: its alpha, and each pair under
+    PEFT's name, the Q and K B rows put back in Hugging Face's order where llama.cpp's
+    converter permuted them (as it permutes the base model's)."""
+    import gguf
+
+    from model_loader.gguf_file import PERMUTED_QK, unpermute_qk
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - not a GGUF, or damaged: named
+        raise ValueError(f"{where}: not a readable GGUF ({e})") from None
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
+        raise ValueError(f"{where}: the GGUF is not a LoRA adapter (general.type adapter)")
+    arch = fields.get("general.architecture")
+    tensors = {}
+    for t in reader.tensors:
+        m = GGUF_KEY.match(t.name)
+        if m is None or m.group(2) not in GGUF_MODULES:
+            raise ValueError(
+                f"{where}: tensor {t.name!r} is not a LoRA pair of a layer's projection"
+            )
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise ValueError(f"{where}: tensor {t.name} is {t.tensor_type.name}; F32 or F16 only")
+        layer, kind, ab = int(m.group(1)), m.group(2), m.group(3).upper()
+        a = np.array(t.data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        if ab == "B" and kind in ("attn_q", "attn_k") and arch in PERMUTED_QK:
+            heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
+            if a.shape[0] == heads * cfg.head_dim:
+                a = unpermute_qk(a, heads)
+        tensors[f"layers.{layer}.{GGUF_MODULES[kind]}.lora_{ab}.weight"] = a
+    alpha = fields.get("adapter.lora.alpha")
+    if not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"{where}: adapter.lora.alpha must be a positive number, got {alpha!r}")
+    return {"lora_alpha": float(alpha)}, tensors
 
 
 def _float32(t: np.ndarray) -> np.ndarray:
