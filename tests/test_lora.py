@@ -316,7 +316,7 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(tmp
         assert post("/v1/unload_lora_adapter", {"lora_name": "r64"}).status_code == 200
         r = post("/v1/unload_lora_adapter", {"lora_name": "r64"})
         assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-        with pytest.raises(openai.BadRequestError, match="model 'r64' is not served here"):
+        with pytest.raises(openai.NotFoundError, match="The model `r64` does not exist"):
             complete("r64", "r64_rslora")
         r = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
         assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]

@@ -174,7 +174,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 IMAGE = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
 BAD = [
     ("/v1/completions", b"{not json", "malformed JSON"),
-    ("/v1/completions", {**GOOD, "model": "gpt-5"}, "is not served here"),
     ("/v1/completions", {**GOOD, "temperature": -1}, "temperature"),
     ("/v1/completions", {**GOOD, "top_p": 2}, "top_p"),
     ("/v1/completions", {**GOOD, "n": 0}, "n must be"),
@@ -191,6 +190,24 @@ BAD = [
     ("/v1/completions", {**GOOD, "suffix": "!"}, "suffix"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "top_k": -3}, "top_k"),
 ]
+
+
+def test_an_unknown_model_is_404_and_max_tokens_past_the_context_400(server):
+    """OpenAI's and vLLM's answers: the openai client raises NotFoundError for a model it
+    does not serve; max_tokens that the context cannot hold is refused, never run."""
+    import openai
+
+    client = server.openai_client()
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-5` does not exist"):
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**12)
+    with pytest.raises(openai.BadRequestError, match=r"\(\d+ in the prompt, 300 in the"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=300
+        )
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # still serving
+    assert out.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("path, body, message", BAD)

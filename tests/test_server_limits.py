@@ -115,8 +115,11 @@ def test_a_prompt_of_max_model_len_tokens_is_400(server):
     message = _error(server.http.post("/v1/completions", json={**GOOD, "prompt": full}), 400)
     assert "leaves no room for an output token" in message
     shorter = {**GOOD, "prompt": full[1:], "max_tokens": 5, "ignore_eos": True}
-    r = server.http.post("/v1/completions", json=shorter).json()
-    assert r["usage"]["total_tokens"] == server.engine.config.max_model_len
+    message = _error(server.http.post("/v1/completions", json=shorter), 400)
+    n = server.engine.config.max_model_len
+    assert f"requested {n + 4} tokens ({n - 1} in the prompt, 5 in the completion)" in message
+    r = server.http.post("/v1/completions", json={**shorter, "max_tokens": 1}).json()
+    assert r["usage"]["total_tokens"] == n  # what fits runs
 
 
 # ---- role forgery ----

@@ -103,8 +103,29 @@ class Server:
         return self.metrics.render()
 
     def check_model(self, name: str | None) -> None:
+        """A model this server does not serve: 404 NotFoundError, as OpenAI and vLLM answer."""
         if name is not None and name not in self.names and name not in self.adapters.by_name:
-            raise ApiError(400, f"model {name!r} is not served here (try {self.model_name!r})")
+            raise ApiError(
+                404, f"The model `{name}` does not exist (this server serves {self.model_name!r})",
+                "NotFoundError", param="model",
+            )  # fmt: skip
+
+    def check_room(self, prompts: list, max_tokens: int | None, field: str) -> None:
+        """A 400 when a prompt and the ``max_tokens`` asked for exceed max_model_len (vLLM's
+        and OpenAI's answer; left unchecked, the sequence would run to the context's end)."""
+        if max_tokens is None:
+            return
+        limit = self.max_model_len
+        for ids in prompts:  # a prompt that fills the context alone: the engine's own 400
+            if len(ids) < limit < len(ids) + max_tokens:
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                    f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                    f"or {field}.",
+                    param=field,
+                )
 
     def lora_of(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model)."""
@@ -377,6 +398,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         args = (given, req.logprobs, defaults, constraint, prompt_lps)
         params = await server.run(size, _call, req.sampling_params, *args)  # checks logit_bias
         prompts = await server.run(size, server.prompt_ids, req)
+        server.check_room(prompts, None if echo_only else req.max_tokens, "max_tokens")
         await server.compile(named)
         streams = await server.start(prompts, params, req.stream, req.model)
         texts = await server.run(size, server.prompt_texts, req, prompts) if req.echo else None
@@ -405,6 +427,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         conv = _call(req.conversation)
         tools, agp = req.template_tools(), req.add_generation_prompt
         ids = await server.run(size, server.chat_ids, conv, agp, server.max_prompt_chars, tools)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        server.check_room([ids], max_tokens, field)
         if max_tokens is None:
             fits = max(server.max_model_len - len(ids), 1)
             params = _call(dataclasses.replace, params, max_tokens=fits)
