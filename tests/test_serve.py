@@ -3,6 +3,7 @@ completions and chat (streamed and not), n > 1, stop, seeds, logprobs, greedy te
 ``LLM.generate``; bad requests and their error bodies; the API key and the queue bound."""
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -256,3 +257,30 @@ def test_a_client_leaving_a_whole_answer_aborts_it(server):
         assert not server.engine.has_unfinished_requests()  # long before its 200 tokens
     finally:
         server.llm.stat_loggers.remove(slow)
+
+
+def test_an_unknown_route_names_itself_and_detokenize_keeps_special_tokens(server):
+    r = httpx.post(server.url + "/v1/responsez", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    assert r.json()["error"]["message"] == "POST /v1/responsez: no such route"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "the route takes POST" in r.json()["error"]["message"]
+    tok = server.engine.tokenizer
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(capsys):
+    import socket
+
+    from engine.entrypoints.serve import main as serve_main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        model = str(Path(__file__).parent / "data/families/llama")
+        assert serve_main(["--model", model, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in err

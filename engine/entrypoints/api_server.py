@@ -319,7 +319,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return ApiError(400, _validation_message(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request, exc: HTTPException):
+    async def http_error(request, exc: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:  # no such route: say which, in OpenAI's shape
+            return ApiError(404, f"{where}: no such route", "NotFoundError").response()
+        if exc.status_code == 405:
+            allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "others")
+            message = f"{where}: the route takes {allow}"
+            return ApiError(405, message, "MethodNotAllowed", exc.headers).response()
         return ApiError(exc.status_code, str(exc.detail), "HTTPError", exc.headers).response()
 
 

@@ -35,6 +35,21 @@ def make_async_llm(args) -> tuple[AsyncLLM, str]:
     return llm, name
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A ValueError naming --port when something already listens there (0: any free one)."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(
+                f"--port {port}: cannot listen on {host}:{port} ({e.strerror})"
+            ) from None
+
+
 def run(args) -> int:
     import uvicorn
 
@@ -42,6 +57,7 @@ def run(args) -> int:
     limits = check_server_args(args)
     config = check_engine_args(args)  # bad engine values and --model fail before the model loads
     check_replica_args(args, config.data_parallel_size)
+    check_port_free(args.host, args.port)  # before the model loads, not after
     if config.data_parallel_size > 1:
         return run_replicated(args, limits)
     llm, name = make_async_llm(args)

@@ -78,7 +78,8 @@ def detokenize_body(server, tokens: list[int]) -> str:
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(400, f"token id {bad} is outside [0, {vocab})")
-    return json.dumps({"prompt": server.tokenizer.decode(tokens)}, ensure_ascii=False)
+    text = server.tokenizer.decode(tokens, skip_special_tokens=False)  # vLLM keeps them too
+    return json.dumps({"prompt": text}, ensure_ascii=False)
 
 
 # ---- generation ----
