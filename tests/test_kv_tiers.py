@@ -465,3 +465,36 @@ def test_a_cache_dir_that_cannot_be_written_is_one_line(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match=r"kv_cache_dir .*file/kv: cannot write there"):
         disk(blocker / "kv")
+
+
+def test_async_scheduling_and_a_core_process_over_the_tiers(tiny, tiny_model_dir, tmp_path):
+    """Steps that store or load blocks are not overlapped (they run after the step in flight);
+    a core process saves its pool to the disk tier when it is shut down."""
+    prompts = workload(tiny.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = run_staggered(make_engine(tiny, **SMALL), prompts, params)
+    engine, outs = run_tiers(tiny, prompts, kv_offload_bytes=1 << 24, async_scheduling=True)
+    assert engine.scheduler.tier_hits > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    kw = dict(SMALL, enable_prefix_caching=True, num_gpu_blocks=25, kv_cache_dir=str(tmp_path))
+    core = make_engine(tiny, model=str(tiny_model_dir), engine_core_process=True, **kw)
+    try:
+        got = run_staggered_outputs(core, prompts, params)
+    finally:
+        core.shutdown()
+    assert got == [o.outputs[0].token_ids for o in plain]
+    again = make_engine(tiny, **kw)
+    warm = run_staggered(again, prompts, params)
+    assert warm[0].num_cached_tokens > 0  # the core process's blocks, from disk
+    assert [o.outputs[0].token_ids for o in warm] == got
+    again.shutdown()
+
+
+def run_staggered_outputs(engine, prompts, params) -> list:
+    """Each request's token ids, for an engine whose invariants live in another process."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]

@@ -23,6 +23,10 @@ def model_eos_ids(loaded) -> list[int]:
 PENDING_TOKEN = -2
 
 
+# an adapter's hash-chain root: ints only, so the same in every process (a str's hash is not)
+LORA_ROOT = 0x4C6F5241
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()  # in the waiting queue: nothing (or nothing any more) in the cache
     RUNNING = enum.auto()  # owns GPU blocks, scheduled every step
@@ -57,7 +61,7 @@ class Sequence:
         # the root of its blocks' hash chain, so no adapter's prefix is another's
         self.lora_id = lora_id
         self.lora_slot: int | None = None
-        self.hash_root: int | None = None if lora_id is None else hash(("lora", lora_id))
+        self.hash_root: int | None = None if lora_id is None else hash((LORA_ROOT, lora_id))
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
