@@ -312,8 +312,11 @@ def check_workload(args) -> None:
     unknown = sorted(set(configs) - set(bench_conversations.CONFIGS))
     if unknown:
         raise ValueError(f"configs: unknown {unknown}; known: {bench_conversations.CONFIGS}")
-    if "restart" in configs and "disk" not in configs:
-        raise ValueError("configs: restart reruns the disk configuration's directory; add disk")
+    if "restart" in configs and "disk" not in configs and not args.kv_cache_dir:
+        raise ValueError(
+            "configs: restart reruns the disk configuration's directory; add disk, or give the "
+            "--kv-cache-dir an earlier run filled"
+        )
     if args.device_step_ms < 0:
         raise ValueError(f"device_step_ms must be at least 0, got {args.device_step_ms}")
     for flag in (*counts, "host_steps"):

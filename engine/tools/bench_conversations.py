@@ -14,7 +14,8 @@ whole workload on a fresh engine over the model loaded once:
 - ``host``: a host-memory tier (``--kv-offload-bytes``, by default room for every conversation);
 - ``disk``: a disk tier alone (``--kv-cache-dir``, by default a temporary directory);
 - ``restart``: after ``disk``, its engine shut down and a new one started on the same directory,
-  the first round again (the cold first round of ``disk`` is the reference).
+  the first round again (the cold first round of ``disk`` is the reference); alone, with a
+  ``--kv-cache-dir`` that an earlier process's ``disk`` run filled, a restart across processes.
 
 Prints each configuration's mean and p50 TTFT (and the mean of turns 2 and later, the ones a
 tier can serve: a conversation's first turn is new to every tier), output tokens/s and the
@@ -142,7 +143,8 @@ def row_line(name: str, r: dict, n: int) -> str:
     t = np.asarray(r["ttft"]) * 1e3
     later = f"turns 2+ {t[n:].mean():9.1f} ms  " if len(t) > n else ""
     return (
-        f"{name:8s} TTFT mean {t.mean():9.1f} ms  p50 {np.median(t):9.1f} ms  {later}output "
+        f"{name:8s} TTFT mean {t.mean():9.1f} ms  p50 {np.median(t):9.1f} ms  turn 1 "
+        f"{t[:n].mean():9.1f} ms  {later}output "
         f"{r['tokens'] / r['wall']:7.2f} tok/s  prompt tokens from the tiers {r['served']}  "
         f"wall {r['wall']:.1f} s"
     )
