@@ -186,14 +186,18 @@ class BlockManager:
     def block_hashes(self, seq: Sequence) -> list[int]:
         """The chained hashes of seq's full blocks of tokens (extends seq.block_hashes); a block
         that ends in a pending token (async scheduling) is hashed once its id is known."""
-        bs, hashes = self.block_size, seq.block_hashes
-        full = (seq.num_tokens - (seq.last_token_id == PENDING_TOKEN)) // bs
-        if len(hashes) < full:
-            ids = seq.token_ids
-            for i in range(len(hashes), full):
-                parent = hashes[-1] if hashes else seq.hash_root
-                hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs]))
+        hashes = seq.block_hashes
+        full = (seq.num_tokens - (seq.last_token_id == PENDING_TOKEN)) // self.block_size
+        for i in range(len(hashes), full):
+            hashes.append(hash_block(*self.block_key(seq, i)))
         return hashes
+
+    def block_key(self, seq: Sequence, i: int) -> BlockKey:
+        """What seq's block i is hashed from: its parent's hash (the chain's root for the
+        first block) and its token ids; seq.block_hashes holds the blocks before it."""
+        bs = self.block_size
+        parent = seq.block_hashes[i - 1] if i else seq.hash_root
+        return parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest run of cached full blocks that starts seq's tokens, capped so
@@ -215,13 +219,9 @@ class BlockManager:
         ``cached_prefix``."""
         if self.connector is None:
             return []
-        limit, bs, ids = (seq.num_tokens - 1) // self.block_size, self.block_size, seq.token_ids
+        limit = (seq.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(seq)[start:limit]
-        keys = [
-            (hashes[j - 1] if j else (seq.block_hashes[start - 1] if start else seq.hash_root),
-             tuple(ids[(start + j) * bs : (start + j + 1) * bs]))
-            for j in range(len(hashes))
-        ]  # fmt: skip
+        keys = [self.block_key(seq, i) for i in range(start, start + len(hashes))]
         return self.connector.fetch(hashes, keys)
 
     def take_evicted(self) -> list[tuple[int, int, BlockKey]]:
@@ -254,14 +254,13 @@ class BlockManager:
         for i in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[i], hashes[i]
             if h not in self.cached and block not in self.block_hash:
-                self._register(block, h, hashes[i - 1] if i else seq.hash_root, seq.token_ids, i)
+                self._register(block, h, self.block_key(seq, i))
         seq.num_cached_blocks = full
 
-    def _register(self, block: int, h: int, parent: int | None, ids: list[int], i: int) -> None:
-        bs = self.block_size
+    def _register(self, block: int, h: int, key: BlockKey) -> None:
         self.cached[h] = block
         self.block_hash[block] = h
-        self.block_keys[block] = (parent, tuple(ids[i * bs : (i + 1) * bs]))
+        self.block_keys[block] = key
 
     # -- swapping -------------------------------------------------------------------------------
 

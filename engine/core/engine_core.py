@@ -383,13 +383,8 @@ def close_tiers(connector: KVConnector, bm: BlockManager, backend, batch: int = 
     """Save the pool's cached blocks that some tier lacks, ``batch`` blocks a read, then close
     the tiers (the disk tier's writes finished)."""
     try:
-        todo = [(b, h) for b, h in bm.block_hash.items() if connector.missing(h)]
+        todo = [(b, h, bm.block_keys[b]) for b, h in bm.block_hash.items() if connector.missing(h)]
         for i in range(0, len(todo), batch):
-            part = todo[i : i + batch]
-            data = backend.read_blocks([b for b, _ in part])  # (L, 2, n, bs, Hkv, hd)
-            connector.save(
-                [(h, bm.block_keys[b], np.ascontiguousarray(data[:, :, j]))
-                 for j, (b, h) in enumerate(part)]
-            )  # fmt: skip
+            connector.save_pool_blocks(backend, todo[i : i + batch])
     finally:
         connector.close()

@@ -233,7 +233,7 @@ class ModelRunner:
     def _move_blocks(self, output: SchedulerOutput) -> None:
         be = self.backend
         if output.blocks_to_store:  # before anything writes the evicted blocks
-            self._store(output.blocks_to_store)
+            self.connector.save_pool_blocks(be, output.blocks_to_store)
         for _, ids, loads in output.tier_loads:
             be.write_blocks(ids, np.stack(loads, axis=2))  # (L, 2, n, bs, Hkv, hd)
         if output.blocks_to_swap_out:
@@ -242,14 +242,6 @@ class ModelRunner:
             be.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_copy:
             be.copy_blocks(output.blocks_to_copy)
-
-    def _store(self, evicted: list[tuple]) -> None:
-        """The evicted blocks' bytes to the KV tiers that lack them."""
-        data = self.backend.read_blocks([b for b, _, _ in evicted])  # (L, 2, n, bs, Hkv, hd)
-        entries = [
-            (h, key, np.ascontiguousarray(data[:, :, i])) for i, (_, h, key) in enumerate(evicted)
-        ]
-        self.connector.save(entries)
 
 
 def prompt_logprobs(output: SchedulerOutput, logits: np.ndarray, counts) -> list:

@@ -5,10 +5,10 @@ Its three calls have the shape of vLLM's KV connector (save blocks, look a prefi
 - ``fetch(hashes, keys)``: the scheduler, admitting a prompt, asks for the blocks past its pool
   hits; it gets the bytes of the longest leading run that some tier holds (a block found lower
   down is put in the tiers above it on the way), and loads them into fresh pool blocks;
-- ``save(entries)``: the model runner, before a step's forward, hands over the bytes of the
-  cached blocks that the step's allocations evicted from the pool; each tier that lacks a
-  block stores it (the disk tier on a writer thread of its own, so the step does not wait for
-  the disk);
+- ``save_pool_blocks(backend, blocks)``: the model runner, before a step's forward, hands over
+  the cached blocks that the step's allocations evicted from the pool (read from the pool in one
+  copy, then ``save``); each tier that lacks a block stores it (the disk tier on a writer
+  thread of its own, so the step does not wait for the disk);
 - ``missing(h)``: whether some tier lacks a block (an evicted block that every tier already
   holds is not read from the pool at all).
 
@@ -117,6 +117,14 @@ class KVConnector:
             for tier in self.tiers:
                 if h not in tier:
                     tier.put(h, key, data)
+
+    def save_pool_blocks(self, backend, blocks: list[tuple[int, int, BlockKey]]) -> None:
+        """Pool blocks (block id, hash, key) into the tiers, their bytes read from ``backend``
+        in one copy (``Backend.read_blocks``)."""
+        data = backend.read_blocks([b for b, _, _ in blocks])  # (L, 2, n, bs, Hkv, hd)
+        self.save(
+            [(h, key, np.ascontiguousarray(data[:, :, i])) for i, (_, h, key) in enumerate(blocks)]
+        )
 
     def stats(self) -> list[TierStats]:
         return [tier.stats for tier in self.tiers]
