@@ -498,3 +498,13 @@ def run_staggered_outputs(engine, prompts, params) -> list:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def test_the_host_tier_is_planned_beside_the_pool_not_as_swap(tiny):
+    """The host tier's bytes come out of the host pool's room; the swap pool (none with prefix
+    caching) stays what it is, so the startup plan and the replay report it right."""
+    base = dict(SMALL, enable_prefix_caching=True, memory_budget_bytes=64 << 20)
+    plain = make_engine(tiny, **base, num_gpu_blocks=None)
+    tiered = make_engine(tiny, **base, num_gpu_blocks=None, kv_offload_bytes=16 << 20)
+    assert plain.kv_plan.swap_bytes == tiered.kv_plan.swap_bytes == 0
+    assert tiered.kv_plan.room_bytes == plain.kv_plan.room_bytes - (16 << 20)

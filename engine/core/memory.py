@@ -114,14 +114,14 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
     swap = num_cpu_blocks * per_block
     ram = available_ram_bytes()
     _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
-    if cfg.kv_offload_bytes:  # the host KV tier: host memory, like the swap pool
+    host = swap + cfg.kv_offload_bytes  # the host KV tier is host memory, as the swap pool is
+    if cfg.kv_offload_bytes:
         tier = f"kv_offload_bytes={cfg.kv_offload_bytes}"
-        _check_below(swap + cfg.kv_offload_bytes, ram, tier, "the available RAM")
-        swap += cfg.kv_offload_bytes
+        _check_below(host, ram, tier, "the available RAM")
     peak = _activation_peak(cfg, backend)
     both = per_block + d.per_block, peak + d.fixed, backend.weights_bytes + d.weights
     if backend.name in HOST_BACKENDS:
-        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, swap, ram)
+        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, host, ram)
     else:
         num_blocks, room_bytes, room, why = _device_pool(cfg, backend, *both)
     log.info(
