@@ -253,10 +253,9 @@ class NumpyBackend(Backend):
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            act = ops.act_and_mul(self._mm(h, lw, layer, "w_gate_up", batch), c.hidden_act)
-            x = self._reduce(
-                self._mm(act, lw, layer, "w_down", batch)
-            )  # (T, 2F) -> (T, F) -> (T, D)
+            gate_up = self._mm(h, lw, layer, "w_gate_up", batch)  # (T, 2F)
+            act = ops.act_and_mul(gate_up, c.hidden_act)  # (T, F)
+            x = self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)
         return x, residual
 
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:

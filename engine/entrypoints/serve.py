@@ -42,6 +42,7 @@ def check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
         try:
             s.bind((host, port))
         except OSError as e:
