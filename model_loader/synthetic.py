@@ -89,6 +89,19 @@ def random_weights(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]
     return t
 
 
+def save_tokenizer(path: Path, tok: Tokenizer) -> None:
+    """tokenizer.json and tokenizer_config.json (ChatML template, no BOS) for ``tok``."""
+    tok.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "add_bos_token": False,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+
+
 def make_tiny_model(path, seed: int = 0, **overrides) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json."""
     path = Path(path)
@@ -110,14 +123,6 @@ def make_tiny_model(path, seed: int = 0, **overrides) -> Path:
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": eos, "eos_token_id": eos})
     )
-    tok.save(str(path / "tokenizer.json"))
-    tok_cfg = {
-        "add_bos_token": False,
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    save_tokenizer(path, tok)
     save_file(random_weights(cfg, np.random.default_rng(seed)), str(path / "model.safetensors"))
     return path

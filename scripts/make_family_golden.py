@@ -82,7 +82,7 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from model_loader.synthetic import CHATML, train_tokenizer  # noqa: E402  (numpy, tokenizers only)
+from model_loader.synthetic import save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
 
 OUT = ROOT / "tests" / "data" / "families"
 VOCAB = 320
@@ -359,15 +359,7 @@ def write_tokenizer(path: Path) -> None:
     assert tok.get_vocab_size() <= VOCAB
     specials = [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
     assert specials == [0, 1, 2], specials
-    tok.save(str(path / "tokenizer.json"))
-    tok_cfg = {
-        "add_bos_token": False,
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    save_tokenizer(path, tok)
 
 
 def structure(model) -> dict:

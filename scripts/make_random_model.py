@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model_loader.synthetic import CHATML, make_tiny_model, train_tokenizer  # noqa: E402
+from model_loader.synthetic import make_tiny_model, save_tokenizer, train_tokenizer  # noqa: E402
 
 TINYLLAMA = dict(
     vocab_size=32000,
@@ -83,14 +83,7 @@ def make_tinyllama_shaped(path: Path, seed: int = 0) -> Path:
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    tok.save(str(path / "tokenizer.json"))
-    tok_cfg = {
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    save_tokenizer(path, tok)  # add_bos_token false, as this tokenizer's post-processor says
     save_file(random_bf16_weights(TINYLLAMA, seed), str(path / "model.safetensors"))
     return path
 
