@@ -18,6 +18,9 @@ from engine.frontend.async_llm import StepStats
 PREFIX = "pagedllm:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+# the engine's cumulative counts that become counters (by their increments)
+CUMULATIVE = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+CUMULATIVE += ("external_prefix_cache_queries", "external_prefix_cache_hits")
 EXTERNAL = {  # vLLM's names for the KV connector's counters -> StepStats' fields
     "external_prefix_cache_queries": "tier_queries",
     "external_prefix_cache_hits": "tier_hits",
@@ -97,10 +100,7 @@ class PrometheusStatLogger:
         )
         for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
             metric.labels(*self.label_values)  # every series from the start, at 0
-        self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
-        self._last |= {"external_prefix_cache_queries": 0, "external_prefix_cache_hits": 0}
-        self._tier_last: dict = {}
-        self._spec_last: dict = {}
+        self._seen: dict = {}  # a cumulative engine count's key -> its value at the last step
 
     def __call__(self, s: StepStats) -> None:
         m = self.label_values
@@ -110,10 +110,10 @@ class PrometheusStatLogger:
         self.gauges["kv_cache_usage_perc"].labels(*m).set(s.kv_cache_usage)
         rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         self.gauges["prefix_cache_hit_rate"].labels(*m).set(rate)
-        for name in self._last:  # cumulative engine counters -> increments
-            value = getattr(s, EXTERNAL.get(name, name))
-            self.counters[name].labels(*m).inc(max(value - self._last[name], 0))
-            self._last[name] = value
+        for name in CUMULATIVE:
+            self._advance(
+                self.counters[name].labels(*m), name, getattr(s, EXTERNAL.get(name, name))
+            )
         self.counters["prompt_tokens"].labels(*m).inc(s.prompt_tokens)
         self.counters["generation_tokens"].labels(*m).inc(s.generation_tokens)
         for out in s.finished:
@@ -133,9 +133,7 @@ class PrometheusStatLogger:
             t = dict(zip(TIER_FIELDS, row, strict=True))
             m = [*self.label_values, t["name"]]
             for k in TIER_COUNTERS:
-                last = self._tier_last.get((t["name"], k), 0)
-                self.tier_counters[k].labels(*m).inc(max(t[k] - last, 0))
-                self._tier_last[(t["name"], k)] = t[k]
+                self._advance(self.tier_counters[k].labels(*m), ("tier", t["name"], k), t[k])
             self.tier_gauges["usage_bytes"].labels(*m).set(t["used_bytes"])
             self.tier_gauges["capacity_bytes"].labels(*m).set(t["capacity_bytes"])
 
@@ -149,12 +147,14 @@ class PrometheusStatLogger:
         }
         now |= {("pos", i): n for i, n in enumerate(st.accepted_per_pos)}
         for key, value in now.items():
-            inc = value - self._spec_last.get(key, 0)
-            self._spec_last[key] = value
-            if isinstance(key, tuple):
-                self.per_pos.labels(*m, str(key[1])).inc(inc)
-            else:
-                self.counters[key].labels(*m).inc(inc)
+            pos = isinstance(key, tuple)
+            series = self.per_pos.labels(*m, str(key[1])) if pos else self.counters[key].labels(*m)
+            self._advance(series, key, value)
+
+    def _advance(self, series, key, value) -> None:
+        """A cumulative engine count -> its counter's increment since the last step."""
+        series.inc(max(value - self._seen.get(key, 0), 0))
+        self._seen[key] = value
 
     def _observe(self, metrics) -> None:
         m = self.label_values
