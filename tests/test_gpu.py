@@ -391,3 +391,28 @@ def test_draft_model_on_the_device(tiny):
     args = dict(backend=BACKEND, num_gpu_blocks=64, dtype="float32", draft_loaded=tiny)
     stats = check_same(tiny, prompts, params, spec=DRAFT, **args)
     assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 5.0
+
+
+def test_kv_tiers_move_blocks_through_the_device(tiny, tmp_path):
+    """The KV tiers' copies out of and into the device pool (read_blocks, write_blocks): blocks
+    evicted from a small pool stored in host memory and on disk, loaded back for later prompts,
+    the greedy tokens those of the same backend without tiers; a second engine on the disk
+    directory loads every prompt's prefix from it."""
+    from tests.test_kv_tiers import PARAMS, SMALL, workload
+    from tests.test_prefix_caching import run_staggered
+
+    prompts = workload(tiny.tokenizer)
+    args = dict(SMALL, backend=BACKEND, dtype="float32")
+    plain = run_staggered(LLMEngine(loaded=tiny, model="tiny", **args), prompts, PARAMS)
+    tiers = dict(args, enable_prefix_caching=True, num_gpu_blocks=25, kv_cache_dir=str(tmp_path))
+    engine = LLMEngine(loaded=tiny, model="tiny", kv_offload_bytes=1 << 24, **tiers)
+    outs = run_staggered(engine, prompts, PARAMS)
+    engine.shutdown()
+    assert engine.scheduler.tier_hits > 0
+    want = [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    again = LLMEngine(loaded=tiny, model="tiny", **tiers)
+    warm = run_staggered(again, prompts, PARAMS)
+    again.shutdown()
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    assert [o.outputs[0].token_ids for o in warm] == want

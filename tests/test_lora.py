@@ -320,6 +320,9 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(tmp
             complete("r64", "r64_rslora")
         r = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
         assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+        inplace = {"lora_name": "r1", "lora_path": modules[0][1], "load_inplace": True}
+        r = post("/v1/load_lora_adapter", inplace)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
         out, _ = complete("r1", "r1_qv")  # still serving
         metrics = httpx.get(s.url + "/metrics").text
         assert 'running_lora_adapters="r1"' in metrics and 'max_lora="2"' in metrics

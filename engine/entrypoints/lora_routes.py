@@ -102,6 +102,12 @@ async def _body(raw: Request) -> dict:
 
 
 def _fields(body: dict, names: tuple[str, ...]) -> list[str]:
+    """The body's string fields ``names``; a missing one, or any other field (vLLM's
+    ``load_inplace`` among them: not implemented), is a 400 naming it."""
+    other = sorted(set(body) - set(names))
+    if other:
+        raise ApiError(400, f"{other[0]} is not supported here (fields: {', '.join(names)})",
+                       param=other[0])  # fmt: skip
     values = []
     for name in names:
         value = body.get(name)
