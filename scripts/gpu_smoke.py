@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.emulation import kernel_ops as C  # noqa: E402
+from engine.kernels.launch import lora_tiles  # noqa: E402
 from reference import kernel_ops as N  # noqa: E402
 
 
@@ -83,7 +84,30 @@ def check_kernels(dev, rng) -> dict:
     ids = up(np.full(5, -1, np.int32))
     k.sample_greedy(ids, up(logits))
     errors["sample_greedy"] = close(down(ids), np.argmax(logits, 1), 0)
+    errors["lora"] = check_lora(dev, rng)
     return {"max_abs_error": errors}
+
+
+def check_lora(dev, rng) -> float:
+    """lora_shrink + lora_expand: 40 rows over two adapters and the base model, q|k|v modules,
+    against float64 NumPy."""
+    T, K, R, widths = 40, 96, 8, (64, 32, 32)
+    ends, N = np.cumsum(widths).astype(np.int32), sum(widths)
+    x, y = rng.standard_normal((T, K), np.float32), rng.standard_normal((T, N), np.float32)
+    a = rng.standard_normal((2, 3 * R, K), np.float32)
+    b = rng.standard_normal((2, R, N), np.float32)
+    slots = rng.integers(-1, 2, T).astype(np.int32)
+    want = y.astype(np.float64)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            t = a[s].astype(np.float64) @ x[i]
+            for m, (c0, c1) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+                want[i, c0:c1] += t[m * R : (m + 1) * R] @ b[s][:, c0:c1]
+    order, tiles = lora_tiles(slots)
+    out = dev.upload(y)
+    dev.kernels.lora(out, dev.upload(x), dev.upload(a), dev.upload(b), dev.upload(order),
+                     dev.upload(tiles), dev.upload(ends))  # fmt: skip
+    return close(dev.download(out), want, 1e-3)
 
 
 def check_paged(dev, rng, H, Hkv, hd, bs) -> dict:

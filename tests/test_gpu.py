@@ -8,6 +8,8 @@ poisoned with NaN first; the engine's greedy tokens against the reference, taken
 
 from __future__ import annotations
 
+import base64
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from engine.emulation import kernel_ops as C
 from engine.frontend.llm import run_to_completion
 from engine.kernels import PARTITION_SIZE
 from engine.kernels import gemm as G
+from engine.kernels.launch import lora_tiles
 from engine.utils import cdiv
 from reference import kernel_ops as N
 from reference.generate import generate as reference_generate
@@ -416,3 +419,40 @@ def test_kv_tiers_move_blocks_through_the_device(tiny, tmp_path):
     again.shutdown()
     assert all(o.num_cached_tokens > 0 for o in warm)
     assert [o.outputs[0].token_ids for o in warm] == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_lora_kernels(dev, dtype, rng):
+    """lora_shrink + lora_expand on the device: each adapter's rows get x A^T B, over a tile of
+    rows of one adapter and base rows left alone, against float64."""
+    from tests.test_kernels_lora import TOL as LORA_TOL
+    from tests.test_kernels_lora import expected, problem
+
+    x, a, b, y, slots, ends = problem(rng, dtype)
+    order, tiles = lora_tiles(slots)
+    out = dev.upload(y)
+    args = [dev.upload(v) for v in (x, a, b, order, tiles, ends)]
+    dev.kernels.lora(out, *args[:3], *args[3:])
+    got, want, base = dev.download(out), expected(x, a, b, y, slots, ends), slots < 0
+    assert np.array_equal(got[base].view(np.uint8), y[base].view(np.uint8))
+    err = np.abs(got[~base].astype(np.float64) - want[~base]).max()
+    assert err <= LORA_TOL[dtype] * np.abs(want[~base]).max()
+
+
+def test_lora_adapters_on_the_device():
+    """Three PEFT adapters and the base model in one batch on the device backend: PEFT's tokens,
+    its last logits within float32 rounding (the golden data of tests/test_lora.py)."""
+    from tests.test_families import loaded
+    from tests.test_lora import ATOL, golden, lora, run
+
+    cases = golden("qwen2")["cases"]
+    engine = LLMEngine(
+        loaded=loaded("qwen2"), model="qwen2", backend=BACKEND, dtype="float32",
+        record_logits=True, enable_lora=True, max_loras=3, max_lora_rank=64,
+    )  # fmt: skip
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs = run(engine, prompts, [lora("qwen2", c["adapter"]) for c in cases], 8)
+    for case, out in zip(cases, outs, strict=True):
+        assert out.outputs[0].token_ids == case["token_ids"], case["adapter"]
+        want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+        np.testing.assert_allclose(out.outputs[0].step_logits[0], want, atol=ATOL, rtol=0)

@@ -62,7 +62,7 @@ def slots_seen(engine) -> list[set]:
     return seen
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_batch_of_three_adapters_and_the_base_model_matches_peft(family, backend):
     cases = golden(family)["cases"]
@@ -85,14 +85,16 @@ def test_a_batch_of_three_adapters_and_the_base_model_matches_peft(family, backe
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2)])
-def test_parallel_ranks_each_keep_their_cut_of_the_adapters(tp, pp):
+@pytest.mark.parametrize(
+    "backend, tp, pp", [("numpy", 2, 1), ("numpy", 4, 1), ("numpy", 1, 2), ("cuda-cpu", 4, 1)]
+)
+def test_parallel_ranks_each_keep_their_cut_of_the_adapters(backend, tp, pp):
     """Tensor parallel (at 4 ranks the 2 KV heads are shared by pairs of ranks) and pipeline
     parallel: each rank its cut of each adapter; PEFT's tokens and logits, adapters mixed."""
     family = "qwen2"
     cases = golden(family)["cases"]
     engine = make_engine(
-        loaded(family), backend="numpy", record_logits=True, enable_lora=True, max_loras=3,
+        loaded(family), backend=backend, record_logits=True, enable_lora=True, max_loras=3,
         max_lora_rank=64, tensor_parallel_size=tp, pipeline_parallel_size=pp,
     )  # fmt: skip
     try:
@@ -258,8 +260,6 @@ def test_lora_options_are_checked():
         make_engine(loaded("llama")).add_request(
             "0", [5, 6], lora_request=LoRARequest("a", 1, "/x")
         )
-    with pytest.raises(ValueError, match="enable_lora runs on the cpu and numpy backends"):
-        EngineConfig(enable_lora=True, backend="cuda-cpu")
     with pytest.raises(ValueError, match="max_loras must be an integer"):
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="lora_int_id must be at least 1"):

@@ -171,7 +171,8 @@ class Backend(ABC):
     def set_lora(self, slot: int, weights) -> None:
         """LoRA slot ``slot`` holds this adapter from now on (engine/lora/adapter.py)."""
         raise ValueError(
-            f"enable_lora: the {self.name} backend has no LoRA products (cpu and numpy do)"
+            f"enable_lora: the {self.name} backend has no LoRA products "
+            "(numpy, cpu, cuda and cuda-cpu do)"
         )
 
     def read_blocks(self, ids) -> np.ndarray:

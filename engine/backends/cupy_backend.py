@@ -41,6 +41,7 @@ from engine.backends.cupy_step import DeviceLayer, StepInputs, Workspace, pack_i
 from engine.backends.forward_batch import ForwardBatch
 from engine.backends.rope import rope_table
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
+from engine.kernels.launch import LORA_MAX_SPLITS, lora_max_tiles, lora_tiles
 from engine.utils import MiB, cdiv
 from model_loader.weights import ModelWeights
 
@@ -84,6 +85,12 @@ class CupyBackend(DecodeGraphs, Backend):
         self.logits_cols = c.vocab_size  # the LM head's output columns (a rank's: its slice)
         self.kv_cache = self.cpu_cache = None
         self.graphs: dict[int, object] = {}
+        # LoRA (enable_lora): max_loras slots of up to max_lora_rank, in device memory
+        self.lora_shape = (
+            (engine_config.max_loras, engine_config.max_lora_rank)
+            if engine_config.enable_lora
+            else None
+        )
         self._startup(weights)
 
     # ---- startup ----
@@ -95,6 +102,7 @@ class CupyBackend(DecodeGraphs, Backend):
         log.info("backend %s: CupyBackend on %s", self.name, self.device.name)
         log.info("kernels for %s compiled in %.2f s", self.device.name, t1 - t0)
         self._upload_weights(weights)
+        self._allocate_lora()
 
         rows = max(self.max_model_len, 1)
         self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope))
@@ -134,12 +142,77 @@ class CupyBackend(DecodeGraphs, Backend):
         self.final_norm = self._put(w.final_norm)  # (D,)
         self.lm_head = self.embed if w.lm_head is w.embed else self._put(w.lm_head)  # (V, D)
 
+    # ---- LoRA slots ----
+    def _allocate_lora(self) -> None:
+        """Per layer and fused matrix, every slot's A (S, M R, K) and B (S, R, N), zeros, and
+        each matrix's module ends (M,) on the device: one fixed place per slot, written by
+        ``set_lora`` (engine/kernels/launch.py ``Kernels.lora`` reads them)."""
+        self.lora_layers, self.lora_ends, self.lora_used = [], {}, []
+        if self.lora_shape is None:
+            return
+        from engine.lora.adapter import shapes
+
+        S, R = self.lora_shape
+        for name, (_, widths) in shapes(self.cfg).items():
+            self.lora_ends[name] = self.device.upload(np.cumsum(widths).astype(np.int32))
+        for _ in self.layers:
+            self.lora_layers.append(
+                {
+                    name: (
+                        self.device.zeros((S, len(widths) * R, K), self.dtype),  # (S, M R, K)
+                        self.device.zeros((S, R, sum(widths)), self.dtype),  # (S, R, N)
+                    )
+                    for name, (K, widths) in shapes(self.cfg).items()
+                }
+            )
+            self.lora_used.append({name: set() for name in self.lora_ends})
+
+    @on_device
+    def set_lora(self, slot: int, weights) -> None:
+        """Slot ``slot`` holds this adapter (engine/lora/adapter.py ``LoRAWeights``, this
+        rank's cut) from now on: module m's A^T in A's rows m R.., its B in B's rows 0.. of
+        the module's columns; zeros past the module's rank and where the adapter has none."""
+        from engine.lora.adapter import shapes
+
+        if self.lora_shape is None:
+            raise ValueError("set_lora: this backend was built without enable_lora")
+        S, R = self.lora_shape
+        for i, layer in enumerate(self.lora_layers):
+            for name, (a_dev, b_dev) in layer.items():
+                pair = weights.layers[i].get(name)
+                ends = np.cumsum(shapes(self.cfg)[name][1]).tolist()
+                a = np.zeros(a_dev.shape[1:], np.float32)  # (M R, K)
+                b = np.zeros(b_dev.shape[1:], np.float32)  # (R, N)
+                for r0, r1, c0, bm in pair[1] if pair is not None else ():
+                    c1 = c0 + bm.shape[1]  # a fused module (q|k|v) spans several of the kernel's
+                    for m, (s, e) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+                        lo, hi = max(s, c0), min(e, c1)
+                        if lo < hi:
+                            a[m * R : m * R + r1 - r0] = pair[0][:, r0:r1].T
+                            b[: r1 - r0, lo:hi] = bm[:, lo - c0 : hi - c0]
+                self.device.copy_to(a_dev[slot], a.astype(self.dtype))
+                self.device.copy_to(b_dev[slot], b.astype(self.dtype))
+                self.lora_used[i][name].discard(slot)
+                if pair is not None and pair[1]:
+                    self.lora_used[i][name].add(slot)
+        self.device.synchronize()
+
+    def _gemm(self, x, lw: DeviceLayer, layer: int, name: str, out, inp: StepInputs) -> None:
+        """out = x @ the layer's matrix ``name``, plus each LoRA row's update (the segmented
+        products, engine/kernels/launch.py ``Kernels.lora``) when a step's adapter changes it."""
+        self.gemm(x, getattr(lw, name), out)
+        if inp.lora is not None and inp.lora[2] & self.lora_used[layer][name]:
+            a, b = self.lora_layers[layer][name]
+            self.k.lora(out, x, a, b, inp.lora[0], inp.lora[1], self.lora_ends[name])
+
     # ---- memory accounting ----
     @property
     def weights_bytes(self) -> int:
+        """The weights' bytes on the device, the LoRA slots' included."""
         arrays = [self.embed, self.final_norm]
         arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
         arrays += [] if self.lm_head is self.embed else [self.lm_head]
+        arrays += [a for layer in self.lora_layers for pair in layer.values() for a in pair]
         return sum(int(a.nbytes) for a in arrays)
 
     def total_memory_bytes(self) -> int:
@@ -159,10 +232,18 @@ class CupyBackend(DecodeGraphs, Backend):
             rows = max(rows, b * P if P > 1 else 0)
         return max(2, cdiv(rows, B)) if rows else 1
 
-    def step_bytes(self, T: int, B: int, partitions: int, layers_with_partials: int = 1) -> int:
+    def step_bytes(
+        self, T: int, B: int, partitions: int, layers_with_partials: int = 1, lora: bool = True
+    ) -> int:
         """Device bytes one step allocates: inputs, workspace, logits, attention partials (the
-        decode kernel's per-layer scratch, held by ``layers_with_partials`` layers at once)."""
+        decode kernel's per-layer scratch, held by ``layers_with_partials`` layers at once),
+        with ``lora`` (steps with LoRA rows: never a graph's) the tiles and the shrink's float32
+        partials (the widest: q|k|v's)."""
         c, e = self.cfg, self.dtype.itemsize
+        extra = 0
+        if lora and self.lora_shape is not None:
+            S, R = self.lora_shape
+            extra = 4 * (T + 3 * lora_max_tiles(T, S)) + LORA_MAX_SPLITS * T * 3 * R * 4 + 1024
         M = cdiv(self.max_model_len, self.block_size)
         inputs = 4 * (4 * T + 3 * B + 1 + B * M)
         per_token = 3 * c.hidden_size + 3 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
@@ -170,7 +251,8 @@ class CupyBackend(DecodeGraphs, Backend):
         partials = B * c.num_attention_heads * partitions * (c.head_dim + 2) * 4
         partials = partials if partitions > 1 else 0
         pool_rounding = 512 * (16 + 2 * layers_with_partials)  # CuPy rounds each block
-        return inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
+        step = inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
+        return step + extra
 
     def graph_pool_estimate(self) -> int:
         """The graphs share one pool sized by the largest capture (every layer's partials live)."""
@@ -178,7 +260,7 @@ class CupyBackend(DecodeGraphs, Backend):
             return 0
         B = self.max_graph_batch
         P = self._partitions(self.max_model_len, B)
-        return self.step_bytes(B, B, P, self.cfg.num_hidden_layers)
+        return self.step_bytes(B, B, P, self.cfg.num_hidden_layers, lora=False)
 
     @on_device
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
@@ -320,8 +402,9 @@ class CupyBackend(DecodeGraphs, Backend):
             tokens[pairs[0]] = self.xp.maximum(prev_ids[pairs[1]], 0)
 
     def _fits_graph(self, batch: ForwardBatch) -> bool:
-        B = batch.num_seqs
-        return bool(self.graphs) and batch.num_decodes == B and B <= max(self.graphs)
+        B = batch.num_seqs  # a step with LoRA rows runs eagerly
+        pure = batch.num_decodes == B and batch.lora_slots is None
+        return bool(self.graphs) and pure and B <= max(self.graphs)
 
     def _logits(self, batch: ForwardBatch):
         """(B, V) float32 logits on the device: a graph replay for a pure-decode step that fits
@@ -332,8 +415,12 @@ class CupyBackend(DecodeGraphs, Backend):
         """``take(tokens)``: fills the uploaded token ids that come from the step before."""
         T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
         R = len(batch.output_rows)
-        flat = self.device.upload(pack_inputs(batch))
-        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R)
+        lora = None if batch.lora_slots is None else lora_tiles(batch.lora_slots)
+        flat = self.device.upload(pack_inputs(batch, lora))
+        tiles = None if lora is None else lora[1].shape[0]
+        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R, tiles)
+        if lora is not None:  # the slots the step's rows run
+            inputs.lora += (set(np.unique(batch.lora_slots[batch.lora_slots >= 0]).tolist()),)
         if take is not None:
             take(inputs.token_ids)
         max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
@@ -375,9 +462,9 @@ class CupyBackend(DecodeGraphs, Backend):
                 k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.attn_norm, eps, off)
             self._attention(ws, lw, i, inp, nd, max_ctx)  # -> ws.x (T, D)
             k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.mlp_norm, eps, off)
-            self.gemm(ws.h, lw.w_gate_up, ws.gate_up)  # (T, 2F)
+            self._gemm(ws.h, lw, i, "w_gate_up", ws.gate_up, inp)  # (T, 2F)
             k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
-            self.gemm(ws.act, lw.w_down, ws.x)  # (T, D)
+            self._gemm(ws.act, lw, i, "w_down", ws.x, inp)  # (T, D)
             self._reduce(ws.x)
         x, res = ws.x, ws.residual
         if inp.rows is not None:  # only each sequence's last token (a run's rows) is sampled
@@ -401,7 +488,7 @@ class CupyBackend(DecodeGraphs, Backend):
     def _attention(self, ws: Workspace, lw: DeviceLayer, layer: int, inp, nd: int, max_ctx):
         # ws.h (T, D) normalized -> ws.x (T, D)
         k, T, qd = self.k, ws.h.shape[0], self.cfg.q_dim
-        self.gemm(ws.h, lw.w_qkv, ws.qkv)  # (T, H*hd + 2*Hkv*hd)
+        self._gemm(ws.h, lw, layer, "w_qkv", ws.qkv, inp)  # (T, H*hd + 2*Hkv*hd)
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
         k.rotary_cache(
             ws.q,
@@ -441,7 +528,7 @@ class CupyBackend(DecodeGraphs, Backend):
                 self.scale,
                 window=window,
             )
-        self.gemm(ws.attn.reshape(T, qd), lw.w_o, ws.x)  # (T, D)
+        self._gemm(ws.attn.reshape(T, qd), lw, layer, "w_o", ws.x, inp)  # (T, D)
         self._reduce(ws.x)
 
 

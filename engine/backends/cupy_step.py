@@ -34,6 +34,9 @@ class StepInputs:
     block_tables: object  # (B, M)
     prefill_qsl: object | None  # (B - nd + 1,) query starts of the prefills, from 0
     rows: object | None  # (R,) the rows whose logits are wanted; None when every row is
+    # LoRA rows (enable_lora): (order (T,), tiles (n, 3), the step's slots) as
+    # engine/kernels/launch.py lora_tiles makes them; None when every row runs the base model
+    lora: tuple | None = None
 
 
 @dataclass
@@ -52,20 +55,26 @@ class Workspace:
     logits: object  # (B, V) float32
 
 
-def pack_inputs(b: ForwardBatch) -> np.ndarray:
-    """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables."""
+def pack_inputs(b: ForwardBatch, lora: tuple | None = None) -> np.ndarray:
+    """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables,
+    then with ``lora`` (``lora_tiles``' (order, tiles)) order | tiles."""
     nd, qsl = b.num_decodes, b.query_start_loc
     parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
-    parts += [b.output_rows, b.block_tables.ravel()]
+    parts += [b.output_rows, b.block_tables.ravel(), *(lora or ())]
     return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
 
 
-def split_inputs(flat, T: int, B: int, nd: int, M: int, R: int | None = None) -> StepInputs:
+def split_inputs(
+    flat, T: int, B: int, nd: int, M: int, R: int | None = None, tiles: int | None = None
+) -> StepInputs:
     """The views of ``pack_inputs``'s layout over a device buffer; R output rows (B unless a
-    speculated run wants all of its rows)."""
+    speculated run wants all of its rows); ``tiles``: the LoRA tiles packed after them."""
     R = B if R is None else R
-    sizes = [T, T, T, B, B - nd + 1, R, B * M]
+    sizes = [T, T, T, B, B - nd + 1, R, B * M] + ([] if tiles is None else [T, 3 * tiles])
     ends = np.cumsum(sizes)
     v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
     rows = v[5] if T != R else None  # every row wanted: no gather
-    return StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
+    inp = StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
+    if tiles is not None:
+        inp.lora = (v[7], v[8].reshape(tiles, 3))
+    return inp

@@ -196,7 +196,8 @@ class EngineConfig:
         False,
         "serve LoRA adapters (PEFT directories) over the base weights: a request names one "
         "(LoRARequest, or the server's model name) and a step batches rows of several adapters "
-        "and of the base model; cpu and numpy backends (numpy ranks each keep their cut)",
+        "and of the base model; every backend (parallel ranks each keep their cut; on cuda a "
+        "step with adapter rows runs without CUDA graphs)",
     )
     max_loras: int = option(1, "adapters a step may use at once (their slots)")
     max_lora_rank: int = option(16, "the largest adapter rank accepted")
@@ -405,11 +406,6 @@ class EngineConfig:
             raise _bad("max_cpu_loras", cpu, "None or an integer in [max_loras, 1024]")
         if not self.enable_lora:
             return
-        if self.backend not in ("auto", "cpu", "numpy"):
-            raise ValueError(
-                f"EngineConfig: enable_lora runs on the cpu and numpy backends (the {self.backend} "
-                "backend has no LoRA products yet)"
-            )
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ValueError(
                 "EngineConfig: enable_lora with a draft model is not implemented (the ngram "

@@ -55,10 +55,12 @@ class RankCupyBackend(CupyBackend):
             self.comm = NcclComm(lib, self.world, uid, self.shard.rank, self.device)
         return nccl_version(lib)
 
-    def step_bytes(self, T: int, B: int, partitions: int, layers_with_partials: int = 1) -> int:
+    def step_bytes(
+        self, T: int, B: int, partitions: int, layers_with_partials: int = 1, lora: bool = True
+    ) -> int:
         """The one rank's step, and the gathered logits: (world, B, widest) and (B, V)."""
         gathered = B * 4 * (self.world * self.widest + self.full_cfg.vocab_size)
-        return super().step_bytes(T, B, partitions, layers_with_partials) + gathered
+        return super().step_bytes(T, B, partitions, layers_with_partials, lora) + gathered
 
     # ---- the hooks of CupyBackend._step ----
     def _embed(self, out, token_ids) -> None:

@@ -34,6 +34,11 @@ PREFILL_TILE = 32  # prefill: query rows per block (prefill_attention.cu kTileRo
 PREFILL_DIM_MULTIPLE = 8  # prefill: K/V rows are read 16 bytes at a time
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # act_and_mul.cu's activation ids
 ROTARY_BIAS, ROTARY_NORM = 1, 2  # rotary_cache.cu's flags: add the bias, norm q and k heads
+LORA_TILE_ROWS = 16  # lora_shrink.cu / lora_expand.cu kTileRows: rows of one adapter per tile
+LORA_RANK_COLS = 64  # lora_shrink.cu kRankCols: rank columns per block
+LORA_MAX_MODULES = 3  # lora_expand.cu kMaxModules: q | k | v
+LORA_SPLIT = 256  # lora_shrink.cu: the shortest K range a block sums (a multiple of 32)
+LORA_MAX_SPLITS = 8  # and the most ranges K is cut into
 
 
 def row_launch(rows: int, width: int, itemsize: int) -> tuple[tuple, tuple, int]:
@@ -61,6 +66,42 @@ def decode_split(max_context_len: int, blocks: int, sm_count: int) -> tuple[int,
     parts = max(cdiv(n, PARTITION_SIZE), min(fill, cdiv(n, DECODE_MIN_PARTITION)))
     size = cdiv(cdiv(n, parts), DECODE_CHUNK) * DECODE_CHUNK
     return cdiv(n, size), size
+
+
+def lora_tiles(slots: np.ndarray, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A step's rows by adapter for the LoRA kernels: (order (T,) int32, the rows whose slot is
+    >= 0, slot by slot; tiles (n, 3) int32, (slot, first index into order, rows <= 16)). The
+    base model's rows (slot -1) are in no tile. ``pad_to``: n at least this, with empty tiles
+    (count 0) after the real ones; a step's n is at most ``lora_max_tiles``."""
+    slots = np.asarray(slots, np.int32)
+    order = np.argsort(slots, kind="stable").astype(np.int32)  # (T,) base rows first
+    order = order[slots[order] >= 0]
+    tiles = []
+    if order.size:
+        ids = slots[order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        ends = np.r_[starts[1:], order.size]
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            slot = int(ids[s])
+            tiles += [(slot, i, min(LORA_TILE_ROWS, e - i)) for i in range(s, e, LORA_TILE_ROWS)]
+    n = max(len(tiles), pad_to or 0)
+    out = np.zeros((n, 3), np.int32)
+    if tiles:
+        out[: len(tiles)] = tiles
+    full = np.zeros(slots.shape[0], np.int32)
+    full[: order.size] = order
+    return full, out
+
+
+def lora_max_tiles(T: int, active: int) -> int:
+    """The most tiles ``lora_tiles`` makes of T rows over ``active`` adapters."""
+    return cdiv(T, LORA_TILE_ROWS) + max(0, min(active, T) - 1)
+
+
+def lora_split(K: int) -> int:
+    """The K range each lora_shrink block sums: at least LORA_SPLIT, at most
+    LORA_MAX_SPLITS ranges, a multiple of 32 (the kernel's staging chunk)."""
+    return cdiv(max(LORA_SPLIT, cdiv(K, LORA_MAX_SPLITS)), 32) * 32
 
 
 def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
@@ -372,6 +413,38 @@ class Kernels:
             fn = self._fn("copy_blocks", f"copy_blocks_{_suffix('copy_blocks', src)}")
             args = (dst, src, pairs, i32(Ns), i32(dst.shape[2]), i32(bs * Hkv * hd))
             fn((pairs.shape[0], L * 2), (256,), args)
+
+    def lora(self, y, x, a, b, order, tiles, module_ends) -> None:
+        """y (T, N) += each LoRA row's update, x (T, K) @ A[slot]^T @ B[slot] (float32, y
+        rounded once), over ``lora_tiles``' order and tiles. a (S, M R_m, K): each slot's
+        modules' A rows, R_m per module (zeros past a module's own rank); b (S, R_m, N): the
+        columns of module m read its R_m rows of t; module_ends (M,) int32: each module's end
+        column in y. The base model's rows are left as they are."""
+        op = "lora"
+        T, K = x.shape
+        S, R, N = a.shape[0], a.shape[1], y.shape[1]
+        M = module_ends.shape[0] if hasattr(module_ends, "shape") else 0
+        if not 1 <= M <= LORA_MAX_MODULES or R % M:
+            raise ValueError(f"{op}: module_ends must have 1 to 3 entries dividing A's {R} rows")
+        _check(op, "x", x, (T, K))
+        _check(op, "y", y, (T, N), x.dtype)
+        _check(op, "a", a, (S, R, K), x.dtype)
+        _check(op, "b", b, (S, R // M, N), x.dtype)
+        _check(op, "order", order, (T,), np.int32)
+        _check(op, "tiles", tiles, (None, 3), np.int32)
+        _check(op, "module_ends", module_ends, (M,), np.int32)
+        n = tiles.shape[0]
+        if not (T and n):
+            return
+        split = lora_split(K)
+        P = cdiv(K, split)
+        partial = self._empty((P, T, R), np.float32)  # (P, T, R): written for the tiles' rows
+        sfx = _suffix(op, x)
+        args = (partial, x, a, order, tiles, i32(T), i32(K), i32(R), i32(S), i32(split))
+        self._fn("lora_shrink", f"lora_shrink_{sfx}")((n, P, cdiv(R, LORA_RANK_COLS)), (256,), args)
+        args = (y, partial, b, order, tiles, module_ends, i32(T), i32(N), i32(R // M), i32(M))
+        args += (i32(S), i32(P))
+        self._fn("lora_expand", f"lora_expand_{sfx}")((n, cdiv(N, 256)), (256,), args)
 
     def sample_greedy(self, out_ids, logits) -> None:
         B, V = logits.shape
