@@ -3,7 +3,8 @@
 // CpuBackend._run_layers (norm, QKV product, rotary + cache write, decode attention, O
 // product, add + norm, gate/up product, SiLU-and-mul, down product), without a Python round
 // trip and a ctypes call per kernel (about 100 us a layer at batch 1). The arithmetic is the
-// kernels': the hidden states come out with the same bits.
+// kernels': the hidden states come out with the same bits. With LoRA rows, each product adds
+// their adapters' updates (lora_add) as the loop does.
 // Threads: each kernel's own.
 #include <chrono>
 #include <cstdint>
@@ -70,6 +71,32 @@ struct Layer {
   Matrix qkv, o, gate_up, down;
 };
 
+// LoRA (engine/backends/cpu_backend.py, the _Lora* structures). One module's B: the adapter's
+// rows take columns r0..r1 of t = x @ A through b (r1 - r0, n) float32, row-major, into output
+// columns c0..c0 + n.
+struct LoraPart {
+  int32_t r0, r1, c0, n;
+  const float* b;
+};
+
+// One adapter (its slot) on one matrix: a (K, R), its modules' A side by side, packed as the
+// weights are, and its modules' B.
+struct LoraAdapter {
+  Matrix a;
+  int32_t slot, R, n_parts, pad;
+  const LoraPart* parts;
+};
+
+// The step's adapters that change one matrix (n may be 0).
+struct LoraMatrix {
+  int32_t n, pad;
+  const LoraAdapter* adapters;
+};
+
+struct LoraLayer {
+  LoraMatrix qkv, o, gate_up, down;
+};
+
 // A step's sizes and arrays (engine/backends/cpu_backend.py, StepArgs).
 struct Step {
   int32_t T, D, H, hkv, hd, F, bs, max_blocks, cache_dtype, threads;
@@ -87,6 +114,11 @@ struct Step {
   const int32_t* slots;         // (T,)
   const int32_t* block_tables;  // (T, max_blocks)
   const int32_t* context_lens;  // (T,)
+  const LoraLayer* lora;        // (n_layers,) or NULL: no row runs an adapter
+  const int32_t* lora_slots;    // (T,) each row's adapter slot, -1 the base model
+  float* lora_x;                // (T, the widest K) scratch: an adapter's rows of x
+  float* lora_t;                // (T, the widest R) scratch: their x @ A
+  int32_t* lora_rows;           // (T,) scratch: an adapter's rows
 };
 
 int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
@@ -107,6 +139,60 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
                            w.kind - W_BLOCKS, M, K, N, threads);
   }
   return 0;
+}
+
+}  // namespace
+
+// y (T, N) += each LoRA row's update: for each adapter of m, its rows (slots[i] == its slot)
+// gathered into xs (all of x when every row is its), ts = xs @ A (the packed product), then each
+// module's B adds t's columns r0..r1 into the rows' output columns c0.., one rank at a time in
+// float32 (the segmented products of Punica and S-LoRA, an adapter's rows together). Rows of
+// no adapter (the base model's, slot -1) are not touched. The cpu backend's layer loop and
+// decode_layers both come here, so their bits agree. Returns 0, or the product's status.
+extern "C" int lora_add(float* y, const float* x, const LoraMatrix* m, const int32_t* slots,
+                        float* xs, float* ts, int32_t* rows, long T, long K, long N, int threads) {
+  for (int a = 0; a < m->n; a++) {
+    const LoraAdapter& ad = m->adapters[a];
+    long n = 0;
+    for (long i = 0; i < T; i++)
+      if (slots[i] == ad.slot) rows[n++] = (int32_t)i;
+    if (n == 0) continue;
+    const float* src = x;
+    if (n < T) {
+      for (long r = 0; r < n; r++) std::memcpy(xs + r * K, x + rows[r] * K, sizeof(float) * K);
+      src = xs;
+    }
+    const int status = matmul(ts, src, ad.a, n, K, ad.R, threads);
+    if (status) return status;
+    long work = 0;
+    for (int p = 0; p < ad.n_parts; p++) work += (long)(ad.parts[p].r1 - ad.parts[p].r0) * ad.parts[p].n;
+#pragma omp parallel for schedule(static) num_threads(threads_for(n * work * 2, threads))
+    for (long r = 0; r < n; r++) {
+      for (int p = 0; p < ad.n_parts; p++) {
+        const LoraPart& part = ad.parts[p];
+        float* out = y + rows[r] * N + part.c0;
+        const float* t = ts + r * ad.R + part.r0;
+        for (int j = 0; j < part.r1 - part.r0; j++) {
+          const float v = t[j];
+          const float* b = part.b + (long)j * part.n;
+#pragma omp simd
+          for (int c = 0; c < part.n; c++) out[c] += v * b[c];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+namespace {
+
+// out (T, N) = x @ w, then each LoRA row's update when the step has any.
+int product(float* out, const float* x, const Matrix& w, const LoraMatrix* lora, const Step* s,
+            long K, long N) {
+  const int status = matmul(out, x, w, s->T, K, N, s->threads);
+  if (status || lora == nullptr || lora->n == 0) return status;
+  return lora_add(out, x, lora, s->lora_slots, s->lora_x, s->lora_t, s->lora_rows, s->T, K, N,
+                  s->threads);
 }
 
 }  // namespace
@@ -134,11 +220,12 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
   std::memcpy(s->residual, s->x, sizeof(float) * T * D);
   for (int i = 0; i < n_layers; i++) {
     const Layer& L = layers[i];
+    const LoraLayer* A = s->lora ? s->lora + i : nullptr;
     if (i == 0)  // residual = x; h = rms_norm(x)
       fused_add_rms_norm(s->h, s->residual, nullptr, L.attn_norm, s->eps, T, D, nt);
     else  // residual += x; h = rms_norm(residual)
       fused_add_rms_norm(s->h, s->x, s->residual, L.attn_norm, s->eps, T, D, nt);
-    int status = matmul(s->qkv, s->h, L.qkv, T, D, qkv_dim, nt);
+    int status = product(s->qkv, s->h, L.qkv, A ? &A->qkv : nullptr, s, D, qkv_dim);
     status = status ? status
                     : rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
                                    s->cos, s->sin, s->slots, L.q_norm, L.k_norm, s->eps, T, s->H,
@@ -148,13 +235,13 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
                                              s->cache_dtype, s->block_tables, s->context_lens,
                                              T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
                                              s->scale, (int)L.window, nt);
-    status = status ? status : matmul(s->x, s->attn, L.o, T, q_dim, D, nt);
+    status = status ? status : product(s->x, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);
     if (status) return status;
     fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);
-    status = matmul(s->gate_up, s->h, L.gate_up, T, D, 2L * s->F, nt);
+    status = product(s->gate_up, s->h, L.gate_up, A ? &A->gate_up : nullptr, s, D, 2L * s->F);
     if (status) return status;
     silu_and_mul(s->act, s->gate_up, T, s->F, nt);
-    status = matmul(s->x, s->act, L.down, T, s->F, D, nt);
+    status = product(s->x, s->act, L.down, A ? &A->down : nullptr, s, s->F, D);
     if (status) return status;
   }
   return 0;

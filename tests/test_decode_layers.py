@@ -135,3 +135,26 @@ def test_short_runs_attend_as_decodes_against_the_numpy_backend(tiny):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         got, want = (np.stack(o.outputs[0].step_logits) for o in (b, a))
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("setting", [{}, {"dtype": "bfloat16"}], ids=["f32", "bf16"])
+def test_lora_rows_run_fused_with_the_loops_bits(fused_steps, setting):
+    """Decode steps whose rows run three adapters and the base model go through decode_layers
+    (each product's lora_add) and give the loop's logits bit for bit; PEFT's tokens either way."""
+    from tests.test_families import loaded
+    from tests.test_lora import golden, lora, run
+
+    family, cases = "llama", golden("llama")["cases"]
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs = []
+    for fuse in (True, False):
+        e = make_engine(
+            loaded(family), backend="cpu", record_logits=True, enable_lora=True, max_loras=3,
+            max_lora_rank=64, **setting,
+        )  # fmt: skip
+        e.backend.fuse_decode = fuse
+        outs.append(run(e, prompts, [lora(family, c["adapter"]) for c in cases], 6))
+    assert fused_steps and max(fused_steps) == len(cases)  # every row, adapters and base
+    assert_same_bits(*outs)
+    if not setting:
+        assert [o.outputs[0].token_ids for o in outs[0]] == [c["token_ids"][:6] for c in cases]

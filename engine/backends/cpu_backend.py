@@ -63,6 +63,8 @@ class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
 
 _SIZES = ("T", "D", "H", "hkv", "hd", "F", "bs", "max_blocks", "cache_dtype", "threads")
 _ARRAYS = ("x", "residual", "h", "qkv", "q", "attn", "gate_up", "act", "cos", "sin", "slots")
+_LORA = ("lora", "lora_slots", "lora_x", "lora_t", "lora_rows")
+_MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # PackedLayer's, in LoraLayer's order
 
 
 class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
@@ -70,8 +72,28 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
         *((name, _i32c) for name in _SIZES),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens")),
+        *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens", *_LORA)),
     ]
+
+
+class _LoraPart(ctypes.Structure):  # cpu_src/decode_layers.cpp: LoraPart, one module's B
+    _fields_ = [*((name, _i32c) for name in ("r0", "r1", "c0", "n")), ("b", _ptr)]
+
+
+class _LoraAdapter(ctypes.Structure):  # LoraAdapter: one slot's A and B on one matrix
+    _fields_ = [
+        ("a", cpu_ops.Matrix),
+        *((name, _i32c) for name in ("slot", "R", "n_parts", "pad")),
+        ("parts", _ptr),
+    ]
+
+
+class _LoraMatrix(ctypes.Structure):  # LoraMatrix: the step's adapters on one matrix
+    _fields_ = [("n", _i32c), ("pad", _i32c), ("adapters", _ptr)]
+
+
+class _LoraLayer(ctypes.Structure):  # LoraLayer
+    _fields_ = [(name[2:], _LoraMatrix) for name in _MATRICES]
 
 
 class CpuBackend(NumpyBackend):
@@ -90,6 +112,8 @@ class CpuBackend(NumpyBackend):
         self._choices = {}  # (K, N) -> cpu_tuning.Choice: the layout kept and its times
         super().__init__(model_config, weights, engine_config, ops=cpu_ops)
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
+        self._lora_native: dict = {}  # slot -> {(layer, matrix): (_LoraAdapter, its arrays)}
+        self._lora_steps: dict = {}  # a step's adapters (slots) -> (_LoraLayer array, parts)
 
     def _quantization(self, asked: str | None) -> str | None:
         # a GGUF whose layer matrices are all Q8_0 keeps them so: quantizing its float32 values
@@ -141,6 +165,73 @@ class CpuBackend(NumpyBackend):
         """An adapter's matrix in the float32 layout timed fastest for its shape."""
         return self._float32_store(m)
 
+    # ---- LoRA: each adapter's rows through cpu_src/decode_layers.cpp lora_add ----
+    def set_lora(self, slot: int, weights) -> None:
+        super().set_lora(slot, weights)
+        self._lora_native.pop(slot, None)
+        self._lora_steps = {k: v for k, v in self._lora_steps.items() if slot not in k}
+
+    def _add_lora(self, y: np.ndarray, x: np.ndarray, layer: int, name: str, slots: np.ndarray):
+        """y[rows] += each adapter's update of its rows (lora_add: gather, x @ A, each module's
+        B into its columns), the same native code as the one-call decode, so the same bits."""
+        m = getattr(self._lora_layers(self._lora_active(slots))[layer], name[2:])
+        if m.n == 0:  # none of the step's adapters changes this matrix
+            return
+        x, slots, p = cpu_ops._c32(x), cpu_ops._i32(slots), cpu_ops._p
+        xs, ts, rows = self._lora_scratch(x.shape[0])
+        status = library().lora_add(
+            p(y), p(x), ctypes.byref(m), p(slots), p(xs), p(ts), p(rows), x.shape[0],
+            x.shape[1], y.shape[1], cpu_ops.threads(),
+        )  # fmt: skip
+        if status:
+            raise ValueError(f"lora_add: shape {x.shape} is beyond the native kernels' limits")
+
+    def _lora_active(self, slots: np.ndarray) -> tuple[int, ...]:
+        """The slots a batch's rows run (the base model's -1 left out), once per batch."""
+        return tuple(s for s, _ in self._lora_rows(slots))
+
+    def _lora_scratch(self, T: int):
+        """lora_add's scratch for T rows: an adapter's rows of x, their x @ A, their indices."""
+        c, R = self.cfg, max((w.rank for w in self.loras.values()), default=1)
+        widest = max(c.hidden_size, c.q_dim, c.intermediate_size)
+        return np.empty((T, widest), F32), np.empty((T, 3 * R), F32), np.empty(T, np.int32)
+
+    def _lora_adapter(self, slot: int, layer: int, name: str):
+        """Slot's _LoraAdapter on one matrix, or None where the adapter leaves it alone: A kept
+        as the weights are (packed), each module's B plain; made once per slot."""
+        per = self._lora_native.setdefault(slot, {})
+        if (layer, name) not in per:
+            pair, entry = self.loras[slot].layers[layer].get(name), None
+            if pair is not None and pair[1]:
+                a = self._lora_store(pair[0])  # (K, R)
+                bs = [np.ascontiguousarray(b, F32) for *_, b in pair[1]]  # (r, n) each
+                parts = (_LoraPart * len(bs))(
+                    *(_LoraPart(r0, r1, c0, b.shape[1], cpu_ops._p(b))
+                      for (r0, r1, c0, _), b in zip(pair[1], bs, strict=True))
+                )  # fmt: skip
+                ad = _LoraAdapter(cpu_ops.matrix(a), slot, pair[0].shape[1], len(bs), 0)
+                ad.parts = ctypes.cast(parts, _ptr)
+                entry = (ad, (a, bs, parts))
+            per[(layer, name)] = entry
+        return per[(layer, name)]
+
+    def _lora_layers(self, active: tuple[int, ...]):
+        """The step's _LoraLayer array: per layer and matrix, the adapters of ``active`` that
+        change it. Kept for the last few sets of adapters."""
+        if active not in self._lora_steps:
+            if len(self._lora_steps) >= 8:
+                self._lora_steps.pop(next(iter(self._lora_steps)))
+            layers, keep = (_LoraLayer * len(self.layers))(), []
+            for i in range(len(self.layers)):
+                for name in _MATRICES:
+                    found = [self._lora_adapter(s, i, name) for s in active]
+                    arr = (_LoraAdapter * len(active))(*(e[0] for e in found if e is not None))
+                    n = sum(e is not None for e in found)
+                    setattr(layers[i], name[2:], _LoraMatrix(n, 0, ctypes.cast(arr, _ptr)))
+                    keep.append(arr)
+            self._lora_steps[active] = (layers, keep)
+        return self._lora_steps[active][0]
+
     def _stored(self) -> None:
         self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
         if self._choices:
@@ -169,10 +260,9 @@ class CpuBackend(NumpyBackend):
         """A step whose sequences bring at most SHORT_RUN tokens each (decodes, speculative
         verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
-        about ten a layer, each token's attention a decode of its own (``_token_tables``).
-        Anything else (LoRA rows among them) takes the NumPy backend's loop."""
+        about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
+        rows' updates after each product. Anything else takes the NumPy backend's loop."""
         fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
-        fused = fused and batch.lora_slots is None
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
@@ -239,10 +329,17 @@ class CpuBackend(NumpyBackend):
             c.intermediate_size, self.block_size, tables.shape[1],
             cpu_ops._cache_code(self.kv_cache), cpu_ops.threads(),
         )  # fmt: skip
+        lora = [None] * len(_LORA)
+        if b.lora_slots is not None:
+            lora_slots = cpu_ops._i32(b.lora_slots)
+            arrays["lora_slots"] = lora_slots
+            table = self._lora_layers(self._lora_active(b.lora_slots))
+            scratch = self._lora_scratch(t)  # alive until the call returns
+            lora = [ctypes.cast(table, _ptr), *map(cpu_ops._p, (lora_slots, *scratch))]
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,
             *(cpu_ops._p(arrays[name]) for name in _ARRAYS), cpu_ops._p(tables),
-            cpu_ops._p(lens),
+            cpu_ops._p(lens), *lora,
         )  # fmt: skip
         table = self._layer_table()
         status = library().decode_layers(table, len(table), ctypes.byref(step))

@@ -188,6 +188,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_seconds.restype = ctypes.c_double
     lib.decode_layers.argtypes = [P, I, P]
     lib.decode_layers.restype = I
+    lib.lora_add.argtypes = [P, P, P, P, P, P, P, L, L, L, I]
+    lib.lora_add.restype = I
     lib.matmul_quant_isa.argtypes = []
     lib.matmul_quant_isa.restype = ctypes.c_char_p
     blas = numpy_blas()
