@@ -168,6 +168,12 @@ class Backend(ABC):
         """The dtype of ``read_blocks``' arrays: the pool's (a host pool's own)."""
         return np.dtype(self.kv_cache.dtype)
 
+    @property
+    def lora_bytes(self) -> int:
+        """Bytes this backend keeps for LoRA adapters besides the loaded pairs themselves (its
+        own layouts of them, its slots)."""
+        return 0
+
     def set_lora(self, slot: int, weights) -> None:
         """LoRA slot ``slot`` holds this adapter from now on (engine/lora/adapter.py)."""
         raise ValueError(

@@ -25,7 +25,7 @@ import numpy as np
 from engine.backends import cpu_ops, cpu_tuning, fast_ops
 from engine.backends.cpu_native import NativeBuildError, library, threads
 from engine.backends.forward_batch import ForwardBatch
-from engine.backends.numpy_backend import NumpyBackend, PackedLayer
+from engine.backends.numpy_backend import NumpyBackend, PackedLayer, _arrays
 from engine.backends.quant import (
     HEAD_FORMAT,
     PANEL,
@@ -170,6 +170,17 @@ class CpuBackend(NumpyBackend):
         super().set_lora(slot, weights)
         self._lora_native.pop(slot, None)
         self._lora_steps = {k: v for k, v in self._lora_steps.items() if slot not in k}
+
+    @property
+    def lora_bytes(self) -> int:
+        """Each slot's A packed and B row-major (lora_add's), each array once, those that are
+        the loaded pairs' own arrays left out."""
+        arrays = [e[1] for per in self._lora_native.values() for e in per.values() if e]
+        kept = {id(a): a for a in _arrays(arrays)}
+        for w in self.loras.values():
+            for a in _arrays([list(layer.values()) for layer in w.layers]):
+                kept.pop(id(a), None)
+        return sum(int(a.nbytes) for a in kept.values())
 
     def _add_lora(self, y: np.ndarray, x: np.ndarray, layer: int, name: str, slots: np.ndarray):
         """y[rows] += each adapter's update of its rows (lora_add: gather, x @ A, each module's

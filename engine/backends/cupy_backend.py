@@ -197,6 +197,11 @@ class CupyBackend(DecodeGraphs, Backend):
                     self.lora_used[i][name].add(slot)
         self.device.synchronize()
 
+    @property
+    def lora_bytes(self) -> int:
+        """The device slots (every slot, used or not)."""
+        return sum(int(a.nbytes) for layer in self.lora_layers for p in layer.values() for a in p)
+
     def _gemm(self, x, lw: DeviceLayer, layer: int, name: str, out, inp: StepInputs) -> None:
         """out = x @ the layer's matrix ``name``, plus each LoRA row's update (the segmented
         products, engine/kernels/launch.py ``Kernels.lora``) when a step's adapter changes it."""

@@ -354,6 +354,12 @@ class NumpyBackend(Backend):
         """An adapter's matrix as this backend keeps it (float32; the cpu backend packs it)."""
         return np.ascontiguousarray(m, dtype=F32)
 
+    @property
+    def lora_bytes(self) -> int:
+        """The adapters' matrices as kept for the step's products (each array once)."""
+        kept = {id(a): a for v in self._lora_kept.values() if v for a in _arrays(v)}
+        return sum(int(a.nbytes) for a in kept.values())
+
     def set_lora(self, slot: int, weights) -> None:
         """Slot ``slot`` holds this adapter's pairs (engine/lora/adapter.py) from now on."""
         self.loras[slot] = weights
@@ -404,3 +410,12 @@ class NumpyBackend(Backend):
         q, k = ops.rotary(q, k, b.positions, c.rope)
         ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
         return q
+
+
+def _arrays(value):
+    """Every array (or packed matrix) inside nested tuples and lists."""
+    if isinstance(value, tuple | list):
+        for v in value:
+            yield from _arrays(v)
+    elif hasattr(value, "nbytes"):
+        yield value

@@ -41,6 +41,7 @@ from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.tools import bench_conversations, bench_plot, host_overhead
 from engine.tools.random_lora import write_random_adapter
+from engine.utils import MiB
 from model_loader.load import load_model
 
 # engine defaults of this CLI (--seed is the workload's, so the engine keeps its seed 0)
@@ -110,6 +111,18 @@ def make_engine(args) -> LLMEngine:
     if args.lora_adapters:
         kw |= dict(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=args.lora_rank)
     return LLMEngine(**kw)
+
+
+def lora_memory_line(engine: LLMEngine, n: int) -> str:
+    """The adapters' memory: the loaded pairs, and what the backend keeps besides them."""
+    manager = getattr(engine.core, "lora", None)
+    pairs = sum(w.nbytes for w in manager.loaded.values()) if manager is not None else 0
+    extra = getattr(engine.backend, "lora_bytes", 0)
+    return (
+        f"LoRA memory: {pairs / n / MiB:.1f} MiB per adapter loaded (float32 pairs, host), "
+        f"{extra / n / MiB:.1f} MiB per adapter more in the {engine.backend.name} backend's "
+        "own layout"
+    )
 
 
 def random_loras(engine: LLMEngine, args) -> list:
@@ -308,6 +321,11 @@ def check_workload(args) -> None:
     counts += ("concurrency", "lora_rank")
     if args.lora_adapters < 0:
         raise ValueError(f"lora_adapters must be at least 0, got {args.lora_adapters}")
+    if args.backend in ("cuda", "cuda-cpu") and args.workload != "conversations":
+        raise ValueError(
+            f"{args.backend} is not timed here: this benchmark times the host backends' products "
+            "(numpy, cpu); python -m engine.tools.bench_gpu times the device backends"
+        )
     configs = args.configs.split(",")
     unknown = sorted(set(configs) - set(bench_conversations.CONFIGS))
     if unknown:
@@ -398,6 +416,8 @@ def main(argv=None) -> int:
         what += f" over {len(loras)} LoRA adapters of rank {args.lora_rank}"
     print(f"engine ({what}):")
     print(format_stats(stats))
+    if loras:
+        print(lora_memory_line(engine, len(loras)))
     itl = batch1_itl_ms(engine, prompts[0][:32], args.batch1_tokens)
     mean, p50, p99 = percentiles(itl)
     mm = matmul_only_ms(engine.backend, 1)
