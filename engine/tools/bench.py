@@ -118,10 +118,11 @@ def lora_memory_line(engine: LLMEngine, n: int) -> str:
     manager = getattr(engine.core, "lora", None)
     pairs = sum(w.nbytes for w in manager.loaded.values()) if manager is not None else 0
     extra = getattr(engine.backend, "lora_bytes", 0)
+    pairs, extra = pairs // n, extra // n
     return (
-        f"LoRA memory: {pairs / n / MiB:.1f} MiB per adapter loaded (float32 pairs, host), "
-        f"{extra / n / MiB:.1f} MiB per adapter more in the {engine.backend.name} backend's "
-        "own layout"
+        f"LoRA memory per adapter: {pairs / MiB:.1f} MiB loaded ({pairs:,} bytes of float32 "
+        f"pairs, host); {extra / MiB:.1f} MiB more in the {engine.backend.name} backend's own "
+        f"layout ({extra:,} bytes)"
     )
 
 
