@@ -165,3 +165,12 @@ def test_missing_prompts_file_before_loading(tiny_model_dir, tmp_path, capsys, n
 def test_bench_bad_workload_before_loading(tiny_model_dir, capsys, no_model_load, flags, named):
     rc = bench_main(["--model", str(tiny_model_dir), *flags.split()])
     one_line_error(capsys, rc, named)
+
+
+def test_bench_refuses_the_device_backends_by_name(tiny_model_dir, capsys, no_model_load):
+    """engine.bench times host products; on cuda-cpu it would crash after the run."""
+    from engine.tools.bench import main as bench_main
+
+    rc = bench_main(["--model", str(tiny_model_dir), "--backend", "cuda-cpu"])
+    line = one_line_error(capsys, rc, "--backend: cuda-cpu is not timed here")
+    assert "python -m engine.tools.bench_gpu times the device backends" in line

@@ -322,11 +322,6 @@ def check_workload(args) -> None:
     counts += ("concurrency", "lora_rank")
     if args.lora_adapters < 0:
         raise ValueError(f"lora_adapters must be at least 0, got {args.lora_adapters}")
-    if args.backend in ("cuda", "cuda-cpu") and args.workload != "conversations":
-        raise ValueError(
-            f"{args.backend} is not timed here: this benchmark times the host backends' products "
-            "(numpy, cpu); python -m engine.tools.bench_gpu times the device backends"
-        )
     configs = args.configs.split(",")
     unknown = sorted(set(configs) - set(bench_conversations.CONFIGS))
     if unknown:
@@ -396,6 +391,11 @@ def main(argv=None) -> int:
     try:
         check_workload(args)
         check_engine_args(args)  # bad engine values and --model fail before the model loads
+        if args.backend in ("cuda", "cuda-cpu") and args.workload != "conversations":
+            raise ValueError(
+                f"{args.backend} is not timed here: this benchmark times the host backends' "
+                "products (numpy, cpu); python -m engine.tools.bench_gpu times the device backends"
+            )
         bench_plot.check_args(args)
         if args.host_overhead:
             return run_host_overhead(args)
