@@ -393,8 +393,9 @@ def main(argv=None) -> int:
         check_engine_args(args)  # bad engine values and --model fail before the model loads
         if args.backend in ("cuda", "cuda-cpu") and args.workload != "conversations":
             raise ValueError(
-                f"{args.backend} is not timed here: this benchmark times the host backends' "
-                "products (numpy, cpu); python -m engine.tools.bench_gpu times the device backends"
+                f"--backend {args.backend} is not timed here: this benchmark times the host "
+                "backends' products (numpy, cpu); python -m engine.tools.bench_gpu times the "
+                "device backends"
             )
         bench_plot.check_args(args)
         if args.host_overhead:
