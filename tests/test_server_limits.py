@@ -10,6 +10,7 @@ import asyncio
 import collections
 import gc
 import json
+import logging
 import random
 import re
 import socket
@@ -306,6 +307,27 @@ def test_a_slow_body_is_408(small):
     got = _raw(small, head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ', wait=3)
     assert got.startswith(b"HTTP/1.1 408") and b"--request-body-timeout" in got
     assert got.endswith(b"}")  # and the connection closed
+
+
+def test_clients_gone_mid_body_leave_no_traceback(small):
+    """Clients that send half a body and hang up: nobody to answer, nothing in the log (each
+    was a ClientDisconnect traceback from uvicorn), and the server goes on serving."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        host, port = small.url.removeprefix("http://").split(":")
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for _ in range(20):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+        time.sleep(0.5)
+        _still_serving(small)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
 
 
 def test_half_a_request_head_loses_its_connection(small):

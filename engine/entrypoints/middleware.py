@@ -12,6 +12,7 @@ import re
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
 from engine.entrypoints.protocol import error_body
 
@@ -66,7 +67,8 @@ class ApiKeyMiddleware:
 class BodyLimitMiddleware:
     """A body over ``max_bytes`` answers 413: at once when its Content-Length says so, else as
     soon as that many bytes have come. One that has not fully come ``timeout`` seconds after the
-    request head answers 408. Both close the connection."""
+    request head answers 408. Both close the connection. A client that disconnects before its
+    body has come gets no answer and leaves no traceback in the log."""
 
     def __init__(self, app, max_bytes: int, timeout: float):
         self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
@@ -80,7 +82,10 @@ class BodyLimitMiddleware:
             error = self._too_large() if length.isdigit() else _closing(400, "bad Content-Length")
             await error.response()(scope, receive, send)
             return
-        await self.app(scope, self._receive(receive), send)
+        try:
+            await self.app(scope, self._receive(receive), send)
+        except ClientDisconnect:  # gone mid-body: nobody to answer, nothing to log
+            return
 
     def _too_large(self) -> ApiError:
         return _closing(413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
