@@ -2,9 +2,18 @@
 
 Exactly one constraint is set: ``json`` (a JSON schema, as a dict or its JSON text), ``regex``,
 ``choice`` (the output is one of these strings), ``grammar`` (Lark, or llama.cpp's GBNF) or
-``json_object=True`` (any JSON object). ``disable_any_whitespace`` drops the optional whitespace
-between JSON tokens. ``key()`` is the hashable form the compiler caches grammars under: equal
-constraints give equal keys, however their schema's keys were ordered.
+``json_object=True`` (any JSON object). ``key()`` is the hashable form the compiler caches
+grammars under: equal constraints give equal keys, however their schema's keys were ordered.
+
+Two defaults make the JSON kinds' output end where a small model would otherwise ramble:
+
+- Whitespace between JSON tokens is bounded (``JSON_WHITESPACE``, as llama.cpp's JSON grammars
+  bound it): one space, or a newline and at most 20 spaces or tabs of indent; never a run of
+  blank lines. ``disable_any_whitespace=True`` allows none at all (``{"a":1,"b":[2]}``).
+- An object schema that declares ``properties`` and says nothing of ``additionalProperties``
+  is closed (no other keys), as OpenAI's strict outputs and vLLM's default backend (xgrammar)
+  treat it; ``disable_additional_properties=False`` keeps JSON Schema's open default (vLLM's
+  guidance backend's). ``closed_objects`` says which schemas this touches.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"  # between JSON tokens (llama.cpp's JSON grammars' bound)
 
 # Schema keywords whose value maps names to schemas. The order of "properties" is the order the
 # output writes the keys in, so it is kept; the others are sorted by name.
@@ -37,6 +47,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -61,8 +72,9 @@ class StructuredOutputsParams:
                 raise _bad("choice", self.choice, "a non-empty list of strings")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise _bad("json_object", self.json_object, "a bool")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise _bad("disable_any_whitespace", self.disable_any_whitespace, "a bool")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
 
     @property
     def kind(self) -> str:
@@ -70,8 +82,10 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def schema(self) -> dict:
-        """``json`` as a canonical dict (parsed when given as JSON text)."""
-        return canonical_schema(_parse_schema(self.json))
+        """``json`` as a canonical dict (parsed when given as JSON text); its objects closed
+        unless ``disable_additional_properties`` is False."""
+        schema = canonical_schema(_parse_schema(self.json))
+        return closed_objects(schema) if self.disable_additional_properties else schema
 
     def key(self) -> tuple:
         """A hashable canonical form: (kind, spec[, disable_any_whitespace]); computed once."""
@@ -84,12 +98,45 @@ class StructuredOutputsParams:
         kind = self.kind
         if kind == "json":
             text = json.dumps(self.schema(), separators=(",", ":"), ensure_ascii=False)
-            return (kind, text, self.disable_any_whitespace)
+            return (kind, text, self.disable_any_whitespace)  # schema(): closed or not
         if kind == "json_object":
             return (kind, self.disable_any_whitespace)
         if kind == "choice":
             return (kind, tuple(self.choice))
         return (kind, getattr(self, kind))
+
+
+# where a schema holds subschemas: maps of them, single ones, and lists of them
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then")
+_SCHEMA_ONE += ("else", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# an object with one of these beside its properties takes keys from elsewhere: left open
+_OPEN_BESIDE = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+_OPEN_BESIDE += ("anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of ``schema`` where each object schema that declares ``properties`` and nothing
+    that lets other keys in (``_OPEN_BESIDE``) gets ``additionalProperties: false``, except the
+    members of an ``allOf`` (closing each would leave no object satisfying all of them). Schemas
+    that declare no properties (``{"type": "object"}``: any object) stay open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s, key == "allOf") for s in out[key]]
+    declares = isinstance(out.get("properties"), dict)
+    if declares and not in_all_of and not any(k in out for k in _OPEN_BESIDE):
+        out["additionalProperties"] = False
+    return out
 
 
 def _parse_schema(schema: dict | str) -> dict:

@@ -232,6 +232,73 @@ def test_forced_tool_calls(smol_client, choice):
     assert got == want
 
 
+# The cases a 135M model did not finish before: a schema with a nested list, a named call whose
+# schema leaves additionalProperties unsaid (SmolLM2 filled it with the schema's own keys until
+# max_tokens), and "required" calls cut by max_tokens (no calls came back).
+class Person2(BaseModel):
+    name: str
+    age: int
+    hobbies: list[str]
+
+
+class People(BaseModel):
+    people: list[Person2]
+
+
+OPEN_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "the city"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_a_schema_with_a_nested_list_finishes(smol_client):
+    ask = [{"role": "user", "content": "Describe two people: their names, ages and hobbies."}]
+    r = smol_client.chat.completions.parse(
+        model=MODEL, messages=ask, response_format=People, max_tokens=200, temperature=0
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(r.choices[0].message.parsed, People)
+
+
+def test_a_named_call_holds_its_parameters_only_and_closes_in_budget(smol_client):
+    r = smol_client.chat.completions.create(
+        model=MODEL, messages=WEATHER_ASK, tools=[OPEN_WEATHER], max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens < 80
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    assert "city" in args and set(args) <= {"city", "unit"}
+
+
+def test_required_calls_cut_by_max_tokens_come_back_whole(smol_client):
+    """The array of calls cut by max_tokens: its complete calls are the answer (finish
+    'length'), streamed and not; open objects in them closed as well."""
+    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=[OPEN_WEATHER], tool_choice="required")
+    r = smol_client.chat.completions.create(**kw, max_tokens=50, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather" and call.id
+        assert set(json.loads(call.function.arguments)) <= {"city", "unit"}
+    calls, finish, _ = _streamed_calls(
+        smol_client.chat.completions.create(**kw, max_tokens=50, temperature=0, stream=True)
+    )
+    assert finish == "length"
+    got = [json.loads(c["arguments"]) for _, c in sorted(calls.items())]
+    assert got == [json.loads(c.function.arguments) for c in choice.message.tool_calls]
+
+
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
 

@@ -22,6 +22,7 @@ from engine.core.structured import (
     bitmask_width,
     unpack_bitmask,
 )
+from engine.structured_params import closed_objects
 
 HI = StructuredOutputsParams(regex="hi( there)?")
 TINY_PAD = 45  # the tiny model's lm_head pretends to have this many ids past the tokenizer
@@ -389,3 +390,80 @@ def test_apply_bitmask_checks_shapes():
         apply_bitmask(np.zeros((2, 8)), allocate_bitmask(2, 8))
     with pytest.raises(ValueError, match="bitmask has 2 rows, expected 3"):
         apply_bitmask(np.zeros((3, 8), np.float32), allocate_bitmask(2, 8))
+
+
+# ---- the JSON defaults: bounded whitespace, closed objects ----
+
+SHAPE = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}},
+    "required": ["a", "b"],
+}
+
+
+def takes(compiler, tokenizer, params, text: str) -> bool:
+    """Whether the grammar takes ``text`` whole (its tokens one by one, then can end)."""
+    m = compiler.matcher(params)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(m.accept(t) for t in ids) and m.is_accepting()
+
+
+def test_json_whitespace_is_bounded_as_llama_cpp_bounds_it(smol_compiler, smollm2):
+    """Between JSON tokens: nothing, one space, or a newline and up to 20 spaces or tabs; never
+    blank lines or a longer indent. disable_any_whitespace: none at all."""
+    tok, p = smollm2.tokenizer, StructuredOutputsParams(json=SHAPE)
+    good = ['{"a": 1, "b": ["x"]}', '{"a":1,"b":["x"]}', '{"a": 1 , "b": [ ]}']
+    good += ['{\n  "a": 1,\n  "b": [\n    "x"\n  ]\n}', '{\n\t"a": 1,\n\t"b": []\n}']
+    good += ["{\n" + " " * 20 + '"a": 1, "b": []}']
+    for text in good:
+        assert takes(smol_compiler, tok, p, text), text
+    bad = ['{\n\n  "a": 1, "b": []}', "{\n" + " " * 21 + '"a": 1, "b": []}']
+    bad += ['{"a":  1, "b": []}', '{"a": 1,\n "b": []} \n ']
+    for text in bad:
+        assert not takes(smol_compiler, tok, p, text), text
+    tight = StructuredOutputsParams(json=SHAPE, disable_any_whitespace=True)
+    assert takes(smol_compiler, tok, tight, '{"a":1,"b":["x"]}')
+    assert not takes(smol_compiler, tok, tight, '{"a": 1,"b":["x"]}')
+    obj = StructuredOutputsParams(json_object=True)
+    assert takes(smol_compiler, tok, obj, '{\n  "k": {"x": [1, 2]}\n}')
+    assert not takes(smol_compiler, tok, obj, '{\n\n\n  "k": 1}')
+
+
+def test_objects_are_closed_unless_the_schema_or_the_request_opens_them(smol_compiler, smollm2):
+    """A declared object takes no other keys (OpenAI's strict outputs, vLLM's xgrammar);
+    additionalProperties stated, an empty object schema, and disable_additional_properties
+    False keep them."""
+    tok, extra = smollm2.tokenizer, '{"a": 1, "b": [], "c": 2}'
+    assert takes(smol_compiler, tok, StructuredOutputsParams(json=SHAPE), '{"a": 1, "b": []}')
+    assert not takes(smol_compiler, tok, StructuredOutputsParams(json=SHAPE), extra)
+    opened = StructuredOutputsParams(json=SHAPE, disable_additional_properties=False)
+    assert takes(smol_compiler, tok, opened, extra)
+    stated = StructuredOutputsParams(json={**SHAPE, "additionalProperties": {"type": "integer"}})
+    assert takes(smol_compiler, tok, stated, extra)
+    assert takes(smol_compiler, tok, StructuredOutputsParams(json_object=True), extra)
+    nested = {"type": "object", "properties": {"in": SHAPE}}
+    assert not takes(
+        smol_compiler, tok, StructuredOutputsParams(json=nested), '{"in": ' + extra + "}"
+    )
+
+
+def test_closed_objects_leaves_compositions_open():
+    """allOf members and objects whose keys come from elsewhere stay as written (closing them
+    would refuse what the schema allows); every declared object elsewhere is closed."""
+    a, b = {"properties": {"a": {}}}, {"properties": {"b": {}}}
+    schema = {
+        "allOf": [a, b],
+        "$defs": {"d": {"type": "object", "properties": {"x": {"items": a}}}},
+        "properties": {"p": {"anyOf": [a, {"type": "object"}]}, "q": {**a, "$ref": "#/$defs/d"}},
+    }
+    out = closed_objects(schema)
+    assert out["allOf"] == [a, b] and "additionalProperties" not in out  # has allOf
+    d = out["$defs"]["d"]
+    assert d["additionalProperties"] is False
+    assert d["properties"]["x"]["items"] == {**a, "additionalProperties": False}
+    assert out["properties"]["p"]["anyOf"] == [
+        {**a, "additionalProperties": False},
+        {"type": "object"},
+    ]
+    assert "additionalProperties" not in out["properties"]["q"]  # beside a $ref
+    assert schema["$defs"]["d"] == {"type": "object", "properties": {"x": {"items": a}}}  # a copy

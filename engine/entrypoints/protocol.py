@@ -111,7 +111,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputsRequest(BaseModel):
     """vLLM's ``structured_outputs`` object: exactly one constraint (``disable_any_whitespace``
-    aside)."""
+    and ``disable_additional_properties`` aside)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -121,6 +121,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True  # False: objects open unless the schema says
 
 
 class SamplingRequest(BaseModel):
@@ -323,6 +324,7 @@ def _structured(so: StructuredOutputsRequest) -> StructuredOutputsParams:
         f"structured_outputs.{kind}",
         **{kind: kinds[kind]},
         disable_any_whitespace=so.disable_any_whitespace,
+        disable_additional_properties=so.disable_additional_properties,
     )
 
 

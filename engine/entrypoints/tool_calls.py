@@ -206,21 +206,42 @@ def _refers_to_root(node, root: str) -> bool:
 
 
 def parse_required(text: str) -> list[dict] | None:
-    """The calls of a "required" output, or None when it is not a complete array of them (the
-    output ended early)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
-        return None
+    """The calls of a "required" output: every complete item of its array, also when the output
+    was cut before the array closed (max_tokens); None when not even one item is complete."""
+    items = complete_items(text)
     calls = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
         calls.append(new_call(item["name"], args))
-    return calls
+    return calls or None
+
+
+def complete_items(text: str) -> list:
+    """The items of a JSON array that are whole in ``text``, which may stop anywhere after
+    them: ``[1, {"a": 2}, {"b"`` -> [1, {"a": 2}]; [] for text that is no array."""
+    decoder, items = json.JSONDecoder(), []
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return items
+    i = _skip_space(text, i + 1)
+    while i < len(text) and text[i] != "]":
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:  # cut inside this item
+            break
+        items.append(item)
+        i = _skip_space(text, i)
+        if text.startswith(",", i):
+            i = _skip_space(text, i + 1)
+    return items
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
 
 
 # ---- tool_choice "auto": hermes-style <tool_call> blocks in free text ----

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.structured.bitmask import bitmask_width
 from engine.core.structured.matcher import Matcher
-from engine.structured_params import StructuredOutputsParams
+from engine.structured_params import JSON_WHITESPACE, StructuredOutputsParams
 from model_loader.tokenizer import Tokenizer
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds its lexer: ~KBs to a few MBs)
@@ -143,7 +143,9 @@ class StructuredOutputCompiler:
 def grammar_text(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for params (not yet checked); a ValueError for bad input."""
     kind = params.kind
-    options = {"whitespace_flexible": not params.disable_any_whitespace}
+    options = {"whitespace_flexible": False}  # disable_any_whitespace: none between tokens
+    if not params.disable_any_whitespace:
+        options = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(params.schema(), defaults=options)
     if kind == "json_object":
