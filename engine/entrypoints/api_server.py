@@ -37,6 +37,13 @@ from starlette.exceptions import HTTPException
 from engine.core.structured import StructuredOutputsParams
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from engine.entrypoints.lora_routes import ServedAdapters, add_lora_routes
+from engine.entrypoints.messages_api import (
+    CountTokensRequest,
+    MessageEvents,
+    MessagesRequest,
+    anthropic_error_body,
+    message_body,
+)
 from engine.entrypoints.middleware import (
     OPEN_PATHS,
     ApiError,
@@ -279,6 +286,8 @@ def build_app(
 BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -311,23 +320,25 @@ def _lifespan(server: Server):
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request, exc: ApiError):
-        return exc.response()
+    async def api_error(request, exc: ApiError):
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
-        return ApiError(400, _validation_message(exc.errors())).response()
+    async def invalid(request, exc: RequestValidationError):
+        return ApiError(400, _validation_message(exc.errors())).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        where = f"{request.method} {request.url.path}"
+        path = request.url.path
+        where = f"{request.method} {path}"
         if exc.status_code == 404:  # no such route: say which, in OpenAI's shape
-            return ApiError(404, f"{where}: no such route", "NotFoundError").response()
+            return ApiError(404, f"{where}: no such route", "NotFoundError").response(path)
         if exc.status_code == 405:
             allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "others")
             message = f"{where}: the route takes {allow}"
-            return ApiError(405, message, "MethodNotAllowed", exc.headers).response()
-        return ApiError(exc.status_code, str(exc.detail), "HTTPError", exc.headers).response()
+            return ApiError(405, message, "MethodNotAllowed", exc.headers).response(path)
+        error = ApiError(exc.status_code, str(exc.detail), "HTTPError", exc.headers)
+        return error.response(path)
 
 
 def _validation_message(errors: list[dict]) -> str:
@@ -419,32 +430,72 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req, size = await server.parse(raw, ChatCompletionRequest)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        server.check_request(req, ("top_logprobs", top))
-        mode = _call(req.tool_mode)
-        named = _call(req.constraint, mode)
-        constraint = named[1] if named else None
-        max_tokens = req.max_completion_tokens
-        max_tokens = req.max_tokens if max_tokens is None else max_tokens
-        # every field is checked before the template runs; unset, max_tokens is what fits
-        given = server.max_model_len if max_tokens is None else max_tokens
-        defaults = server.sampling_defaults
-        args = (given, top, defaults, constraint, req.prompt_logprobs)
-        params = await server.run(size, _call, req.sampling_params, *args)
-        conv = _call(req.conversation)
-        tools, agp = req.template_tools(), req.add_generation_prompt
-        ids = await server.run(size, server.chat_ids, conv, agp, server.max_prompt_chars, tools)
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        server.check_room([ids], max_tokens, field)
-        if max_tokens is None:
-            fits = max(server.max_model_len - len(ids), 1)
-            params = _call(dataclasses.replace, params, max_tokens=fits)
-        await server.compile(named)
-        streams = await server.start([ids], params, req.stream, req.model)
-        fmt = ChatFormat(server.tokenizer, req.model or server.model_name, req, mode)
+        streams, fmt, _ = await start_chat(server, req, size)
         if req.stream:
             return _sse(fmt.chunks(streams), streams, server.limits.stream_write_timeout)
         return await _unless_disconnected(raw, fmt.response(streams))
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request):
+        """Anthropic's Messages API, run as a chat completion (messages_api.py)."""
+        areq, size = await server.parse(raw, MessagesRequest)
+        req = _as_chat(areq)
+        streams, fmt, ids = await start_chat(server, req, size)
+        if req.stream:
+            events = MessageEvents(areq.model, len(ids)).events(fmt.chunks(streams))
+            return _sse_events(events, streams, server.limits.stream_write_timeout)
+        body = await _unless_disconnected(raw, fmt.response(streams))
+        return message_body(body, areq.model)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request):
+        """The prompt's tokens as /v1/messages would template it (system, messages, tools)."""
+        areq, size = await server.parse(raw, CountTokensRequest)
+        req = _as_chat(areq)
+        server.check_model(req.model)
+        ids = await server.run(size, chat_request_ids, server, req)
+        return {"input_tokens": len(ids)}
+
+
+def _as_chat(areq: MessagesRequest) -> ChatCompletionRequest:
+    """The chat request a Messages request runs as; 400 for what it cannot be."""
+    _call(areq.check_supported)
+    try:
+        return ChatCompletionRequest.model_validate(_call(areq.chat))
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e.errors())) from None
+
+
+async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
+    """A chat request checked, templated and queued: (its streams, the ChatFormat that turns
+    them into bodies or chunks, the prompt's ids). Every field is checked before the template
+    runs."""
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    server.check_request(req, ("top_logprobs", top))
+    mode = _call(req.tool_mode)
+    named = _call(req.constraint, mode)
+    constraint = named[1] if named else None
+    max_tokens = req.max_completion_tokens
+    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    given = server.max_model_len if max_tokens is None else max_tokens  # unset: what fits
+    args = (given, top, server.sampling_defaults, constraint, req.prompt_logprobs)
+    params = await server.run(size, _call, req.sampling_params, *args)
+    ids = await server.run(size, chat_request_ids, server, req)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    server.check_room([ids], max_tokens, field)
+    if max_tokens is None:
+        fits = max(server.max_model_len - len(ids), 1)
+        params = _call(dataclasses.replace, params, max_tokens=fits)
+    await server.compile(named)
+    streams = await server.start([ids], params, req.stream, req.model)
+    return streams, ChatFormat(server.tokenizer, req.model or server.model_name, req, mode), ids
+
+
+def chat_request_ids(server: Server, req: ChatCompletionRequest) -> list[int]:
+    """The chat request's prompt: its conversation and tools through the chat template."""
+    conv = _call(req.conversation)
+    tools, agp = req.template_tools(), req.add_generation_prompt
+    return server.chat_ids(conv, agp, server.max_prompt_chars, tools)
 
 
 async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):
@@ -481,6 +532,20 @@ def _sse(chunks: AsyncIterator[dict], streams, write_timeout: float) -> Streamin
         yield "data: [DONE]\n\n"
 
     return _ReadOrLose(events(), streams, write_timeout)
+
+
+def _sse_events(events: AsyncIterator[tuple[str, dict]], streams, write_timeout: float):
+    """Named server-sent events (``event: name``, then ``data: {json}``), Anthropic's stream;
+    an engine that dies mid-stream ends it with an ``error`` event."""
+
+    async def lines():
+        try:
+            async for name, data in events:
+                yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        except EngineDeadError as e:
+            yield f"event: error\ndata: {json.dumps(anthropic_error_body(503, str(e)))}\n\n"
+
+    return _ReadOrLose(lines(), streams, write_timeout)
 
 
 class _ReadOrLose(StreamingResponse):

@@ -14,10 +14,12 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
+from engine.entrypoints.messages_api import anthropic_error_body
 from engine.entrypoints.protocol import error_body
 
 API_KEY = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
 OPEN_PATHS = ("/health",)  # what needs no API key (and /metrics, unless protect_metrics)
+ANTHROPIC_PATHS = ("/v1/messages",)  # errors in Anthropic's shape
 
 
 class ApiError(Exception):
@@ -31,8 +33,12 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.headers = status, message, type_, headers
         self.param = param
 
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.status, self.param)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer in OpenAI's error shape, or Anthropic's on its routes (``path``)."""
+        if path.startswith(ANTHROPIC_PATHS):
+            body = anthropic_error_body(self.status, self.message)
+        else:
+            body = error_body(self.message, self.type, self.status, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -46,20 +52,23 @@ def check_api_key(api_key) -> None:
 
 
 class ApiKeyMiddleware:
-    """Every request without ``Authorization: Bearer <key>`` answers 401, except on the open
-    paths. (Plain ASGI: FastAPI's ``@app.middleware`` would hide a client's disconnect from the
-    routes.)"""
+    """Every request without the key answers 401, except on the open paths: OpenAI's
+    ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``. (Plain ASGI:
+    FastAPI's ``@app.middleware`` would hide a client's disconnect from the routes.)"""
 
     def __init__(self, app, api_key: str, open_paths=OPEN_PATHS):
         self.app, self.open_paths = app, frozenset(open_paths)
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
+            headers = Headers(scope=scope)
+            bearer = headers.get("authorization", "").encode("latin-1")
+            key = headers.get("x-api-key", "").encode("latin-1")
+            ok = hmac.compare_digest(bearer, self.bearer) | hmac.compare_digest(key, self.key)
+            if not ok:
                 error = ApiError(401, "invalid or missing API key", "AuthenticationError")
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -80,7 +89,7 @@ class BodyLimitMiddleware:
         length = Headers(scope=scope).get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             error = self._too_large() if length.isdigit() else _closing(400, "bad Content-Length")
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         try:
             await self.app(scope, self._receive(receive), send)
