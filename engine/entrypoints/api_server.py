@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -62,6 +63,14 @@ from engine.entrypoints.protocol import (
     error_body,
 )
 from engine.entrypoints.responses import ChatFormat, CompletionFormat
+from engine.entrypoints.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    as_chat_message,
+    output_items,
+    response_body,
+)
 from engine.entrypoints.tokenize_routes import (
     detokenize_body,
     json_response,
@@ -104,6 +113,7 @@ class Server:
         self.render_metrics = getattr(llm, "render_metrics", None) or self._render_own_metrics
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
         self.adapters = ServedAdapters(llm.engine, self.names)  # LoRA adapters, by model name
+        self.responses = ResponseStore(self.limits.responses_store, self.limits.responses_ttl)
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
 
     async def _render_own_metrics(self) -> bytes:
@@ -275,6 +285,7 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    _add_responses_routes(app, server)
     if runtime_lora:
         add_lora_routes(app, server)
     app.openapi = functools.partial(_openapi, app)
@@ -287,6 +298,7 @@ BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/messages": MessagesRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -443,7 +455,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         streams, fmt, ids = await start_chat(server, req, size)
         if req.stream:
             events = MessageEvents(areq.model, len(ids)).events(fmt.chunks(streams))
-            return _sse_events(events, streams, server.limits.stream_write_timeout)
+            timeout = server.limits.stream_write_timeout
+            return _sse_events(events, streams, timeout, _anthropic_error)
         body = await _unless_disconnected(raw, fmt.response(streams))
         return message_body(body, areq.model)
 
@@ -457,13 +470,85 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         return {"input_tokens": len(ids)}
 
 
+def _add_responses_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        """OpenAI's Responses API, run as a chat completion (responses_api.py)."""
+        rreq, size = await server.parse(raw, ResponsesRequest)
+        _call(rreq.check_supported)
+        history = _previous(server, rreq.previous_response_id)
+        req = _validated_chat(_call(rreq.chat, history))
+        streams, fmt, _ = await start_chat(server, req, size)
+        rid, created = f"resp_{uuid.uuid4().hex}", time.time()
+        conversation = history + rreq.messages()
+
+        def keep(body: dict) -> None:
+            if rreq.store:
+                server.responses.put(body, [*conversation, as_chat_message(body["output"])])
+
+        if req.stream:
+            events = ResponseEvents(rreq, rid, created, keep).events(fmt.chunks(streams))
+            return _sse_events(events, streams, server.limits.stream_write_timeout, _openai_error)
+        chat = await _unless_disconnected(raw, fmt.response(streams))
+        choice = chat["choices"][0]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        output = output_items(choice["message"], status)
+        body = response_body(rreq, rid, created, output, choice["finish_reason"], chat["usage"])
+        keep(body)
+        return body
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return _stored(server, response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        _stored(server, response_id)
+        server.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(server: Server, response_id: str, field: str | None = None):
+    found = server.responses.get(response_id)
+    if found is None:
+        where = f"{field}: " if field else ""
+        ttl = server.limits.responses_ttl
+        raise ApiError(
+            404,
+            f"{where}no stored response {response_id!r} (responses made with store: true are "
+            f"kept {ttl:g} s, the last {server.limits.responses_store})",
+            "NotFoundError",
+            param=field,
+        )
+    return found
+
+
+def _previous(server: Server, response_id: str | None) -> list[dict]:
+    """The conversation a stored response ended (previous_response_id), or none."""
+    if response_id is None:
+        return []
+    return list(_stored(server, response_id, "previous_response_id")[1])
+
+
+def _validated_chat(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e.errors())) from None
+
+
+def _openai_error(e: Exception) -> tuple[str, dict]:
+    return "error", {"type": "error", "code": "503", "message": str(e), "param": None}
+
+
+def _anthropic_error(e: Exception) -> tuple[str, dict]:
+    return "error", anthropic_error_body(503, str(e))
+
+
 def _as_chat(areq: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request runs as; 400 for what it cannot be."""
     _call(areq.check_supported)
-    try:
-        return ChatCompletionRequest.model_validate(_call(areq.chat))
-    except ValidationError as e:
-        raise ApiError(400, _validation_message(e.errors())) from None
+    return _validated_chat(_call(areq.chat))
 
 
 async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
@@ -534,16 +619,19 @@ def _sse(chunks: AsyncIterator[dict], streams, write_timeout: float) -> Streamin
     return _ReadOrLose(events(), streams, write_timeout)
 
 
-def _sse_events(events: AsyncIterator[tuple[str, dict]], streams, write_timeout: float):
-    """Named server-sent events (``event: name``, then ``data: {json}``), Anthropic's stream;
-    an engine that dies mid-stream ends it with an ``error`` event."""
+def _sse_events(events: AsyncIterator[tuple[str, dict]], streams, write_timeout: float, error):
+    """Named server-sent events (``event: name``, then ``data: {json}``): Anthropic's and the
+    Responses API's streams; an engine that dies mid-stream ends it with ``error(e)``'s event."""
+
+    def line(name: str, data: dict) -> str:
+        return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     async def lines():
         try:
             async for name, data in events:
-                yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+                yield line(name, data)
         except EngineDeadError as e:
-            yield f"event: error\ndata: {json.dumps(anthropic_error_body(503, str(e)))}\n\n"
+            yield line(*error(e))
 
     return _ReadOrLose(lines(), streams, write_timeout)
 

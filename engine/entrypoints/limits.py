@@ -90,6 +90,13 @@ class ServerLimits:
         1024, "messages a chat request may have, and content parts in all of them together"
     )
     max_tools: int = limit(128, "tools a chat request may offer")
+    # /v1/responses
+    responses_store: int = limit(
+        1000,
+        "responses /v1/responses keeps in memory (store: true) for previous_response_id and GET, "
+        "the oldest dropped first",
+    )
+    responses_ttl: float = limit(3600.0, "seconds a stored response is kept")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
