@@ -22,8 +22,9 @@ from pydantic import BaseModel, Field
 
 from engine import SamplingParams
 from engine.core.sampler import log_softmax
-from engine.entrypoints.tool_calls import HermesParser, ToolMode, ToolStream, required_schema
 from engine.entrypoints.tool_calls import Tool as ToolModel
+from engine.entrypoints.tool_calls import ToolMode, ToolStream, required_schema
+from engine.entrypoints.tool_parsers import make_parser
 from engine.frontend.llm import run_to_completion
 from engine.tools.live_server import MODEL, LiveServer
 from reference.model import forward
@@ -349,24 +350,25 @@ def test_a_conversation_with_tool_turns_renders(tiny_server, tiny_client):
 def test_hermes_parser_pieces():
     """Tags split across chunks, text that may begin a tag held back, a bad block left as
     text, a last block left open."""
-    p = HermesParser()
+    p = make_parser("hermes")
     pieces = ["Hi <tool", '_call>{"name": "f", "argu', 'ments": {"x": 1}}</tool_', "call> ok <"]
     out = [p.feed(t) for t in pieces]
     assert "".join(c for c, _ in out) == "Hi " + " ok "
-    calls = [call for _, cs in out for call in cs]
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("f", '{"x": 1}')
-    ]
+    deltas = [d for _, ds in out for d in ds]
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""}
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"x": 1}'
     assert p.feed("", final=True) == ("<", [])
-    content, calls = HermesParser().feed("<tool_call>not json</tool_call>", final=True)
+    content, calls = make_parser("hermes").parse("<tool_call>not json</tool_call>")
     assert content == "<tool_call>not json</tool_call>" and calls == []
-    content, calls = HermesParser().feed('a <tool_call>{"name": "g"}', final=True)
+    content, calls = make_parser("hermes").parse('a <tool_call>{"name": "g"}')
     assert content == "a " and calls[0]["function"] == {"name": "g", "arguments": "{}"}
     mode = ToolMode("auto", parallel=True)
     stream = ToolStream(mode)
     deltas = [stream.delta(t, final=False) for t in ["\n", CALL, "\n "]] + [stream.delta("", True)]
     assert all(content is None for content, _ in deltas)  # whitespace between calls: no content
-    assert sum(len(calls) for _, calls in deltas) == 1
+    calls = [d for _, ds in deltas for d in ds]
+    assert {d["index"] for d in calls} == {0} and calls[0]["function"]["name"] == "f"
+    assert "".join(d["function"]["arguments"] for d in calls) == '{"x": 1}'
 
 
 def test_required_schema_moves_defs_to_the_root():

@@ -77,6 +77,7 @@ from engine.entrypoints.tokenize_routes import (
     tokenize_body,
     tokenizer_info_body,
 )
+from engine.entrypoints.tool_parsers import make_parser, parser_for_template
 from engine.entrypoints.uvicorn_config import ABORT_CONNECTION
 from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from engine.frontend.chat import chat_prompt_ids
@@ -114,6 +115,8 @@ class Server:
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
         self.adapters = ServedAdapters(llm.engine, self.names)  # LoRA adapters, by model name
         self.responses = ResponseStore(self.limits.responses_store, self.limits.responses_ttl)
+        # tool_choice auto's format: --tool-call-parser, else the one the template writes
+        self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
 
     async def _render_own_metrics(self) -> bytes:
@@ -264,6 +267,7 @@ def build_app(
     protect_metrics: bool = False,
     lora_modules=(),
     runtime_lora: bool = False,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
     route but /health (and /metrics, unless ``protect_metrics``) needs it. ``lora_modules``:
@@ -271,6 +275,9 @@ def build_app(
     load and unload them while it runs."""
     check_api_key(api_key)
     server = Server(llm, model_name, api_key, aliases, limits)
+    if tool_parser is not None:
+        make_parser(tool_parser)  # a ValueError names an unknown one
+        server.tool_parser = tool_parser
     for name, path in lora_modules:
         server.adapters.add(name, path)
     app = FastAPI(title="pagedllm", version="0.1.0", lifespan=_lifespan(server))
@@ -557,7 +564,7 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     runs."""
     top = (req.top_logprobs or 0) if req.logprobs else None
     server.check_request(req, ("top_logprobs", top))
-    mode = _call(req.tool_mode)
+    mode = _call(req.tool_mode, server.tool_parser)
     named = _call(req.constraint, mode)
     constraint = named[1] if named else None
     max_tokens = req.max_completion_tokens

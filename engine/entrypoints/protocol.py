@@ -401,9 +401,10 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 
-    def tool_mode(self) -> ToolMode:
-        """How tools are used (ValueError for a bad tool_choice or tools)."""
-        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_mode(self, parser: str = "hermes") -> ToolMode:
+        """How tools are used (ValueError for a bad tool_choice or tools); ``parser``: the
+        format auto reads calls in."""
+        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def constraint(
         self, mode: ToolMode | None = None

@@ -14,6 +14,7 @@ from engine.entrypoints.limits import ServerLimits, add_limit_args, limits_from_
 from engine.entrypoints.lora_routes import parse_lora_modules
 from engine.entrypoints.middleware import check_api_key
 from engine.entrypoints.replicas.routing import POLICIES
+from engine.entrypoints.tool_parsers import PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
@@ -65,6 +66,17 @@ def build_parser() -> CliParser:
         action="store_true",
         help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's routes that "
         "serve and stop serving adapters while the server runs",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        help="the format tool_choice auto reads the model's tool calls in (vLLM's names; "
+        "default: the one the chat template writes, hermes when it shows none)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice auto; accepted: auto is always on here",
     )
     add_replica_args(p)
     add_limit_args(p)

@@ -3,9 +3,9 @@ and the model's text back into OpenAI's ``tool_calls``.
 
 tool_choice  how the output is made                 how it is read back
 "none"       free text                              content only
-"auto"       free text                              hermes-style blocks (``HermesParser``):
-                                                    <tool_call>{"name", "arguments"}</tool_call>,
-                                                    the rest is content
+"auto"       free text                              the model's own format (``tool_parsers``:
+                                                    hermes, qwen3_xml, llama3_json, mistral,
+                                                    pythonic); the rest is content
 "required"   a JSON array of one or more            one call per item
              {"name", "parameters"} (vLLM's shape,
              ``required_schema``)
@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from engine.entrypoints.tool_parsers import make_parser
+
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
 
@@ -83,6 +84,8 @@ class ToolMode:
     schema: dict | None = None  # the output's JSON schema (named, required)
     parallel: bool = True  # auto: more than one call may be returned
     names: list[str] = field(default_factory=list)  # every tool's name
+    parser: str = "hermes"  # auto: the model's tool-call format (tool_parsers.PARSERS)
+    schemas: dict = field(default_factory=dict)  # each tool's parameters schema, by name
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of one choice's whole text; no calls: the text as content."""
@@ -92,16 +95,19 @@ class ToolMode:
             calls = parse_required(text)
             return (text, []) if calls is None else (None, calls)
         if self.kind == "auto":
-            content, calls = HermesParser().feed(text, final=True)
+            content, calls = make_parser(self.parser, self.schemas).parse(text)
             calls = calls if self.parallel else calls[:1]
             if calls:
                 return content.strip() or None, calls
         return text, []
 
 
-def tool_mode(tools: list[Tool] | None, choice, parallel: bool = True) -> ToolMode:
+def tool_mode(
+    tools: list[Tool] | None, choice, parallel: bool = True, parser: str = "hermes"
+) -> ToolMode:
     """The ToolMode of tools and tool_choice (unset: auto with tools, none without); a
-    ValueError naming the field for a choice that is not one of CHOICES or names no tool."""
+    ValueError naming the field for a choice that is not one of CHOICES or names no tool.
+    ``parser``: the format auto reads calls in."""
     if tools is not None and not tools:
         raise ValueError("tools must not be empty (leave it out for no tools)")
     names = [t.function.name for t in tools or []]
@@ -123,7 +129,8 @@ def tool_mode(tools: list[Tool] | None, choice, parallel: bool = True) -> ToolMo
         raise ValueError(f"tool_choice {choice!r} needs tools")
     if choice == "required":
         return ToolMode("required", schema=required_schema(tools, parallel), names=names)
-    return ToolMode(choice, parallel=parallel, names=names)
+    schemas = {t.function.name: t.function.parameters or {} for t in tools or []}
+    return ToolMode(choice, parallel=parallel, names=names, parser=parser, schemas=schemas)
 
 
 def new_call(name: str, arguments: str) -> dict:
@@ -244,81 +251,14 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-# ---- tool_choice "auto": hermes-style <tool_call> blocks in free text ----
-
-
-class HermesParser:
-    """Splits text, as it comes, into content and ``<tool_call>{json}</tool_call>`` calls.
-
-    ``feed`` returns the content that is final (text that may still begin a tag is held back)
-    and the calls whose closing tag came. A block that is not a JSON object with a string
-    ``name`` stays content, tags and all. ``final=True`` ends the text: a last block left open
-    (the model stopped before its closing tag) is still a call when its JSON is complete.
-    """
-
-    def __init__(self):
-        self.buf = ""  # text not yet returned
-        self.in_call = False  # buf is inside a <tool_call> block
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.buf += text
-        content, calls = [], []
-        while True:
-            if not self.in_call:
-                i = self.buf.find(OPEN)
-                if i < 0:
-                    keep = 0 if final else _tag_prefix(self.buf, OPEN)
-                    content.append(self.buf[: len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep :]
-                    break
-                content.append(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(OPEN) :], True
-                continue
-            j = self.buf.find(CLOSE)
-            if j < 0 and not final:
-                break
-            body = self.buf if j < 0 else self.buf[:j]
-            self.buf = "" if j < 0 else self.buf[j + len(CLOSE) :]
-            self.in_call = False
-            call = hermes_call(body)
-            if call is not None:
-                calls.append(call)
-            else:
-                content.append(OPEN + body + ("" if j < 0 else CLOSE))
-            if j < 0:
-                break
-        return "".join(content), calls
-
-
-def hermes_call(body: str) -> dict | None:
-    """The call in one block's text: {"name": ..., "arguments": {...}} ("parameters" is read
-    too; arguments given as JSON text are kept as they are)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return new_call(obj["name"], text)
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of text that begins tag (text to hold back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolStream:
-    """One streamed choice's text turned into deltas: content as it becomes final, each call
-    in one delta once it is complete (named: the arguments as they come)."""
+    """One streamed choice's text turned into deltas: content as it becomes final; auto: each
+    call's name once known, then its arguments as they come (tool_parsers); named: the
+    arguments as they come; required: the calls once the array ends."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
-        self.parser = HermesParser()
+        self.parser = make_parser(mode.parser, mode.schemas)
         self.text = ""  # required: the whole output, parsed at the end
         self.pending = ""  # auto: whitespace-only content held until more comes
         self.calls = 0  # calls sent so far
@@ -336,10 +276,13 @@ class ToolStream:
             calls = parse_required(self.text)
             return (self.text, []) if calls is None else (None, self._indexed(calls))
         if kind == "auto":
-            content, calls = self.parser.feed(text, final)
-            if calls and not self.mode.parallel:
-                calls = calls[: max(1 - self.calls, 0)]
-            return self._content(content, final), self._indexed(calls)
+            content, deltas = self.parser.feed(text, final)
+            if not self.mode.parallel:
+                deltas = [d for d in deltas if d["index"] == 0]
+            self.calls = (
+                len(self.parser.calls) if self.mode.parallel else min(1, len(self.parser.calls))
+            )
+            return self._content(content, final), deltas
         return text, []
 
     def _named(self, text: str) -> dict:

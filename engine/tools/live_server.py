@@ -35,14 +35,16 @@ class LiveServer:
         send_buffer=None,
         lora_modules=(),
         runtime_lora=False,
+        tool_parser=None,
         **engine_args,
     ):
         self.engine = LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
         self.llm = AsyncLLM(self.engine, max_waiting_requests)
         limits = limits or ServerLimits()
         self.app = build_app(
-            self.llm, MODEL, api_key, (), limits, protect_metrics, lora_modules, runtime_lora
-        )
+            self.llm, MODEL, api_key, (), limits, protect_metrics, lora_modules, runtime_lora,
+            tool_parser=tool_parser,
+        )  # fmt: skip
         # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
         # each connection (with proto 0 it does not, and every small answer waits 40 ms)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
