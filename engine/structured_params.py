@@ -48,6 +48,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = True
+    # a reasoning model's output: the grammar starts after this text (its thinking's end mark)
+    reasoning_end: str | None = None
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -72,6 +74,10 @@ class StructuredOutputsParams:
                 raise _bad("choice", self.choice, "a non-empty list of strings")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise _bad("json_object", self.json_object, "a bool")
+        if self.reasoning_end is not None and not (
+            isinstance(self.reasoning_end, str) and self.reasoning_end
+        ):
+            raise _bad("reasoning_end", self.reasoning_end, "None or a non-empty string")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")

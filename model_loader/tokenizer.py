@@ -177,15 +177,21 @@ class Tokenizer:
     # --- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **template_kwargs,
     ) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template;
-        ``tools`` (function definitions, as transformers passes them) is the template's too."""
+        ``tools`` (function definitions, as transformers passes them) is the template's too, and
+        so are ``template_kwargs`` (``enable_thinking=False``, ...)."""
         if self.chat_template is None:
             raise ValueError("tokenizer: the model has no chat_template")
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         return self._template.render(
+            **template_kwargs,
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,

@@ -62,6 +62,7 @@ from engine.entrypoints.protocol import (
     UnsupportedField,
     error_body,
 )
+from engine.entrypoints.reasoning import REASONING_END, check_parser, prompt_state
 from engine.entrypoints.responses import ChatFormat, CompletionFormat
 from engine.entrypoints.responses_api import (
     ResponseEvents,
@@ -115,6 +116,7 @@ class Server:
         self.workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, "pagedllm-text")
         self.adapters = ServedAdapters(llm.engine, self.names)  # LoRA adapters, by model name
         self.responses = ResponseStore(self.limits.responses_store, self.limits.responses_ttl)
+        self.reasoning_parser: str | None = None  # --reasoning-parser
         # tool_choice auto's format: --tool-call-parser, else the one the template writes
         self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
@@ -225,11 +227,14 @@ class Server:
             for p, ids in zip(given, prompts, strict=True)
         ]
 
-    def chat_ids(self, conversation: list[dict], add_generation_prompt, max_chars, tools, *why):
+    def chat_ids(
+        self, conversation: list[dict], add_generation_prompt, max_chars, tools, *why, kw=None
+    ):
         try:
             return chat_prompt_ids(
-                self.tokenizer, conversation, add_generation_prompt, max_chars, tools, *why
-            )
+                self.tokenizer, conversation, add_generation_prompt, max_chars, tools, *why,
+                template_kwargs=kw,
+            )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -268,6 +273,7 @@ def build_app(
     lora_modules=(),
     runtime_lora: bool = False,
     tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
     route but /health (and /metrics, unless ``protect_metrics``) needs it. ``lora_modules``:
@@ -278,6 +284,8 @@ def build_app(
     if tool_parser is not None:
         make_parser(tool_parser)  # a ValueError names an unknown one
         server.tool_parser = tool_parser
+    if reasoning_parser is not None:
+        server.reasoning_parser = check_parser(reasoning_parser)
     for name, path in lora_modules:
         server.adapters.add(name, path)
     app = FastAPI(title="pagedllm", version="0.1.0", lifespan=_lifespan(server))
@@ -578,16 +586,25 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     if max_tokens is None:
         fits = max(server.max_model_len - len(ids), 1)
         params = _call(dataclasses.replace, params, max_tokens=fits)
+    reasoning = None
+    if server.reasoning_parser is not None:
+        tail = server.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+        opened, closed = prompt_state(tail)
+        reasoning = (server.reasoning_parser, opened)
+        if constraint is not None and not closed:  # the grammar is for the answer: after it
+            so = dataclasses.replace(constraint, reasoning_end=REASONING_END)
+            params = dataclasses.replace(params, structured_outputs=so)
     await server.compile(named)
     streams = await server.start([ids], params, req.stream, req.model)
-    return streams, ChatFormat(server.tokenizer, req.model or server.model_name, req, mode), ids
+    model = req.model or server.model_name
+    return streams, ChatFormat(server.tokenizer, model, req, mode, reasoning), ids
 
 
 def chat_request_ids(server: Server, req: ChatCompletionRequest) -> list[int]:
     """The chat request's prompt: its conversation and tools through the chat template."""
     conv = _call(req.conversation)
     tools, agp = req.template_tools(), req.add_generation_prompt
-    return server.chat_ids(conv, agp, server.max_prompt_chars, tools)
+    return server.chat_ids(conv, agp, server.max_prompt_chars, tools, kw=req.chat_template_kwargs)
 
 
 async def _unless_disconnected(raw: Request, coro, poll: float = 0.1):

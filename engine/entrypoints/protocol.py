@@ -74,7 +74,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_falsy, "it is not supported"),
     "add_special_tokens": (_falsy, "the template holds its own special tokens"),
     "chat_template": (_none, "the model's own template is used"),
-    "chat_template_kwargs": (_none, "it is not supported"),
     "documents": (_none, "it is not supported"),
     "mm_processor_kwargs": (_none, "the model reads text only"),
 }
@@ -392,6 +391,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
 
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
@@ -428,6 +428,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

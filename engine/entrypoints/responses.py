@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.reasoning import ReasoningSplit
 from engine.entrypoints.tool_calls import ToolMode, ToolStream
 from engine.frontend.async_llm import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
@@ -252,10 +253,15 @@ class ChatFormat(_Format):
 
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, model, req, mode: ToolMode):
+    def __init__(self, tokenizer, model, req, mode: ToolMode, reasoning=None):
+        """``reasoning``: (parser, whether the prompt opened the thinking) with a reasoning
+        parser (engine/entrypoints/reasoning.py): the thinking is ``reasoning_content``, tool
+        calls and content are read from the answer after it."""
         super().__init__(tokenizer, model, req)
         self.mode = mode
+        self.reasoning = reasoning
         self.tool_streams: dict[int, ToolStream] = {}  # choice index -> its stream parser
+        self.splits: dict[int, ReasoningSplit] = {}  # choice index -> its thinking / answer
 
     def body(self, choices, usage, finals=None) -> dict:
         out = super().body(choices, usage)
@@ -285,8 +291,13 @@ class ChatFormat(_Format):
         return ending
 
     def choice(self, i: int, o: RequestOutput, c: CompletionOutput) -> dict:
-        content, calls = self.mode.parse(c.text)
-        message = {"role": "assistant", "content": content}
+        thinking, answer = None, c.text
+        if self.reasoning is not None:
+            thinking, answer = ReasoningSplit(*self.reasoning).split(c.text)
+        content, calls = self.mode.parse(answer or "")
+        message = {"role": "assistant", "content": content or None if thinking else content}
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         if calls:
             message["tool_calls"] = calls
         lps = self.logprobs(c.token_ids, c.logprobs or [])
@@ -300,9 +311,16 @@ class ChatFormat(_Format):
         if not first and not c.text_delta and not ids and c.finish_reason is None:
             return None
         tools = self.tool_streams.setdefault(index, ToolStream(self.mode))
-        content, calls = tools.delta(c.text_delta, c.finished)
+        text, thinking = c.text_delta, ""
+        if self.reasoning is not None:
+            split = self.splits.setdefault(index, ReasoningSplit(*self.reasoning))
+            thinking, text = split.feed(c.text_delta, c.finished)
+        content, calls = tools.delta(text, c.finished)
         delta = {"role": "assistant"} if first else {}
-        if first or content is not None:
+        if thinking:
+            delta["reasoning_content"] = thinking
+        send = content is not None if self.reasoning is None else bool(content)
+        if (first and not thinking) or send:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls

@@ -13,6 +13,7 @@ from engine.entrypoints.engine_args import add_engine_args
 from engine.entrypoints.limits import ServerLimits, add_limit_args, limits_from_args
 from engine.entrypoints.lora_routes import parse_lora_modules
 from engine.entrypoints.middleware import check_api_key
+from engine.entrypoints.reasoning import PARSERS as REASONING_PARSERS
 from engine.entrypoints.replicas.routing import POLICIES
 from engine.entrypoints.tool_parsers import PARSERS
 
@@ -72,6 +73,13 @@ def build_parser() -> CliParser:
         choices=PARSERS,
         help="the format tool_choice auto reads the model's tool calls in (vLLM's names; "
         "default: the one the chat template writes, hermes when it shows none)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's <think>...</think> from its answer: reasoning_content "
+        "in chat completions, a reasoning item in responses, a thinking block in messages; "
+        "structured output and forced tool calls apply to the answer (vLLM's names)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

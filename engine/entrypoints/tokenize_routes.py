@@ -27,7 +27,8 @@ def tokenize_body(server, req: TokenizeRequest) -> str:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = server.chat_ids(conv, req.add_generation_prompt, max_chars, tools, flag)
+        kw = req.chat_template_kwargs
+        tokens = server.chat_ids(conv, req.add_generation_prompt, max_chars, tools, flag, kw=kw)
     else:
         if len(req.prompt) > max_chars:
             got = len(req.prompt)

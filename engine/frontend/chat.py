@@ -82,11 +82,22 @@ def is_conversation(messages) -> bool:
     return isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], dict)
 
 
-def render_chat(tokenizer, messages, add_generation_prompt: bool = True, tools=None) -> str:
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def render_chat(
+    tokenizer, messages, add_generation_prompt: bool = True, tools=None, template_kwargs=None
+) -> str:
     """The conversation rendered with the model's template; a template that refuses it (its
-    ``raise_exception``, a missing variable, a type it cannot add) is a ValueError."""
+    ``raise_exception``, a missing variable, a type it cannot add) is a ValueError.
+    ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``,
+    e.g. ``{"enable_thinking": false}``), none of the ones it is given anyway."""
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & set(TEMPLATE_OWN))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by the server, not here")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools, **kwargs)
     except (jinja2.TemplateError, TypeError) as e:
         raise ValueError(f"chat template: {e}") from None
 
@@ -117,19 +128,20 @@ def chat_prompt_ids(
     max_chars: int | None = None,
     tools: list[dict] | None = None,
     max_chars_why: str = "that max_model_len tokens can hold",
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The prompt token ids of one conversation, ready for the assistant's turn. ``max_chars``:
     a rendered prompt longer than this is a ValueError before it is tokenized (its message ends
     with ``max_chars_why``). ``tools``: the function definitions ([{"type": "function",
     "function": {...}}]) the template gets."""
     messages, tools = prepare_chat(tokenizer, messages, tools)
-    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(
             f"the rendered conversation has {len(text)} characters, more than the "
             f"{max_chars} {max_chars_why}"
         )
-    return encode_chat(tokenizer, messages, text, add_generation_prompt, tools)
+    return encode_chat(tokenizer, messages, text, add_generation_prompt, tools, template_kwargs)
 
 
 # ---- tools: given to the template, or written as text for one that does not read them ----
@@ -193,16 +205,16 @@ def check_no_specials(tokenizer, messages: list[dict], tools) -> None:
 
 
 def encode_chat(
-    tokenizer, messages: list[dict], text: str, add_generation_prompt: bool, tools=None
+    tokenizer, messages: list[dict], text: str, add_generation_prompt: bool, tools=None, kw=None
 ) -> list[int]:
     """Token ids of ``text`` (the rendered ``messages`` and ``tools``) where only the template's
     own special tokens are control tokens."""
     ids, offsets = tokenizer.encode_offsets(text)
-    spans = _content_spans(tokenizer, messages, text, add_generation_prompt, tools)
+    spans = _content_spans(tokenizer, messages, text, add_generation_prompt, tools, kw)
     if spans is None:  # the template reshapes content: see _from_skeleton
         if not any(_holds_special(tokenizer, m["content"]) for m in messages):
             return ids
-        return _from_skeleton(tokenizer, messages, add_generation_prompt, tools)
+        return _from_skeleton(tokenizer, messages, add_generation_prompt, tools, kw)
     if not _forged(tokenizer.special_token_ids, ids, offsets, spans):
         return ids
     return _encode_pieces(tokenizer, text, spans)
@@ -221,20 +233,20 @@ def _markers(messages: list[dict]) -> tuple[list[dict], re.Pattern]:
     return marked, re.compile(f"\ue000{nonce}(\\d+)\ue001")
 
 
-def _skeleton(tokenizer, messages, add_generation_prompt, tools=None) -> list[str | int]:
+def _skeleton(tokenizer, messages, add_generation_prompt, tools=None, kw=None) -> list[str | int]:
     """The template rendered around markers: [text, message index, text, index, ..., text]."""
     marked, pattern = _markers(messages)
-    parts = pattern.split(render_chat(tokenizer, marked, add_generation_prompt, tools))
+    parts = pattern.split(render_chat(tokenizer, marked, add_generation_prompt, tools, kw))
     return [int(p) if i % 2 else p for i, p in enumerate(parts)]
 
 
 def _content_spans(
-    tokenizer, messages, text, add_generation_prompt, tools=None
+    tokenizer, messages, text, add_generation_prompt, tools=None, kw=None
 ) -> list[tuple] | None:
     """(start, end) of each content in ``text``, in order; None when the text is not the
     skeleton with each marker replaced by its content, as given or stripped (``| trim``)."""
     try:
-        parts = _skeleton(tokenizer, messages, add_generation_prompt, tools)
+        parts = _skeleton(tokenizer, messages, add_generation_prompt, tools, kw)
     except ValueError:  # the template refuses a marker where it took the content
         return None
     if not text.startswith(parts[0]):
@@ -292,11 +304,11 @@ def _special_in(tokenizer, text: str) -> str | None:
     return next((name for name in names if name and name in text), None)
 
 
-def _from_skeleton(tokenizer, messages, add_generation_prompt, tools=None) -> list[int]:
+def _from_skeleton(tokenizer, messages, add_generation_prompt, tools=None, kw=None) -> list[int]:
     """For a template that changes content (so no span of the real rendering is known): the
     template rendered around markers, each marker replaced by its content as plain text."""
     ids = []
-    for i, part in enumerate(_skeleton(tokenizer, messages, add_generation_prompt, tools)):
+    for i, part in enumerate(_skeleton(tokenizer, messages, add_generation_prompt, tools, kw)):
         if i % 2:
             ids += _plain(tokenizer, messages[part]["content"])
         else:

@@ -121,3 +121,35 @@ class Matcher:
         stopped = self._ll.is_stopped()
         assert self._ll.rollback(len(prefix)), self._ll.get_error()
         return stopped
+
+
+class AfterReasoning:
+    """A grammar that starts where a reasoning model's thinking ends (``after``: the text that
+    ends it, ``</think>``): until the output holds that text, every token is taken and none is
+    masked (``active`` False); from the token that completes it on, the inner matcher decides.
+    ``piece(token)``: a token's text. An output that never ends its thinking stays
+    unconstrained (the model never wrote the answer the grammar is for)."""
+
+    def __init__(self, matcher: Matcher, after: str, piece):
+        self.inner, self.after, self.piece = matcher, after, piece
+        self.active = False
+        self.tail = ""  # the output's last characters while waiting
+
+    error = property(lambda self: self.inner.error)
+    num_tokens = property(lambda self: self.inner.num_tokens)
+
+    def accept(self, token: int) -> bool:
+        if self.active:
+            return self.inner.accept(token)
+        self.tail = (self.tail + self.piece(token))[-2 * len(self.after) :]
+        self.active = self.after in self.tail
+        return True
+
+    def is_accepting(self) -> bool:
+        return self.active and self.inner.is_accepting()
+
+    def is_stopped(self) -> bool:
+        return self.active and self.inner.is_stopped()
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        self.inner.fill_bitmask(row)

@@ -1,0 +1,150 @@
+"""Reasoning models' thinking split from the answer (engine/entrypoints/reasoning.py): the qwen3
+and deepseek_r1 parsers on whole and streamed text (</think> split anywhere across pieces), and
+through the server on a tiny model that writes a reasoning model's output (tests/scripted.py):
+``reasoning_content`` in chat completions, streamed as its own deltas; a schema that applies to
+the answer after the thinking (the thinking would break it); ``chat_template_kwargs``
+``enable_thinking: false`` closing the thinking in the prompt; a template that opens it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+
+import httpx
+import pytest
+
+from engine.entrypoints.reasoning import ReasoningSplit, prompt_state
+from engine.tools.live_server import MODEL, LiveServer
+from tests.scripted import scripted_factory
+
+# parser, output, (thinking, answer)
+CASES = [
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
+    ("qwen3", "Paris.", (None, "Paris.")),
+    ("qwen3", "<think>cut short", ("cut short", None)),
+    ("qwen3", "<thin", (None, "<thin")),
+    ("qwen3", "", (None, None)),
+    ("deepseek_r1", "Hmm, ok.</think>\n\nParis.", ("Hmm, ok.", "Paris.")),
+    ("deepseek_r1", "<think>Hmm</think>Paris</think>", ("Hmm", "Paris</think>")),
+    ("deepseek_r1", "all thinking", ("all thinking", None)),
+]
+
+
+def fed(parser: str, text: str, rng: random.Random, opened: bool = False):
+    split, thinking, answer, i = ReasoningSplit(parser, opened), "", "", 0
+    while True:
+        j = min(len(text), i + rng.randint(1, 4))
+        a, b = split.feed(text[i:j], final=j == len(text))
+        thinking, answer, i = thinking + a, answer + b, j
+        if i == len(text):
+            return (thinking if split.thought else None), answer or None
+
+
+@pytest.mark.parametrize("parser, text, want", CASES)
+def test_thinking_and_answer_whole_and_in_pieces(parser, text, want):
+    assert ReasoningSplit(parser).split(text) == want
+    rng = random.Random()
+    for _ in range(10):
+        assert fed(parser, text, rng) == want
+
+
+def test_a_prompt_that_opens_or_closes_the_thinking():
+    assert prompt_state("<|im_start|>assistant\n<think>\n") == (True, False)
+    assert prompt_state("assistant\n<think>\n\n</think>\n\n") == (False, True)
+    assert prompt_state("<|im_start|>assistant\n") == (False, False)
+    # opened by the template: the output starts thinking, whichever the parser
+    assert ReasoningSplit("qwen3", opened=True).split("Hmm.</think>Paris") == ("Hmm.", "Paris")
+
+
+QWEN3 = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+R1 = QWEN3.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
+ASK = [{"role": "user", "content": "How many?"}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def with_template(loaded, template: str):
+    tok = copy.copy(loaded.tokenizer)
+    tok.chat_template, tok._template = template, None
+    return dataclasses.replace(loaded, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny):
+    script = {"start": 0, "ids": [], "eos": tiny.tokenizer.eos_token_ids[0]}
+    loaded = with_template(tiny, QWEN3)
+    with LiveServer(loaded, reasoning_parser="qwen3", backend_factory=scripted_factory(script),
+                    max_model_len=256, num_gpu_blocks=64) as s:  # fmt: skip
+        yield s, script, loaded.tokenizer
+
+
+def write(server, script, tok, text: str, **extra) -> None:
+    """The scripted model writes ``text`` after the prompt of ASK (with these request fields)."""
+    body = {"model": MODEL, "messages": ASK, **extra}
+    ids = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+    script["start"], script["ids"] = len(ids), tok.encode(text, add_special_tokens=False)
+
+
+def test_reasoning_content_whole_and_streamed(qwen3):
+    server, script, tok = qwen3
+    write(server, script, tok, "<think>\nLet me count.\n</think>\n\nFive.")
+    client = server.openai_client()
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "\nLet me count.\n" and msg.content == "Five."
+    thinking = content = ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40,
+                                                stream=True):  # fmt: skip
+        delta = chunk.choices[0].delta
+        thinking += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+    assert (thinking, content) == ("\nLet me count.\n", "Five.")
+
+
+def test_a_schema_applies_to_the_answer_after_the_thinking(qwen3):
+    """The thinking (not JSON) is not masked; the answer is, and ends the output when complete."""
+    server, script, tok = qwen3
+    write(server, script, tok, '<think>\nCount: {one, two}\n</think>\n\n{"n": 2} and more')
+    r = server.openai_client().chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "\nCount: {one, two}\n"
+    assert json.loads(msg.content) == {"n": 2} and r.choices[0].finish_reason == "stop"
+
+
+def test_thinking_switched_off_in_the_template(qwen3):
+    """enable_thinking false: the template closes the thinking in the prompt, the output is
+    the answer, constrained from its first token."""
+    server, script, tok = qwen3
+    kw = {"chat_template_kwargs": {"enable_thinking": False}}
+    write(server, script, tok, '{"n": 3}', **kw)
+    r = server.openai_client().chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=20, extra_body=kw,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert json.loads(msg.content) == {"n": 3} and "reasoning_content" not in msg.model_extra
+    bad = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "chat_template_kwargs": {"messages": []}})  # fmt: skip
+    assert bad.status_code == 400 and "'messages' is set by the server" in bad.text
+
+
+def test_a_template_that_opens_the_thinking(tiny):
+    """deepseek_r1's templates open <think> in the prompt: the output starts inside it."""
+    script = {"start": 0, "ids": [], "eos": tiny.tokenizer.eos_token_ids[0]}
+    loaded = with_template(tiny, R1)
+    with LiveServer(loaded, reasoning_parser="deepseek_r1",
+                    backend_factory=scripted_factory(script), max_model_len=256,
+                    num_gpu_blocks=64) as s:  # fmt: skip
+        write(s, script, loaded.tokenizer, "Two and three.\n</think>\n\nFive.")
+        r = s.openai_client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=30)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "Two and three.\n" and msg.content == "Five."
