@@ -148,3 +148,33 @@ def test_a_template_that_opens_the_thinking(tiny):
         r = s.openai_client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=30)
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"] == "Two and three.\n" and msg.content == "Five."
+
+
+def test_the_thinking_in_responses_and_messages(qwen3):
+    """A reasoning item before the message (Responses), a thinking block before the text
+    (Messages); streamed as reasoning_text deltas and thinking_delta events."""
+    import anthropic
+
+    server, script, tok = qwen3
+    write(server, script, tok, "<think>\nLet me count.\n</think>\n\nFive.")
+    client = server.openai_client()
+    r = client.responses.create(model=MODEL, input="How many?", max_output_tokens=40)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "\nLet me count.\n" and r.output_text == "Five."
+    with client.responses.stream(model=MODEL, input="How many?", max_output_tokens=40) as st:
+        events = list(st)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "\nLet me count.\n"
+    assert "response.reasoning_text.done" in [e.type for e in events]
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=40, messages=ASK)
+    m = claude.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 32})
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "\nLet me count.\n" and m.content[1].text == "Five."
+    with claude.messages.stream(**kw) as st:
+        events = list(st)
+        final = st.get_final_message()
+    pieces = [e.delta.thinking for e in events
+              if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]  # fmt: skip
+    assert "".join(pieces) == "\nLet me count.\n" and final.content[1].text == "Five."

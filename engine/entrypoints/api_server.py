@@ -466,7 +466,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def messages(raw: Request):
         """Anthropic's Messages API, run as a chat completion (messages_api.py)."""
         areq, size = await server.parse(raw, MessagesRequest)
-        req = _as_chat(areq)
+        req = _as_chat(server, areq)
         streams, fmt, ids = await start_chat(server, req, size)
         if req.stream:
             events = MessageEvents(areq.model, len(ids)).events(fmt.chunks(streams))
@@ -479,7 +479,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def count_tokens(raw: Request):
         """The prompt's tokens as /v1/messages would template it (system, messages, tools)."""
         areq, size = await server.parse(raw, CountTokensRequest)
-        req = _as_chat(areq)
+        req = _as_chat(server, areq)
         server.check_model(req.model)
         ids = await server.run(size, chat_request_ids, server, req)
         return {"input_tokens": len(ids)}
@@ -560,9 +560,9 @@ def _anthropic_error(e: Exception) -> tuple[str, dict]:
     return "error", anthropic_error_body(503, str(e))
 
 
-def _as_chat(areq: MessagesRequest) -> ChatCompletionRequest:
+def _as_chat(server: Server, areq: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request runs as; 400 for what it cannot be."""
-    _call(areq.check_supported)
+    _call(areq.check_supported, server.reasoning_parser is not None)
     return _validated_chat(_call(areq.chat))
 
 

@@ -137,9 +137,15 @@ class MessagesRequest(BaseModel):
     mcp_servers: list[Any] | None = None
     container: Any = None
 
-    def check_supported(self) -> None:
+    def check_supported(self, reasoning: bool = False) -> None:
+        """``reasoning``: the server splits thinking (--reasoning-parser): ``thinking`` is
+        taken (enabled, adaptive or disabled)."""
         for name, why in REFUSED.items():
             value = getattr(self, name)
+            if name == "thinking" and reasoning and value is not None:
+                if value.get("type") not in ("enabled", "disabled", "adaptive"):
+                    raise ValueError("thinking.type: enabled, adaptive or disabled")
+                continue
             if value is not None and value != {"type": "disabled"}:
                 raise ValueError(f"{name}: {why}")
         for i, tool in enumerate(self.tools or []):
@@ -204,6 +210,8 @@ class MessagesRequest(BaseModel):
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
         if choice.get("disable_parallel_tool_use"):
             body["parallel_tool_calls"] = False
+        if (self.thinking or {}).get("type") == "disabled":  # the template closes the thinking
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         return body
 
 
@@ -281,6 +289,9 @@ def message_body(chat: dict, model: str) -> dict:
     """A chat.completion body -> Anthropic's message."""
     choice = chat["choices"][0]
     msg, content = choice["message"], []
+    if msg.get("reasoning_content") is not None:  # a reasoning parser's thinking
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
+                        "signature": ""})  # fmt: skip
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     content += [_tool_use(c) for c in msg.get("tool_calls") or []]
@@ -344,6 +355,12 @@ class MessageEvents:
 
     def _choice(self, choice: dict) -> list[tuple[str, dict]]:
         out, delta = [], choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                out += self._close() + [self._open(block, "thinking")]
+            out.append(self._delta({"type": "thinking_delta",
+                                    "thinking": delta["reasoning_content"]}))  # fmt: skip
         if delta.get("content"):
             if self.open != "text":
                 out += self._close() + [self._open({"type": "text", "text": ""}, "text")]

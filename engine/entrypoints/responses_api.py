@@ -231,6 +231,10 @@ def output_items(message: dict, status: str) -> list[dict]:
     """A chat message -> the response's output items: a message with its text, then one
     function_call per tool call."""
     items = []
+    if message.get("reasoning_content") is not None:  # a reasoning parser's thinking
+        text = {"type": "reasoning_text", "text": message["reasoning_content"]}
+        items.append({"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                      "content": [text], "status": status})  # fmt: skip
     if message.get("content"):
         text = {"type": "output_text", "text": message["content"], "annotations": []}
         items.append({"type": "message", "id": _new_id("msg"), "status": status,
@@ -332,7 +336,8 @@ class ResponseEvents:
     """A chat completion's chunks -> the Responses API's stream events, as (type, data):
     response.created and response.in_progress; per output item output_item.added, then a
     message's content_part.added, output_text.delta ..., output_text.done, content_part.done,
-    or a function call's function_call_arguments.delta ..., .done; output_item.done; and
+    a reasoning item's reasoning_text.delta ..., .done, or a function call's
+    function_call_arguments.delta ..., .done; output_item.done; and
     response.completed (or response.incomplete) with the whole response. ``finish(body)``
     is handed the final response object, to store it."""
 
@@ -367,6 +372,14 @@ class ResponseEvents:
 
     def _choice(self, choice: dict) -> list[tuple[str, dict]]:
         out, delta = [], choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            if self.open != "reasoning":
+                out += self._close() + self._open_reasoning()
+            item = self.items[-1]
+            item["content"][0]["text"] += delta["reasoning_content"]
+            out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                   output_index=len(self.items) - 1, content_index=0,
+                                   delta=delta["reasoning_content"]))  # fmt: skip
         if delta.get("content"):
             if self.open != "text":
                 out += self._close() + self._open_message()
@@ -410,6 +423,15 @@ class ResponseEvents:
             ),
         ]
 
+    def _open_reasoning(self) -> list[tuple[str, dict]]:
+        item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "status": "in_progress",
+                "content": [{"type": "reasoning_text", "text": ""}]}  # fmt: skip
+        self.items.append(item)
+        self.open = "reasoning"
+        shown = {**item, "content": []}
+        return [self._event("response.output_item.added", output_index=len(self.items) - 1,
+                            item=shown)]  # fmt: skip
+
     def _open_call(self, key: str, call_id, name) -> list[tuple[str, dict]]:
         item = {"type": "function_call", "id": _new_id("fc"),
                 "call_id": call_id or _new_id("call"), "name": name or "", "arguments": "",
@@ -424,7 +446,11 @@ class ResponseEvents:
             return []
         item, index, out = self.items[-1], len(self.items) - 1, []
         status = "incomplete" if self.finish == "length" else "completed"
-        if self.open == "text":
+        if self.open == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0,
+                                   text=item["content"][0]["text"]))  # fmt: skip
+        elif self.open == "text":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"],
                                    output_index=index, content_index=0, text=part["text"],
