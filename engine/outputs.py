@@ -67,6 +67,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (if on)
     # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (None first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # the pooling runner's vector for the prompt
 
     # convenience: the first (usually only) completion
     @property
@@ -108,3 +109,18 @@ class StreamChunk:
     text: str  # new since this sample's previous chunk ("" for a last chunk with no new text)
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last chunk
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if one
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (normalized, cut, as its PoolingParams asked)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer for one prompt (vLLM's shape: ``.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

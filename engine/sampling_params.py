@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.pooling_params import PoolingParams
 from engine.structured_params import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
@@ -139,6 +140,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
     prompt_logprobs: int | None = None  # top-N log-probabilities of each prompt token (its own
     #   always included; the first token has none); such a prompt skips the prefix cache
+    pooling: PoolingParams | None = None  # a pooling engine's request: the prompt's vector,
+    #   no tokens (engine/pooling_params.py)
 
     def __post_init__(self):
         for name, value in self._checked().items():
@@ -176,6 +179,8 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise _bad("structured_outputs", so, "a StructuredOutputsParams")
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise _bad("pooling", self.pooling, "a PoolingParams")
         return out
 
     @property

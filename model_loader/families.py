@@ -53,6 +53,8 @@ COMMON_KEYS = {
 # transformers' output switches.
 HARMLESS_KEYS = {
     "_name_or_path",
+    "matryoshka_dimensions",  # the embedding cuts a pooling model declares (read by the engine)
+    "is_matryoshka",
     "transformers_version",
     "initializer_range",
     "use_cache",

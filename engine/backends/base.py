@@ -168,6 +168,11 @@ class Backend(ABC):
         """The dtype of ``read_blocks``' arrays: the pool's (a host pool's own)."""
         return np.dtype(self.kv_cache.dtype)
 
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """(T, D) float32 final-normed hidden states of every row (the pooling runner)."""
+        raise ValueError(f"runner='pooling': the {self.name} backend has no pooling (numpy and "
+                         "cpu do)")  # fmt: skip
+
     @property
     def lora_bytes(self) -> int:
         """Bytes this backend keeps for LoRA adapters besides the loaded pairs themselves (its

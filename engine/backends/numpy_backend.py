@@ -258,6 +258,13 @@ class NumpyBackend(Backend):
             x = self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)
         return x, residual
 
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """One step -> (T, D) float32: every row's last hidden state after the final norm
+        (transformers' ``last_hidden_state``), for the pooling runner."""
+        x, residual = self._run_layers(self._embed(batch.token_ids), None, batch)  # (T, D) x 2
+        h, _ = self.ops.fused_add_rms_norm(x, residual, self.final_norm, self.cfg.rms_norm_eps)
+        return np.asarray(h, dtype=F32)
+
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
         c = self.cfg

@@ -9,6 +9,7 @@ the model (``max_model_len``, the default ``max_num_batched_tokens``) are filled
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -204,6 +205,19 @@ class EngineConfig:
     max_cpu_loras: int | None = option(
         None, "adapters kept loaded in host memory", default_help="max_loras"
     )
+    runner: str = option(
+        "generate",
+        "generate: requests sample tokens; pooling: the engine embeds prompts (LLM.embed, the "
+        "server's /v1/embeddings), each prompt's hidden states pooled into one vector; numpy "
+        "and cpu backends, one rank",
+        choices=("generate", "pooling"),
+    )
+    pooler_config: str | None = option(
+        None,
+        "the pooling runner's defaults, a JSON object with vLLM's keys: pooling_type (last, "
+        "mean, cls), normalize, dimensions",
+        default_help="the checkpoint's sentence-transformers config, else last and normalized",
+    )
     memory_budget_bytes: int | None = option(
         None,
         "explicit memory budget in bytes, instead of gpu_memory_utilization",
@@ -281,6 +295,7 @@ class EngineConfig:
         self._check_parallel()
         self._check_tiers()
         self._check_lora()
+        self.pooler = self._check_pooling()
         if self.enable_prefix_caching and self.preemption_mode == "swap":
             raise ValueError(
                 "EngineConfig: preemption_mode='swap' does not work with "
@@ -394,6 +409,44 @@ class EngineConfig:
                 f"EngineConfig: {asked} is a tier under the prefix cache; it needs "
                 "enable_prefix_caching=True"
             )
+
+    def _check_pooling(self) -> dict:
+        """pooler_config as a dict (checked); what the pooling runner does not do, refused."""
+        conf = {}
+        if self.pooler_config is not None:
+            try:
+                conf = json.loads(self.pooler_config)
+            except (TypeError, ValueError) as e:
+                raise _bad("pooler_config", self.pooler_config, f"a JSON object ({e})") from None
+            if not isinstance(conf, dict):
+                raise _bad("pooler_config", self.pooler_config, "a JSON object")
+            unknown = sorted(set(conf) - {"pooling_type", "normalize", "dimensions"})
+            if unknown:
+                raise ValueError(f"EngineConfig: pooler_config: unknown key {unknown[0]!r}")
+            from engine.pooling_params import PoolingParams
+
+            try:
+                PoolingParams(**conf)
+            except ValueError as e:
+                raise ValueError(f"EngineConfig: pooler_config: {e}") from None
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("EngineConfig: pooler_config needs runner='pooling'")
+            return conf
+        refused = [
+            ("backend", self.backend not in ("auto", "cpu", "numpy"), "the cuda backends"),
+            ("enable_prefix_caching", self.enable_prefix_caching, "prefix caching"),
+            ("speculative_config", self.speculative is not None, "speculative decoding"),
+            ("enable_lora", self.enable_lora, "LoRA adapters"),
+            ("tensor_parallel_size", self.world_size > 1, "parallel ranks"),
+            ("async_scheduling", self.async_scheduling, "async scheduling"),
+        ]
+        for name, on, what in refused:
+            if on:
+                raise ValueError(
+                    f"EngineConfig: {name}: runner='pooling' does not run with {what} yet"
+                )
+        return conf
 
     def _check_lora(self):
         """The LoRA sizes in range; what is not built refused by name."""

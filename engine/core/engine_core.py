@@ -338,6 +338,10 @@ class EngineCore:
         self._process_tokens(self.scheduler.update(out, sampled), extra)
         if result.accepted:
             self._accept_all(result.accepted)
+        for seq, vector in result.pooled:  # the pooling runner: the prompt's vector is the end
+            seq.embedding = vector
+            self._touched[seq.seq_id] = seq
+            self._finish(seq, "stop")
 
     def _process_tokens(self, grown: list[Sequence], extra: dict) -> None:
         """Stop checks on each sequence's new last token; the stopped ones finish. Its

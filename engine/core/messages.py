@@ -51,6 +51,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     num_cached_tokens: int | None = None  # prompt tokens its admission found cached
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, when complete
     logits: list | None = None  # (V,) float32 per new token; with record_logits (in-process)
+    embedding: list[float] | None = None  # the pooling runner's vector, when it finishes
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):
@@ -112,6 +113,8 @@ def delta(seq: Sequence) -> SampleDelta:
         d.logits, seq.new_logits = seq.new_logits, []
     if seq.is_finished:
         d.finish_reason, d.stop_reason, d.error = seq.finish_reason, seq.stop_reason, seq.error
+        if seq.embedding is not None:
+            d.embedding = seq.embedding.tolist()
     p = seq.params.prompt_logprobs
     if p is not None and not seq.prompt_logprobs_sent:
         if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:

@@ -22,6 +22,7 @@ from engine.core.sampler import Sampler, plain_greedy, rows_to_sample, top_logpr
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.core.spec_step import Accepted, verify
+from engine.pooling_params import Pooler
 from engine.utils import cdiv
 from model_loader.config import ModelConfig
 
@@ -106,6 +107,8 @@ class RunnerOutput:
     extras: list[tuple] | None = None
     prompt_logprobs: list[tuple[Sequence, list]] = field(default_factory=list)
     accepted: list[Accepted] = field(default_factory=list)
+    pooled: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)  # done prompts'
+    #   vectors (the pooling runner)
 
 
 class ModelRunner:
@@ -122,6 +125,7 @@ class ModelRunner:
         self.record_logits = record_logits
         self.connector = None  # the KV tiers (engine/kv_offload), when on
         self.lora = None  # the LoRAManager (enable_lora): rows carry their adapter's slot
+        self.pooling = engine_config.runner == "pooling"  # prompts pooled, never sampled
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
@@ -161,6 +165,8 @@ class ModelRunner:
             return self._execute_speculated(output)
         if output.is_empty:
             return RunnerOutput()
+        if self.pooling:
+            return self._execute_pooling(output)
         rows, seqs = rows_to_sample(output.scheduled)
         prompt = []
         if needs_rows(output):  # prompt chunks whose logprobs are asked: all their rows come back
@@ -207,6 +213,22 @@ class ModelRunner:
             plain_ids, lps = self.sampler.sample(logits[plain_rows], plain_seqs, gens)
             extras = [(lp, logits[i]) for lp, i in zip(lps, plain_rows, strict=True)]
         return RunnerOutput(plain_seqs, plain_ids, extras, prompt, accepted)
+
+    def _execute_pooling(self, output: SchedulerOutput) -> RunnerOutput:
+        """A pooling step: every row's hidden states, each sequence's chunk added to its pooler
+        (engine/pooling_params.py); a sequence whose prompt is done comes back with its vector."""
+        self._move_blocks(output)
+        batch = self.prepare(output)
+        hidden = self.backend.hidden_states(batch)  # (T, D)
+        qsl, pooled = batch.query_start_loc, []
+        for b, (seq, n) in enumerate(output.scheduled):
+            if seq.pooler is None:
+                seq.pooler = Pooler(seq.params.pooling)
+            start = seq.num_computed_tokens
+            seq.pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
+            if start + n == seq.num_tokens:
+                pooled.append((seq, seq.pooler.result(seq.num_tokens)))
+        return RunnerOutput(pooled=pooled)
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
         """Swaps and copies first, then the forward: (R, V) float32 logits of the rows that come

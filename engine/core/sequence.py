@@ -107,6 +107,9 @@ class Sequence:
         # the grammar state of a structured-output request (engine/core/structured/matcher.py)
         self.bad_words_ids: list[list[int]] = bad_words_ids or []
         self.matcher = None
+        # the pooling runner: its prompt's pooling so far, then the vector (engine/pooling_params)
+        self.pooler = None
+        self.embedding = None
         # prompt_logprobs: one entry per prompt token computed so far (the first is None)
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step

@@ -12,7 +12,8 @@ from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.recorder import Recorder
 from engine.frontend.tokenizer import HFTokenizerAdapter
 from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, is_integer
 
 
@@ -108,6 +109,27 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's vector (an engine made with ``runner="pooling"``): its hidden states
+        pooled as ``pooling_params`` says (None: the checkpoint's sentence-transformers config,
+        then ``pooler_config``); outputs in input order, ``.outputs.embedding``."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.embed needs an engine made with runner='pooling'")
+        pooling = pooling_params or self.engine.pooling_defaults
+        if not isinstance(pooling, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {pooling!r}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        outs = self.generate(prompts, params, use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+            for o in outs
+        ]
 
     def _add_all(self, prompts, params, loras) -> list[str]:
         """Add every prompt; on any failure (a bad prompt, a tokenizer error, Ctrl-C) abort what

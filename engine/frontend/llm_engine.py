@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 from engine.config import EngineConfig, make_config
 from engine.core.engine_core import EngineCore
@@ -32,6 +34,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.lora.adapter import load_adapter
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, StreamChunk
+from engine.pooling_params import PoolingParams, checkpoint_pooling
 from engine.sampling_params import SamplingParams
 from model_loader.load import LoadedModel, default_model, load_model
 
@@ -73,6 +76,8 @@ class LLMEngine(FrontendState):
         if loaded is None:  # beside a core process, which loads the weights, none here
             loaded = load_model(config.model, weights=not config.engine_core_process)
         self.init_frontend(config, loaded)
+        self.pooling_defaults = pooling_defaults(config)  # runner='pooling'
+        self.matryoshka = matryoshka_dimensions(config)  # the dimensions cuts it declares
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
         self._core_ids = itertools.count()
@@ -98,6 +103,20 @@ class LLMEngine(FrontendState):
                 backend_factory=backend_factory,
             )
             self.loaded = self.core.loaded  # without the weights: the backend has its own
+
+    def _check_dimensions(self, d: int) -> None:
+        """A Matryoshka cut the model declares (config.json's matryoshka_dimensions or
+        is_matryoshka, as vLLM reads them), no longer than its hidden size."""
+        hidden = self.model_config.hidden_size
+        if self.matryoshka is None:
+            raise ValueError(
+                f"dimensions: this model does not declare Matryoshka embeddings (config.json "
+                f"matryoshka_dimensions or is_matryoshka); its vectors have {hidden}"
+            )
+        if d > hidden:
+            raise ValueError(f"dimensions {d} is more than the model's {hidden}")
+        if self.matryoshka and d not in self.matryoshka:
+            raise ValueError(f"dimensions {d} is not one the model declares: {self.matryoshka}")
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams for a request that sets only ``overrides``: the model's defaults
@@ -156,6 +175,15 @@ class LLMEngine(FrontendState):
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         mc, cfg = self.model_config, self.config
+        if (params.pooling is not None) != (cfg.runner == "pooling"):
+            if cfg.runner == "pooling":
+                raise ValueError(
+                    "this engine was started with runner='pooling': it embeds prompts "
+                    "(LLM.embed, /v1/embeddings) and generates nothing"
+                )
+            raise ValueError("a pooling request needs an engine started with runner='pooling'")
+        if params.pooling is not None and params.pooling.dimensions is not None:
+            self._check_dimensions(params.pooling.dimensions)
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n must be in [1, max_num_seqs={cfg.max_num_seqs}], got {params.n}")
         arrival = check_arrival_time(arrival_time)
@@ -263,3 +291,29 @@ class LLMEngine(FrontendState):
                     if c.index not in ended and (c.text_delta or c.finished):
                         yield StreamChunk(c.index, c.text_delta, c.finish_reason, c.stop_reason)
                         ended |= {c.index} if c.finished else set()
+
+
+def pooling_defaults(config) -> PoolingParams | None:
+    """The pooling runner's PoolingParams for a request that sets none: the checkpoint's
+    sentence-transformers config under ``pooler_config``'s keys; None for a generate engine."""
+    if config.runner != "pooling":
+        return None
+    found = {}
+    if config.model and Path(config.model).is_dir():  # a GGUF or a name: no such config
+        found = checkpoint_pooling(config.model)
+        found.pop("prompts", None)
+    return PoolingParams(**{**found, **config.pooler})
+
+
+def matryoshka_dimensions(config) -> list[int] | None:
+    """The Matryoshka cuts a model directory's config.json declares: its
+    ``matryoshka_dimensions`` ([] for ``is_matryoshka`` without a list: any cut), None when it
+    declares none (or there is no directory)."""
+    conf = Path(config.model or "") / "config.json" if config.model else None
+    if conf is None or not conf.is_file():
+        return None
+    raw = json.loads(conf.read_text())
+    dims = raw.get("matryoshka_dimensions")
+    if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
+        return sorted(dims)
+    return [] if raw.get("is_matryoshka") else None

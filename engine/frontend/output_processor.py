@@ -142,6 +142,7 @@ class RequestState:
         self.hold_back = _hold_back(params)
         self.num_cached_tokens: int | None = None  # the first sample's
         self.prompt_logprobs: list[dict[int, float] | None] | None = None  # once complete
+        self.embedding: list[float] | None = None  # the pooling runner's vector
 
     @property
     def finished(self) -> bool:
@@ -173,6 +174,7 @@ class RequestState:
             metrics=self.times.metrics(),
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
         )
 
 
@@ -290,6 +292,8 @@ class OutputProcessor:
             req.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None:
             req.prompt_logprobs = d.prompt_logprobs
+        if d.embedding is not None:
+            req.embedding = d.embedding
         sample.logprobs += d.logprobs or ()
         sample.step_logits += d.logits or ()
         hit = self._add_tokens(req, sample, d, now)

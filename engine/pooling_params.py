@@ -1,0 +1,114 @@
+"""How a pooling request turns its prompt's hidden states into one vector (vLLM's
+``PoolingParams``): ``pooling_type`` last (the last token's, as Qwen3-Embedding and GTE-Qwen2
+pool), mean (over every prompt token, as SmolLM2's sentence-transformers models) or cls (the first
+token's); ``normalize`` to unit length; ``dimensions``: the first N dimensions (a Matryoshka
+cut, taken before normalizing, as sentence-transformers' ``truncate_dim`` does).
+
+The hidden states are the model's last ones after its final norm (transformers'
+``last_hidden_state``), in float32; the pooling sums in float64.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"PoolingParams: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                f"got {self.pooling_type!r}"
+            )
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"PoolingParams: normalize must be a bool, got {self.normalize!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"PoolingParams: dimensions must be None or an int >= 1, got {d!r}")
+
+    def finish(self, v: np.ndarray) -> np.ndarray:
+        """A pooled (D,) float64 vector cut to ``dimensions`` and normalized: (d,) float32."""
+        if self.dimensions is not None:
+            v = v[: self.dimensions]
+        if self.normalize:
+            norm = float(np.sqrt(np.dot(v, v)))
+            v = v / norm if norm > 0 else v
+        return v.astype(np.float32)
+
+
+class Pooler:
+    """One sequence's pooling across its prefill chunks: ``add(rows, first)`` each chunk's
+    (n, D) hidden states (``first``: the chunk starts the prompt), ``result(total)`` the
+    vector once the prompt is done."""
+
+    def __init__(self, params: PoolingParams):
+        self.params = params
+        self.acc: np.ndarray | None = None  # mean: the running sum; cls: the first row
+        self.last: np.ndarray | None = None
+
+    def add(self, rows: np.ndarray, first: bool) -> None:
+        kind = self.params.pooling_type
+        if kind == "mean":
+            s = rows.sum(axis=0, dtype=np.float64)
+            self.acc = s if self.acc is None else self.acc + s
+        elif kind == "cls" and first:
+            self.acc = rows[0].astype(np.float64)
+        self.last = rows[-1]
+
+    def result(self, num_tokens: int) -> np.ndarray:
+        kind = self.params.pooling_type
+        if kind == "mean":
+            v = self.acc / num_tokens
+        elif kind == "cls":
+            v = self.acc
+        else:
+            v = self.last.astype(np.float64)
+        return self.params.finish(v)
+
+
+def checkpoint_pooling(model_dir: str | Path | None) -> dict:
+    """The pooling a sentence-transformers checkpoint declares (``modules.json``, its Pooling
+    module's ``config.json``, a ``Normalize`` module; ``config_sentence_transformers.json``'s
+    prompts): {"pooling_type", "normalize", "prompts"}; {} for a model directory without them
+    (or no directory)."""
+    if model_dir is None:
+        return {}
+    root = Path(model_dir)
+    modules_file = root / "modules.json"
+    if not root.is_dir() or not modules_file.is_file():
+        return {}
+    modules = json.loads(modules_file.read_text())
+    out: dict = {"normalize": any(m.get("type", "").endswith("Normalize") for m in modules)}
+    for m in modules:
+        if m.get("type", "").endswith("Pooling"):
+            conf = json.loads((root / m.get("path", "") / "config.json").read_text())
+            flags = {  # older sentence-transformers: a flag per mode
+                "pooling_mode_lasttoken": "lasttoken",
+                "pooling_mode_mean_tokens": "mean",
+                "pooling_mode_cls_token": "cls",
+            }
+            chosen = [kind for key, kind in flags.items() if conf.get(key)]
+            mode = conf.get("pooling_mode")  # newer: its name
+            modes = [mode] if isinstance(mode, str) else chosen
+            names = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+            if len(modes) != 1 or modes[0] not in names:
+                raise ValueError(
+                    f"{root}: the Pooling module's config asks for pooling {modes or 'none'}; "
+                    "one of lasttoken, mean, cls is supported"
+                )
+            out["pooling_type"] = names[modes[0]]
+    st = root / "config_sentence_transformers.json"
+    if st.is_file():
+        out["prompts"] = json.loads(st.read_text()).get("prompts") or {}
+    return out

@@ -1,0 +1,140 @@
+"""The pooling runner (runner="pooling") against sentence-transformers' embeddings
+(scripts/make_pooling_golden.py): the tiny llama and qwen3 checkpoints with last, mean and cls
+pooling, normalized and not, a Matryoshka cut, and SmolLM2 with mean pooling; cosine >= 0.99999
+for every text, alone and batched, prompts chunked across steps; on numpy and cpu. The
+checkpoint's sentence-transformers config read as the default; every bad value named."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLM
+from engine.pooling_params import PoolingParams, checkpoint_pooling
+from engine.sampling_params import SamplingParams
+
+DATA = Path(__file__).parent / "data" / "pooling"
+FAMILIES = Path(__file__).parent / "data" / "families"
+COSINE = 0.99999
+
+
+@cache
+def golden() -> dict:
+    return json.loads((DATA / "golden.json").read_text())
+
+
+def vectors(case: dict) -> list[np.ndarray]:
+    return [np.frombuffer(base64.b64decode(e), dtype="<f4") for e in case["embeddings"]]
+
+
+def check(got: list, want: list[np.ndarray], case: dict, where: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g = np.asarray(g, np.float64)
+        assert g.shape == w.shape, where
+        cos = float(g @ w / (np.linalg.norm(g) * np.linalg.norm(w)))
+        assert cos >= COSINE, f"{where} text {i}: cosine {cos:.7f}"
+        if case["normalize"]:
+            assert abs(np.linalg.norm(g) - 1) < 1e-5, where
+        else:  # not normalized: the length is the model's too
+            np.testing.assert_allclose(np.linalg.norm(g), np.linalg.norm(w), rtol=1e-4)
+
+
+def pooling(case: dict) -> PoolingParams:
+    return PoolingParams(case["pooling_type"], case["normalize"], case["dimensions"])
+
+
+def matryoshka_copy(name: str, tmp_path: Path) -> Path:
+    """The family checkpoint, its config.json declaring Matryoshka cuts of 32 and 64."""
+    model = tmp_path / name
+    shutil.copytree(FAMILIES / name, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "matryoshka_dimensions": [32, 64]}))
+    return model
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_tiny_checkpoints_match_sentence_transformers(name, backend, tmp_path):
+    """Each case alone (one text at a time) and batched, with prompts split across steps by a
+    small token budget (chunked prefill: mean pooling sums across chunks)."""
+    texts = golden()["meta"]["texts"]
+    llm = LLM(
+        model=str(matryoshka_copy(name, tmp_path)), runner="pooling", backend=backend,
+        dtype="float32", enable_chunked_prefill=True, max_num_batched_tokens=32,
+        max_num_seqs=4, num_gpu_blocks=64,
+    )  # fmt: skip
+    for key, case in golden()["cases"].items():
+        if not key.startswith(f"{name}/"):
+            continue
+        want, p = vectors(case), pooling(case)
+        batched = [o.outputs.embedding for o in llm.embed(texts, p, use_tqdm=False)]
+        check(batched, want, case, f"{key} {backend} batched")
+        alone = [llm.embed(t, p, use_tqdm=False)[0].outputs.embedding for t in texts]
+        check(alone, want, case, f"{key} {backend} alone")
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # every prompt's blocks went back
+
+
+def test_smollm2_mean_pooling_matches_sentence_transformers(smollm2):
+    case = golden()["cases"]["smollm2/mean_norm"]
+    loaded = dataclasses.replace(smollm2, weights=smollm2.weights.astype(np.float32))
+    llm = LLM(loaded=loaded, model="smollm2", runner="pooling", backend="cpu", dtype="float32",
+              num_gpu_blocks=64, max_num_seqs=4, max_model_len=512)  # fmt: skip
+    outs = llm.embed(golden()["meta"]["texts"], pooling(case), use_tqdm=False)
+    check([o.outputs.embedding for o in outs], vectors(case), case, "smollm2 mean")
+
+
+def test_the_checkpoints_sentence_transformers_config_is_the_default(tmp_path):
+    """A checkpoint saved by sentence-transformers (mean pooling, a Normalize module): its
+    pooling is what a request without PoolingParams gets; pooler_config overrides it."""
+    model = tmp_path / "llama-st"
+    shutil.copytree(FAMILIES / "llama", model)
+    shutil.copytree(DATA / "st_llama_mean", model, dirs_exist_ok=True)
+    assert checkpoint_pooling(model) | {"prompts": None} == {
+        "pooling_type": "mean", "normalize": True, "prompts": None,
+    }  # fmt: skip
+    llm = LLM(model=str(model), runner="pooling", backend="numpy", dtype="float32",
+              num_gpu_blocks=64)  # fmt: skip
+    assert llm.engine.pooling_defaults == PoolingParams("mean", True, None)
+    text = golden()["meta"]["texts"][1]
+    mean = golden()["cases"]["llama/mean_raw"]
+    got = llm.embed(text, use_tqdm=False)[0].outputs.embedding
+    want = vectors(mean)[1] / np.linalg.norm(vectors(mean)[1])  # the mean, normalized
+    check([got], [want], {"normalize": True}, "the checkpoint's default")
+    over = LLM(model=str(model), runner="pooling", backend="numpy", num_gpu_blocks=64,
+               pooler_config='{"pooling_type": "last", "normalize": false}')  # fmt: skip
+    assert over.engine.pooling_defaults == PoolingParams("last", False, None)
+
+
+def test_bad_values_are_named(tiny, tmp_path):
+    with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls"):
+        PoolingParams("max")
+    with pytest.raises(ValueError, match="dimensions must be None or an int >= 1"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(ValueError, match="runner='pooling' does not run with prefix caching"):
+        LLM(loaded=tiny, model="t", runner="pooling", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="pooler_config: unknown key 'pooling'"):
+        LLM(loaded=tiny, model="t", runner="pooling", pooler_config='{"pooling": "mean"}')
+    llm = LLM(loaded=tiny, model="t", runner="pooling", backend="numpy", num_gpu_blocks=32)
+    with pytest.raises(ValueError, match="runner='pooling': it embeds prompts"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    gen = LLM(loaded=tiny, model="t", backend="numpy", num_gpu_blocks=32)
+    with pytest.raises(ValueError, match="LLM.embed needs an engine made with runner='pooling'"):
+        gen.embed(["hi"])
+    with pytest.raises(ValueError, match="does not declare Matryoshka embeddings"):
+        llm.embed(["hi"], PoolingParams(dimensions=32), use_tqdm=False)
+    declared = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling",
+                   backend="numpy", num_gpu_blocks=32)  # fmt: skip
+    with pytest.raises(ValueError, match="dimensions 100 is more than the model's 64"):
+        declared.embed(["hi"], PoolingParams(dimensions=100), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"dimensions 48 is not one the model declares"):
+        declared.embed(["hi"], PoolingParams(dimensions=48), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: prompt has 300 tokens, more than"):
+        declared.embed([[5] * 300], use_tqdm=False)
