@@ -138,3 +138,47 @@ def test_bad_values_are_named(tiny, tmp_path):
         declared.embed(["hi"], PoolingParams(dimensions=48), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0: prompt has 300 tokens, more than"):
         declared.embed([[5] * 300], use_tqdm=False)
+
+
+def test_the_server_answers_openai_embeddings(tmp_path):
+    """POST /v1/embeddings through the official openai client: floats and base64 (the client
+    decodes it), a batch in input order, a Matryoshka cut, usage; bad input a 400 naming it;
+    a generation route on a pooling server, and the reverse, a 400 saying what it serves."""
+    import httpx
+
+    from engine.tools.live_server import LiveServer
+    from model_loader.load import load_model
+
+    model = matryoshka_copy("qwen3", tmp_path)
+    texts = golden()["meta"]["texts"]
+    last = golden()["cases"]["qwen3/last_norm"]
+    cut = golden()["cases"]["qwen3/last_dim32"]
+    kw = dict(runner="pooling", backend="numpy", dtype="float32", model=str(model),
+              pooler_config='{"pooling_type": "last", "normalize": true}')  # fmt: skip
+    with LiveServer(load_model(str(model)), **kw) as s:
+        client = s.openai_client()
+        r = client.embeddings.create(model="tiny", input=texts)  # the client asks for base64
+        assert [d.index for d in r.data] == list(range(len(texts)))
+        check([d.embedding for d in r.data], vectors(last), last, "server base64")
+        floats = client.embeddings.create(model="tiny", input=texts[1], encoding_format="float")
+        check([floats.data[0].embedding], vectors(last)[1:2], last, "server float")
+        small = client.embeddings.create(model="tiny", input=texts, dimensions=32)
+        check([d.embedding for d in small.data], vectors(cut), cut, "server dimensions")
+        ids = s.engine.tokenizer.encode(texts[0])
+        assert r.usage.prompt_tokens == sum(len(s.engine.tokenizer.encode(t)) for t in texts)
+        by_ids = client.embeddings.create(model="tiny", input=[ids], encoding_format="float")
+        check([by_ids.data[0].embedding], vectors(last)[:1], last, "server token ids")
+        for body, words in [
+            ({"input": ""}, "input: an empty string"),
+            ({"input": ["a", ""]}, "input 1: an empty string"),
+            ({"input": [[999999]]}, "input"),
+            ({"input": "a", "dimensions": 100}, "dimensions 100 is more than the model's 64"),
+            ({"input": "x" * 3000}, "input: prompt has"),
+        ]:
+            got = httpx.post(s.url + "/v1/embeddings", json={"model": "tiny", **body})
+            assert got.status_code == 400 and words in got.json()["error"]["message"], got.text
+        gen = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert gen.status_code == 400 and "runner='pooling'" in gen.text
+    with LiveServer(load_model(str(model))) as s:
+        got = httpx.post(s.url + "/v1/embeddings", json={"model": "tiny", "input": "hi"})
+        assert got.status_code == 400 and "needs a server started with --runner pooling" in got.text

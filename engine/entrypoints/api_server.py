@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
+from engine.entrypoints.embeddings_api import EmbeddingRequest, embeddings_body, input_ids
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from engine.entrypoints.lora_routes import ServedAdapters, add_lora_routes
 from engine.entrypoints.messages_api import (
@@ -63,7 +64,7 @@ from engine.entrypoints.protocol import (
     error_body,
 )
 from engine.entrypoints.reasoning import REASONING_END, check_parser, prompt_state
-from engine.entrypoints.responses import ChatFormat, CompletionFormat
+from engine.entrypoints.responses import ChatFormat, CompletionFormat, final_output
 from engine.entrypoints.responses_api import (
     ResponseEvents,
     ResponsesRequest,
@@ -84,6 +85,7 @@ from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError,
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
 from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 HEAVY_BYTES = 16 * KiB  # bodies from this size are parsed and tokenized in a worker thread
@@ -301,6 +303,7 @@ def build_app(
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     _add_responses_routes(app, server)
+    _add_embeddings_routes(app, server)
     if runtime_lora:
         add_lora_routes(app, server)
     app.openapi = functools.partial(_openapi, app)
@@ -314,6 +317,7 @@ BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/messages": MessagesRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -483,6 +487,37 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check_model(req.model)
         ids = await server.run(size, chat_request_ids, server, req)
         return {"input_tokens": len(ids)}
+
+
+def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request):
+        """OpenAI's embeddings over the pooling runner (embeddings_api.py)."""
+        req, size = await server.parse(raw, EmbeddingRequest)
+        server.check_model(req.model)
+        engine = server.llm.engine
+        if engine.config.runner != "pooling":
+            raise ApiError(
+                400, "/v1/embeddings needs a server started with --runner pooling (this one "
+                "generates)",
+            )  # fmt: skip
+        args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
+        ids = await server.run(size, _call, input_ids, req, *args)
+        pooling = engine.pooling_defaults
+        if req.dimensions is not None:
+            pooling = _call(dataclasses.replace, pooling, dimensions=req.dimensions)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        streams = await server.start(ids, params, False, req.model)
+        finals = await _unless_disconnected(
+            raw, asyncio.gather(*[final_output(s) for s in streams])
+        )
+        for o in finals:
+            if o.outputs[0].error:
+                raise ApiError(500, f"embedding failed: {o.outputs[0].error}", "InternalError")
+        vectors = [o.embedding for o in finals]
+        tokens = sum(len(x) for x in ids)
+        model = req.model or server.model_name
+        return embeddings_body(model, vectors, tokens, req.encoding_format)
 
 
 def _add_responses_routes(app: FastAPI, server: Server) -> None:

@@ -27,7 +27,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 LENGTH = dict(finish_reason="length", stop_reason=None)
 
 
-async def _final(stream: RequestStream) -> RequestOutput:
+async def final_output(stream: RequestStream) -> RequestOutput:
     last = None
     async for out in stream:
         last = out
@@ -145,7 +145,7 @@ class _Format:
         ]
 
     async def response(self, streams: list[RequestStream]) -> dict:
-        finals = await asyncio.gather(*[_final(s) for s in streams])
+        finals = await asyncio.gather(*[final_output(s) for s in streams])
         choices = [self.choice(i, o, c) for i, o in enumerate(finals) for c in o.outputs]
         return self.body(choices, self.usage(finals), finals)
 

@@ -1,0 +1,62 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``) over the pooling runner (``--runner
+pooling``): ``input`` a string, strings, token ids or lists of token ids; ``encoding_format``
+float (a list of numbers) or base64 (the little-endian float32 bytes, as OpenAI's client decodes
+them); ``dimensions`` a Matryoshka cut the model declares; ``usage`` counts the prompt tokens.
+Each input is one pooling request (engine/pooling_params.py); they run batched like any prompts.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.frontend.input_processor import tokenize_prompt
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None  # accepted, no effect
+
+    def inputs(self) -> list[str | list[int]]:
+        """One input or a batch: text, token ids, or a list of either."""
+        x: Any = self.input
+        if isinstance(x, str) or (x and all(isinstance(t, int) for t in x)):
+            return [x]
+        if not x:
+            raise ValueError("input: an empty list (give a string, strings or token ids)")
+        return list(x)
+
+
+def input_ids(req: EmbeddingRequest, tokenizer, vocab: int, max_len: int, max_chars: int):
+    """Each input's token ids, checked (empty, too long, ids out of the vocabulary) with the
+    input's index in the message."""
+    inputs, out = req.inputs(), []
+    for i, x in enumerate(inputs):
+        where = f"input {i}" if len(inputs) > 1 else "input"
+        if isinstance(x, str) and not x:
+            raise ValueError(f"{where}: an empty string has nothing to embed")
+        try:
+            out.append(tokenize_prompt(x, tokenizer, vocab, max_len, max_chars)[1])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return out
+
+
+def embeddings_body(model: str, vectors: list[list[float]], prompt_tokens: int, fmt: str):
+    """OpenAI's ``list`` of ``embedding`` objects, in input order, and the usage."""
+    data = []
+    for i, v in enumerate(vectors):
+        value: Any = v
+        if fmt == "base64":
+            value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
