@@ -133,7 +133,9 @@ def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
         for t in threads:
             t.join(60)
         assert proc.wait(60) == 0
-        time.sleep(0.1)  # the last stderr lines
+        deadline = time.monotonic() + 10  # the reader thread may not have the last lines yet
+        while time.monotonic() < deadline and not any("stopped by" in line for line in log):
+            time.sleep(0.05)
         assert any("Waiting for connections to close" in line for line in log)  # in flight
         assert any(f"stopped by {sig.name}" in line for line in log)
         assert len(results) == 4
