@@ -134,7 +134,10 @@ def test_a_stop_signal_lets_running_requests_finish(tiny_model_dir, sig):
             t.join(60)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 10  # the reader thread may not have the last lines yet
-        while time.monotonic() < deadline and not any("stopped by" in line for line in log):
+        wanted = ("stopped by", "Waiting for connections to close")
+        while time.monotonic() < deadline and not all(
+            any(w in line for line in log) for w in wanted
+        ):
             time.sleep(0.05)
         assert any("Waiting for connections to close" in line for line in log)  # in flight
         assert any(f"stopped by {sig.name}" in line for line in log)
