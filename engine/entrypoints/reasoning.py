@@ -20,6 +20,8 @@ starts (engine/core/structured/matcher.py ``AfterReasoning``).
 
 from __future__ import annotations
 
+from engine.entrypoints.tool_parsers import tag_prefix
+
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 REASONING_END = END
@@ -37,14 +39,6 @@ def prompt_state(prompt_text: str) -> tuple[bool, bool]:
     template closed it, chat_template_kwargs enable_thinking false: no thinking to come)."""
     start, end = prompt_text.rfind(START), prompt_text.rfind(END)
     return start > end, end > start
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of text that begins tag (text to hold back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplit:
@@ -83,7 +77,7 @@ class ReasoningSplit:
             if self.state == "thinking":
                 i = self.buf.find(END)
                 if i < 0:
-                    keep = 0 if final else _tag_prefix(self.buf, END)
+                    keep = 0 if final else tag_prefix(self.buf, END)
                     thinking += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep :]
                     break

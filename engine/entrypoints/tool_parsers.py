@@ -127,6 +127,17 @@ class ToolParser:
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         raise NotImplementedError
 
+    def _text_until(self, tag: str, final: bool) -> tuple[str, bool]:
+        """The text before ``tag`` and True (both consumed); without the tag, the text that
+        cannot begin it (a possible start held back unless ``final``) and False."""
+        i = self.buf.find(tag)
+        if i < 0:
+            cut = len(self.buf) - (0 if final else tag_prefix(self.buf, tag))
+            text, self.buf = self.buf[:cut], self.buf[cut:]
+            return text, False
+        text, self.buf = self.buf[:i], self.buf[i + len(tag) :]
+        return text, True
+
     def _start(self, name: str) -> dict:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
         self.calls.append({"id": call_id, "name": name, "sent": ""})
@@ -194,7 +205,7 @@ def _json_call(text: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def _tag_prefix(text: str, tag: str) -> int:
+def tag_prefix(text: str, tag: str) -> int:
     """The length of the longest end of text that begins tag (text to hold back)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -215,21 +226,17 @@ class HermesParser(_JsonCalls):
         content, deltas = [], []
         while True:
             if not self.in_call:
-                i = self.buf.find(self.OPEN)
-                if i < 0:
-                    keep = 0 if final else _tag_prefix(self.buf, self.OPEN)
-                    content.append(self.buf[: len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep :]
+                text, self.in_call = self._text_until(self.OPEN, final)
+                content.append(text)
+                if not self.in_call:
                     break
-                content.append(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(self.OPEN) :], True
                 self.blocks += 1
                 continue
             j = self.buf.find(self.CLOSE)
             taken = self.buf if j < 0 else self.buf[:j]
             body = taken
             if j < 0 and not final:  # the block goes on: stream what is known of it
-                hold = _tag_prefix(body, self.CLOSE)
+                hold = tag_prefix(body, self.CLOSE)
                 out, _, _ = self._object(body[: len(body) - hold], False, self.blocks)
                 deltas += out
                 break
@@ -303,15 +310,9 @@ class MistralParser(_JsonCalls):
         self.buf += text
         content = ""
         if not self.in_calls:
-            i = self.buf.find(self.TAG)
-            if i < 0:
-                keep = 0 if final else _tag_prefix(self.buf, self.TAG)
-                content, self.buf = (
-                    self.buf[: len(self.buf) - keep],
-                    self.buf[len(self.buf) - keep :],
-                )
+            content, self.in_calls = self._text_until(self.TAG, final)
+            if not self.in_calls:
                 return content, []
-            content, self.buf, self.in_calls = self.buf[:i], self.buf[i + len(self.TAG) :], True
         deltas = []
         while True:
             rest = self.buf[self.pos :]
@@ -450,14 +451,11 @@ class Qwen3XmlParser(ToolParser):
         content, deltas = [], []
         while True:
             if not self.in_call:
-                i = self.buf.find(self.OPEN)
-                if i < 0:
-                    keep = 0 if final else _tag_prefix(self.buf, self.OPEN)
-                    content.append(self.buf[: len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep :]
+                text, self.in_call = self._text_until(self.OPEN, final)
+                content.append(text)
+                if not self.in_call:
                     break
-                content.append(self.buf[:i])
-                self.buf, self.in_call, self.pos = self.buf[i + len(self.OPEN) :], True, 0
+                self.pos = 0
                 continue
             step = self._step(final)
             content.append(self.spill)
