@@ -124,3 +124,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a reranker's relevance: P(yes) against P(no), in (0, 1)
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer for one document (vLLM's shape: ``.outputs.score``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

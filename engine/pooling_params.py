@@ -17,15 +17,32 @@ from pathlib import Path
 import numpy as np
 
 POOLING_TYPES = ("last", "mean", "cls")
+TASKS = ("embed", "score")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
+    """``task`` embed: the pooled vector; score: a reranker's relevance, the probability of
+    ``score_tokens[0]`` ("yes") against ``score_tokens[1]`` ("no") as the LM head predicts the
+    token after the prompt (Qwen3-Reranker's way), ``sigmoid(logit_yes - logit_no)``."""
+
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    task: str = "embed"
+    score_tokens: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"PoolingParams: task must be embed or score, got {self.task!r}")
+        ids = self.score_tokens
+        if (self.task == "score") != (ids is not None):
+            raise ValueError("PoolingParams: score_tokens (yes, no ids) go with task 'score'")
+        if ids is not None:
+            ok = len(ids) == 2 and all(isinstance(t, int) and t >= 0 for t in ids)
+            if not ok:
+                raise ValueError(f"PoolingParams: score_tokens must be two token ids, got {ids!r}")
+            object.__setattr__(self, "score_tokens", tuple(ids))
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(
                 f"PoolingParams: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
@@ -75,6 +92,47 @@ class Pooler:
         else:
             v = self.last.astype(np.float64)
         return self.params.finish(v)
+
+
+# Qwen3-Reranker's prompt (its model card): a query and a document judged "yes" or "no"
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def score_prompt(query: str, document: str, template: str | None = None,
+                 instruction: str | None = None) -> str:  # fmt: skip
+    """The text a reranker scores: ``template`` (QWEN3_RERANK_TEMPLATE by default) with the
+    query, the document and the instruction in its ``{query}``, ``{document}``,
+    ``{instruction}`` places."""
+    template = QWEN3_RERANK_TEMPLATE if template is None else template
+    for name, value in (("query", query), ("document", document)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name}: a non-empty string is required")
+    return (
+        template.replace("{instruction}", instruction or DEFAULT_INSTRUCTION)
+        .replace("{query}", query)
+        .replace("{document}", document)
+    )
+
+
+def yes_no_tokens(tokenizer) -> tuple[int, int]:
+    """The ids of "yes" and "no", each one token of the model's vocabulary (a ValueError
+    otherwise: pass PoolingParams' score_tokens)."""
+    ids = []
+    for word in ("yes", "no"):
+        got = tokenizer.encode(word, add_special_tokens=False)
+        if len(got) != 1:
+            raise ValueError(
+                f"score: {word!r} is {len(got)} tokens in this vocabulary, not one; give "
+                "score_tokens (the yes and no token ids)"
+            )
+        ids.append(got[0])
+    return ids[0], ids[1]
 
 
 def checkpoint_pooling(model_dir: str | Path | None) -> dict:

@@ -97,6 +97,34 @@ def smollm2_transformer() -> models.Transformer:
     return transformer(str(folder), model_kwargs=gguf, processor_kwargs=gguf, config_kwargs=gguf)
 
 
+# the tiny checkpoints hold 256 positions: a short template, not Qwen3-Reranker's (283 tokens)
+TEMPLATE = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}\nRelevant:"
+QUERY = "what do cats eat"
+DOCUMENTS = ["Cats eat fish and meat.", "The stock market fell today.", "a"]
+
+
+def rerank(family: str) -> dict:
+    """A reranker's scores for QUERY and each of DOCUMENTS on the tiny checkpoint: the prompt
+    of the engine's own score_prompt (TEMPLATE, the default instruction), the LM head's logits after
+    it, sigmoid(logit[yes] - logit[no]) for the first token of "yes" and of "no"."""
+    spec = importlib.util.spec_from_file_location("pp", ROOT / "engine/pooling_params.py")
+    pp = sys.modules["pp"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)  # numpy and json only: not the engine package
+    path = ROOT / "tests/data/families" / family
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    scores, diffs = [], []
+    for doc in DOCUMENTS:
+        ids = tok(pp.score_prompt(QUERY, doc, TEMPLATE), return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].double()
+        diffs.append(float(logits[yes] - logits[no]))  # the log-odds the score comes from
+        scores.append(float(torch.sigmoid(logits[yes] - logits[no])))
+    return dict(family=family, query=QUERY, documents=DOCUMENTS, score_tokens=[yes, no],
+                template=TEMPLATE, scores=scores, log_odds=diffs)  # fmt: skip
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     golden = {}
@@ -129,7 +157,8 @@ def main() -> None:
         sentence_transformers=sentence_transformers.__version__,
         transformers=transformers.__version__, torch=torch.__version__, texts=TEXTS,
     )  # fmt: skip
-    (OUT / "golden.json").write_text(json.dumps(dict(meta=meta, cases=golden), indent=1))
+    out = dict(meta=meta, cases=golden, rerank=rerank("qwen3"))
+    (OUT / "golden.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {OUT / 'golden.json'}: {len(golden)} cases")
 
 

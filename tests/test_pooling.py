@@ -182,3 +182,53 @@ def test_the_server_answers_openai_embeddings(tmp_path):
     with LiveServer(load_model(str(model))) as s:
         got = httpx.post(s.url + "/v1/embeddings", json={"model": "tiny", "input": "hi"})
         assert got.status_code == 400 and "needs a server started with --runner pooling" in got.text
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_scores_are_the_rerankers_yes_against_no(backend):
+    """LLM.score: each (query, document) in a reranker's prompt, P(yes) against P(no)
+    from the LM head after it, against transformers (scripts/make_pooling_golden.py): the
+    log-odds within 1e-3, the scores within 1e-5."""
+    ref = golden()["rerank"]
+    llm = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend=backend,
+              dtype="float32", num_gpu_blocks=64)  # fmt: skip
+    ids, template = tuple(ref["score_tokens"]), ref["template"]
+    outs = llm.score(ref["query"], ref["documents"], ids, template, use_tqdm=False)
+    got = np.array([o.outputs.score for o in outs])
+    np.testing.assert_allclose(got, ref["scores"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.log(got / (1 - got)), ref["log_odds"], atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="'yes' is .* tokens in this vocabulary, not one"):
+        llm.score(ref["query"], ref["documents"])
+    with pytest.raises(ValueError, match="document: a non-empty string is required"):
+        llm.score(ref["query"], [""], ids, template)
+
+
+def test_the_server_reranks_and_scores():
+    """/rerank (Jina's and Cohere's shape: by score, top_n, the documents) and /score, with
+    the reranker's golden scores; on a generating server, a 400 saying what it needs."""
+    import httpx
+
+    from engine.tools.live_server import LiveServer
+    from model_loader.load import load_model
+
+    ref = golden()["rerank"]
+    path = str(FAMILIES / ref["family"])
+    extra = {"score_tokens": ref["score_tokens"], "template": ref["template"]}
+    with LiveServer(load_model(path), runner="pooling", backend="cpu", dtype="float32") as s:
+        body = {"model": "tiny", "query": ref["query"], "documents": ref["documents"], **extra}
+        r = httpx.post(s.url + "/rerank", json={**body, "top_n": 2}).json()
+        want = sorted(range(3), key=lambda i: -ref["scores"][i])[:2]
+        assert [x["index"] for x in r["results"]] == want
+        for x in r["results"]:
+            assert abs(x["relevance_score"] - ref["scores"][x["index"]]) < 1e-5
+            assert x["document"]["text"] == ref["documents"][x["index"]]
+        sc = httpx.post(s.url + "/score", json={
+            "model": "tiny", "text_1": ref["query"], "text_2": ref["documents"], **extra,
+        }).json()  # fmt: skip
+        got = [d["score"] for d in sc["data"]]
+        np.testing.assert_allclose(got, ref["scores"], atol=1e-5, rtol=0)
+        bad = httpx.post(s.url + "/rerank", json={**body, "documents": [""]})
+        assert bad.status_code == 400 and "document: a non-empty string" in bad.text
+    with LiveServer(load_model(path)) as s:
+        bad = httpx.post(s.url + "/rerank", json={"query": "q", "documents": ["d"]})
+        assert bad.status_code == 400 and "needs a server started with --runner pooling" in bad.text

@@ -265,6 +265,10 @@ class NumpyBackend(Backend):
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.final_norm, self.cfg.rms_norm_eps)
         return np.asarray(h, dtype=F32)
 
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
+        """(R, D) final-normed hidden states -> (R, V) float32 logits (a reranker's rows)."""
+        return np.asarray(self._lm_head(np.ascontiguousarray(h, dtype=F32)), dtype=F32)
+
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
         c = self.cfg

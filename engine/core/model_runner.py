@@ -220,14 +220,24 @@ class ModelRunner:
         self._move_blocks(output)
         batch = self.prepare(output)
         hidden = self.backend.hidden_states(batch)  # (T, D)
-        qsl, pooled = batch.query_start_loc, []
+        qsl, pooled, scored = batch.query_start_loc, [], []
         for b, (seq, n) in enumerate(output.scheduled):
             if seq.pooler is None:
                 seq.pooler = Pooler(seq.params.pooling)
             start = seq.num_computed_tokens
             seq.pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
-            if start + n == seq.num_tokens:
+            if start + n != seq.num_tokens:
+                continue
+            if seq.params.pooling.task == "score":
+                scored.append((seq, qsl[b + 1] - 1))
+            else:
                 pooled.append((seq, seq.pooler.result(seq.num_tokens)))
+        if scored:  # a reranker: the LM head on each done prompt's last row
+            logits = self.backend.head_logits(hidden[[r for _, r in scored]])  # (S, V)
+            for (seq, _), row in zip(scored, logits, strict=True):
+                yes, no = seq.params.pooling.score_tokens
+                diff = float(row[yes]) - float(row[no])
+                pooled.append((seq, np.array([1.0 / (1.0 + np.exp(-diff))], np.float64)))
         return RunnerOutput(pooled=pooled)
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:

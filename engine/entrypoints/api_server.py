@@ -36,7 +36,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
-from engine.entrypoints.embeddings_api import EmbeddingRequest, embeddings_body, input_ids
+from engine.entrypoints.embeddings_api import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embeddings_body,
+    input_ids,
+    rerank_body,
+    score_body,
+)
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from engine.entrypoints.lora_routes import ServedAdapters, add_lora_routes
 from engine.entrypoints.messages_api import (
@@ -85,6 +93,7 @@ from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError,
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
 from engine.lora.request import LoRARequest
+from engine.pooling_params import PoolingParams, score_prompt, yes_no_tokens
 from engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -318,6 +327,8 @@ BODIES = {
     "/v1/messages": MessagesRequest,
     "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/rerank": RerankRequest,
+    "/score": ScoreRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -518,6 +529,44 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
         tokens = sum(len(x) for x in ids)
         model = req.model or server.model_name
         return embeddings_body(model, vectors, tokens, req.encoding_format)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(raw: Request):
+        """The documents by a reranker's score (embeddings_api.py)."""
+        req, size = await server.parse(raw, RerankRequest)
+        scores, tokens = await _score(raw, server, req, req.query, req.documents, size)
+        return rerank_body(req.model or server.model_name, req, scores, tokens)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(raw: Request):
+        """text_1 against each of text_2 (embeddings_api.py)."""
+        req, size = await server.parse(raw, ScoreRequest)
+        scores, tokens = await _score(raw, server, req, req.text_1, req.documents(), size)
+        return score_body(req.model or server.model_name, scores, tokens)
+
+
+async def _score(raw, server: Server, req, query: str, docs: list[str], size: int):
+    """(each document's score, the prompts' tokens): its pair in the reranker's prompt, the
+    model's P(yes) against P(no) next (the pooling runner's score task)."""
+    server.check_model(req.model)
+    engine = server.llm.engine
+    if engine.config.runner != "pooling":
+        raise ApiError(400, "scoring needs a server started with --runner pooling")
+    if req.score_tokens is not None and len(req.score_tokens) != 2:
+        raise ApiError(400, "score_tokens: two token ids (yes, no)")
+    ids = tuple(req.score_tokens) if req.score_tokens else _call(yes_no_tokens, server.tokenizer)
+    texts = [_call(score_prompt, query, d, req.template, req.instruction) for d in docs]
+    args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
+    prompts = [
+        await server.run(size, _call, input_ids, EmbeddingRequest(input=t), *args) for t in texts
+    ]
+    pooling = _call(PoolingParams, task="score", score_tokens=ids)
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+    streams = await server.start([p[0] for p in prompts], params, False, req.model)
+    finals = await _unless_disconnected(raw, asyncio.gather(*[final_output(s) for s in streams]))
+    return [o.embedding[0] for o in finals], sum(len(p[0]) for p in prompts)
 
 
 def _add_responses_routes(app: FastAPI, server: Server) -> None:

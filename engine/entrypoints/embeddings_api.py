@@ -1,4 +1,5 @@
-"""OpenAI's embeddings API (``POST /v1/embeddings``) over the pooling runner (``--runner
+"""OpenAI's embeddings API (``POST /v1/embeddings``), and ``/score`` and ``/rerank`` (vLLM's,
+Jina's and Cohere's shapes), over the pooling runner (``--runner
 pooling``): ``input`` a string, strings, token ids or lists of token ids; ``encoding_format``
 float (a list of numbers) or base64 (the little-endian float32 bytes, as OpenAI's client decodes
 them); ``dimensions`` a Matryoshka cut the model declares; ``usage`` counts the prompt tokens.
@@ -8,6 +9,7 @@ Each input is one pooling request (engine/pooling_params.py); they run batched l
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Any, Literal
 
 import numpy as np
@@ -60,3 +62,53 @@ def embeddings_body(model: str, vectors: list[list[float]], prompt_tokens: int, 
         data.append({"object": "embedding", "index": i, "embedding": value})
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
     return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+class RerankRequest(BaseModel):
+    """Jina's and Cohere's ``/rerank`` (vLLM's): the documents ordered by a reranker's score."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    score_tokens: list[int] | None = None  # the yes and no ids (default: the vocabulary's)
+    template: str | None = None  # {query}, {document}, {instruction} (default: Qwen3-Reranker's)
+    instruction: str | None = None
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's ``/score``: ``text_1`` (one query) against each of ``text_2``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    text_1: str
+    text_2: str | list[str]
+    score_tokens: list[int] | None = None
+    template: str | None = None
+    instruction: str | None = None
+
+    def documents(self) -> list[str]:
+        return [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+
+
+def rerank_body(model: str, req: RerankRequest, scores: list[float], tokens: int) -> dict:
+    """The documents by score, highest first, ``top_n`` of them, each with its index."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]
+    results = []
+    for i in order:
+        item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            item["document"] = {"text": req.documents[i]}
+        results.append(item)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+            "usage": {"total_tokens": tokens}}  # fmt: skip
+
+
+def score_body(model: str, scores: list[float], tokens: int) -> dict:
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip

@@ -12,8 +12,14 @@ from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.recorder import Recorder
 from engine.frontend.tokenizer import HFTokenizerAdapter
 from engine.lora.request import LoRARequest
-from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from engine.pooling_params import PoolingParams
+from engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from engine.pooling_params import PoolingParams, score_prompt, yes_no_tokens
 from engine.sampling_params import SamplingParams, is_integer
 
 
@@ -128,6 +134,33 @@ class LLM:
         outs = self.generate(prompts, params, use_tqdm)
         return [
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+            for o in outs
+        ]
+
+    def score(
+        self,
+        query: str,
+        documents: str | list[str],
+        score_tokens: tuple[int, int] | None = None,
+        template: str | None = None,
+        instruction: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """A reranker's relevance of each document to the query (an engine made with
+        ``runner="pooling"``): each pair in ``template`` (Qwen3-Reranker's by default), the
+        probability the model gives "yes" against "no" next (``score_tokens``: their ids, by
+        default the vocabulary's one-token "yes" and "no"); ``.outputs.score``, in order."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.score needs an engine made with runner='pooling'")
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        ids = score_tokens or yes_no_tokens(self.engine.tokenizer)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, pooling=PoolingParams(task="score", score_tokens=ids)
+        )
+        prompts = [score_prompt(query, d, template, instruction) for d in docs]
+        outs = self.generate(prompts, params, use_tqdm)
+        return [
+            ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.embedding[0]))
             for o in outs
         ]
 
