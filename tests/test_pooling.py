@@ -118,8 +118,9 @@ def test_bad_values_are_named(tiny, tmp_path):
         PoolingParams("max")
     with pytest.raises(ValueError, match="dimensions must be None or an int >= 1"):
         PoolingParams(dimensions=0)
-    with pytest.raises(ValueError, match="runner='pooling' does not run with prefix caching"):
-        LLM(loaded=tiny, model="t", runner="pooling", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="runner='pooling' does not run with speculative"):
+        LLM(loaded=tiny, model="t", runner="pooling",
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')  # fmt: skip
     with pytest.raises(ValueError, match="pooler_config: unknown key 'pooling'"):
         LLM(loaded=tiny, model="t", runner="pooling", pooler_config='{"pooling": "mean"}')
     llm = LLM(loaded=tiny, model="t", runner="pooling", backend="numpy", num_gpu_blocks=32)
@@ -232,3 +233,25 @@ def test_the_server_reranks_and_scores():
     with LiveServer(load_model(path)) as s:
         bad = httpx.post(s.url + "/rerank", json={"query": "q", "documents": ["d"]})
         assert bad.status_code == 400 and "needs a server started with --runner pooling" in bad.text
+
+
+def test_prefix_caching_serves_last_pooling_and_mean_runs_whole(tmp_path):
+    """With prefix caching a shared prefix is computed once for last pooling (the later prompt
+    finds it cached, its vector the golden one); mean pooling needs every row, so its prompt
+    runs whole, and its vector is the golden one too."""
+    texts = golden()["meta"]["texts"]
+    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend="cpu",
+              dtype="float32", enable_prefix_caching=True, block_size=4,
+              num_gpu_blocks=256)  # fmt: skip
+    for key, cached in (("llama/last_norm", True), ("llama/mean_raw", False)):
+        case = golden()["cases"][key]
+        llm.embed(texts[3], pooling(case), use_tqdm=False)  # fills the cache
+        engine = llm.engine
+        rid = "again-" + key
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling(case))
+        engine.add_request(rid, texts[3], params)
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+        assert (out.num_cached_tokens > 0) == cached, key
+        check([out.embedding], vectors(case)[3:], case, key)

@@ -435,7 +435,6 @@ class EngineConfig:
             return conf
         refused = [
             ("backend", self.backend not in ("auto", "cpu", "numpy"), "the cuda backends"),
-            ("enable_prefix_caching", self.enable_prefix_caching, "prefix caching"),
             ("speculative_config", self.speculative is not None, "speculative decoding"),
             ("enable_lora", self.enable_lora, "LoRA adapters"),
             ("tensor_parallel_size", self.world_size > 1, "parallel ranks"),

@@ -341,9 +341,10 @@ class Scheduler:
                 continue
             if seq.lora_id is not None and not self._lora_slot(seq):
                 return  # every adapter slot is in use: it waits for one
-            # [] without prefix caching; a prompt whose logprobs are asked runs whole
-            hits = bm.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            loads = self._tier_blocks(seq, len(hits)) if bm.connector is not None else []
+            # [] without prefix caching; a prompt that needs every row computed runs whole
+            whole = runs_whole(seq)
+            hits = bm.cached_prefix(seq) if not whole else []
+            loads = self._tier_blocks(seq, len(hits)) if bm.connector and not whole else []
             loaded = len(loads) * bm.block_size  # tokens the tiers hold after the pool's
             n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size + loaded)
             if n == 0 or not bm.can_allocate(seq, loaded + n, hits):
@@ -502,3 +503,14 @@ class Scheduler:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs")
         if self.running != sorted(self.running, key=_arrival_key):
             raise AssertionError("running queue is not in arrival order")
+
+
+def runs_whole(seq: Sequence) -> bool:
+    """Whether every prompt row must be computed, none taken from a cache: its prompt logprobs
+    are asked, or it is pooled over its rows (mean, cls; last pooling and scores need only the
+    last row, which is always computed)."""
+    p = seq.params
+    pooled = (
+        p.pooling is not None and p.pooling.task == "embed" and p.pooling.pooling_type != "last"
+    )
+    return p.prompt_logprobs is not None or pooled
