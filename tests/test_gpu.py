@@ -456,3 +456,24 @@ def test_lora_adapters_on_the_device():
         assert out.outputs[0].token_ids == case["token_ids"], case["adapter"]
         want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
         np.testing.assert_allclose(out.outputs[0].step_logits[0], want, atol=ATOL, rtol=0)
+
+
+def test_pooling_on_the_device(tmp_path):
+    """The pooling runner on the device backend: sentence-transformers' golden embeddings of
+    the tiny llama checkpoint (last and mean pooling) and the reranker's golden scores."""
+    from engine import LLM
+    from tests.test_pooling import FAMILIES, check, golden, matryoshka_copy, pooling, vectors
+
+    texts = golden()["meta"]["texts"]
+    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend=BACKEND,
+              dtype="float32", num_gpu_blocks=64)  # fmt: skip
+    for key in ("llama/last_norm", "llama/mean_raw"):
+        case = golden()["cases"][key]
+        outs = llm.embed(texts, pooling(case), use_tqdm=False)
+        check([o.outputs.embedding for o in outs], vectors(case), case, key)
+    ref = golden()["rerank"]
+    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend=BACKEND,
+                 dtype="float32", num_gpu_blocks=64)  # fmt: skip
+    outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
+                        ref["template"], use_tqdm=False)  # fmt: skip
+    np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)

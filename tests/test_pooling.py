@@ -59,7 +59,7 @@ def matryoshka_copy(name: str, tmp_path: Path) -> Path:
     return model
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_tiny_checkpoints_match_sentence_transformers(name, backend, tmp_path):
     """Each case alone (one text at a time) and batched, with prompts split across steps by a
@@ -185,7 +185,7 @@ def test_the_server_answers_openai_embeddings(tmp_path):
         assert got.status_code == 400 and "needs a server started with --runner pooling" in got.text
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_scores_are_the_rerankers_yes_against_no(backend):
     """LLM.score: each (query, document) in a reranker's prompt, P(yes) against P(no)
     from the LM head after it, against transformers (scripts/make_pooling_golden.py): the

@@ -458,6 +458,20 @@ class CupyBackend(DecodeGraphs, Backend):
         """The layers over a step's inputs -> (R, V) float32 logits on the device, R output
         rows (one per sequence, or every row of a speculated run). No host synchronisation, so
         a graph can capture it."""
+        ws = self._layers(inp, T, R, nd, max_ctx)
+        k, c = self.k, self.cfg
+        eps, off = c.rms_norm_eps, c.norm_offset
+        x, res = ws.x, ws.residual
+        if inp.rows is not None:  # only each sequence's last token (a run's rows) is sampled
+            self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
+            self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
+            x, res = ws.last_x, ws.last_res  # (B, D)
+        k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
+        return self._lm_head(ws)  # (B, V) float32
+
+    def _layers(self, inp: StepInputs, T: int, R: int, nd: int, max_ctx: int) -> Workspace:
+        """Every layer over a step's inputs: the workspace, its ``x`` the last layer's output
+        and ``residual`` the stream before it (the final norm adds them)."""
         k, c, ws = self.k, self.cfg, self._workspace(T, R)
         eps, off = c.rms_norm_eps, c.norm_offset  # norms scale by (off + w): Gemma's 1 + w
         self._embed(ws.residual, inp.token_ids)  # (T, D)
@@ -471,13 +485,30 @@ class CupyBackend(DecodeGraphs, Backend):
             k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
             self._gemm(ws.act, lw, i, "w_down", ws.x, inp)  # (T, D)
             self._reduce(ws.x)
-        x, res = ws.x, ws.residual
-        if inp.rows is not None:  # only each sequence's last token (a run's rows) is sampled
-            self.xp.take(raw_view(ws.x), inp.rows, axis=0, out=raw_view(ws.last_x))
-            self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
-            x, res = ws.last_x, ws.last_res  # (B, D)
-        k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
-        return self._lm_head(ws)  # (B, V) float32
+        return ws
+
+    @on_device
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """(T, D) float32 on the host: every row's last hidden state after the final norm (the
+        pooling runner); eager, as a prefill step is."""
+        T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
+        flat = self.device.upload(pack_inputs(batch))
+        inp = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], len(batch.output_rows))
+        max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
+        ws = self._layers(inp, T, 1, nd, max_ctx)
+        c = self.cfg
+        out = self.device.empty((T, c.hidden_size), self.dtype)  # (T, D)
+        self.k.fused_add_rms_norm(out, ws.residual, ws.x, self.final_norm, c.rms_norm_eps,
+                                  c.norm_offset)  # fmt: skip
+        return self.device.download(out).astype(np.float32)
+
+    @on_device
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
+        """(R, D) final-normed hidden states -> (R, V) float32 logits (a reranker's rows)."""
+        x = self.device.upload(np.ascontiguousarray(h, dtype=self.dtype))
+        out = self.device.empty((h.shape[0], self.logits_cols), np.float32)
+        self.gemm(x, self.lm_head, out)
+        return self.device.download(out)
 
     # What a tensor-parallel rank (``engine.executor.rank_cupy``) does across its ranks.
     def _embed(self, out, token_ids) -> None:

@@ -208,8 +208,8 @@ class EngineConfig:
     runner: str = option(
         "generate",
         "generate: requests sample tokens; pooling: the engine embeds prompts (LLM.embed, the "
-        "server's /v1/embeddings), each prompt's hidden states pooled into one vector; numpy "
-        "and cpu backends, one rank",
+        "server's /v1/embeddings), each prompt's hidden states pooled into one vector, or "
+        "scores pairs (LLM.score, /score, /rerank); one rank",
         choices=("generate", "pooling"),
     )
     pooler_config: str | None = option(
@@ -434,7 +434,6 @@ class EngineConfig:
                 raise ValueError("EngineConfig: pooler_config needs runner='pooling'")
             return conf
         refused = [
-            ("backend", self.backend not in ("auto", "cpu", "numpy"), "the cuda backends"),
             ("speculative_config", self.speculative is not None, "speculative decoding"),
             ("enable_lora", self.enable_lora, "LoRA adapters"),
             ("tensor_parallel_size", self.world_size > 1, "parallel ranks"),
