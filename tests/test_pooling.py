@@ -178,6 +178,17 @@ def test_the_server_answers_openai_embeddings(tmp_path):
         ]:
             got = httpx.post(s.url + "/v1/embeddings", json={"model": "tiny", **body})
             assert got.status_code == 400 and words in got.json()["error"]["message"], got.text
+        pooled = httpx.post(s.url + "/pooling", json={"model": "tiny", "input": texts}).json()
+        check([d["data"] for d in pooled["data"]], vectors(last), last, "/pooling")
+        cohere = httpx.post(s.url + "/v2/embed", json={
+            "model": "tiny", "texts": texts, "input_type": "search_document",
+            "embedding_types": ["float", "base64"],
+        }).json()  # fmt: skip
+        check(cohere["embeddings"]["float"], vectors(last), last, "/v2/embed float")
+        raw = [np.frombuffer(base64.b64decode(b), "<f4") for b in cohere["embeddings"]["base64"]]
+        check(raw, vectors(last), last, "/v2/embed base64")
+        bad = httpx.post(s.url + "/v2/embed", json={"texts": ["a"], "embedding_types": ["int8"]})
+        assert bad.status_code == 400 and "embedding_types: 'int8' is not implemented" in bad.text
         gen = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert gen.status_code == 400 and "runner='pooling'" in gen.text
     with LiveServer(load_model(str(model))) as s:

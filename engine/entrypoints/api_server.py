@@ -37,11 +37,14 @@ from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
 from engine.entrypoints.embeddings_api import (
+    CohereEmbedRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    cohere_body,
     embeddings_body,
     input_ids,
+    pooling_body,
     rerank_body,
     score_body,
 )
@@ -327,6 +330,8 @@ BODIES = {
     "/v1/messages": MessagesRequest,
     "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/pooling": EmbeddingRequest,
+    "/v2/embed": CohereEmbedRequest,
     "/rerank": RerankRequest,
     "/score": ScoreRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
@@ -505,30 +510,26 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
     async def embeddings(raw: Request):
         """OpenAI's embeddings over the pooling runner (embeddings_api.py)."""
         req, size = await server.parse(raw, EmbeddingRequest)
-        server.check_model(req.model)
-        engine = server.llm.engine
-        if engine.config.runner != "pooling":
-            raise ApiError(
-                400, "/v1/embeddings needs a server started with --runner pooling (this one "
-                "generates)",
-            )  # fmt: skip
-        args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
-        ids = await server.run(size, _call, input_ids, req, *args)
-        pooling = engine.pooling_defaults
-        if req.dimensions is not None:
-            pooling = _call(dataclasses.replace, pooling, dimensions=req.dimensions)
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-        streams = await server.start(ids, params, False, req.model)
-        finals = await _unless_disconnected(
-            raw, asyncio.gather(*[final_output(s) for s in streams])
-        )
-        for o in finals:
-            if o.outputs[0].error:
-                raise ApiError(500, f"embedding failed: {o.outputs[0].error}", "InternalError")
-        vectors = [o.embedding for o in finals]
-        tokens = sum(len(x) for x in ids)
+        vectors, tokens = await _embed(raw, server, req, size, req.dimensions, "/v1/embeddings")
         model = req.model or server.model_name
         return embeddings_body(model, vectors, tokens, req.encoding_format)
+
+    @app.post("/pooling")
+    async def pooling(raw: Request):
+        """vLLM's /pooling: each input's pooled vector (embeddings_api.py)."""
+        req, size = await server.parse(raw, EmbeddingRequest)
+        vectors, tokens = await _embed(raw, server, req, size, req.dimensions, "/pooling")
+        return pooling_body(req.model or server.model_name, vectors, tokens)
+
+    @app.post("/v2/embed")
+    async def cohere_embed(raw: Request):
+        """Cohere's /v2/embed (embeddings_api.py)."""
+        creq, size = await server.parse(raw, CohereEmbedRequest)
+        _call(creq.check)
+        req = EmbeddingRequest(model=creq.model, input=creq.texts)
+        dims = creq.output_dimension
+        vectors, tokens = await _embed(raw, server, req, size, dims, "/v2/embed")
+        return cohere_body(creq.model or server.model_name, creq, vectors, tokens)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
@@ -545,6 +546,28 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
         req, size = await server.parse(raw, ScoreRequest)
         scores, tokens = await _score(raw, server, req, req.text_1, req.documents(), size)
         return score_body(req.model or server.model_name, scores, tokens)
+
+
+async def _embed(raw, server: Server, req: EmbeddingRequest, size: int, dims, route: str):
+    """(each input's vector, the inputs' tokens) through the pooling runner."""
+    server.check_model(req.model)
+    engine = server.llm.engine
+    if engine.config.runner != "pooling":
+        raise ApiError(400, f"{route} needs a server started with --runner pooling (this one "
+                            "generates)")  # fmt: skip
+    args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
+    ids = await server.run(size, _call, input_ids, req, *args)
+    pooling = engine.pooling_defaults
+    if dims is not None:
+        pooling = _call(dataclasses.replace, pooling, dimensions=dims)
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+    streams = await server.start(ids, params, False, req.model)
+    whole = asyncio.gather(*[final_output(s) for s in streams])
+    finals = await _unless_disconnected(raw, whole)
+    for o in finals:
+        if o.outputs[0].error:
+            raise ApiError(500, f"embedding failed: {o.outputs[0].error}", "InternalError")
+    return [o.embedding for o in finals], sum(len(x) for x in ids)
 
 
 async def _score(raw, server: Server, req, query: str, docs: list[str], size: int):

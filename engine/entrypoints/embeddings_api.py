@@ -1,5 +1,6 @@
-"""OpenAI's embeddings API (``POST /v1/embeddings``), and ``/score`` and ``/rerank`` (vLLM's,
-Jina's and Cohere's shapes), over the pooling runner (``--runner
+"""OpenAI's embeddings API (``POST /v1/embeddings``), vLLM's ``/pooling``, Cohere's
+``/v2/embed``, and ``/score`` and ``/rerank`` (vLLM's, Jina's and Cohere's shapes), over the
+pooling runner (``--runner
 pooling``): ``input`` a string, strings, token ids or lists of token ids; ``encoding_format``
 float (a list of numbers) or base64 (the little-endian float32 bytes, as OpenAI's client decodes
 them); ``dimensions`` a Matryoshka cut the model declares; ``usage`` counts the prompt tokens.
@@ -111,4 +112,44 @@ def rerank_body(model: str, req: RerankRequest, scores: list[float], tokens: int
 def score_body(model: str, scores: list[float], tokens: int) -> dict:
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+class CohereEmbedRequest(BaseModel):
+    """Cohere's ``/v2/embed`` (as vLLM serves it): ``texts``, ``embedding_types`` float and
+    base64 (others refused by name); ``input_type`` and ``truncate`` accepted (NONE only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    texts: list[str] = Field(min_length=1)
+    input_type: str | None = None  # search_document, search_query, ...: no effect
+    embedding_types: list[str] = Field(default_factory=lambda: ["float"])
+    truncate: str | None = None
+    output_dimension: int | None = Field(default=None, ge=1)
+
+    def check(self) -> None:
+        unknown = sorted(set(self.embedding_types) - {"float", "base64"})
+        if unknown:
+            raise ValueError(f"embedding_types: {unknown[0]!r} is not implemented (float, base64)")
+        if self.truncate not in (None, "NONE"):
+            raise ValueError("truncate: only NONE (a text longer than the context is a 400)")
+
+
+def cohere_body(model: str, req: CohereEmbedRequest, vectors: list, tokens: int) -> dict:
+    embeddings: dict[str, Any] = {}
+    for kind in req.embedding_types:
+        embeddings[kind] = [
+            v if kind == "float" else base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+            for v in vectors
+        ]
+    return {"id": f"embed-{uuid.uuid4().hex}", "embeddings": embeddings, "texts": req.texts,
+            "meta": {"billed_units": {"input_tokens": tokens}},
+            "response_type": "embeddings_by_type", "model": model}  # fmt: skip
+
+
+def pooling_body(model: str, vectors: list, tokens: int) -> dict:
+    """vLLM's ``/pooling``: each input's pooled data."""
+    data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(vectors)]
+    return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "model": model, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
