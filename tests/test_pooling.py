@@ -189,6 +189,9 @@ def test_the_server_answers_openai_embeddings(tmp_path):
         check(raw, vectors(last), last, "/v2/embed base64")
         bad = httpx.post(s.url + "/v2/embed", json={"texts": ["a"], "embedding_types": ["int8"]})
         assert bad.status_code == 400 and "embedding_types: 'int8' is not implemented" in bad.text
+        metrics = httpx.get(s.url + "/metrics").text
+        counted = next(x for x in metrics.splitlines() if x.startswith("pagedllm:prompt_tokens_t"))
+        assert float(counted.split()[-1]) > r.usage.prompt_tokens  # every request's prompt
         gen = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert gen.status_code == 400 and "runner='pooling'" in gen.text
     with LiveServer(load_model(str(model))) as s:

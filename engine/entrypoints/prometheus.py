@@ -58,7 +58,8 @@ class PrometheusStatLogger:
         }
         counter = {
             "num_preemptions": "preemptions so far",
-            "prompt_tokens": "prompt tokens of requests that started generating",
+            "prompt_tokens": "prompt tokens of requests that started generating, or were "
+            "pooled (embeddings, scores)",
             "generation_tokens": "generated tokens",
             "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
             "prefix_cache_hits": "prompt tokens found in the prefix cache",

@@ -292,8 +292,9 @@ class OutputProcessor:
             req.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None:
             req.prompt_logprobs = d.prompt_logprobs
-        if d.embedding is not None:
+        if d.embedding is not None:  # a pooled prompt: counted as generation's prompts are
             req.embedding = d.embedding
+            self.new_prompt_tokens += len(req.prompt_ids)
         sample.logprobs += d.logprobs or ()
         sample.step_logits += d.logits or ()
         hit = self._add_tokens(req, sample, d, now)
