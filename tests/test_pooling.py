@@ -269,3 +269,27 @@ def test_prefix_caching_serves_last_pooling_and_mean_runs_whole(tmp_path):
             out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
         assert (out.num_cached_tokens > 0) == cached, key
         check([out.embedding], vectors(case)[3:], case, key)
+
+
+def test_tensor_parallel_numpy_ranks_pool_and_score(tmp_path):
+    """Two numpy ranks: the layers' collectives run on both, the hidden states are whole on
+    each; the reranker's LM head is gathered from the two vocabulary halves."""
+    texts = golden()["meta"]["texts"]
+    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend="numpy",
+              dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)  # fmt: skip
+    try:
+        for key in ("llama/last_norm", "llama/mean_raw"):
+            case = golden()["cases"][key]
+            outs = llm.embed(texts, pooling(case), use_tqdm=False)
+            check([o.outputs.embedding for o in outs], vectors(case), case, f"{key} tp 2")
+    finally:
+        llm.shutdown()
+    ref = golden()["rerank"]
+    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend="numpy",
+                 dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)  # fmt: skip
+    try:
+        outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
+                            ref["template"], use_tqdm=False)  # fmt: skip
+        np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)
+    finally:
+        scorer.shutdown()

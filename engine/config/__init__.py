@@ -209,7 +209,7 @@ class EngineConfig:
         "generate",
         "generate: requests sample tokens; pooling: the engine embeds prompts (LLM.embed, the "
         "server's /v1/embeddings), each prompt's hidden states pooled into one vector, or "
-        "scores pairs (LLM.score, /score, /rerank); one rank",
+        "scores pairs (LLM.score, /score, /rerank); tensor parallel on numpy ranks",
         choices=("generate", "pooling"),
     )
     pooler_config: str | None = option(
@@ -436,7 +436,12 @@ class EngineConfig:
         refused = [
             ("speculative_config", self.speculative is not None, "speculative decoding"),
             ("enable_lora", self.enable_lora, "LoRA adapters"),
-            ("tensor_parallel_size", self.world_size > 1, "parallel ranks"),
+            ("pipeline_parallel_size", self.pipeline_parallel_size > 1, "pipeline stages"),
+            (
+                "tensor_parallel_size",
+                self.tensor_parallel_size > 1 and self.backend != "numpy",
+                f"tensor parallel ranks on the {self.backend} backend (numpy ranks do)",
+            ),
             ("async_scheduling", self.async_scheduling, "async scheduling"),
         ]
         for name, on, what in refused:

@@ -277,6 +277,14 @@ class Executor(Backend):
     def forward_greedy(self, batch) -> np.ndarray:
         return self._call("forward_greedy", batch)
 
+    def hidden_states(self, batch) -> np.ndarray:
+        """The pooling runner's rows (every rank runs the layers' collectives)."""
+        return self._call("hidden_states", batch)
+
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
+        """A reranker's logits (every rank multiplies its vocabulary slice; they gather)."""
+        return self._call("head_logits", h)
+
     def comm_stats(self) -> list[tuple[int, float]]:
         """(collectives, seconds in them) of each rank since it started (its stage's)."""
         return self._call("comm_stats", all_ranks=True)
