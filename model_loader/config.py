@@ -116,6 +116,18 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def fused_shapes(self) -> dict[str, tuple[int, list[int]]]:
+        """The engine's four fused matrices (q|k|v, o, gate|up, down): each one's input width
+        and its parts' output widths."""
+        d, f = self.hidden_size, self.intermediate_size
+        return {
+            "w_qkv": (d, [self.q_dim, self.kv_dim, self.kv_dim]),
+            "w_o": (self.q_dim, [d]),
+            "w_gate_up": (d, [f, f]),
+            "w_down": (f, [d]),
+        }
+
+    @property
     def gqa_group(self) -> int:
         """Query heads that share one K/V head."""
         return self.num_attention_heads // self.num_key_value_heads

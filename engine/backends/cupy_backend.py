@@ -150,10 +150,8 @@ class CupyBackend(DecodeGraphs, Backend):
         self.lora_layers, self.lora_ends, self.lora_used = [], {}, []
         if self.lora_shape is None:
             return
-        from engine.lora.adapter import shapes
-
         S, R = self.lora_shape
-        for name, (_, widths) in shapes(self.cfg).items():
+        for name, (_, widths) in self.cfg.fused_shapes.items():
             self.lora_ends[name] = self.device.upload(np.cumsum(widths).astype(np.int32))
         for _ in self.layers:
             self.lora_layers.append(
@@ -162,7 +160,7 @@ class CupyBackend(DecodeGraphs, Backend):
                         self.device.zeros((S, len(widths) * R, K), self.dtype),  # (S, M R, K)
                         self.device.zeros((S, R, sum(widths)), self.dtype),  # (S, R, N)
                     )
-                    for name, (K, widths) in shapes(self.cfg).items()
+                    for name, (K, widths) in self.cfg.fused_shapes.items()
                 }
             )
             self.lora_used.append({name: set() for name in self.lora_ends})
@@ -172,15 +170,13 @@ class CupyBackend(DecodeGraphs, Backend):
         """Slot ``slot`` holds this adapter (engine/lora/adapter.py ``LoRAWeights``, this
         rank's cut) from now on: module m's A^T in A's rows m R.., its B in B's rows 0.. of
         the module's columns; zeros past the module's rank and where the adapter has none."""
-        from engine.lora.adapter import shapes
-
         if self.lora_shape is None:
             raise ValueError("set_lora: this backend was built without enable_lora")
         S, R = self.lora_shape
         for i, layer in enumerate(self.lora_layers):
             for name, (a_dev, b_dev) in layer.items():
                 pair = weights.layers[i].get(name)
-                ends = np.cumsum(shapes(self.cfg)[name][1]).tolist()
+                ends = np.cumsum(self.cfg.fused_shapes[name][1]).tolist()
                 a = np.zeros(a_dev.shape[1:], np.float32)  # (M R, K)
                 b = np.zeros(b_dev.shape[1:], np.float32)  # (R, N)
                 for r0, r1, c0, bm in pair[1] if pair is not None else ():

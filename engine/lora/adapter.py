@@ -60,14 +60,8 @@ class LoRAWeights:
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
-    """Each fused matrix's input width and its parts' output widths."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "w_qkv": (d, [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]),
-        "w_o": (cfg.q_dim, [d]),
-        "w_gate_up": (d, [f, f]),
-        "w_down": (f, [d]),
-    }
+    """Each fused matrix's input width and its parts' output widths (ModelConfig's)."""
+    return cfg.fused_shapes
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str = "") -> LoRAWeights:
