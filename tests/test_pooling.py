@@ -293,3 +293,16 @@ def test_tensor_parallel_numpy_ranks_pool_and_score(tmp_path):
         np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)
     finally:
         scorer.shutdown()
+
+
+def test_the_generate_cli_embeds_with_runner_pooling(capsys):
+    """python -m engine.generate --runner pooling: a JSON line per prompt with its vector (the
+    default pooling: last, normalized), the golden one."""
+    from engine.entrypoints.generate import main as generate_main
+
+    text, case = golden()["meta"]["texts"][1], golden()["cases"]["llama/last_norm"]
+    argv = ["--model", str(FAMILIES / "llama"), "--runner", "pooling", "--prompt", text]
+    assert generate_main([*argv, "--json", "--backend", "numpy", "--dtype", "float32"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["prompt"] == text and row["prompt_tokens"] > 0
+    check([row["embedding"]], vectors(case)[1:2], case, "generate --runner pooling")

@@ -255,6 +255,11 @@ def run(args) -> int:
     params = sampling_params(args, llm.engine.sampling_defaults)
     tokenizer = llm.get_tokenizer()
     inputs = chat_prompts(prompts, tokenizer) if args.chat else prompts
+    if llm.engine.config.runner == "pooling":  # --runner pooling: each prompt's vector
+        try:
+            return embed(llm, inputs, prompts, args)
+        finally:
+            llm.shutdown()
     try:
         t0 = time.perf_counter()
         bar = not (args.no_tqdm or args.json)
@@ -268,6 +273,22 @@ def run(args) -> int:
     print(stats, file=sys.stderr if args.json else sys.stdout)
     if args.trace_html:
         print(f"replay: {args.trace_html}", file=sys.stderr)
+    return 0
+
+
+def embed(llm, inputs, prompts, args) -> int:
+    """--runner pooling: each prompt's vector (the checkpoint's pooling, --pooler-config): a
+    JSON line each with --json, else its size, norm and first values."""
+    outs = llm.embed(inputs, use_tqdm=not (args.no_tqdm or args.json))
+    for prompt, out in zip(prompts, outs, strict=True):
+        v = out.outputs.embedding
+        if args.json:
+            row = {"prompt": prompt, "prompt_tokens": len(out.prompt_token_ids), "embedding": v}
+            print(json.dumps(row, ensure_ascii=False), flush=True)
+            continue
+        norm = sum(x * x for x in v) ** 0.5
+        head = ", ".join(f"{x:.4f}" for x in v[:4])
+        print(f"{prompt!r} -> {len(v)} dimensions, norm {norm:.4f}: [{head}, ...]")
     return 0
 
 
