@@ -536,7 +536,7 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
     async def rerank(raw: Request):
         """The documents by a reranker's score (embeddings_api.py)."""
         req, size = await server.parse(raw, RerankRequest)
-        scores, tokens = await _score(raw, server, req, req.query, req.documents, size)
+        scores, tokens = await _score(raw, server, req, req.query, req.documents, size, "/rerank")
         return rerank_body(req.model or server.model_name, req, scores, tokens)
 
     @app.post("/score")
@@ -544,52 +544,59 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
     async def score(raw: Request):
         """text_1 against each of text_2 (embeddings_api.py)."""
         req, size = await server.parse(raw, ScoreRequest)
-        scores, tokens = await _score(raw, server, req, req.text_1, req.documents(), size)
+        docs = req.documents()
+        scores, tokens = await _score(raw, server, req, req.text_1, docs, size, "/score")
         return score_body(req.model or server.model_name, scores, tokens)
 
 
 async def _embed(raw, server: Server, req: EmbeddingRequest, size: int, dims, route: str):
     """(each input's vector, the inputs' tokens) through the pooling runner."""
-    server.check_model(req.model)
-    engine = server.llm.engine
-    if engine.config.runner != "pooling":
-        raise ApiError(400, f"{route} needs a server started with --runner pooling (this one "
-                            "generates)")  # fmt: skip
-    args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
-    ids = await server.run(size, _call, input_ids, req, *args)
-    pooling = engine.pooling_defaults
+    _check_pooling(server, req.model, route)
+    ids = await _input_ids(server, req, size)
+    pooling = server.llm.engine.pooling_defaults
     if dims is not None:
         pooling = _call(dataclasses.replace, pooling, dimensions=dims)
-    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-    streams = await server.start(ids, params, False, req.model)
-    whole = asyncio.gather(*[final_output(s) for s in streams])
-    finals = await _unless_disconnected(raw, whole)
-    for o in finals:
-        if o.outputs[0].error:
-            raise ApiError(500, f"embedding failed: {o.outputs[0].error}", "InternalError")
-    return [o.embedding for o in finals], sum(len(x) for x in ids)
+    return await _pooled(raw, server, req.model, ids, pooling), sum(len(x) for x in ids)
 
 
-async def _score(raw, server: Server, req, query: str, docs: list[str], size: int):
+async def _score(raw, server: Server, req, query: str, docs: list[str], size: int, route: str):
     """(each document's score, the prompts' tokens): its pair in the reranker's prompt, the
     model's P(yes) against P(no) next (the pooling runner's score task)."""
-    server.check_model(req.model)
-    engine = server.llm.engine
-    if engine.config.runner != "pooling":
-        raise ApiError(400, "scoring needs a server started with --runner pooling")
+    _check_pooling(server, req.model, route)
     if req.score_tokens is not None and len(req.score_tokens) != 2:
         raise ApiError(400, "score_tokens: two token ids (yes, no)")
     ids = tuple(req.score_tokens) if req.score_tokens else _call(yes_no_tokens, server.tokenizer)
     texts = [_call(score_prompt, query, d, req.template, req.instruction) for d in docs]
-    args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
-    prompts = [
-        await server.run(size, _call, input_ids, EmbeddingRequest(input=t), *args) for t in texts
-    ]
+    prompts = [(await _input_ids(server, EmbeddingRequest(input=t), size))[0] for t in texts]
     pooling = _call(PoolingParams, task="score", score_tokens=ids)
+    vectors = await _pooled(raw, server, req.model, prompts, pooling)
+    return [v[0] for v in vectors], sum(len(p) for p in prompts)
+
+
+def _check_pooling(server: Server, model: str | None, route: str) -> None:
+    """A served model, on a server that pools (--runner pooling)."""
+    server.check_model(model)
+    if server.llm.engine.config.runner != "pooling":
+        raise ApiError(400, f"{route} needs a server started with --runner pooling (this one "
+                            "generates)")  # fmt: skip
+
+
+async def _input_ids(server: Server, req: EmbeddingRequest, size: int) -> list[list[int]]:
+    """Each input's token ids, checked (embeddings_api.input_ids), in a worker when large."""
+    args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
+    return await server.run(size, _call, input_ids, req, *args)
+
+
+async def _pooled(raw, server: Server, model, prompts: list, pooling: PoolingParams) -> list:
+    """Each prompt's pooled output (a vector; a score's one value), queued together."""
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-    streams = await server.start([p[0] for p in prompts], params, False, req.model)
-    finals = await _unless_disconnected(raw, asyncio.gather(*[final_output(s) for s in streams]))
-    return [o.embedding[0] for o in finals], sum(len(p[0]) for p in prompts)
+    streams = await server.start(prompts, params, False, model)
+    whole = asyncio.gather(*[final_output(s) for s in streams])
+    finals = await _unless_disconnected(raw, whole)
+    for o in finals:
+        if o.outputs[0].error:
+            raise ApiError(500, f"pooling failed: {o.outputs[0].error}", "InternalError")
+    return [o.embedding for o in finals]
 
 
 def _add_responses_routes(app: FastAPI, server: Server) -> None:
