@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.entrypoints.tool_calls import function_tool
+
 # HTTP status -> Anthropic's error type (docs: "Errors"); others: 4xx invalid, 5xx api_error
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -194,10 +196,8 @@ class MessagesRequest(BaseModel):
             body["stream_options"] = {"include_usage": True}
         if self.tools:
             body["tools"] = [
-                {"type": "function", "function": {"name": t.name, "description": t.description,
-                                                  "parameters": t.input_schema}}
-                for t in self.tools
-            ]  # fmt: skip
+                function_tool(t.name, t.description, t.input_schema) for t in self.tools
+            ]
         choice = self.tool_choice or {}
         kind = choice.get("type")
         if choice and kind not in ("auto", "any", "tool", "none"):

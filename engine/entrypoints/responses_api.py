@@ -38,6 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.entrypoints.tool_calls import function_tool
+
 REFUSED = {  # request fields not implemented -> why (a value other than its "off" is a 400)
     "background": "background responses are not implemented",
     "prompt": "reusable prompts are not implemented",
@@ -138,11 +140,7 @@ class ResponsesRequest(BaseModel):
         if self.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.tools:
-            body["tools"] = [
-                {"type": "function", "function": {"name": t.name, "description": t.description,
-                                                  "parameters": t.parameters}}
-                for t in self.tools
-            ]  # fmt: skip
+            body["tools"] = [function_tool(t.name, t.description, t.parameters) for t in self.tools]
         choice = self.tool_choice
         if isinstance(choice, dict):
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -373,21 +371,11 @@ class ResponseEvents:
     def _choice(self, choice: dict) -> list[tuple[str, dict]]:
         out, delta = [], choice.get("delta") or {}
         if delta.get("reasoning_content"):
-            if self.open != "reasoning":
-                out += self._close() + self._open_reasoning()
-            item = self.items[-1]
-            item["content"][0]["text"] += delta["reasoning_content"]
-            out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
-                                   output_index=len(self.items) - 1, content_index=0,
-                                   delta=delta["reasoning_content"]))  # fmt: skip
+            out += self._text("reasoning", self._open_reasoning, "response.reasoning_text.delta",
+                              delta["reasoning_content"])  # fmt: skip
         if delta.get("content"):
-            if self.open != "text":
-                out += self._close() + self._open_message()
-            item = self.items[-1]
-            item["content"][0]["text"] += delta["content"]
-            out.append(self._event("response.output_text.delta", item_id=item["id"],
-                                   output_index=len(self.items) - 1, content_index=0,
-                                   delta=delta["content"], logprobs=[]))  # fmt: skip
+            out += self._text("text", self._open_message, "response.output_text.delta",
+                              delta["content"], logprobs=[])  # fmt: skip
         for call in delta.get("tool_calls") or []:
             key = f"call{call['index']}"
             fn = call.get("function") or {}
@@ -402,6 +390,16 @@ class ResponseEvents:
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
         return out
+
+    def _text(self, kind: str, open_item, event: str, text: str, **extra):
+        """A text piece of the open ``kind`` item (a message's text, a reasoning item's),
+        opening one first when another is open: its delta event."""
+        out = [] if self.open == kind else self._close() + open_item()
+        item = self.items[-1]
+        item["content"][0]["text"] += text
+        index = len(self.items) - 1
+        return out + [self._event(event, item_id=item["id"], output_index=index,
+                                  content_index=0, delta=text, **extra)]  # fmt: skip
 
     def _open_message(self) -> list[tuple[str, dict]]:
         item = {"type": "message", "id": _new_id("msg"), "status": "in_progress",

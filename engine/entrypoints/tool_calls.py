@@ -133,6 +133,12 @@ def tool_mode(
     return ToolMode(choice, parallel=parallel, names=names, parser=parser, schemas=schemas)
 
 
+def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A chat request's function tool, from another API's tool (Responses, Messages)."""
+    fn = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": fn}
+
+
 def new_call(name: str, arguments: str) -> dict:
     """One entry of OpenAI's ``message.tool_calls``."""
     call_id = f"call_{uuid.uuid4().hex[:24]}"
