@@ -187,14 +187,14 @@ class Sampler:
     def _apply_grammars(self, x: np.ndarray, seqs) -> None:
         """Tokens that structured-output rows' grammars do not allow next -> -inf, the masks of
         every such row filled in one call (llguidance's threads)."""
-        rows = [b for b, s in enumerate(seqs) if _constrained(s.matcher)]
+        # a grammar waiting for a reasoning model's thinking to end masks nothing yet
+        rows = [b for b, s in enumerate(seqs) if s.matcher is not None and s.matcher.active]
         if not rows:
             return
         from engine.core.structured import allocate_bitmask, apply_bitmask
 
         mask = allocate_bitmask(len(rows), x.shape[1])  # (R, W) int32
-        matchers = [seqs[b].matcher for b in rows]
-        self.structured.fill_bitmasks([getattr(m, "inner", m) for m in matchers], mask)
+        self.structured.fill_bitmasks([seqs[b].matcher for b in rows], mask)
         apply_bitmask(x, mask, np.asarray(rows))
 
     def sample(self, logits: np.ndarray, seqs, generators):
@@ -235,9 +235,3 @@ def top_logprobs(row: np.ndarray, token: int, n: int) -> dict[int, float]:
     entry = {int(t): float(lp[t]) for t in top}
     entry[token] = float(lp[token])
     return entry
-
-
-def _constrained(matcher) -> bool:
-    """Whether a row's grammar masks its next token (one that waits for the end of a reasoning
-    model's thinking does not yet)."""
-    return matcher is not None and getattr(matcher, "active", True)

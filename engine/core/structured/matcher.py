@@ -21,6 +21,8 @@ from engine.core.structured.bitmask import bitmask_width, unpack_bitmask
 class Matcher:
     """A fresh grammar state per request; built by ``StructuredOutputCompiler.matcher``."""
 
+    active = True  # its mask applies (AfterReasoning's waits for the thinking's end)
+
     def __init__(self, ll: llguidance.LLMatcher, vocab_size: int, eos_token_ids):
         self._ll = ll
         self.vocab_size = vocab_size
@@ -137,6 +139,7 @@ class AfterReasoning:
 
     error = property(lambda self: self.inner.error)
     num_tokens = property(lambda self: self.inner.num_tokens)
+    _ll = property(lambda self: self.inner._ll)  # fill_bitmasks reads the inner grammar's
 
     def accept(self, token: int) -> bool:
         if self.active:
