@@ -114,6 +114,7 @@ class CpuBackend(NumpyBackend):
         self._table, self._table_for = None, None  # decode_layers' layer pointers, their cache
         self._lora_native: dict = {}  # slot -> {(layer, matrix): (_LoraAdapter, its arrays)}
         self._lora_steps: dict = {}  # a step's adapters (slots) -> (_LoraLayer array, parts)
+        self._scratch, self._scratch_for = None, None  # lora_add's scratch, its batch's slots
 
     def _quantization(self, asked: str | None) -> str | None:
         # a GGUF whose layer matrices are all Q8_0 keeps them so: quantizing its float32 values
@@ -169,6 +170,7 @@ class CpuBackend(NumpyBackend):
     def set_lora(self, slot: int, weights) -> None:
         super().set_lora(slot, weights)
         self._lora_native.pop(slot, None)
+        self._scratch_for = None  # its rank may need wider scratch
         self._lora_steps = {k: v for k, v in self._lora_steps.items() if slot not in k}
 
     @property
@@ -188,8 +190,8 @@ class CpuBackend(NumpyBackend):
         m = getattr(self._lora_layers(self._lora_active(slots))[layer], name[2:])
         if m.n == 0:  # none of the step's adapters changes this matrix
             return
+        xs, ts, rows = self._lora_scratch(slots)
         x, slots, p = cpu_ops._c32(x), cpu_ops._i32(slots), cpu_ops._p
-        xs, ts, rows = self._lora_scratch(x.shape[0])
         status = library().lora_add(
             p(y), p(x), ctypes.byref(m), p(slots), p(xs), p(ts), p(rows), x.shape[0],
             x.shape[1], y.shape[1], cpu_ops.threads(),
@@ -201,11 +203,18 @@ class CpuBackend(NumpyBackend):
         """The slots a batch's rows run (the base model's -1 left out), once per batch."""
         return tuple(s for s, _ in self._lora_rows(slots))
 
-    def _lora_scratch(self, T: int):
-        """lora_add's scratch for T rows: an adapter's rows of x, their x @ A, their indices."""
-        c, R = self.cfg, max((w.rank for w in self.loras.values()), default=1)
-        widest = max(c.hidden_size, c.q_dim, c.intermediate_size)
-        return np.empty((T, widest), F32), np.empty((T, 3 * R), F32), np.empty(T, np.int32)
+    def _lora_scratch(self, slots: np.ndarray):
+        """lora_add's scratch for a batch's rows (its ``lora_slots``): an adapter's rows of x,
+        their x @ A, their indices; made once per batch, not once per product."""
+        if self._scratch_for is not slots:
+            T, c = len(slots), self.cfg
+            R = max((w.rank for w in self.loras.values()), default=1)
+            widest = max(c.hidden_size, c.q_dim, c.intermediate_size)
+            self._scratch = (
+                np.empty((T, widest), F32), np.empty((T, 3 * R), F32), np.empty(T, np.int32)
+            )  # fmt: skip
+            self._scratch_for = slots
+        return self._scratch
 
     def _lora_adapter(self, slot: int, layer: int, name: str):
         """Slot's _LoraAdapter on one matrix, or None where the adapter leaves it alone: A kept
@@ -345,7 +354,7 @@ class CpuBackend(NumpyBackend):
             lora_slots = cpu_ops._i32(b.lora_slots)
             arrays["lora_slots"] = lora_slots
             table = self._lora_layers(self._lora_active(b.lora_slots))
-            scratch = self._lora_scratch(t)  # alive until the call returns
+            scratch = self._lora_scratch(b.lora_slots)
             lora = [ctypes.cast(table, _ptr), *map(cpu_ops._p, (lora_slots, *scratch))]
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,
