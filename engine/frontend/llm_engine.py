@@ -306,11 +306,11 @@ def pooling_defaults(config) -> PoolingParams | None:
 
 
 def matryoshka_dimensions(config) -> list[int] | None:
-    """The Matryoshka cuts a model directory's config.json declares: its
+    """The Matryoshka cuts a pooling model directory's config.json declares: its
     ``matryoshka_dimensions`` ([] for ``is_matryoshka`` without a list: any cut), None when it
-    declares none (or there is no directory)."""
-    conf = Path(config.model or "") / "config.json" if config.model else None
-    if conf is None or not conf.is_file():
+    declares none (or there is no directory, or the engine generates: not read then)."""
+    conf = Path(config.model) / "config.json" if config.model else None
+    if config.runner != "pooling" or conf is None or not conf.is_file():
         return None
     raw = json.loads(conf.read_text())
     dims = raw.get("matryoshka_dimensions")
