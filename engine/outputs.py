@@ -128,7 +128,27 @@ class EmbeddingRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    score: float  # a reranker's relevance: P(yes) against P(no), in (0, 1)
+    score: float  # a reranker's relevance in (0, 1): P(yes) against P(no), or a one-label
+    #   classifier's sigmoid
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # each label's probability (softmax, or sigmoid: classifier_activation)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s answer for one prompt (vLLM's shape: ``.outputs.probs``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
 
 
 @dataclass

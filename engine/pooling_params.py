@@ -17,27 +17,37 @@ from pathlib import Path
 import numpy as np
 
 POOLING_TYPES = ("last", "mean", "cls")
-TASKS = ("embed", "score")
+TASKS = ("embed", "score", "classify")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     """``task`` embed: the pooled vector; score: a reranker's relevance, the probability of
     ``score_tokens[0]`` ("yes") against ``score_tokens[1]`` ("no") as the LM head predicts the
-    token after the prompt (Qwen3-Reranker's way), ``sigmoid(logit_yes - logit_no)``."""
+    token after the prompt (Qwen3-Reranker's way), ``sigmoid(logit_yes - logit_no)``, or with
+    no score_tokens a one-label classifier's ``sigmoid(logit)``; classify: a sequence
+    classifier's (*ForSequenceClassification) head on the last token, its labels' probabilities
+    (``classifier_activation``). ``activation`` False: score and classify give the raw logits."""
 
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
     task: str = "embed"
     score_tokens: tuple[int, int] | None = None
+    activation: bool = True
 
     def __post_init__(self):
         if self.task not in TASKS:
-            raise ValueError(f"PoolingParams: task must be embed or score, got {self.task!r}")
+            raise ValueError(
+                f"PoolingParams: task must be one of {', '.join(TASKS)}, got {self.task!r}"
+            )
         ids = self.score_tokens
-        if (self.task == "score") != (ids is not None):
+        if ids is not None and self.task != "score":
             raise ValueError("PoolingParams: score_tokens (yes, no ids) go with task 'score'")
+        if self.task == "classify" and self.pooling_type != "last":
+            raise ValueError("PoolingParams: classify scores the last token: pooling_type 'last'")
+        if not isinstance(self.activation, bool):
+            raise ValueError(f"PoolingParams: activation must be a bool, got {self.activation!r}")
         if ids is not None:
             ok = len(ids) == 2 and all(isinstance(t, int) and t >= 0 for t in ids)
             if not ok:
@@ -62,6 +72,17 @@ class PoolingParams:
             norm = float(np.sqrt(np.dot(v, v)))
             v = v / norm if norm > 0 else v
         return v.astype(np.float32)
+
+
+def classifier_activation(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
+    """A classifier's (L,) float64 logits as probabilities, as vLLM turns them: sigmoid for one
+    label or a multi-label problem, none for regression, else softmax over the labels."""
+    if problem_type == "regression":
+        return logits
+    if problem_type == "multi_label_classification" or logits.shape[-1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
 
 
 class Pooler:

@@ -13,7 +13,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model_loader.families import FAMILIES, activation, check_keys, family_of, layer_windows
+from model_loader.families import (
+    FAMILIES,
+    activation,
+    check_keys,
+    family_of,
+    is_classifier,
+    layer_windows,
+)
 from model_loader.rope import RopeParams, parse_rope
 
 # Hugging Face config.json keys that must be present (no sensible default exists).
@@ -50,6 +57,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # silu | gelu_tanh | gelu: the gated MLP's activation
     layer_windows: tuple[int, ...] = ()  # per layer, its sliding window (0 or absent: none)
     stored_matrix_type: str | None = None  # a GGUF's layer matrices' type if one ("Q8_0")
+    labels: tuple[str, ...] = ()  # a sequence classifier's labels, in id order (): a causal LM)
+    problem_type: str | None = None  # a classifier's: how its logits become probabilities
 
     def __post_init__(self):
         if self.rope is None:
@@ -71,6 +80,11 @@ class ModelConfig:
                 f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def num_labels(self) -> int:
+        """A sequence classifier's outputs (its score head's rows); 0 for a causal LM."""
+        return len(self.labels)
 
     @property
     def spec(self):
@@ -170,9 +184,32 @@ class ModelConfig:
             rope=rope,
             hidden_act=activation(d, fam),
             layer_windows=layer_windows(d, fam, d["num_hidden_layers"]),
+            labels=classifier_labels(d),
+            problem_type=d.get("problem_type") if is_classifier(d) else None,
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+PROBLEM_TYPES = (None, "single_label_classification", "multi_label_classification", "regression")
+
+
+def classifier_labels(d: dict) -> tuple[str, ...]:
+    """A *ForSequenceClassification config's labels in id order (id2label's names, LABEL_i
+    where it names none; num_labels, else id2label's size, else transformers' 2); () for a
+    causal LM."""
+    if not is_classifier(d):
+        return ()
+    names = d.get("id2label") or {}
+    n = d.get("num_labels") or len(names) or 2
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"config.json: num_labels must be a positive int, got {n!r}")
+    if d.get("problem_type") not in PROBLEM_TYPES:
+        raise ValueError(
+            f"config.json: problem_type {d['problem_type']!r} is not one of "
+            f"{', '.join(str(p) for p in PROBLEM_TYPES[1:])}"
+        )
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(n))

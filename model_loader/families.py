@@ -46,6 +46,9 @@ COMMON_KEYS = {
     "eos_token_id",
     "torch_dtype",
     "dtype",
+    "num_labels",  # a sequence classifier's (with id2label)
+    "id2label",
+    "problem_type",
 }
 
 # Keys that do not change an inference forward: bookkeeping, dropout (off at inference),
@@ -68,9 +71,7 @@ HARMLESS_KEYS = {
     "return_dict",
     "torchscript",
     "chunk_size_feed_forward",
-    "id2label",
     "label2id",
-    "problem_type",
     "tokenizer_class",
     "prefix",
     "sep_token_id",
@@ -221,10 +222,24 @@ FAMILIES = {
 }
 
 ARCHITECTURES = {a: f for f in FAMILIES.values() for a in f.architectures}
+# each family's sequence classifier (transformers' *ForSequenceClassification: the same
+# decoder, a score head on the last token instead of the LM head; the pooling runner's)
+CLASSIFIERS = {
+    a.replace("ForCausalLM", "ForSequenceClassification"): f
+    for f in FAMILIES.values()
+    for a in f.architectures
+}
+ARCHITECTURES |= CLASSIFIERS
 
 
 def supported() -> str:
-    return ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+    names = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+    return f"{names}; each also as *ForSequenceClassification"
+
+
+def is_classifier(d: dict) -> bool:
+    """config.json names a sequence classifier's architecture."""
+    return any(a in CLASSIFIERS for a in d.get("architectures") or [])
 
 
 def family_of(d: dict, where: str = "config.json") -> Family:

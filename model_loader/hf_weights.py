@@ -24,6 +24,7 @@ HF_GLOBAL_NAMES = {
     "embed": "model.embed_tokens.weight",
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
+    "score": "score.weight",  # a *ForSequenceClassification checkpoint's head, instead of lm_head
 }
 
 # LayerWeights field -> Hugging Face tensor name ({i} is the layer index).
@@ -66,6 +67,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed": (v, d),
         "final_norm": (d,),
         "lm_head": (v, d),
+        "score": (cfg.num_labels, d),
         "attn_norm": (d,),
         "wq": (cfg.q_dim, d),
         "wk": (cfg.kv_dim, d),
@@ -142,6 +144,7 @@ def weights_from_tensors(
     """Assemble ModelWeights from named tensors through a name table (HF's by default).
 
     Every tensor is shape-checked; with tied embeddings ``lm_head`` is the embedding array itself.
+    A sequence classifier (``cfg.num_labels``) brings ``score`` (its head) and no LM head.
     A tensor the table does not know is an error: the forward would silently ignore it. From a
     mapping that makes its arrays on demand (a GGUF's), the layers are LazyLayers.
     """
@@ -159,7 +162,11 @@ def weights_from_tensors(
     n = cfg.num_hidden_layers
     layers = LazyLayers(n, layer) if hasattr(tensors, "shape") else [layer(i) for i in range(n)]
     final_norm = _take(tensors, global_names["final_norm"], shapes["final_norm"], used)
-    if cfg.tie_word_embeddings:
+    score = None
+    if cfg.num_labels:  # a classifier: its head; embed stands in for the LM head it lacks
+        score = _take(tensors, global_names["score"], shapes["score"], used)
+        lm_head = embed
+    elif cfg.tie_word_embeddings:
         used.add(global_names["lm_head"])  # a tied checkpoint may still store a copy: unused
         lm_head = embed
     else:
@@ -167,7 +174,7 @@ def weights_from_tensors(
     extra = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise ValueError(f"checkpoint: unexpected tensor {extra[0]!r} ({len(extra)} in all)")
-    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+    return ModelWeights(embed, layers, final_norm, lm_head, score)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -67,6 +67,8 @@ class ModelWeights:
     layers: Sequence[LayerWeights]  # a list, or LazyLayers
     final_norm: np.ndarray  # (dim,)
     lm_head: np.ndarray  # (vocab, dim); the same array as embed when embeddings are tied
+    #   (a sequence classifier has no LM head: embed stands in, and nothing samples from it)
+    score: np.ndarray | None = None  # (num_labels, dim) a sequence classifier's head
 
     def arrays(self):
         """Every array once, with its internal name (for byte counts and dtype casts)."""
@@ -78,6 +80,8 @@ class ModelWeights:
         yield "final_norm", self.final_norm
         if self.lm_head is not self.embed:
             yield "lm_head", self.lm_head
+        if self.score is not None:
+            yield "score", self.score
 
     def nbytes(self) -> int:
         return sum(a.nbytes for _, a in self.arrays())
@@ -94,6 +98,7 @@ class ModelWeights:
             ],
             final_norm=self.final_norm.astype(dtype),
             lm_head=embed if tied else self.lm_head.astype(dtype),
+            score=_cast(self.score, dtype),
         )
 
 

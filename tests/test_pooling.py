@@ -306,3 +306,97 @@ def test_the_generate_cli_embeds_with_runner_pooling(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["prompt"] == text and row["prompt_tokens"] > 0
     check([row["embedding"]], vectors(case)[1:2], case, "generate --runner pooling")
+
+
+@cache
+def classify_golden() -> dict:
+    return json.loads((DATA / "classify.json").read_text())
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
+def test_classifiers_match_transformers(backend, tmp_path):
+    """LLM.classify on a *ForSequenceClassification checkpoint (the tiny qwen3 under a 3-label
+    score head, scripts/make_classifier_golden.py): the logits within 1e-4 of transformers',
+    softmax probabilities within 1e-5, alone and batched; a multi-label config gives sigmoids.
+    Generating with a classifier, classify without one, a score without a label: named."""
+    ref = classify_golden()["cls_qwen3"]
+    want = np.array(ref["logits"])  # (N, 3)
+    llm = LLM(model=str(DATA / "cls_qwen3"), runner="pooling", backend=backend,
+              dtype="float32", num_gpu_blocks=64)  # fmt: skip
+    assert llm.engine.model_config.labels == tuple(ref["labels"])
+    raw = [o.outputs.probs for o in llm.classify(ref["texts"], activation=False, use_tqdm=False)]
+    np.testing.assert_allclose(raw, want, atol=1e-4, rtol=0)
+    alone = [llm.classify(t, use_tqdm=False)[0].outputs.probs for t in ref["texts"]]
+    np.testing.assert_allclose(alone, softmax(want), atol=1e-5, rtol=0)
+    assert all(len(p) == 3 for p in alone)
+    score = SamplingParams(max_tokens=1, pooling=PoolingParams(task="score"))
+    with pytest.raises(ValueError, match="score without score_tokens needs a one-label"):
+        llm.generate("a pair", score, use_tqdm=False)
+    multi = tmp_path / "multi"
+    shutil.copytree(DATA / "cls_qwen3", multi)
+    conf = json.loads((multi / "config.json").read_text())
+    conf["problem_type"] = "multi_label_classification"
+    (multi / "config.json").write_text(json.dumps(conf))
+    llm = LLM(model=str(multi), runner="pooling", backend=backend, dtype="float32",
+              num_gpu_blocks=64)  # fmt: skip
+    got = [o.outputs.probs for o in llm.classify(ref["texts"], use_tqdm=False)]
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-want)), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="sequence classifier .* runner='pooling'"):
+        LLM(model=str(multi), backend=backend, dtype="float32")
+    plain = LLM(model=str(FAMILIES / "qwen3"), runner="pooling", backend=backend,
+                dtype="float32", num_gpu_blocks=64)  # fmt: skip
+    with pytest.raises(ValueError, match="classify needs a sequence classifier"):
+        plain.classify("hello", use_tqdm=False)
+
+
+def test_a_one_label_classifier_reranks(tmp_path):
+    """A one-label classifier (the tiny llama, scripts/make_classifier_golden.py) scores pairs
+    as sigmoid(logit): LLM.score, /score, /rerank and /classify through the server equal
+    transformers' within 1e-5; /classify on a model without a score head is a 400."""
+    import httpx
+
+    from engine.tools.live_server import LiveServer
+    from model_loader.load import load_model
+
+    ref = classify_golden()["cls_llama"]
+    want = 1 / (1 + np.exp(-np.array(ref["logits"])[:, 0]))  # (N,)
+    path = str(DATA / "cls_llama")
+    llm = LLM(model=path, runner="pooling", backend="cpu", dtype="float32", num_gpu_blocks=64)
+    outs = llm.score(ref["query"], ref["documents"], template=ref["template"], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in outs], want, atol=1e-5, rtol=0)
+    with LiveServer(load_model(path), runner="pooling", backend="cpu", dtype="float32") as s:
+        body = {"model": "tiny", "query": ref["query"], "documents": ref["documents"],
+                "template": ref["template"]}  # fmt: skip
+        r = httpx.post(s.url + "/rerank", json=body).json()
+        assert [x["index"] for x in r["results"]] == list(np.argsort(-want))
+        np.testing.assert_allclose(
+            [x["relevance_score"] for x in r["results"]], np.sort(want)[::-1], atol=1e-5, rtol=0
+        )
+        sc = httpx.post(s.url + "/score", json={"text_1": ref["query"],
+                        "text_2": ref["documents"], "template": ref["template"]}).json()  # fmt: skip
+        np.testing.assert_allclose([d["score"] for d in sc["data"]], want, atol=1e-5, rtol=0)
+        c = httpx.post(s.url + "/classify", json={"input": ref["texts"]}).json()
+        assert [d["label"] for d in c["data"]] == ["relevant"] * len(want)
+        np.testing.assert_allclose([d["probs"][0] for d in c["data"]], want, atol=1e-5, rtol=0)
+        assert c["usage"]["prompt_tokens"] == sum(len(llm.engine.tokenizer.encode(t))
+                                                  for t in ref["texts"])  # fmt: skip
+    qwen3 = classify_golden()["cls_qwen3"]
+    with LiveServer(load_model(str(DATA / "cls_qwen3")), runner="pooling", backend="cpu",
+                    dtype="float32") as s:  # fmt: skip
+        c = httpx.post(s.url + "/classify", json={"input": qwen3["texts"][1]}).json()
+        want3 = softmax(np.array(qwen3["logits"][1]))
+        assert c["data"][0]["label"] == qwen3["labels"][int(np.argmax(want3))]
+        np.testing.assert_allclose(c["data"][0]["probs"], want3, atol=1e-5, rtol=0)
+        raw = httpx.post(s.url + "/classify", json={"input": qwen3["texts"][1],
+                         "use_activation": False}).json()  # fmt: skip
+        np.testing.assert_allclose(raw["data"][0]["probs"], qwen3["logits"][1], atol=1e-4)
+        bad = httpx.post(s.url + "/classify", json={"input": ""})
+        assert bad.status_code == 400 and "input: an empty string" in bad.text
+    with LiveServer(load_model(str(FAMILIES / "llama")), runner="pooling", backend="cpu") as s:
+        bad = httpx.post(s.url + "/classify", json={"input": "hi"})
+        assert bad.status_code == 400 and "needs a sequence classifier" in bad.text

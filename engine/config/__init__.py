@@ -491,6 +491,11 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """A copy with max_model_len and max_num_batched_tokens filled in and cross-checked."""
+        if model_config.num_labels and self.runner != "pooling":
+            raise ValueError(
+                "EngineConfig: the model is a sequence classifier (a score head, no LM head): "
+                "it runs with runner='pooling' (LLM.classify, /classify), never generates"
+            )
         model_max = model_config.max_position_embeddings
         max_len = self.max_model_len or model_max
         if max_len > model_max:

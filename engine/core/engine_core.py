@@ -86,6 +86,7 @@ class EngineCore:
         cfg, mc = self.config, self.model_config
         log.info("model %s: %s", self.loaded.source, mc.summary())
         self.backend = backend_factory(mc, self.loaded.weights, cfg)
+        score = self.loaded.weights.score  # (L, D) a classifier's head (kept on the host)
         # speculative decoding's draft model, checked against this one
         draft = draft_backend(cfg, self.loaded, self.draft_loaded, backend_factory)
         tiers = cfg.kv_offload_bytes or cfg.kv_cache_dir  # keyed while the weights are here
@@ -105,6 +106,7 @@ class EngineCore:
         self.eos_token_ids = model_eos_ids(self.loaded)
         self.sampler = Sampler(self.eos_token_ids)
         self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
+        self.runner.classifier = None if score is None else np.asarray(score, np.float64)
         self.connector = None if tier_key is None else self._attach_tiers(tier_key)
         self.lora = LoRAManager(cfg, mc, self.backend) if cfg.enable_lora else None
         self.scheduler.lora = self.runner.lora = self.lora

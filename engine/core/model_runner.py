@@ -22,7 +22,7 @@ from engine.core.sampler import Sampler, plain_greedy, rows_to_sample, top_logpr
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.core.spec_step import Accepted, verify
-from engine.pooling_params import Pooler
+from engine.pooling_params import Pooler, classifier_activation
 from engine.utils import cdiv
 from model_loader.config import ModelConfig
 
@@ -126,6 +126,8 @@ class ModelRunner:
         self.connector = None  # the KV tiers (engine/kv_offload), when on
         self.lora = None  # the LoRAManager (enable_lora): rows carry their adapter's slot
         self.pooling = engine_config.runner == "pooling"  # prompts pooled, never sampled
+        self.classifier = None  # (L, D) float64 a sequence classifier's score head
+        self.problem_type = model_config.problem_type
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
@@ -228,17 +230,34 @@ class ModelRunner:
             seq.pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
             if start + n != seq.num_tokens:
                 continue
-            if seq.params.pooling.task == "score":
+            if seq.params.pooling.task != "embed":
                 scored.append((seq, qsl[b + 1] - 1))
             else:
                 pooled.append((seq, seq.pooler.result(seq.num_tokens)))
-        if scored:  # a reranker: the LM head on each done prompt's last row
-            logits = self.backend.head_logits(hidden[[r for _, r in scored]])  # (S, V)
-            for (seq, _), row in zip(scored, logits, strict=True):
-                yes, no = seq.params.pooling.score_tokens
-                diff = float(row[yes]) - float(row[no])
-                pooled.append((seq, np.array([1.0 / (1.0 + np.exp(-diff))], np.float64)))
+        if scored:  # the last row of each done prompt: a head's logits
+            last = hidden[[r for _, r in scored]]  # (S, D)
+            for (seq, _), v in zip(scored, self._head(last, scored), strict=True):
+                pooled.append((seq, v))
         return RunnerOutput(pooled=pooled)
+
+    def _head(self, last: np.ndarray, scored: list) -> list[np.ndarray]:
+        """Each scored prompt's (S, D) last row through its head: the LM head's yes/no log-odds
+        (a reranker by tokens), else the classifier's (L,) logits; activated unless asked not."""
+        lm_rows = [i for i, (seq, _) in enumerate(scored) if seq.params.pooling.score_tokens]
+        lm = {}  # row -> its (V,) LM head logits
+        if lm_rows:
+            lm = dict(zip(lm_rows, self.backend.head_logits(last[lm_rows]), strict=True))
+        out = []
+        for i, (seq, _) in enumerate(scored):
+            p = seq.params.pooling
+            if p.score_tokens is not None:
+                yes, no = p.score_tokens
+                logits = np.array([float(lm[i][yes]) - float(lm[i][no])])  # (1,) log-odds
+            else:
+                logits = self.classifier @ last[i].astype(np.float64)  # (L,)
+            act = classifier_activation(logits, self.problem_type) if p.activation else logits
+            out.append(act.astype(np.float64))
+        return out
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
         """Swaps and copies first, then the forward: (R, V) float32 logits of the rows that come

@@ -37,10 +37,12 @@ from starlette.exceptions import HTTPException
 
 from engine.core.structured import StructuredOutputsParams
 from engine.entrypoints.embeddings_api import (
+    ClassifyRequest,
     CohereEmbedRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    classify_body,
     cohere_body,
     embeddings_body,
     input_ids,
@@ -334,6 +336,7 @@ BODIES = {
     "/v2/embed": CohereEmbedRequest,
     "/rerank": RerankRequest,
     "/score": ScoreRequest,
+    "/classify": ClassifyRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -531,6 +534,23 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
         vectors, tokens = await _embed(raw, server, req, size, dims, "/v2/embed")
         return cohere_body(creq.model or server.model_name, creq, vectors, tokens)
 
+    @app.post("/classify")
+    async def classify(raw: Request):
+        """A sequence classifier's label probabilities per input (embeddings_api.py)."""
+        creq, size = await server.parse(raw, ClassifyRequest)
+        _check_pooling(server, creq.model, "/classify")
+        labels = server.llm.engine.model_config.labels
+        if not labels:
+            raise ApiError(400, "/classify needs a sequence classifier (a "
+                                "*ForSequenceClassification checkpoint); this model has no "
+                                "score head")  # fmt: skip
+        req = _call(creq.embedding_request)
+        ids = await _input_ids(server, req, size)
+        pooling = PoolingParams(task="classify", activation=creq.use_activation)
+        rows = await _pooled(raw, server, req.model, ids, pooling)
+        tokens = sum(len(x) for x in ids)
+        return classify_body(creq.model or server.model_name, labels, rows, tokens)
+
     @app.post("/rerank")
     @app.post("/v1/rerank")
     async def rerank(raw: Request):
@@ -561,11 +581,14 @@ async def _embed(raw, server: Server, req: EmbeddingRequest, size: int, dims, ro
 
 async def _score(raw, server: Server, req, query: str, docs: list[str], size: int, route: str):
     """(each document's score, the prompts' tokens): its pair in the reranker's prompt, the
-    model's P(yes) against P(no) next (the pooling runner's score task)."""
+    model's P(yes) against P(no) next, or a one-label classifier's sigmoid (the pooling
+    runner's score task)."""
     _check_pooling(server, req.model, route)
     if req.score_tokens is not None and len(req.score_tokens) != 2:
         raise ApiError(400, "score_tokens: two token ids (yes, no)")
-    ids = tuple(req.score_tokens) if req.score_tokens else _call(yes_no_tokens, server.tokenizer)
+    ids = tuple(req.score_tokens) if req.score_tokens else None
+    if ids is None and server.llm.engine.model_config.num_labels != 1:
+        ids = _call(yes_no_tokens, server.tokenizer)
     texts = [_call(score_prompt, query, d, req.template, req.instruction) for d in docs]
     prompts = [(await _input_ids(server, EmbeddingRequest(input=t), size))[0] for t in texts]
     pooling = _call(PoolingParams, task="score", score_tokens=ids)

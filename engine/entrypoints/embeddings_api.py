@@ -1,15 +1,15 @@
-"""OpenAI's embeddings API (``POST /v1/embeddings``), vLLM's ``/pooling``, Cohere's
-``/v2/embed``, and ``/score`` and ``/rerank`` (vLLM's, Jina's and Cohere's shapes), over the
-pooling runner (``--runner
-pooling``): ``input`` a string, strings, token ids or lists of token ids; ``encoding_format``
-float (a list of numbers) or base64 (the little-endian float32 bytes, as OpenAI's client decodes
-them); ``dimensions`` a Matryoshka cut the model declares; ``usage`` counts the prompt tokens.
-Each input is one pooling request (engine/pooling_params.py); they run batched like any prompts.
+"""OpenAI's embeddings API (``POST /v1/embeddings``), vLLM's ``/pooling`` and ``/classify``,
+Cohere's ``/v2/embed``, and ``/score`` and ``/rerank`` (vLLM's, Jina's and Cohere's shapes),
+over the pooling runner (``--runner pooling``): ``input`` a string, strings, token ids or lists
+of token ids; ``encoding_format`` float (a list of numbers) or base64 (the little-endian float32
+bytes, as OpenAI's client decodes them); ``dimensions`` a Matryoshka cut the model declares;
+``usage`` counts the prompt tokens. Each input is one pooling request (engine/pooling_params.py); they run batched like any prompts.
 """
 
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from typing import Any, Literal
 
@@ -65,6 +65,32 @@ def embeddings_body(model: str, vectors: list[list[float]], prompt_tokens: int, 
     return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
+class ClassifyRequest(BaseModel):
+    """vLLM's ``/classify``: each input's label probabilities from a sequence classifier."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    use_activation: bool = True  # False: the raw logits
+    user: str | None = None
+
+    def embedding_request(self) -> EmbeddingRequest:
+        return EmbeddingRequest(model=self.model, input=self.input)
+
+
+def classify_body(model: str, labels: tuple[str, ...], rows: list, tokens: int) -> dict:
+    """vLLM's ``/classify`` answer: per input, its most probable label and every label's
+    probability (logits without the activation), in input order."""
+    data = [
+        {"index": i, "label": labels[int(np.argmax(r))], "probs": r, "num_classes": len(r)}
+        for i, r in enumerate(rows)
+    ]
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
 class RerankRequest(BaseModel):
     """Jina's and Cohere's ``/rerank`` (vLLM's): the documents ordered by a reranker's score."""
 
@@ -75,7 +101,8 @@ class RerankRequest(BaseModel):
     documents: list[str] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
-    score_tokens: list[int] | None = None  # the yes and no ids (default: the vocabulary's)
+    score_tokens: list[int] | None = None  # the yes and no ids (default: the vocabulary's, or
+    #   a one-label classifier's head)
     template: str | None = None  # {query}, {document}, {instruction} (default: Qwen3-Reranker's)
     instruction: str | None = None
 

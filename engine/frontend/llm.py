@@ -13,6 +13,8 @@ from engine.frontend.recorder import Recorder
 from engine.frontend.tokenizer import HFTokenizerAdapter
 from engine.lora.request import LoRARequest
 from engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -149,18 +151,43 @@ class LLM:
         """A reranker's relevance of each document to the query (an engine made with
         ``runner="pooling"``): each pair in ``template`` (Qwen3-Reranker's by default), the
         probability the model gives "yes" against "no" next (``score_tokens``: their ids, by
-        default the vocabulary's one-token "yes" and "no"); ``.outputs.score``, in order."""
+        default the vocabulary's one-token "yes" and "no"), or a one-label classifier's
+        sigmoid of its logit (a *ForSequenceClassification reranker); ``.outputs.score``."""
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.score needs an engine made with runner='pooling'")
         docs = [documents] if isinstance(documents, str) else list(documents)
-        ids = score_tokens or yes_no_tokens(self.engine.tokenizer)
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, pooling=PoolingParams(task="score", score_tokens=ids)
-        )
+        ids = score_tokens
+        if ids is None and self.engine.model_config.num_labels != 1:
+            ids = yes_no_tokens(self.engine.tokenizer)
+        pooling = PoolingParams(task="score", score_tokens=ids)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         prompts = [score_prompt(query, d, template, instruction) for d in docs]
         outs = self.generate(prompts, params, use_tqdm)
         return [
             ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.embedding[0]))
+            for o in outs
+        ]
+
+    def classify(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities from a sequence classifier (a
+        *ForSequenceClassification checkpoint, ``runner="pooling"``): its score head on the
+        last token, softmax over the labels (sigmoid for one label or a multi-label problem;
+        ``activation=False``: the logits); ``.outputs.probs``, labels in
+        ``model_config.labels``' order."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.classify needs an engine made with runner='pooling'")
+        pooling = PoolingParams(task="classify", activation=activation)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        outs = self.generate(prompts, params, use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt_token_ids, ClassificationOutput(o.embedding)
+            )
             for o in outs
         ]
 

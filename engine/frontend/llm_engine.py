@@ -104,6 +104,23 @@ class LLMEngine(FrontendState):
             )
             self.loaded = self.core.loaded  # without the weights: the backend has its own
 
+    def _check_pooling(self, p: PoolingParams) -> None:
+        """What the model cannot do for ``p``: a classifier's task without a score head, a
+        Matryoshka cut it does not declare."""
+        labels = self.model_config.num_labels
+        if p.task == "classify" and not labels:
+            raise ValueError(
+                "classify needs a sequence classifier (a *ForSequenceClassification checkpoint "
+                "with a score head); this model has none"
+            )
+        if p.task == "score" and p.score_tokens is None and labels != 1:
+            raise ValueError(
+                "score without score_tokens needs a one-label classifier; this model has "
+                f"{labels or 'no'} label{'s' if labels != 1 else ''}: give the yes/no token ids"
+            )
+        if p.dimensions is not None:
+            self._check_dimensions(p.dimensions)
+
     def _check_dimensions(self, d: int) -> None:
         """A Matryoshka cut the model declares (config.json's matryoshka_dimensions or
         is_matryoshka, as vLLM reads them), no longer than its hidden size."""
@@ -182,8 +199,8 @@ class LLMEngine(FrontendState):
                     "(LLM.embed, /v1/embeddings) and generates nothing"
                 )
             raise ValueError("a pooling request needs an engine started with runner='pooling'")
-        if params.pooling is not None and params.pooling.dimensions is not None:
-            self._check_dimensions(params.pooling.dimensions)
+        if params.pooling is not None:
+            self._check_pooling(params.pooling)
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n must be in [1, max_num_seqs={cfg.max_num_seqs}], got {params.n}")
         arrival = check_arrival_time(arrival_time)
