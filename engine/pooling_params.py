@@ -159,8 +159,10 @@ def yes_no_tokens(tokenizer) -> tuple[int, int]:
 def checkpoint_pooling(model_dir: str | Path | None) -> dict:
     """The pooling a sentence-transformers checkpoint declares (``modules.json``, its Pooling
     module's ``config.json``, a ``Normalize`` module; ``config_sentence_transformers.json``'s
-    prompts): {"pooling_type", "normalize", "prompts"}; {} for a model directory without them
-    (or no directory)."""
+    prompts and default prompt): {"pooling_type", "normalize", "prompts",
+    "default_prompt_name"}; {} for a model directory without them (or no directory). A Pooling
+    module that leaves the prompt's tokens out of the pool (``include_prompt`` false) is
+    refused by name."""
     if model_dir is None:
         return {}
     root = Path(model_dir)
@@ -187,7 +189,26 @@ def checkpoint_pooling(model_dir: str | Path | None) -> dict:
                     "one of lasttoken, mean, cls is supported"
                 )
             out["pooling_type"] = names[modes[0]]
+            if conf.get("include_prompt", True) is not True:
+                raise ValueError(
+                    f"{root}: the Pooling module's include_prompt false (the prompt's tokens "
+                    "left out of the pool) is not supported"
+                )
     st = root / "config_sentence_transformers.json"
     if st.is_file():
-        out["prompts"] = json.loads(st.read_text()).get("prompts") or {}
+        conf = json.loads(st.read_text())
+        out["prompts"] = conf.get("prompts") or {}
+        out["default_prompt_name"] = conf.get("default_prompt_name")
     return out
+
+
+def prompt_before(prompts: dict[str, str], name: str | None, default: str | None) -> str:
+    """The text a checkpoint's sentence-transformers prompts put before an input (as its
+    ``encode(prompt_name=...)`` does): ``name``'s, else the default prompt's, else ""."""
+    name = default if name is None else name
+    if name is None:
+        return ""
+    if name not in prompts:
+        known = ", ".join(prompts) or "none"
+        raise ValueError(f"prompt_name: {name!r} is not one of the model's prompts ({known})")
+    return prompts[name]

@@ -17,7 +17,8 @@ TEXTS, the float32 embedding (base64 little-endian). A Matryoshka case (``dimens
 with ``truncate_dim`` and ``normalize_embeddings``: the cut first, then the norm, as the engine
 does. It also saves the llama mean case's sentence-transformers files (modules.json, the
 Pooling module's config) to tests/data/pooling/st_llama_mean/, which the engine must read as its
-default pooling.
+default pooling, and the qwen3 last case with a query prompt (``prompted``) to
+tests/data/pooling/st_qwen3_prompts/, with its vectors encoded under that prompt.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ CASES = {
     "last_dim32": ("last", True, 32),
 }
 SMOLLM2_CASES = {"mean_norm": ("mean", True, None)}
+# a query instruction in config_sentence_transformers.json's prompts (Qwen3-Embedding's way)
+PROMPTS = {"query": "Instruct: Given a question, find the passage that answers it\nQuery: ",
+           "document": ""}  # fmt: skip
 
 
 def b64(a: np.ndarray) -> str:
@@ -125,6 +129,27 @@ def rerank(family: str) -> dict:
                 template=TEMPLATE, scores=scores, log_odds=diffs)  # fmt: skip
 
 
+def prompted(golden: dict) -> None:
+    """The tiny qwen3 as a last-token, normalized encoder with PROMPTS: each text encoded with
+    prompt_name "query" (the prompt put before it); its sentence-transformers files saved to
+    tests/data/pooling/st_qwen3_prompts/."""
+    st = encoder(transformer(str(ROOT / "tests/data/families/qwen3")), "last", True, None)
+    st.prompts = dict(PROMPTS)
+    embs = st.encode(TEXTS, convert_to_numpy=True, batch_size=1, prompt_name="query")
+    golden["qwen3/last_norm_query"] = dict(
+        pooling_type="last", normalize=True, dimensions=None, prompt_name="query",
+        embeddings=[b64(e) for e in embs],
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        st.save(tmp)
+        keep = OUT / "st_qwen3_prompts"
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir()
+        for f in ("modules.json", "config_sentence_transformers.json"):
+            shutil.copy(Path(tmp) / f, keep / f)
+        shutil.copytree(Path(tmp) / "1_Pooling", keep / "1_Pooling")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     golden = {}
@@ -147,6 +172,7 @@ def main() -> None:
                 for f in ("modules.json", "config_sentence_transformers.json"):
                     shutil.copy(Path(tmp) / f, keep / f)
                 shutil.copytree(Path(tmp) / "1_Pooling", keep / "1_Pooling")
+    prompted(golden)
     for name, (kind, normalize, dims) in SMOLLM2_CASES.items():
         st = encoder(smollm2_transformer(), kind, normalize, dims)
         golden[f"smollm2/{name}"] = dict(

@@ -50,6 +50,12 @@ def pooling(case: dict) -> PoolingParams:
     return PoolingParams(case["pooling_type"], case["normalize"], case["dimensions"])
 
 
+def st_prompt(name: str | None) -> str:
+    """The text make_pooling_golden.py's prompt ``name`` puts before an input ("" for None)."""
+    conf = json.loads((DATA / "st_qwen3_prompts/config_sentence_transformers.json").read_text())
+    return "" if name is None else conf["prompts"][name]
+
+
 def matryoshka_copy(name: str, tmp_path: Path) -> Path:
     """The family checkpoint, its config.json declaring Matryoshka cuts of 32 and 64."""
     model = tmp_path / name
@@ -74,9 +80,10 @@ def test_tiny_checkpoints_match_sentence_transformers(name, backend, tmp_path):
         if not key.startswith(f"{name}/"):
             continue
         want, p = vectors(case), pooling(case)
-        batched = [o.outputs.embedding for o in llm.embed(texts, p, use_tqdm=False)]
+        inputs = [st_prompt(case.get("prompt_name")) + t for t in texts]
+        batched = [o.outputs.embedding for o in llm.embed(inputs, p, use_tqdm=False)]
         check(batched, want, case, f"{key} {backend} batched")
-        alone = [llm.embed(t, p, use_tqdm=False)[0].outputs.embedding for t in texts]
+        alone = [llm.embed(t, p, use_tqdm=False)[0].outputs.embedding for t in inputs]
         check(alone, want, case, f"{key} {backend} alone")
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every prompt's blocks went back
@@ -97,8 +104,9 @@ def test_the_checkpoints_sentence_transformers_config_is_the_default(tmp_path):
     model = tmp_path / "llama-st"
     shutil.copytree(FAMILIES / "llama", model)
     shutil.copytree(DATA / "st_llama_mean", model, dirs_exist_ok=True)
-    assert checkpoint_pooling(model) | {"prompts": None} == {
-        "pooling_type": "mean", "normalize": True, "prompts": None,
+    assert checkpoint_pooling(model) == {
+        "pooling_type": "mean", "normalize": True, "prompts": {"document": "", "query": ""},
+        "default_prompt_name": None,
     }  # fmt: skip
     llm = LLM(model=str(model), runner="pooling", backend="numpy", dtype="float32",
               num_gpu_blocks=64)  # fmt: skip
@@ -297,7 +305,7 @@ def test_tensor_parallel_numpy_ranks_pool_and_score(tmp_path):
 
 def test_the_generate_cli_embeds_with_runner_pooling(capsys):
     """python -m engine.generate --runner pooling: a JSON line per prompt with its vector (the
-    default pooling: last, normalized), the golden one."""
+    default pooling: last, normalized), the golden one; a classifier's label probabilities."""
     from engine.entrypoints.generate import main as generate_main
 
     text, case = golden()["meta"]["texts"][1], golden()["cases"]["llama/last_norm"]
@@ -306,6 +314,12 @@ def test_the_generate_cli_embeds_with_runner_pooling(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["prompt"] == text and row["prompt_tokens"] > 0
     check([row["embedding"]], vectors(case)[1:2], case, "generate --runner pooling")
+    ref = json.loads((DATA / "classify.json").read_text())["cls_qwen3"]
+    argv = ["--model", str(DATA / "cls_qwen3"), "--runner", "pooling", "--prompt", ref["texts"][0]]
+    assert generate_main([*argv, "--json", "--backend", "numpy", "--dtype", "float32"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = np.exp(ref["logits"][0]) / np.exp(ref["logits"][0]).sum()
+    np.testing.assert_allclose([row[k] for k in ref["labels"]], want, atol=1e-5, rtol=0)
 
 
 @cache
@@ -377,8 +391,8 @@ def test_a_one_label_classifier_reranks(tmp_path):
         np.testing.assert_allclose(
             [x["relevance_score"] for x in r["results"]], np.sort(want)[::-1], atol=1e-5, rtol=0
         )
-        sc = httpx.post(s.url + "/score", json={"text_1": ref["query"],
-                        "text_2": ref["documents"], "template": ref["template"]}).json()  # fmt: skip
+        pairs = {"text_1": ref["query"], "text_2": ref["documents"], "template": ref["template"]}
+        sc = httpx.post(s.url + "/score", json=pairs).json()
         np.testing.assert_allclose([d["score"] for d in sc["data"]], want, atol=1e-5, rtol=0)
         c = httpx.post(s.url + "/classify", json={"input": ref["texts"]}).json()
         assert [d["label"] for d in c["data"]] == ["relevant"] * len(want)
@@ -400,3 +414,54 @@ def test_a_one_label_classifier_reranks(tmp_path):
     with LiveServer(load_model(str(FAMILIES / "llama")), runner="pooling", backend="cpu") as s:
         bad = httpx.post(s.url + "/classify", json={"input": "hi"})
         assert bad.status_code == 400 and "needs a sequence classifier" in bad.text
+
+
+def test_the_checkpoints_prompts_go_before_the_text(tmp_path):
+    """A checkpoint whose config_sentence_transformers.json has a query prompt (Qwen3-Embedding's
+    way; make_pooling_golden.py's st_qwen3_prompts): prompt_name "query" equals
+    sentence-transformers' encode(prompt_name="query") in LLM.embed, /v1/embeddings and Cohere's
+    search_query; a default prompt applies unasked and pooler_config's null turns it off; an
+    unknown name is named."""
+    import httpx
+
+    from engine.tools.live_server import LiveServer
+    from model_loader.load import load_model
+
+    case = golden()["cases"]["qwen3/last_norm_query"]
+    texts, want = golden()["meta"]["texts"], vectors(case)
+    plain = vectors(golden()["cases"]["qwen3/last_norm"])
+    model = tmp_path / "qwen3-st"
+    shutil.copytree(FAMILIES / "qwen3", model)
+    shutil.copytree(DATA / "st_qwen3_prompts", model, dirs_exist_ok=True)
+    llm = LLM(model=str(model), runner="pooling", backend="cpu", dtype="float32",
+              num_gpu_blocks=64)  # fmt: skip
+    got = [o.outputs.embedding for o in llm.embed(texts, prompt_name="query", use_tqdm=False)]
+    check(got, want, case, "prompt_name query")
+    check([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)], plain, case, "none")
+    with pytest.raises(ValueError, match="prompt_name: 'passage' is not one of .*query"):
+        llm.embed(texts, prompt_name="passage", use_tqdm=False)
+    with LiveServer(load_model(str(model)), model=str(model), runner="pooling", backend="cpu",
+                    dtype="float32") as s:  # fmt: skip
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts, "prompt_name": "query"})
+        check([d["embedding"] for d in r.json()["data"]], want, case, "/v1/embeddings")
+        r = httpx.post(s.url + "/v2/embed", json={"texts": texts, "input_type": "search_query"})
+        check(r.json()["embeddings"]["float"], want, case, "/v2/embed search_query")
+        bad = httpx.post(s.url + "/v1/embeddings", json={"input": "a", "prompt_name": "nope"})
+        assert bad.status_code == 400 and "prompt_name: 'nope'" in bad.text
+    conf_file = model / "config_sentence_transformers.json"
+    conf = json.loads(conf_file.read_text())
+    conf_file.write_text(json.dumps({**conf, "default_prompt_name": "query"}))
+    llm = LLM(model=str(model), runner="pooling", backend="numpy", dtype="float32",
+              num_gpu_blocks=64)  # fmt: skip
+    check([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)], want, case, "default")
+    off = LLM(model=str(model), runner="pooling", backend="numpy", dtype="float32",
+              num_gpu_blocks=64, pooler_config='{"default_prompt_name": null}')  # fmt: skip
+    check([o.outputs.embedding for o in off.embed(texts, use_tqdm=False)], plain, case, "off")
+    pool_file = model / "1_Pooling/config.json"
+    pool_file.write_text(json.dumps({**json.loads(pool_file.read_text()), "include_prompt": False}))
+    with pytest.raises(ValueError, match="include_prompt false .* is not supported"):
+        LLM(model=str(model), runner="pooling", backend="numpy", num_gpu_blocks=64)
+    with pytest.raises(ValueError, match="default_prompt_name: 'passage' is not one of"):
+        pool_file.write_text(json.dumps({"pooling_mode": "lasttoken"}))
+        LLM(model=str(model), runner="pooling", backend="numpy", num_gpu_blocks=64,
+            pooler_config='{"default_prompt_name": "passage"}')  # fmt: skip

@@ -215,7 +215,9 @@ class EngineConfig:
     pooler_config: str | None = option(
         None,
         "the pooling runner's defaults, a JSON object with vLLM's keys: pooling_type (last, "
-        "mean, cls), normalize, dimensions",
+        "mean, cls), normalize, dimensions; and default_prompt_name (a prompt of the "
+        "checkpoint's config_sentence_transformers.json put before every text input, null: "
+        "none)",
         default_help="the checkpoint's sentence-transformers config, else last and normalized",
     )
     memory_budget_bytes: int | None = option(
@@ -420,13 +422,17 @@ class EngineConfig:
                 raise _bad("pooler_config", self.pooler_config, f"a JSON object ({e})") from None
             if not isinstance(conf, dict):
                 raise _bad("pooler_config", self.pooler_config, "a JSON object")
-            unknown = sorted(set(conf) - {"pooling_type", "normalize", "dimensions"})
+            keys = {"pooling_type", "normalize", "dimensions", "default_prompt_name"}
+            unknown = sorted(set(conf) - keys)
             if unknown:
                 raise ValueError(f"EngineConfig: pooler_config: unknown key {unknown[0]!r}")
             from engine.pooling_params import PoolingParams
 
+            name = conf.get("default_prompt_name")
+            if name is not None and not isinstance(name, str):
+                raise _bad("pooler_config", self.pooler_config, "default_prompt_name a string")
             try:
-                PoolingParams(**conf)
+                PoolingParams(**{k: v for k, v in conf.items() if k != "default_prompt_name"})
             except ValueError as e:
                 raise ValueError(f"EngineConfig: pooler_config: {e}") from None
         if self.runner != "pooling":

@@ -44,6 +44,7 @@ from engine.entrypoints.embeddings_api import (
     ScoreRequest,
     classify_body,
     cohere_body,
+    cohere_prompt_name,
     embeddings_body,
     input_ids,
     pooling_body,
@@ -98,7 +99,7 @@ from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError,
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
 from engine.lora.request import LoRARequest
-from engine.pooling_params import PoolingParams, score_prompt, yes_no_tokens
+from engine.pooling_params import PoolingParams, prompt_before, score_prompt, yes_no_tokens
 from engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -529,7 +530,8 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
         """Cohere's /v2/embed (embeddings_api.py)."""
         creq, size = await server.parse(raw, CohereEmbedRequest)
         _call(creq.check)
-        req = EmbeddingRequest(model=creq.model, input=creq.texts)
+        name = cohere_prompt_name(creq.input_type, server.llm.engine.prompts)
+        req = EmbeddingRequest(model=creq.model, input=creq.texts, prompt_name=name)
         dims = creq.output_dimension
         vectors, tokens = await _embed(raw, server, req, size, dims, "/v2/embed")
         return cohere_body(creq.model or server.model_name, creq, vectors, tokens)
@@ -572,8 +574,10 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
 async def _embed(raw, server: Server, req: EmbeddingRequest, size: int, dims, route: str):
     """(each input's vector, the inputs' tokens) through the pooling runner."""
     _check_pooling(server, req.model, route)
-    ids = await _input_ids(server, req, size)
-    pooling = server.llm.engine.pooling_defaults
+    engine = server.llm.engine
+    before = _call(prompt_before, engine.prompts, req.prompt_name, engine.default_prompt_name)
+    ids = await _input_ids(server, req, size, before)
+    pooling = engine.pooling_defaults
     if dims is not None:
         pooling = _call(dataclasses.replace, pooling, dimensions=dims)
     return await _pooled(raw, server, req.model, ids, pooling), sum(len(x) for x in ids)
@@ -604,10 +608,11 @@ def _check_pooling(server: Server, model: str | None, route: str) -> None:
                             "generates)")  # fmt: skip
 
 
-async def _input_ids(server: Server, req: EmbeddingRequest, size: int) -> list[list[int]]:
-    """Each input's token ids, checked (embeddings_api.input_ids), in a worker when large."""
+async def _input_ids(server: Server, req: EmbeddingRequest, size: int, prompt: str = ""):
+    """Each input's token ids, checked (embeddings_api.input_ids), in a worker when large;
+    ``prompt`` before each text."""
     args = (server.tokenizer, server.vocab_size, server.max_model_len, server.max_prompt_chars)
-    return await server.run(size, _call, input_ids, req, *args)
+    return await server.run(size, _call, input_ids, req, *args, prompt)
 
 
 async def _pooled(raw, server: Server, model, prompts: list, pooling: PoolingParams) -> list:

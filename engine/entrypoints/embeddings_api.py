@@ -3,7 +3,9 @@ Cohere's ``/v2/embed``, and ``/score`` and ``/rerank`` (vLLM's, Jina's and Coher
 over the pooling runner (``--runner pooling``): ``input`` a string, strings, token ids or lists
 of token ids; ``encoding_format`` float (a list of numbers) or base64 (the little-endian float32
 bytes, as OpenAI's client decodes them); ``dimensions`` a Matryoshka cut the model declares;
-``usage`` counts the prompt tokens. Each input is one pooling request (engine/pooling_params.py); they run batched like any prompts.
+``usage`` counts the prompt tokens; ``prompt_name`` (an extension) puts the checkpoint's
+sentence-transformers prompt of that name before each text. Each input is one pooling request
+(engine/pooling_params.py); they run batched like any prompts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # accepted, no effect
+    prompt_name: str | None = None  # the checkpoint's sentence-transformers prompt (not OpenAI's)
 
     def inputs(self) -> list[str | list[int]]:
         """One input or a batch: text, token ids, or a list of either."""
@@ -38,15 +41,17 @@ class EmbeddingRequest(BaseModel):
         return list(x)
 
 
-def input_ids(req: EmbeddingRequest, tokenizer, vocab: int, max_len: int, max_chars: int):
+def input_ids(req: EmbeddingRequest, tokenizer, vocab: int, max_len: int, max_chars: int,
+              prompt: str = ""):  # fmt: skip
     """Each input's token ids, checked (empty, too long, ids out of the vocabulary) with the
-    input's index in the message."""
+    input's index in the message; ``prompt`` put before each text input."""
     inputs, out = req.inputs(), []
     for i, x in enumerate(inputs):
         where = f"input {i}" if len(inputs) > 1 else "input"
         if isinstance(x, str) and not x:
             raise ValueError(f"{where}: an empty string has nothing to embed")
         try:
+            x = prompt + x if isinstance(x, str) else x
             out.append(tokenize_prompt(x, tokenizer, vocab, max_len, max_chars)[1])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
@@ -144,13 +149,15 @@ def score_body(model: str, scores: list[float], tokens: int) -> dict:
 
 class CohereEmbedRequest(BaseModel):
     """Cohere's ``/v2/embed`` (as vLLM serves it): ``texts``, ``embedding_types`` float and
-    base64 (others refused by name); ``input_type`` and ``truncate`` accepted (NONE only)."""
+    base64 (others refused by name); ``input_type`` picks the checkpoint's prompt of that name
+    (search_query: "query", search_document: "document") where it has one; ``truncate`` NONE
+    only."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     texts: list[str] = Field(min_length=1)
-    input_type: str | None = None  # search_document, search_query, ...: no effect
+    input_type: str | None = None  # search_query, search_document: the checkpoint's prompt
     embedding_types: list[str] = Field(default_factory=lambda: ["float"])
     truncate: str | None = None
     output_dimension: int | None = Field(default=None, ge=1)
@@ -161,6 +168,17 @@ class CohereEmbedRequest(BaseModel):
             raise ValueError(f"embedding_types: {unknown[0]!r} is not implemented (float, base64)")
         if self.truncate not in (None, "NONE"):
             raise ValueError("truncate: only NONE (a text longer than the context is a 400)")
+
+
+def cohere_prompt_name(input_type: str | None, prompts: dict[str, str]) -> str | None:
+    """The checkpoint prompt a Cohere ``input_type`` names: its own name, or search_query's
+    "query" and search_document's "document"; None where the checkpoint has no such prompt."""
+    if input_type is None:
+        return None
+    for name in (input_type, input_type.removeprefix("search_")):
+        if name in prompts:
+            return name
+    return None
 
 
 def cohere_body(model: str, req: CohereEmbedRequest, vectors: list, tokens: int) -> dict:

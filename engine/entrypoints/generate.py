@@ -93,6 +93,11 @@ def build_parser() -> CliParser:
         help="run every prompt with the LoRA adapter (a PEFT directory) at PATH over the base "
         "weights (sets --enable-lora; an adapter above rank 16 needs --max-lora-rank)",
     )
+    p.add_argument(
+        "--prompt-name",
+        help="with --runner pooling: put the checkpoint's sentence-transformers prompt of this "
+        "name (config_sentence_transformers.json, e.g. query) before each prompt",
+    )
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     return add_engine_args(p)
 
@@ -277,18 +282,26 @@ def run(args) -> int:
 
 
 def embed(llm, inputs, prompts, args) -> int:
-    """--runner pooling: each prompt's vector (the checkpoint's pooling, --pooler-config): a
-    JSON line each with --json, else its size, norm and first values."""
-    outs = llm.embed(inputs, use_tqdm=not (args.no_tqdm or args.json))
+    """--runner pooling: each prompt's vector (the checkpoint's pooling, --pooler-config), or a
+    sequence classifier's label probabilities: a JSON line each with --json, else a line."""
+    labels, quiet = llm.engine.model_config.labels, args.no_tqdm or args.json
+    if labels:
+        outs = llm.classify(inputs, use_tqdm=not quiet)
+    else:
+        outs = llm.embed(inputs, use_tqdm=not quiet, prompt_name=args.prompt_name)
     for prompt, out in zip(prompts, outs, strict=True):
-        v = out.outputs.embedding
+        v = out.outputs.probs if labels else out.outputs.embedding
         if args.json:
-            row = {"prompt": prompt, "prompt_tokens": len(out.prompt_token_ids), "embedding": v}
+            row = {"prompt": prompt, "prompt_tokens": len(out.prompt_token_ids)}
+            row |= dict(zip(labels, v, strict=True)) if labels else {"embedding": v}
             print(json.dumps(row, ensure_ascii=False), flush=True)
-            continue
-        norm = sum(x * x for x in v) ** 0.5
-        head = ", ".join(f"{x:.4f}" for x in v[:4])
-        print(f"{prompt!r} -> {len(v)} dimensions, norm {norm:.4f}: [{head}, ...]")
+        elif labels:
+            probs = ", ".join(f"{name} {p:.4f}" for name, p in zip(labels, v, strict=True))
+            print(f"{prompt!r} -> {probs}")
+        else:
+            norm = sum(x * x for x in v) ** 0.5
+            head = ", ".join(f"{x:.4f}" for x in v[:4])
+            print(f"{prompt!r} -> {len(v)} dimensions, norm {norm:.4f}: [{head}, ...]")
     return 0
 
 

@@ -21,7 +21,7 @@ from engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from engine.pooling_params import PoolingParams, score_prompt, yes_no_tokens
+from engine.pooling_params import PoolingParams, prompt_before, score_prompt, yes_no_tokens
 from engine.sampling_params import SamplingParams, is_integer
 
 
@@ -123,21 +123,35 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's vector (an engine made with ``runner="pooling"``): its hidden states
         pooled as ``pooling_params`` says (None: the checkpoint's sentence-transformers config,
-        then ``pooler_config``); outputs in input order, ``.outputs.embedding``."""
+        then ``pooler_config``); outputs in input order, ``.outputs.embedding``. A text prompt
+        gets the checkpoint's prompt ``prompt_name`` (config_sentence_transformers.json's, as
+        sentence-transformers' ``encode(prompt_name=...)``; None: its default prompt, if any)
+        put before it; token ids are embedded as given."""
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.embed needs an engine made with runner='pooling'")
         pooling = pooling_params or self.engine.pooling_defaults
         if not isinstance(pooling, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {pooling!r}")
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-        outs = self.generate(prompts, params, use_tqdm)
+        outs = self.generate(self._with_prompt(prompts, prompt_name), params, use_tqdm)
         return [
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
             for o in outs
         ]
+
+    def _with_prompt(self, prompts, name: str | None):
+        """Text prompts with the checkpoint's prompt ``name`` (or default) before each."""
+        e = self.engine
+        before = prompt_before(e.prompts, name, e.default_prompt_name)
+        if not before:
+            return prompts
+        if isinstance(prompts, str):
+            return before + prompts
+        return [before + p if isinstance(p, str) else p for p in prompts]
 
     def score(
         self,

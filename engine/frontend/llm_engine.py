@@ -76,7 +76,9 @@ class LLMEngine(FrontendState):
         if loaded is None:  # beside a core process, which loads the weights, none here
             loaded = load_model(config.model, weights=not config.engine_core_process)
         self.init_frontend(config, loaded)
-        self.pooling_defaults = pooling_defaults(config)  # runner='pooling'
+        # runner='pooling': the PoolingParams of a request that sets none, and the checkpoint's
+        # sentence-transformers prompts (name -> text put before an input) and default one
+        self.pooling_defaults, self.prompts, self.default_prompt_name = pooling_defaults(config)
         self.matryoshka = matryoshka_dimensions(config)  # the dimensions cuts it declares
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
@@ -310,16 +312,24 @@ class LLMEngine(FrontendState):
                         ended |= {c.index} if c.finished else set()
 
 
-def pooling_defaults(config) -> PoolingParams | None:
-    """The pooling runner's PoolingParams for a request that sets none: the checkpoint's
-    sentence-transformers config under ``pooler_config``'s keys; None for a generate engine."""
+def pooling_defaults(config) -> tuple[PoolingParams | None, dict[str, str], str | None]:
+    """The pooling runner's PoolingParams for a request that sets none (the checkpoint's
+    sentence-transformers config under ``pooler_config``'s keys), its prompts and default
+    prompt name (``pooler_config``'s ``default_prompt_name`` over the checkpoint's); None,
+    {}, None for a generate engine."""
     if config.runner != "pooling":
-        return None
+        return None, {}, None
     found = {}
     if config.model and Path(config.model).is_dir():  # a GGUF or a name: no such config
         found = checkpoint_pooling(config.model)
-        found.pop("prompts", None)
-    return PoolingParams(**{**found, **config.pooler})
+    prompts, default = found.pop("prompts", {}), found.pop("default_prompt_name", None)
+    over = dict(config.pooler)
+    default = over.pop("default_prompt_name", default)
+    if default is not None and default not in prompts:
+        known = ", ".join(prompts) or "none"
+        raise ValueError(f"default_prompt_name: {default!r} is not one of the model's prompts "
+                         f"({known})")  # fmt: skip
+    return PoolingParams(**{**found, **over}), prompts, default
 
 
 def matryoshka_dimensions(config) -> list[int] | None:
