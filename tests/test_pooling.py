@@ -126,9 +126,13 @@ def test_bad_values_are_named(tiny, tmp_path):
         PoolingParams("max")
     with pytest.raises(ValueError, match="dimensions must be None or an int >= 1"):
         PoolingParams(dimensions=0)
-    with pytest.raises(ValueError, match="runner='pooling' does not run with speculative"):
+    with pytest.raises(ValueError, match="speculative_config: it drafts .* runner='pooling'"):
         LLM(loaded=tiny, model="t", runner="pooling",
             speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')  # fmt: skip
+    with pytest.raises(ValueError, match="async_scheduling: it overlaps decode steps"):
+        LLM(loaded=tiny, model="t", runner="pooling", async_scheduling=True)
+    with pytest.raises(ValueError, match="classify scores the last token"):
+        PoolingParams("mean", task="classify")
     with pytest.raises(ValueError, match="pooler_config: unknown key 'pooling'"):
         LLM(loaded=tiny, model="t", runner="pooling", pooler_config='{"pooling": "mean"}')
     llm = LLM(loaded=tiny, model="t", runner="pooling", backend="numpy", num_gpu_blocks=32)
@@ -279,12 +283,18 @@ def test_prefix_caching_serves_last_pooling_and_mean_runs_whole(tmp_path):
         check([out.embedding], vectors(case)[3:], case, key)
 
 
-def test_tensor_parallel_numpy_ranks_pool_and_score(tmp_path):
-    """Two numpy ranks: the layers' collectives run on both, the hidden states are whole on
-    each; the reranker's LM head is gathered from the two vocabulary halves."""
+@pytest.mark.parametrize(
+    "backend, tp, pp", [("numpy", 2, 1), ("cuda-cpu", 2, 1), ("numpy", 1, 2), ("numpy", 2, 2)]
+)
+def test_parallel_ranks_pool_and_score(backend, tp, pp, tmp_path):
+    """Tensor parallel ranks (numpy, and cuda-cpu over the emulated NCCL): the layers'
+    collectives run on every rank, the hidden states are whole on each; the reranker's LM head
+    is gathered from the vocabulary slices. Pipeline stages: each hands its hidden state on, the
+    last one pools (and holds the LM head)."""
     texts = golden()["meta"]["texts"]
-    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend="numpy",
-              dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)  # fmt: skip
+    par = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend=backend,
+              dtype="float32", num_gpu_blocks=64, **par)  # fmt: skip
     try:
         for key in ("llama/last_norm", "llama/mean_raw"):
             case = golden()["cases"][key]
@@ -293,8 +303,8 @@ def test_tensor_parallel_numpy_ranks_pool_and_score(tmp_path):
     finally:
         llm.shutdown()
     ref = golden()["rerank"]
-    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend="numpy",
-                 dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)  # fmt: skip
+    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend=backend,
+                 dtype="float32", num_gpu_blocks=64, **par)  # fmt: skip
     try:
         outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
                             ref["template"], use_tqdm=False)  # fmt: skip
@@ -465,3 +475,39 @@ def test_the_checkpoints_prompts_go_before_the_text(tmp_path):
         pool_file.write_text(json.dumps({"pooling_mode": "lasttoken"}))
         LLM(model=str(model), runner="pooling", backend="numpy", num_gpu_blocks=64,
             pooler_config='{"default_prompt_name": "passage"}')  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
+def test_lora_adapters_pool_as_peft_computes(backend):
+    """The pooling runner with LoRA (one batch mixing three adapters and the base model, as
+    tests/test_lora.py's golden cases do): each prompt's last hidden state, seen through the
+    LM head as the log-odds of its most likely next token against four others, equals PEFT's
+    logits (scripts/make_lora_golden.py) within 1e-4; the adapters are in use (an adapter's
+    log-odds differ from the base model's by far more)."""
+    from engine import LoRARequest
+
+    lora_dir = Path(__file__).parent / "data" / "lora" / "llama"
+    cases = json.loads((lora_dir / "golden.json").read_text())["cases"]
+    slots = {"r1_qv": 1, "r8_all": 2, "r64_rslora": 3}
+    llm = LLM(model=str(FAMILIES / "llama"), runner="pooling", backend=backend, dtype="float32",
+              enable_lora=True, max_loras=3, max_lora_rank=64, num_gpu_blocks=64)  # fmt: skip
+    prompts, params, loras, want = [], [], [], []
+    for c in cases:
+        logits = np.frombuffer(base64.b64decode(c["logits"]), "<f4").astype(np.float64)
+        top = int(np.argmax(logits))
+        name = c["adapter"]
+        lr = None if name is None else LoRARequest(name, slots[name], str(lora_dir / name))
+        for other in (1, 7, 100, 250):
+            p = PoolingParams(task="score", score_tokens=(top, other), activation=False)
+            prompts.append(c["prompt_token_ids"])
+            params.append(SamplingParams(max_tokens=1, pooling=p))
+            loras.append(lr)
+            want.append(logits[top] - logits[other])
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    got = np.array([o.embedding[0] for o in outs])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    base = llm.generate(prompts, params, use_tqdm=False)  # the same prompts, no adapter
+    moved = np.abs(np.array([o.embedding[0] for o in base]) - got)
+    assert moved[[i for i, lr in enumerate(loras) if lr is not None]].min() > 1e-2
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 
@@ -78,3 +79,34 @@ def test_a_killed_actor_is_an_error_naming_its_rank(tiny):
     died = r"worker rank 1 \(stage 0, tensor-parallel rank 1\): its actor died"
     engine = _ray_engine(tiny, 2, pipeline_parallel_size=2)
     kill_rank_mid_run(engine, 1, PROMPTS[0], died)
+
+
+def test_pooling_on_ray_stages(tmp_path):
+    """The pooling runner over Ray, TP 2 x PP 2: the stages hand their hidden states on and the
+    last pools them; the vectors are sentence-transformers' (tests/data/pooling/golden.json) and
+    the reranker's scores transformers' (the LM head gathered on the last stage)."""
+    from engine import LLM
+    from tests.test_pooling import FAMILIES, check, golden, pooling, vectors
+
+    texts, par = golden()["meta"]["texts"], dict(tensor_parallel_size=2, pipeline_parallel_size=2)
+    llm = LLM(model=str(FAMILIES / "llama"), runner="pooling", dtype="float32", num_gpu_blocks=64,
+              distributed_executor_backend="ray", **par)  # fmt: skip
+    try:
+        for key in ("llama/last_norm", "llama/mean_raw"):
+            case = golden()["cases"][key]
+            outs = llm.embed(texts, pooling(case), use_tqdm=False)
+            check([o.outputs.embedding for o in outs], vectors(case), case, f"{key} on ray")
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # Ray removes the placement group in the background
+    ref = golden()["rerank"]
+    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", dtype="float32",
+                 num_gpu_blocks=64, distributed_executor_backend="ray", **par)  # fmt: skip
+    try:
+        outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
+                            ref["template"], use_tqdm=False)  # fmt: skip
+        np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)
+    finally:
+        scorer.shutdown()

@@ -414,18 +414,25 @@ class CupyBackend(DecodeGraphs, Backend):
 
     def _run_eager(self, batch: ForwardBatch, take=None):
         """``take(tokens)``: fills the uploaded token ids that come from the step before."""
-        T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
-        R = len(batch.output_rows)
-        lora = None if batch.lora_slots is None else lora_tiles(batch.lora_slots)
-        flat = self.device.upload(pack_inputs(batch, lora))
-        tiles = None if lora is None else lora[1].shape[0]
-        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R, tiles)
-        if lora is not None:  # the slots the step's rows run
-            inputs.lora += (set(np.unique(batch.lora_slots[batch.lora_slots >= 0]).tolist()),)
+        T, R, nd = batch.num_tokens, len(batch.output_rows), batch.num_decodes
+        inputs = self._upload_inputs(batch)
         if take is not None:
             take(inputs.token_ids)
         max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
         return self._step(inputs, T, R, nd, max_ctx)
+
+    def _upload_inputs(self, batch: ForwardBatch):
+        """The step's inputs in one upload (engine/backends/cupy_step.py), with its LoRA rows'
+        tiles and the slots they run where it has any."""
+        T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
+        lora = None if batch.lora_slots is None else lora_tiles(batch.lora_slots)
+        flat = self.device.upload(pack_inputs(batch, lora))
+        tiles = None if lora is None else lora[1].shape[0]
+        R = len(batch.output_rows)
+        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R, tiles)
+        if lora is not None:  # the slots the step's rows run
+            inputs.lora += (set(np.unique(batch.lora_slots[batch.lora_slots >= 0]).tolist()),)
+        return inputs
 
     def _workspace(self, T: int, B: int) -> Workspace:
         c, dt = self.cfg, self.dtype
@@ -487,9 +494,8 @@ class CupyBackend(DecodeGraphs, Backend):
     def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
         """(T, D) float32 on the host: every row's last hidden state after the final norm (the
         pooling runner); eager, as a prefill step is."""
-        T, B, nd = batch.num_tokens, batch.num_seqs, batch.num_decodes
-        flat = self.device.upload(pack_inputs(batch))
-        inp = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], len(batch.output_rows))
+        T, nd = batch.num_tokens, batch.num_decodes
+        inp = self._upload_inputs(batch)
         max_ctx = int(batch.context_lens[:nd].max()) if nd else 1
         ws = self._layers(inp, T, 1, nd, max_ctx)
         c = self.cfg

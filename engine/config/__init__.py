@@ -208,8 +208,9 @@ class EngineConfig:
     runner: str = option(
         "generate",
         "generate: requests sample tokens; pooling: the engine embeds prompts (LLM.embed, the "
-        "server's /v1/embeddings), each prompt's hidden states pooled into one vector, or "
-        "scores pairs (LLM.score, /score, /rerank); tensor parallel on numpy ranks",
+        "server's /v1/embeddings), each prompt's hidden states pooled into one vector, scores "
+        "pairs (LLM.score, /score, /rerank) or, with a *ForSequenceClassification checkpoint, "
+        "classifies prompts (LLM.classify, /classify)",
         choices=("generate", "pooling"),
     )
     pooler_config: str | None = option(
@@ -439,21 +440,14 @@ class EngineConfig:
             if self.pooler_config is not None:
                 raise ValueError("EngineConfig: pooler_config needs runner='pooling'")
             return conf
-        refused = [
-            ("speculative_config", self.speculative is not None, "speculative decoding"),
-            ("enable_lora", self.enable_lora, "LoRA adapters"),
-            ("pipeline_parallel_size", self.pipeline_parallel_size > 1, "pipeline stages"),
-            (
-                "tensor_parallel_size",
-                self.tensor_parallel_size > 1 and self.backend != "numpy",
-                f"tensor parallel ranks on the {self.backend} backend (numpy ranks do)",
-            ),
-            ("async_scheduling", self.async_scheduling, "async scheduling"),
+        refused = [  # both work on decode steps, and a pooling engine runs none
+            ("speculative_config", self.speculative is not None, "drafts generated tokens"),
+            ("async_scheduling", self.async_scheduling, "overlaps decode steps"),
         ]
         for name, on, what in refused:
             if on:
                 raise ValueError(
-                    f"EngineConfig: {name}: runner='pooling' does not run with {what} yet"
+                    f"EngineConfig: {name}: it {what}, and runner='pooling' generates none"
                 )
         return conf
 

@@ -137,10 +137,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """With KV tiers: the cached blocks still in the pool are saved to the tiers, and the
-        disk tier's writes finished, so a restarted engine finds them."""
+        disk tier's writes finished, so a restarted engine finds them. Parallel ranks (an
+        executor's workers or Ray actors) stop."""
         if self.connector is not None:
             self._close_tiers()
             self.connector = self.block_manager.connector = self.runner.connector = None
+        getattr(self.backend, "shutdown", lambda: None)()
 
     # ---- requests ----
     def add_request(self, req: CoreRequest, max_waiting: int | None = None) -> None:

@@ -56,23 +56,43 @@ class RankNumpyBackend(NumpyBackend):
             return None
         return out
 
-    def forward_stage(self, batch, hidden, greedy: bool):
-        """This stage's part of a step, its input given (the ray executor hands the stages'
-        hidden states on itself): the (hidden, residual) for the next stage, or on the last the
-        logits ((B,) argmax ids with ``greedy``)."""
+    def hidden_states(self, batch):
+        """The pooling runner's (T, D) final-normed rows on the last stage, None on the others
+        (each sends its hidden state on, as a forward does)."""
+        out = self._stage(batch, None if self.stage.first else self._receive(), pooled=True)
+        if not self.stage.last:
+            self.next.send(out)
+            return None
+        return out
+
+    def head_logits(self, h: np.ndarray):
+        """A reranker's (R, V) logits on the last stage (its ranks gather them), else None."""
+        return super().head_logits(h) if self.stage.last else None
+
+    def forward_stage(self, batch, hidden, what: str):
+        """This stage's part of a step (``what``: forward, forward_greedy or hidden_states),
+        its input given (the ray executor hands the stages' hidden states on itself): the
+        (hidden, residual) for the next stage, or on the last the logits ((B,) argmax ids for
+        forward_greedy; the final-normed rows for hidden_states)."""
         if hidden is not None:  # read-only views of Ray's object store: the layers add in place
             hidden = tuple(np.array(a) for a in hidden)
-        out = self._stage(batch, hidden)
-        return greedy_ids(out) if greedy and self.stage.last else out
+        out = self._stage(batch, hidden, pooled=what == "hidden_states")
+        return greedy_ids(out) if what == "forward_greedy" and self.stage.last else out
 
-    def _stage(self, batch, hidden):
-        """(T, D) hidden and residual after this stage's layers; the (B, V) logits on the last."""
+    def _stage(self, batch, hidden, pooled: bool = False):
+        """(T, D) hidden and residual after this stage's layers; on the last the (B, V) logits,
+        or with ``pooled`` every row after the final norm (T, D)."""
         if self.stage.first:
             x, residual = self._embed(batch.token_ids), None  # (T, D)
         else:
             x, residual = hidden
         x, residual = self._run_layers(x, residual, batch)
-        return self._head(x, residual, batch) if self.stage.last else (x, residual)
+        if not self.stage.last:
+            return x, residual
+        if pooled:
+            h, _ = self.ops.fused_add_rms_norm(x, residual, self.final_norm, self.cfg.rms_norm_eps)
+            return np.asarray(h, dtype=F32)
+        return self._head(x, residual, batch)
 
     def _receive(self) -> tuple[np.ndarray, np.ndarray]:
         if not self.prev.poll(self.timeout):

@@ -51,9 +51,10 @@ class RayWorker:
         return self.worker.call(name, args)
 
     def stage(self, name: str, batch, hidden):
-        """Pipeline parallel: this rank's stage of ``name`` (forward or forward_greedy) on the
-        previous stage's (hidden, residual), which Ray resolved from its object store."""
-        out = self.worker.backend.forward_stage(batch, hidden, name == "forward_greedy")
+        """Pipeline parallel: this rank's stage of ``name`` (forward, forward_greedy or
+        hidden_states) on the previous stage's (hidden, residual), which Ray resolved from its
+        object store."""
+        out = self.worker.backend.forward_stage(batch, hidden, name)
         return out if self.worker.answers or not self.worker.backend.stage.last else None
 
     def node(self) -> str:
@@ -130,6 +131,12 @@ class RayExecutor(Executor):
         if self.pp > 1:
             return self._staged("forward_greedy", batch)
         return self._call("forward_greedy", batch)
+
+    def hidden_states(self, batch):
+        """The pooling runner's rows (stage by stage with pipeline parallel)."""
+        if self.pp > 1:
+            return self._staged("hidden_states", batch)
+        return self._call("hidden_states", batch)
 
     def _staged(self, name: str, batch):
         """A step stage by stage: every call goes out at once, each rank of stage s + 1 taking

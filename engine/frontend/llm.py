@@ -124,20 +124,23 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
         prompt_name: str | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's vector (an engine made with ``runner="pooling"``): its hidden states
         pooled as ``pooling_params`` says (None: the checkpoint's sentence-transformers config,
         then ``pooler_config``); outputs in input order, ``.outputs.embedding``. A text prompt
         gets the checkpoint's prompt ``prompt_name`` (config_sentence_transformers.json's, as
         sentence-transformers' ``encode(prompt_name=...)``; None: its default prompt, if any)
-        put before it; token ids are embedded as given."""
+        put before it; token ids are embedded as given. ``lora_request``: an adapter for all
+        prompts or one per prompt (``enable_lora``)."""
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.embed needs an engine made with runner='pooling'")
         pooling = pooling_params or self.engine.pooling_defaults
         if not isinstance(pooling, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {pooling!r}")
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-        outs = self.generate(self._with_prompt(prompts, prompt_name), params, use_tqdm)
+        inputs = self._with_prompt(prompts, prompt_name)
+        outs = self.generate(inputs, params, use_tqdm, lora_request)
         return [
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
             for o in outs
