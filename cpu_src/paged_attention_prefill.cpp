@@ -1,58 +1,116 @@
 // Paged prefill attention: causal attention for runs of query rows over paged K/V (the rows'
 // own K/V already written), tiled. A run may start part-way into its sequence (chunked
 // prefill, a cached prefix): its rows are the last q_len of the sequence's context.
-// Threads: one task per (sequence, KV head, tile of QTILE query rows). A task holds the
-// scores of its rows for all `group` query heads that share the KV head, walks its keys a
-// tile of KTILE at a time (each K/V row converted once per task), scores only the keys a row
-// may see (not later keys; with a window W, not keys at or before p - W; the others are -inf),
-// four keys at a time, keeps an online softmax, and adds the seen keys' values 64 dims at a
-// time with their sums in registers.
+// Threads: one task per (sequence, KV head, tile of QTILE query rows). A task's rows are its
+// positions times the `group` query heads that share the KV head (R = QTILE x group at most),
+// packed once, scaled, into a block Q (R, hd). It walks its keys a tile of KTILE at a time (each
+// K/V row converted to float32 once per task, K transposed), and does the tile as two small
+// matrix products in registers: the scores S = Q K^T (R, KTILE), then, after an online softmax
+// of each row (the keys a row may not see, later keys and with a window W those at or before
+// p - W, are -inf: weight 0), O = O * corr + P V (R, hd). A product's micro-tile is MR rows x
+// 16 columns whose sums stay in registers over the whole inner dimension (as the panel
+// products do, matmul_panels.cpp): each step loads one row of 16 columns and broadcasts one
+// value per row into it. A micro-tile of rows computes only the keys one of its rows sees.
+// Head dims are padded to a multiple of 16 with zeros in the packed blocks.
+#include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 
 namespace {
 
-const int QTILE = 16;  // query rows per task
+const int QTILE = 32;  // query positions per task (64 measured the same, with half the tasks)
 const int KTILE = 64;  // keys per tile
+const int CW = 16;     // columns of a micro-tile
+// A score sums its dims in runs of DK, the runs' sums then added pairwise: a long dot product
+// rounded as sixteen-term runs are, not as one run of hd terms (an 8-bit cache's scores reach
+// thousands, and one run of 128 had three times the error)
+const int DK = 16;
 const int MAX_HD = 256;
 
-// s[j] = q . k_j * scale for n keys (rows of k, hd apart), four keys at a time (four sums in
-// flight, reduced together).
-inline void row_scores(float* s, const float* q, const float* k, int n, float scale, int hd) {
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float *k0 = k + (long)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
-    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int d = 0; d < hd; d += 8) {
-      const v8 qd = load8(q + d);
-      a0 += qd * load8(k0 + d);
-      a1 += qd * load8(k1 + d);
-      a2 += qd * load8(k2 + d);
-      a3 += qd * load8(k3 + d);
+// A register of float32 lanes and the rows of a micro-tile: its MR x 16 sums take most of the
+// registers (AVX-512: 12 x 1 of 32; AVX2: 6 x 2 of 16; NEON: 6 x 4 of 32; SSE2: 3 x 4 of 16).
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+const int MR = 12;
+#elif defined(__AVX2__)
+typedef float vf __attribute__((vector_size(32)));
+const int MR = 6;
+#elif defined(__aarch64__)
+typedef float vf __attribute__((vector_size(16)));
+const int MR = 6;
+#else
+typedef float vf __attribute__((vector_size(16)));
+const int MR = 3;
+#endif
+const int LANES = sizeof(vf) / 4, NH = CW / LANES;
+// the online softmax's vectors: the widest register, at least 8 lanes (softmax_tile's sums)
+typedef std::conditional_t<(sizeof(vf) >= 32), vf, v8> vs;
+
+// out[r, 0:16] = start + sum_{k < K} a[r, k] * b[k, 0:16] for r < R, where start is 0, or
+// with `add` out[r, 0:16] itself, times corr[r] where corr is given: a's rows lda apart, b's
+// rows ldb apart, out's ldo apart.
+template <int R>
+inline void micro(float* out, long ldo, const float* a, long lda, const float* b, long ldb, int K,
+                  bool add, const float* corr) {
+  vf acc[R][NH];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++) {
+      acc[r][h] = vf{};
+      if (add) std::memcpy(&acc[r][h], out + r * ldo + h * LANES, sizeof(vf));
+      if (corr) acc[r][h] *= corr[r];
     }
-    const v4 dots = hsum8x4(a0, a1, a2, a3) * scale;
-    std::memcpy(s + j, &dots, sizeof dots);
+  for (int k = 0; k < K; k++) {
+    vf bv[NH];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++) std::memcpy(&bv[h], b + k * ldb + h * LANES, sizeof(vf));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      const float x = a[r * lda + k];
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; h++) acc[r][h] += x * bv[h];
+    }
   }
-  for (; j < n; j++) s[j] = dot_f32(q, k + (long)j * hd, hd) * scale;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++) std::memcpy(out + r * ldo + h * LANES, &acc[r][h], sizeof(vf));
 }
 
-// a = a * corr + sum_{jlo <= j < jhi} p_j v_j (v: the tile's rows, hd apart), 64 dims at a
-// time with their sums in registers.
-inline void row_values(float* a, const float* p, const float* v, int jlo, int jhi, float corr,
-                       int hd) {
-  for (int c = 0; c < hd; c += 64) {
-    const int nv = std::min(64, hd - c) / 8;
-    v8 acc[8];
-    for (int i = 0; i < nv; i++) acc[i] = load8(a + c + 8 * i) * corr;
-    if (nv == 8) {
-      for (int j = jlo; j < jhi; j++)
-        for (int i = 0; i < 8; i++) acc[i] += p[j] * load8(v + (long)j * hd + c + 8 * i);
-    } else {
-      for (int j = jlo; j < jhi; j++)
-        for (int i = 0; i < nv; i++) acc[i] += p[j] * load8(v + (long)j * hd + c + 8 * i);
-    }
-    for (int i = 0; i < nv; i++) store8(a + c + 8 * i, acc[i]);
+// S[r, 0:16] = q[r, :] . kt[:, 0:16] for r < R over K dims (a multiple of DK): each run of DK
+// dims summed in registers, the runs' sums added pairwise.
+template <int R>
+inline void scores(float* out, long ldo, const float* q, long ldq, const float* kt, long ldk,
+                   int K) {
+  vf part[MAX_HD / DK][R][NH];
+  const int runs = K / DK;
+  for (int u = 0; u < runs; u++)
+    micro<R>(&part[u][0][0][0], NH * LANES, q + u * DK, ldq, kt + u * DK * ldk, ldk, DK, false,
+             nullptr);
+  for (int w = 1; w < runs; w *= 2)
+    for (int u = 0; u + w < runs; u += 2 * w)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; h++) part[u][r][h] += part[u + w][r][h];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++) std::memcpy(out + r * ldo + h * LANES, &part[0][r][h], sizeof(vf));
+}
+
+// f<rows>() for a runtime rows in 1..MR.
+template <typename F>
+inline void with_rows(int rows, F f) {
+  switch (rows) {
+#define ROWS(n) \
+  case n: if constexpr (n <= MR) f(std::integral_constant<int, n>{}); break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+#undef ROWS
   }
 }
 
@@ -60,49 +118,68 @@ template <typename T>
 void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
                   int p0, int nq, int bs, int H, int hkv, int hd, float scale, int window,
                   int kvh, float* out) {
-  // q, out: rows p0..p0+nq-1 (positions), row r's heads at q + r*H*hd; R = nq*group rows
-  const int group = H / hkv, R = nq * group;
+  // q, out: rows p0..p0+nq-1 (positions), row i's heads at q + i*H*hd; block row r = i*group+g
+  const int group = H / hkv, R = nq * group, hdp = (hd + CW - 1) / CW * CW;
   const long row_stride = (long)hkv * hd;
-  std::vector<float> acc((size_t)R * hd, 0.0f), s((size_t)R * KTILE), kt((size_t)KTILE * hd),
-      vt((size_t)KTILE * hd), m(R, -INFINITY), l(R, 0.0f);
+  std::vector<float> qb((size_t)R * hdp, 0.0f), o((size_t)R * hdp, 0.0f), s((size_t)R * KTILE),
+      kt((size_t)hdp * KTILE, 0.0f), vt((size_t)KTILE * hdp, 0.0f), m(R, -INFINITY), l(R, 0.0f),
+      corr(R);
+  std::vector<int> lo(R), hi(R);  // each row's visible keys in the tile: lo..hi-1
+  for (int r = 0; r < R; r++) {
+    const float* qr = q + (long)(r / group) * H * hd + (long)(kvh * group + r % group) * hd;
+    for (int d = 0; d < hd; d++) qb[(size_t)r * hdp + d] = qr[d] * scale;
+  }
   const int last = p0 + nq - 1;  // the last row's position: no row sees a later key
   const int first = window > 0 ? std::max(0, p0 - window + 1) : 0;
   for (int t0 = first; t0 <= last; t0 += KTILE) {
     const int nt = std::min(KTILE, last + 1 - t0);
-    for (int j = 0; j < nt; j++) {  // the tile's K and V rows as float32
+    for (int j = 0; j < nt; j++) {  // the tile's K (transposed) and V rows as float32
       const int t = t0 + j;
       const long at = ((long)table[t / bs] * bs + t % bs) * row_stride + (long)kvh * hd;
       for (int d = 0; d < hd; d++) {
-        kt[(size_t)j * hd + d] = to_f32(k_cache[at + d]);
-        vt[(size_t)j * hd + d] = to_f32(v_cache[at + d]);
+        kt[(size_t)d * KTILE + j] = to_f32(k_cache[at + d]);
+        vt[(size_t)j * hdp + d] = to_f32(v_cache[at + d]);
       }
     }
-    for (int i = 0; i < nq; i++) {
-      const int p = p0 + i;  // this row's position: it sees keys lo_key..p
+    for (int r = 0; r < R; r++) {
+      const int p = p0 + r / group;  // this row's position: it sees keys lo_key..p
       const int lo_key = window > 0 ? p - window + 1 : 0;
-      // the tile's keys this row sees: jlo..jhi-1
-      const int jlo = std::min(nt, std::max(0, lo_key - t0));
-      const int jhi = std::max(jlo, std::min(nt, p - t0 + 1));
-      for (int g = 0; g < group; g++) {
-        const int r = i * group + g;
-        const float* qr = q + (long)i * H * hd + (long)(kvh * group + g) * hd;
-        float* sr = s.data() + (size_t)r * KTILE;
-        std::fill(sr, sr + jlo, -INFINITY);
-        row_scores(sr + jlo, qr, kt.data() + (size_t)jlo * hd, jhi - jlo, scale, hd);
-        std::fill(sr + jhi, sr + nt, -INFINITY);
-        const float corr = softmax_tile(sr, nt, m[r], l[r]);
-        if (m[r] == -INFINITY) continue;  // nothing visible to this row yet
-        row_values(acc.data() + (size_t)r * hd, sr, vt.data(), jlo, jhi, corr, hd);
-      }
+      lo[r] = std::min(nt, std::max(0, lo_key - t0));
+      hi[r] = std::max(lo[r], std::min(nt, p - t0 + 1));
+    }
+    for (int r0 = 0; r0 < R; r0 += MR) {  // S = Q K^T where a row of the micro-tile looks
+      const int rows = std::min(MR, R - r0);
+      const int jhi = *std::max_element(hi.begin() + r0, hi.begin() + r0 + rows);
+      for (int j0 = 0; j0 < jhi; j0 += CW)
+        with_rows(rows, [&](auto n) {
+          scores<decltype(n)::value>(s.data() + (size_t)r0 * KTILE + j0, KTILE,
+                                     qb.data() + (size_t)r0 * hdp, hdp, kt.data() + j0, KTILE, hdp);
+        });
+    }
+    for (int r = 0; r < R; r++) {
+      float* sr = s.data() + (size_t)r * KTILE;
+      std::fill(sr, sr + lo[r], -INFINITY);
+      std::fill(sr + hi[r], sr + nt, -INFINITY);
+      corr[r] = softmax_tile<vs>(sr, nt, m[r], l[r]);  // P, and the factor O is rescaled by
+    }
+    for (int r0 = 0; r0 < R; r0 += MR) {  // O = O * corr + P V over the micro-tile's keys
+      const int rows = std::min(MR, R - r0);
+      const int jlo = *std::min_element(lo.begin() + r0, lo.begin() + r0 + rows);
+      const int jhi = *std::max_element(hi.begin() + r0, hi.begin() + r0 + rows);
+      if (jhi <= jlo) continue;  // no row sees a key here: each corr is 1
+      for (int c0 = 0; c0 < hdp; c0 += CW)
+        with_rows(rows, [&](auto n) {
+          micro<decltype(n)::value>(o.data() + (size_t)r0 * hdp + c0, hdp,
+                                    s.data() + (size_t)r0 * KTILE + jlo, KTILE,
+                                    vt.data() + (size_t)jlo * hdp + c0, hdp, jhi - jlo, true,
+                                    corr.data() + r0);
+        });
     }
   }
-  for (int i = 0; i < nq; i++) {
-    for (int g = 0; g < group; g++) {
-      const int r = i * group + g;
-      const float inv = 1.0f / l[r];
-      float* o = out + (long)i * H * hd + (long)(kvh * group + g) * hd;
-      for (int d = 0; d < hd; d++) o[d] = acc[(size_t)r * hd + d] * inv;
-    }
+  for (int r = 0; r < R; r++) {
+    const float inv = 1.0f / l[r];
+    float* dst = out + (long)(r / group) * H * hd + (long)(kvh * group + r % group) * hd;
+    for (int d = 0; d < hd; d++) dst[d] = o[(size_t)r * hdp + d] * inv;
   }
 }
 
