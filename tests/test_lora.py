@@ -23,7 +23,11 @@ from tests.utils import make_engine
 
 LORA_DIR = Path(__file__).parent / "data" / "lora"
 FAMILIES = ("llama", "qwen2", "phi3")
-ATOL = 1e-4  # float32 logits at the prompt's last position, PEFT + transformers vs the engine
+# float32 logits at the prompt's last position, PEFT + transformers vs the engine: measured
+# worst cases 4e-5 (llama), 9.3e-5 (qwen2's rank-64 rsLoRA on numpy), 1.01e-4 (the same on the
+# cpu backend, whose float32 sums round in another order); a wrong adapter, slot or scale is
+# off by far more than 1e-2
+ATOL = 2e-4
 
 
 @cache
