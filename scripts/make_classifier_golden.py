@@ -18,7 +18,6 @@ one, so the last token is the one scored):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -27,32 +26,30 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "tests/data/pooling"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_pooling_golden import (  # noqa: E402
+    DOCUMENTS,
+    OUT,
+    QUERY,
+    ROOT,
+    TEMPLATE,
+    engine_score_prompt,
+)
+
 TEXTS = [
     "I loved every minute of it.",
     "The service was slow and the food was cold.",
     "a",
     " ".join(["it was fine, nothing special"] * 5),
 ]
-# the reranker's pairs: in make_pooling_golden.py's short template (the tiny checkpoints hold 256
-# positions)
-TEMPLATE = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}\nRelevant:"
-QUERY = "what do cats eat"
-DOCUMENTS = ["Cats eat fish and meat.", "The stock market fell today.", "a"]
+# the reranker's pairs: make_pooling_golden.py's QUERY and DOCUMENTS in its short TEMPLATE (the
+# tiny checkpoints hold 256 positions)
 # name: (family, labels, problem_type, seed)
 CLASSIFIERS = {
     "cls_qwen3": ("qwen3", ["negative", "neutral", "positive"], "single_label_classification", 1),
     "cls_llama": ("llama", ["relevant"], None, 2),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def score_prompt():
-    spec = importlib.util.spec_from_file_location("pp", ROOT / "engine/pooling_params.py")
-    pp = sys.modules["pp"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pp)  # numpy and json only: not the engine package
-    return pp.score_prompt
 
 
 def build(name: str, family: str, labels: list[str], problem: str | None, seed: int):
@@ -90,7 +87,7 @@ def logits(model, tok, texts: list[str]) -> list[list[float]]:
 
 def main() -> None:
     golden = dict(meta=dict(transformers=transformers.__version__, torch=torch.__version__))
-    pair = score_prompt()
+    pair = engine_score_prompt()
     for name, (family, labels, problem, seed) in CLASSIFIERS.items():
         model = build(name, family, labels, problem, seed)
         tok = transformers.AutoTokenizer.from_pretrained(OUT / name)

@@ -107,20 +107,27 @@ QUERY = "what do cats eat"
 DOCUMENTS = ["Cats eat fish and meat.", "The stock market fell today.", "a"]
 
 
+def engine_score_prompt():
+    """engine/pooling_params.py's score_prompt, loaded alone (it needs numpy and json only, not
+    the engine package)."""
+    spec = importlib.util.spec_from_file_location("pp", ROOT / "engine/pooling_params.py")
+    pp = sys.modules["pp"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    return pp.score_prompt
+
+
 def rerank(family: str) -> dict:
     """A reranker's scores for QUERY and each of DOCUMENTS on the tiny checkpoint: the prompt
     of the engine's own score_prompt (TEMPLATE, the default instruction), the LM head's logits after
     it, sigmoid(logit[yes] - logit[no]) for the first token of "yes" and of "no"."""
-    spec = importlib.util.spec_from_file_location("pp", ROOT / "engine/pooling_params.py")
-    pp = sys.modules["pp"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pp)  # numpy and json only: not the engine package
+    score_prompt = engine_score_prompt()
     path = ROOT / "tests/data/families" / family
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
     scores, diffs = [], []
     for doc in DOCUMENTS:
-        ids = tok(pp.score_prompt(QUERY, doc, TEMPLATE), return_tensors="pt")["input_ids"]
+        ids = tok(score_prompt(QUERY, doc, TEMPLATE), return_tensors="pt")["input_ids"]
         with torch.no_grad():
             logits = model(ids).logits[0, -1].double()
         diffs.append(float(logits[yes] - logits[no]))  # the log-odds the score comes from
@@ -140,9 +147,15 @@ def prompted(golden: dict) -> None:
         pooling_type="last", normalize=True, dimensions=None, prompt_name="query",
         embeddings=[b64(e) for e in embs],
     )  # fmt: skip
+    keep_st_files(st, "st_qwen3_prompts")
+
+
+def keep_st_files(st: SentenceTransformer, name: str) -> None:
+    """The model's sentence-transformers files (modules.json, its config, the Pooling module's
+    config; not the weights) saved to OUT/name."""
     with tempfile.TemporaryDirectory() as tmp:
         st.save(tmp)
-        keep = OUT / "st_qwen3_prompts"
+        keep = OUT / name
         shutil.rmtree(keep, ignore_errors=True)
         keep.mkdir()
         for f in ("modules.json", "config_sentence_transformers.json"):
@@ -164,14 +177,7 @@ def main() -> None:
             )  # fmt: skip
         st = encoder(transformer(str(path)), "mean", True, None)
         if family == "llama":
-            with tempfile.TemporaryDirectory() as tmp:
-                st.save(tmp)
-                keep = OUT / "st_llama_mean"
-                shutil.rmtree(keep, ignore_errors=True)
-                keep.mkdir()
-                for f in ("modules.json", "config_sentence_transformers.json"):
-                    shutil.copy(Path(tmp) / f, keep / f)
-                shutil.copytree(Path(tmp) / "1_Pooling", keep / "1_Pooling")
+            keep_st_files(st, "st_llama_mean")
     prompted(golden)
     for name, (kind, normalize, dims) in SMOLLM2_CASES.items():
         st = encoder(smollm2_transformer(), kind, normalize, dims)

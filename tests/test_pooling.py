@@ -291,20 +291,28 @@ def test_parallel_ranks_pool_and_score(backend, tp, pp, tmp_path):
     collectives run on every rank, the hidden states are whole on each; the reranker's LM head
     is gathered from the vocabulary slices. Pipeline stages: each hands its hidden state on, the
     last one pools (and holds the LM head)."""
+    pools_and_scores_as_golden(dict(backend=backend, tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp), tmp_path)  # fmt: skip
+
+
+def pools_and_scores_as_golden(engine_args: dict, tmp_path, between=lambda: None) -> None:
+    """An engine made with ``engine_args`` embeds the texts as sentence-transformers does (last
+    and mean pooling), then another scores the reranker's pairs as transformers does; each shut
+    down after, ``between`` called between the two."""
     texts = golden()["meta"]["texts"]
-    par = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend=backend,
-              dtype="float32", num_gpu_blocks=64, **par)  # fmt: skip
+    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", dtype="float32",
+              num_gpu_blocks=64, **engine_args)  # fmt: skip
     try:
         for key in ("llama/last_norm", "llama/mean_raw"):
             case = golden()["cases"][key]
             outs = llm.embed(texts, pooling(case), use_tqdm=False)
-            check([o.outputs.embedding for o in outs], vectors(case), case, f"{key} tp 2")
+            check([o.outputs.embedding for o in outs], vectors(case), case, f"{key} {engine_args}")
     finally:
         llm.shutdown()
+    between()
     ref = golden()["rerank"]
-    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend=backend,
-                 dtype="float32", num_gpu_blocks=64, **par)  # fmt: skip
+    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", dtype="float32",
+                 num_gpu_blocks=64, **engine_args)  # fmt: skip
     try:
         outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
                             ref["template"], use_tqdm=False)  # fmt: skip

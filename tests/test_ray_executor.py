@@ -9,7 +9,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import ray
 
@@ -37,6 +36,14 @@ def cluster():
     ray.shutdown()
 
 
+def released() -> None:
+    """Wait (up to 10 s) for the instance's four CPUs: Ray removes a shut-down engine's
+    placement group in the background."""
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _ray_engine(loaded, tp: int, **kw):
     return make_engine(loaded, tensor_parallel_size=tp, distributed_executor_backend="ray", **kw)
 
@@ -53,9 +60,7 @@ def test_ray_ranks_equal_one_process(tiny, backend):
     assert len(blocks) == (backend == "cuda-cpu") and all(b.exists() for b in blocks)
     engine.backend.shutdown()  # kills the actors: the executor removes what rank 0 cannot
     assert not any(b.exists() for b in blocks)
-    deadline = time.monotonic() + 10
-    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
-        time.sleep(0.1)  # Ray removes the placement group in the background
+    released()
     assert ray.available_resources().get("CPU") == 4
 
 
@@ -85,28 +90,7 @@ def test_pooling_on_ray_stages(tmp_path):
     """The pooling runner over Ray, TP 2 x PP 2: the stages hand their hidden states on and the
     last pools them; the vectors are sentence-transformers' (tests/data/pooling/golden.json) and
     the reranker's scores transformers' (the LM head gathered on the last stage)."""
-    from engine import LLM
-    from tests.test_pooling import FAMILIES, check, golden, pooling, vectors
+    from tests.test_pooling import pools_and_scores_as_golden
 
-    texts, par = golden()["meta"]["texts"], dict(tensor_parallel_size=2, pipeline_parallel_size=2)
-    llm = LLM(model=str(FAMILIES / "llama"), runner="pooling", dtype="float32", num_gpu_blocks=64,
-              distributed_executor_backend="ray", **par)  # fmt: skip
-    try:
-        for key in ("llama/last_norm", "llama/mean_raw"):
-            case = golden()["cases"][key]
-            outs = llm.embed(texts, pooling(case), use_tqdm=False)
-            check([o.outputs.embedding for o in outs], vectors(case), case, f"{key} on ray")
-    finally:
-        llm.shutdown()
-    deadline = time.monotonic() + 10
-    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
-        time.sleep(0.1)  # Ray removes the placement group in the background
-    ref = golden()["rerank"]
-    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", dtype="float32",
-                 num_gpu_blocks=64, distributed_executor_backend="ray", **par)  # fmt: skip
-    try:
-        outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
-                            ref["template"], use_tqdm=False)  # fmt: skip
-        np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)
-    finally:
-        scorer.shutdown()
+    par = dict(tensor_parallel_size=2, pipeline_parallel_size=2)
+    pools_and_scores_as_golden(dict(distributed_executor_backend="ray", **par), tmp_path, released)
