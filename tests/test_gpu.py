@@ -460,20 +460,14 @@ def test_lora_adapters_on_the_device():
 
 def test_pooling_on_the_device(tmp_path):
     """The pooling runner on the device backend: sentence-transformers' golden embeddings of
-    the tiny llama checkpoint (last and mean pooling) and the reranker's golden scores."""
+    the tiny llama checkpoint (last and mean pooling), the reranker's golden scores, and a
+    sequence classifier's golden logits (transformers')."""
     from engine import LLM
-    from tests.test_pooling import FAMILIES, check, golden, matryoshka_copy, pooling, vectors
+    from tests.test_pooling import DATA, classify_golden, pools_and_scores_as_golden
 
-    texts = golden()["meta"]["texts"]
-    llm = LLM(model=str(matryoshka_copy("llama", tmp_path)), runner="pooling", backend=BACKEND,
+    pools_and_scores_as_golden(dict(backend=BACKEND), tmp_path)
+    ref = classify_golden()["cls_qwen3"]
+    llm = LLM(model=str(DATA / "cls_qwen3"), runner="pooling", backend=BACKEND,
               dtype="float32", num_gpu_blocks=64)  # fmt: skip
-    for key in ("llama/last_norm", "llama/mean_raw"):
-        case = golden()["cases"][key]
-        outs = llm.embed(texts, pooling(case), use_tqdm=False)
-        check([o.outputs.embedding for o in outs], vectors(case), case, key)
-    ref = golden()["rerank"]
-    scorer = LLM(model=str(FAMILIES / ref["family"]), runner="pooling", backend=BACKEND,
-                 dtype="float32", num_gpu_blocks=64)  # fmt: skip
-    outs = scorer.score(ref["query"], ref["documents"], tuple(ref["score_tokens"]),
-                        ref["template"], use_tqdm=False)  # fmt: skip
-    np.testing.assert_allclose([o.outputs.score for o in outs], ref["scores"], atol=1e-5)
+    outs = llm.classify(ref["texts"], activation=False, use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.probs for o in outs], ref["logits"], atol=1e-4, rtol=0)
