@@ -401,6 +401,8 @@ def test_a_one_label_classifier_reranks(tmp_path):
     llm = LLM(model=path, runner="pooling", backend="cpu", dtype="float32", num_gpu_blocks=64)
     outs = llm.score(ref["query"], ref["documents"], template=ref["template"], use_tqdm=False)
     np.testing.assert_allclose([o.outputs.score for o in outs], want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="score_tokens: this model is a sequence classifier"):
+        llm.score(ref["query"], ref["documents"], (1, 2), ref["template"], use_tqdm=False)
     with LiveServer(load_model(path), runner="pooling", backend="cpu", dtype="float32") as s:
         body = {"model": "tiny", "query": ref["query"], "documents": ref["documents"],
                 "template": ref["template"]}  # fmt: skip

@@ -107,13 +107,18 @@ class LLMEngine(FrontendState):
             self.loaded = self.core.loaded  # without the weights: the backend has its own
 
     def _check_pooling(self, p: PoolingParams) -> None:
-        """What the model cannot do for ``p``: a classifier's task without a score head, a
-        Matryoshka cut it does not declare."""
+        """What the model cannot do for ``p``: a classifier's task without a score head, token
+        logits from a classifier (it has no LM head), a Matryoshka cut it does not declare."""
         labels = self.model_config.num_labels
         if p.task == "classify" and not labels:
             raise ValueError(
                 "classify needs a sequence classifier (a *ForSequenceClassification checkpoint "
                 "with a score head); this model has none"
+            )
+        if p.score_tokens is not None and labels:
+            raise ValueError(
+                "score_tokens: this model is a sequence classifier, with no LM head to read "
+                "token logits from; its scores come from its own head (leave score_tokens out)"
             )
         if p.task == "score" and p.score_tokens is None and labels != 1:
             raise ValueError(
