@@ -117,7 +117,9 @@ def test_the_queue_bound_counts_the_adds_the_core_has_not_read(engines):
     """max_waiting checked in the frontend: the core's counters and the adds sent since."""
     far, _ = engines
     n = far.config.max_num_seqs
-    params = SamplingParams(n=n, max_tokens=2, ignore_eos=True)
+    # long enough that the core, stepping on its own, cannot finish them before the next add
+    # (at 2 tokens a loaded machine's frontend was once slower than the core's two steps)
+    params = SamplingParams(n=n, max_tokens=64, ignore_eos=True)
     far.add_request("fills", "hi", params, max_waiting=0)  # every free slot, nobody waits
     with pytest.raises(QueueFullError, match="queue is full"):
         far.add_request("waits", "hi", SamplingParams(max_tokens=2), max_waiting=0)
