@@ -493,7 +493,8 @@ def test_lora_adapters_pool_as_peft_computes(backend):
     tests/test_lora.py's golden cases do): each prompt's last hidden state, seen through the
     LM head as the log-odds of its most likely next token against four others, equals PEFT's
     logits (scripts/make_lora_golden.py) within 1e-4; the adapters are in use (an adapter's
-    log-odds differ from the base model's by far more)."""
+    log-odds differ from the base model's by far more); the server embeds with an adapter
+    named as the request's model."""
     from engine import LoRARequest
 
     lora_dir = Path(__file__).parent / "data" / "lora" / "llama"
@@ -521,3 +522,17 @@ def test_lora_adapters_pool_as_peft_computes(backend):
     assert moved[[i for i, lr in enumerate(loras) if lr is not None]].min() > 1e-2
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    if backend == "cpu":  # the server: an adapter by its name as the request's model
+        import httpx
+
+        from engine.tools.live_server import LiveServer
+        from model_loader.load import load_model
+
+        r8 = LoRARequest("r8", 9, str(lora_dir / "r8_all"))
+        want = llm.embed("hello world", lora_request=r8, use_tqdm=False)[0].outputs.embedding
+        with LiveServer(load_model(str(FAMILIES / "llama")), runner="pooling", backend="cpu",
+                        dtype="float32", enable_lora=True, max_lora_rank=64,
+                        lora_modules=[("r8", r8.lora_path)]) as s:  # fmt: skip
+            body = {"model": "r8", "input": "hello world"}
+            got = httpx.post(s.url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
