@@ -102,7 +102,8 @@ class Pooler:
             self.acc = s if self.acc is None else self.acc + s
         elif kind == "cls" and first:
             self.acc = rows[0].astype(np.float64)
-        self.last = rows[-1]
+        elif kind == "last":  # a copy: a view would keep the step's whole (T, D) rows alive
+            self.last = rows[-1].copy()
 
     def result(self, num_tokens: int) -> np.ndarray:
         kind = self.params.pooling_type

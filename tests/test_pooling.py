@@ -536,3 +536,25 @@ def test_lora_adapters_pool_as_peft_computes(backend):
             body = {"model": "r8", "input": "hello world"}
             got = httpx.post(s.url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
+def test_a_pooler_keeps_nothing_of_the_steps_rows(kind):
+    """What a Pooler keeps between chunks is its own: the step's (T, D) rows written over
+    afterwards (a backend may reuse its buffers) change nothing, and no view of them is held
+    (it would keep the whole step's rows alive until the prompt ends)."""
+    from engine.pooling_params import Pooler
+
+    rng = np.random.default_rng()
+    chunks = [rng.standard_normal((n, 8), dtype=np.float32) for n in (5, 3)]
+    rows = np.concatenate(chunks)  # (8, 8), a copy
+    want = {"last": rows[-1], "mean": rows.mean(0, dtype=np.float64), "cls": rows[0]}
+    pooler = Pooler(PoolingParams(kind, normalize=False))
+    pooler.add(chunks[0], first=True)
+    chunks[0][:] = np.nan  # the first step's buffer, reused
+    pooler.add(chunks[1], first=False)
+    kept = [a for a in (pooler.acc, pooler.last) if a is not None]
+    assert all(a.base is None for a in kept)
+    got = pooler.result(8)
+    chunks[1][:] = np.nan
+    np.testing.assert_allclose(got, want[kind], rtol=1e-6, atol=1e-7)
