@@ -153,7 +153,9 @@ def test_speculation_under_preemption(tiny, mode):
 
 def test_speculation_with_prefix_caching_chunked_prefill_and_mixed_sampling(tiny):
     """Greedy requests keep their tokens exactly beside sampled ones (which speculate too and
-    draw differently, from the same distribution: tested below)."""
+    draw differently, from the same distribution: tested below), unless the two best logits
+    tie within float32 rounding: a verify step computes its rows in a batch of another shape
+    than a decode step's, so such a tie may go either way, and nothing else may differ."""
     rng = np.random.default_rng()
     prompts = repetitive_prompts(rng, 8, 320)
     prompts += [prompts[1] + [7, 8], prompts[2][:5]]  # shared prefixes
@@ -165,11 +167,16 @@ def test_speculation_with_prefix_caching_chunked_prefill_and_mixed_sampling(tiny
     ]
     engine_args = dict(backend="numpy", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
     engine_args |= dict(enable_prefix_caching=True, enable_chunked_prefill=True)
-    want, _, _ = run(tiny, prompts, params, None, max_num_batched_tokens=16, **engine_args)
+    ref = make_engine(tiny, record_logits=True, max_num_batched_tokens=16, **engine_args)
+    outs = run_to_completion(ref, prompts, params, check_invariants=True)
+    assert ref.block_manager.num_free_blocks == ref.block_manager.num_blocks
     got, _, engine = run(tiny, prompts, params, NGRAM, max_num_batched_tokens=16, **engine_args)
-    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+    for i, (o, g) in enumerate(zip(outs, got, strict=True)):
         assert len(g) == params[i].max_tokens
-        assert g == w or not params[i].greedy
+        if params[i].greedy and g != o.token_ids:  # only where float32 rounding decides a tie
+            j = next(k for k, (a, b) in enumerate(zip(g, o.token_ids, strict=True)) if a != b)
+            top2 = np.sort(o.outputs[0].step_logits[j])[-2:]
+            assert top2[1] - top2[0] < 1e-5, f"prompt {i}: token {j} differs, not at a tie"
     assert engine.spec_stats.num_accepted_tokens > 0
 
 
