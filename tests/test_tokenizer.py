@@ -192,7 +192,9 @@ def test_chat_template_environment(smol):
 
 
 def check_text_streams(tok: Tokenizer, text: str):
-    ids = tok.encode(text, add_special_tokens=False)
+    # special tokens' spellings as plain text: "<|im_end|>" parsed would be the special token,
+    # which decoding skips (Hypothesis draws string constants from the code, so it tries them)
+    ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
     pieces = stream(tok, ids)
     assert "".join(pieces) == text == tok.decode(ids)
     assert pieces[-1] == "" and not any("\ufffd" in p for p in pieces)
