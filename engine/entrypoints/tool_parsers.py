@@ -127,6 +127,27 @@ class ToolParser:
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         raise NotImplementedError
 
+    def _blocks(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """``feed`` for formats whose calls open with ``self.OPEN``: the text before a call is
+        content; at the tag ``_opened()``, then ``_inside(final)`` -> (content, deltas, more)
+        until it says more text is needed (or closes the call: ``in_call`` False again)."""
+        self.buf += text
+        content, deltas = [], []
+        while True:
+            if not self.in_call:
+                text, self.in_call = self._text_until(self.OPEN, final)
+                content.append(text)
+                if not self.in_call:
+                    break
+                self._opened()
+                continue
+            text, out, more = self._inside(final)
+            content.append(text)
+            deltas += out
+            if not more:
+                break
+        return "".join(content), deltas
+
     def _text_until(self, tag: str, final: bool) -> tuple[str, bool]:
         """The text before ``tag`` and True (both consumed); without the tag, the text that
         cannot begin it (a possible start held back unless ``final``) and False."""
@@ -222,35 +243,25 @@ class HermesParser(_JsonCalls):
         self.blocks = 0  # <tool_call> blocks opened
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.buf += text
-        content, deltas = [], []
-        while True:
-            if not self.in_call:
-                text, self.in_call = self._text_until(self.OPEN, final)
-                content.append(text)
-                if not self.in_call:
-                    break
-                self.blocks += 1
-                continue
-            j = self.buf.find(self.CLOSE)
-            taken = self.buf if j < 0 else self.buf[:j]
-            body = taken
-            if j < 0 and not final:  # the block goes on: stream what is known of it
-                hold = tag_prefix(body, self.CLOSE)
-                out, _, _ = self._object(body[: len(body) - hold], False, self.blocks)
-                deltas += out
-                break
-            self.buf = "" if j < 0 else self.buf[j + len(self.CLOSE) :]
-            self.in_call = False
-            out, end, is_call = self._object(body, True, self.blocks)
-            ok = is_call and end is not None and not body[end:].strip()
-            if ok or self.started:  # a call (one whose name was sent stays one)
-                deltas += out
-            else:
-                content.append(self.OPEN + body + ("" if j < 0 else self.CLOSE))
-            if j < 0:
-                break
-        return "".join(content), deltas
+        return self._blocks(text, final)
+
+    def _opened(self) -> None:
+        self.blocks += 1
+
+    def _inside(self, final: bool) -> tuple[str, list[dict], bool]:
+        j = self.buf.find(self.CLOSE)
+        body = self.buf if j < 0 else self.buf[:j]
+        if j < 0 and not final:  # the block goes on: stream what is known of it
+            hold = tag_prefix(body, self.CLOSE)
+            out, _, _ = self._object(body[: len(body) - hold], False, self.blocks)
+            return "", out, False
+        self.buf = "" if j < 0 else self.buf[j + len(self.CLOSE) :]
+        self.in_call = False
+        out, end, is_call = self._object(body, True, self.blocks)
+        ok = is_call and end is not None and not body[end:].strip()
+        if ok or self.started:  # a call (one whose name was sent stays one)
+            return "", out, j >= 0
+        return self.OPEN + body + ("" if j < 0 else self.CLOSE), [], j >= 0
 
 
 class Llama3JsonParser(_JsonCalls):
@@ -447,23 +458,15 @@ class Qwen3XmlParser(ToolParser):
         self.spill = ""  # a block that held no call: content
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.buf += text
-        content, deltas = [], []
-        while True:
-            if not self.in_call:
-                text, self.in_call = self._text_until(self.OPEN, final)
-                content.append(text)
-                if not self.in_call:
-                    break
-                self.pos = 0
-                continue
-            step = self._step(final)
-            content.append(self.spill)
-            self.spill = ""
-            if step is None:
-                break
-            deltas += step
-        return "".join(content), deltas
+        return self._blocks(text, final)
+
+    def _opened(self) -> None:
+        self.pos = 0
+
+    def _inside(self, final: bool) -> tuple[str, list[dict], bool]:
+        step = self._step(final)
+        spill, self.spill = self.spill, ""
+        return spill, step or [], step is not None
 
     def _step(self, final: bool) -> list[dict] | None:
         """The next piece of the open call, or None when more text is needed."""
