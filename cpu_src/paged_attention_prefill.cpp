@@ -49,19 +49,21 @@ const int LANES = sizeof(vf) / 4, NH = CW / LANES;
 typedef std::conditional_t<(sizeof(vf) >= 32), vf, v8> vs;
 
 // out[r, 0:16] = start + sum_{k < K} a[r, k] * b[k, 0:16] for r < R, where start is 0, or
-// with `add` out[r, 0:16] itself, times corr[r] where corr is given: a's rows lda apart, b's
-// rows ldb apart, out's ldo apart.
+// out[r, 0:16] * corr[r] where corr is given: a's rows lda apart, b's rows ldb apart, out's ldo
+// apart.
 template <int R>
 inline void micro(float* out, long ldo, const float* a, long lda, const float* b, long ldb, int K,
-                  bool add, const float* corr) {
+                  const float* corr) {
   vf acc[R][NH];
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
     for (int h = 0; h < NH; h++) {
       acc[r][h] = vf{};
-      if (add) std::memcpy(&acc[r][h], out + r * ldo + h * LANES, sizeof(vf));
-      if (corr) acc[r][h] *= corr[r];
+      if (corr) {
+        std::memcpy(&acc[r][h], out + r * ldo + h * LANES, sizeof(vf));
+        acc[r][h] *= corr[r];
+      }
     }
   for (int k = 0; k < K; k++) {
     vf bv[NH];
@@ -88,8 +90,7 @@ inline void scores(float* out, long ldo, const float* q, long ldq, const float* 
   vf part[MAX_HD / DK][R][NH];
   const int runs = K / DK;
   for (int u = 0; u < runs; u++)
-    micro<R>(&part[u][0][0][0], NH * LANES, q + u * DK, ldq, kt + u * DK * ldk, ldk, DK, false,
-             nullptr);
+    micro<R>(&part[u][0][0][0], NH * LANES, q + u * DK, ldq, kt + u * DK * ldk, ldk, DK, nullptr);
   for (int w = 1; w < runs; w *= 2)
     for (int u = 0; u + w < runs; u += 2 * w)
 #pragma GCC unroll 16
@@ -171,7 +172,7 @@ void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int3
         with_rows(rows, [&](auto n) {
           micro<decltype(n)::value>(o.data() + (size_t)r0 * hdp + c0, hdp,
                                     s.data() + (size_t)r0 * KTILE + jlo, KTILE,
-                                    vt.data() + (size_t)jlo * hdp + c0, hdp, jhi - jlo, true,
+                                    vt.data() + (size_t)jlo * hdp + c0, hdp, jhi - jlo,
                                     corr.data() + r0);
         });
     }
