@@ -157,6 +157,15 @@ def yes_no_tokens(tokenizer) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
+def score_pooling(score_tokens, num_labels: int, tokenizer) -> PoolingParams:
+    """A score request's PoolingParams: the LM head's log-odds of ``score_tokens`` (yes, no),
+    by default the vocabulary's one-token "yes" and "no"; a one-label classifier's own head
+    when no tokens are given."""
+    if score_tokens is None and num_labels != 1:
+        score_tokens = yes_no_tokens(tokenizer)
+    return PoolingParams(task="score", score_tokens=score_tokens)
+
+
 def checkpoint_pooling(model_dir: str | Path | None) -> dict:
     """The pooling a sentence-transformers checkpoint declares (``modules.json``, its Pooling
     module's ``config.json``, a ``Normalize`` module; ``config_sentence_transformers.json``'s

@@ -262,6 +262,10 @@ class NumpyBackend(Backend):
         """One step -> (T, D) float32: every row's last hidden state after the final norm
         (transformers' ``last_hidden_state``), for the pooling runner."""
         x, residual = self._run_layers(self._embed(batch.token_ids), None, batch)  # (T, D) x 2
+        return self._final_rows(x, residual)
+
+    def _final_rows(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """(T, D) float32: every row after the last residual add and the final norm."""
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.final_norm, self.cfg.rms_norm_eps)
         return np.asarray(h, dtype=F32)
 

@@ -255,8 +255,7 @@ class ModelRunner:
                 logits = np.array([float(lm[i][yes]) - float(lm[i][no])])  # (1,) log-odds
             else:
                 logits = self.classifier @ last[i].astype(np.float64)  # (L,)
-            act = classifier_activation(logits, self.problem_type) if p.activation else logits
-            out.append(act.astype(np.float64))
+            out.append(classifier_activation(logits, self.problem_type) if p.activation else logits)
         return out
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:

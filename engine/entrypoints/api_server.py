@@ -99,7 +99,7 @@ from engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError,
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
 from engine.lora.request import LoRARequest
-from engine.pooling_params import PoolingParams, prompt_before, score_prompt, yes_no_tokens
+from engine.pooling_params import PoolingParams, prompt_before, score_pooling, score_prompt
 from engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -541,16 +541,11 @@ def _add_embeddings_routes(app: FastAPI, server: Server) -> None:
         """A sequence classifier's label probabilities per input (embeddings_api.py)."""
         creq, size = await server.parse(raw, ClassifyRequest)
         _check_pooling(server, creq.model, "/classify")
-        labels = server.llm.engine.model_config.labels
-        if not labels:
-            raise ApiError(400, "/classify needs a sequence classifier (a "
-                                "*ForSequenceClassification checkpoint); this model has no "
-                                "score head")  # fmt: skip
         req = _call(creq.embedding_request)
         ids = await _input_ids(server, req, size)
         pooling = PoolingParams(task="classify", activation=creq.use_activation)
         rows = await _pooled(raw, server, req.model, ids, pooling)
-        tokens = sum(len(x) for x in ids)
+        tokens, labels = sum(len(x) for x in ids), server.llm.engine.model_config.labels
         return classify_body(creq.model or server.model_name, labels, rows, tokens)
 
     @app.post("/rerank")
@@ -591,11 +586,10 @@ async def _score(raw, server: Server, req, query: str, docs: list[str], size: in
     if req.score_tokens is not None and len(req.score_tokens) != 2:
         raise ApiError(400, "score_tokens: two token ids (yes, no)")
     ids = tuple(req.score_tokens) if req.score_tokens else None
-    if ids is None and server.llm.engine.model_config.num_labels != 1:
-        ids = _call(yes_no_tokens, server.tokenizer)
+    labels = server.llm.engine.model_config.num_labels
+    pooling = _call(score_pooling, ids, labels, server.tokenizer)
     texts = [_call(score_prompt, query, d, req.template, req.instruction) for d in docs]
     prompts = [(await _input_ids(server, EmbeddingRequest(input=t), size))[0] for t in texts]
-    pooling = _call(PoolingParams, task="score", score_tokens=ids)
     vectors = await _pooled(raw, server, req.model, prompts, pooling)
     return [v[0] for v in vectors], sum(len(p) for p in prompts)
 

@@ -89,10 +89,7 @@ class RankNumpyBackend(NumpyBackend):
         x, residual = self._run_layers(x, residual, batch)
         if not self.stage.last:
             return x, residual
-        if pooled:
-            h, _ = self.ops.fused_add_rms_norm(x, residual, self.final_norm, self.cfg.rms_norm_eps)
-            return np.asarray(h, dtype=F32)
-        return self._head(x, residual, batch)
+        return self._final_rows(x, residual) if pooled else self._head(x, residual, batch)
 
     def _receive(self) -> tuple[np.ndarray, np.ndarray]:
         if not self.prev.poll(self.timeout):

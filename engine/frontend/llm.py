@@ -21,7 +21,7 @@ from engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from engine.pooling_params import PoolingParams, prompt_before, score_prompt, yes_no_tokens
+from engine.pooling_params import PoolingParams, prompt_before, score_pooling, score_prompt
 from engine.sampling_params import SamplingParams, is_integer
 
 
@@ -173,10 +173,8 @@ class LLM:
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.score needs an engine made with runner='pooling'")
         docs = [documents] if isinstance(documents, str) else list(documents)
-        ids = score_tokens
-        if ids is None and self.engine.model_config.num_labels != 1:
-            ids = yes_no_tokens(self.engine.tokenizer)
-        pooling = PoolingParams(task="score", score_tokens=ids)
+        e = self.engine
+        pooling = score_pooling(score_tokens, e.model_config.num_labels, e.tokenizer)
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         prompts = [score_prompt(query, d, template, instruction) for d in docs]
         outs = self.generate(prompts, params, use_tqdm)
