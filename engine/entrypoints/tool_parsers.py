@@ -72,23 +72,30 @@ def json_value_end(text: str, start: int) -> int | None:
         m = re.compile(r"[^\s,}\]]+").match(text, i)
         end = m.end() if m else i
         return end if end < len(text) else None
-    depth, in_string, escaped = 0, False, False
+    return _closed_end(text, i, '"', "{[", "}]")
+
+
+def _closed_end(text: str, i: int, quotes: str, opens: str, closes: str) -> int | None:
+    """The index after what starts at ``i`` closes: a quoted string (any of ``quotes``,
+    escapes followed) or a bracket of ``opens``, brackets counted outside strings; None when
+    the text stops first."""
+    depth, quote, escaped = 0, None, False
     for j in range(i, len(text)):
         c = text[j]
-        if in_string:
+        if quote:
             if escaped:
                 escaped = False
             elif c == "\\":
                 escaped = True
-            elif c == '"':
-                in_string = False
+            elif c == quote:
+                quote = None
                 if depth == 0:
                     return j + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
+        elif c in quotes:
+            quote = c
+        elif c in opens:
             depth += 1
-        elif c in "}]":
+        elif c in closes:
             depth -= 1
             if depth == 0:
                 return j + 1
@@ -418,25 +425,7 @@ def _pythonic_calls(text: str, final: bool) -> list[tuple[str, str]] | None:
 
 def _paren_end(text: str, i: int) -> int | None:
     """The index after the parenthesis that closes the one at ``i`` (quotes followed)."""
-    depth, quote, escaped = 0, None, False
-    for j in range(i, len(text)):
-        c = text[j]
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+    return _closed_end(text, i, "\"'", "([{", ")]}")
 
 
 class Qwen3XmlParser(ToolParser):
