@@ -42,6 +42,9 @@ from engine.utils import mib
 from model_loader.config import ModelConfig
 
 log = logging.getLogger("engine")
+# Starting a rank (a process, its imports, its share of the weights) waits this long: a busy
+# machine can take minutes, and a rank that dies meanwhile is reported at once anyway.
+START_TIMEOUT = 600.0
 EVERY_RANK = ("sizes", "profile_peak_bytes", "comm_stats", "pid", "unique_id", "join")
 EVERY_RANK += ("device_memory", "read_blocks")  # answered by every rank
 
@@ -326,7 +329,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(
             self, _stop, self.procs, self.conns, self.comms, self.nccl_ids
         )
-        self._gather("starting")
+        self._gather("starting", START_TIMEOUT)
         self._started()
 
     # ---- the channel ----
@@ -341,17 +344,19 @@ class MultiprocExecutor(Executor):
         results = self._gather(name)
         return results if all_ranks else results[self.output_rank]
 
-    def _gather(self, what: str) -> list:
+    def _gather(self, what: str, timeout: float | None = None) -> list:
         """Each rank's answer, in rank order; RuntimeError for an error, a death (whichever rank
-        dies: the others wait in a collective for it) or a timeout."""
+        dies: the others wait in a collective for it) or no answer in ``timeout`` seconds (the
+        executor's own by default)."""
         results: dict[int, object] = {}
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(results) < self.world:
             left = deadline - time.monotonic()
             if left <= 0:
                 late = min(set(range(self.world)) - set(results))
-                self._fail(late, f"no answer to {what} in {self.timeout:g} s")
+                self._fail(late, f"no answer to {what} in {timeout:g} s")
             waiting = [c for r, c in enumerate(self.conns) if r not in results]
             ready = mp.connection.wait([*waiting, *sentinels], min(left, 1.0))
             for rank, conn in enumerate(self.conns):

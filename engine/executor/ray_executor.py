@@ -27,7 +27,7 @@ import weakref
 
 from engine.devices.comm import ShmComm
 from engine.emulation.nccl import remove_block
-from engine.executor.executor import Executor, Worker
+from engine.executor.executor import START_TIMEOUT, Executor, Worker
 from model_loader.config import ModelConfig
 
 
@@ -109,7 +109,7 @@ class RayExecutor(Executor):
                     rank, plan, cfg, weights_ref, engine_config
                 )
             )
-        nodes = self._gather([a.node.remote() for a in self.actors], "starting")
+        nodes = self._gather([a.node.remote() for a in self.actors], "starting", START_TIMEOUT)
         here = ray.get_runtime_context().get_node_id()
         away = [r for r, n in enumerate(nodes) if n != here]
         if away and numpy_ranks:
@@ -152,16 +152,17 @@ class RayExecutor(Executor):
             refs += hidden
         return self._gather(refs, name)[self.output_rank]
 
-    def _gather(self, refs: list, what: str) -> list:
+    def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
         """Each rank's answer, in rank order; RuntimeError naming the first rank that raised,
-        died or did not answer in time."""
+        died or did not answer in ``timeout`` seconds (the executor's own by default)."""
         ray, pending, results = self.ray, {ref: r for r, ref in enumerate(refs)}, {}
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left, 0))
             if not ready:
-                self._fail(min(pending.values()), f"no answer to {what} in {self.timeout:g} s")
+                self._fail(min(pending.values()), f"no answer to {what} in {timeout:g} s")
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
