@@ -110,7 +110,9 @@ def batch_rows_check(backend: str) -> None:
         assert got.token_ids == want.token_ids, f"crowd of {size}: other greedy tokens"
         diff = np.abs(np.stack(got.step_logits) - np.stack(want.step_logits)).max()
         assert diff < ROUNDING, f"crowd of {size}: decode logits {diff:.2e} apart"
-        for p, (a, b) in enumerate(zip(run.prompt_logprobs[1:], alone.prompt_logprobs[1:])):
+        for p, (a, b) in enumerate(
+            zip(run.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True)
+        ):
             (ta, la), (tb, lb) = next(iter(a.items())), next(iter(b.items()))
             assert ta == tb and abs(la - lb) < ROUNDING, f"crowd of {size}: prompt row {p}"
 
