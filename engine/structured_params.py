@@ -48,8 +48,12 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = True
-    # a reasoning model's output: the grammar starts after this text (its thinking's end mark)
+    # a reasoning model's output: the grammar is for the answer after its thinking, which ends
+    # at reasoning_end; with reasoning_start the output's first tokens decide whether it thinks
+    # (the grammar applies from token 0 to an output that does not open with it), without it
+    # the output starts inside the thinking (the prompt opened it)
     reasoning_end: str | None = None
+    reasoning_start: str | None = None
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -74,10 +78,12 @@ class StructuredOutputsParams:
                 raise _bad("choice", self.choice, "a non-empty list of strings")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise _bad("json_object", self.json_object, "a bool")
-        if self.reasoning_end is not None and not (
-            isinstance(self.reasoning_end, str) and self.reasoning_end
-        ):
-            raise _bad("reasoning_end", self.reasoning_end, "None or a non-empty string")
+        for name in ("reasoning_end", "reasoning_start"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise _bad(name, value, "None or a non-empty string")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise _bad("reasoning_start", self.reasoning_start, "set with reasoning_end only")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")

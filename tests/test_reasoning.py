@@ -13,22 +13,28 @@ import json
 import random
 
 import httpx
+import numpy as np
 import pytest
 
 from engine.entrypoints.reasoning import ReasoningSplit, prompt_state
 from engine.tools.live_server import MODEL, LiveServer
 from tests.scripted import scripted_factory
 
-# parser, output, (thinking, answer)
+# parser, whether the prompt opened the thinking, output, (thinking, answer)
 CASES = [
-    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
-    ("qwen3", "Paris.", (None, "Paris.")),
-    ("qwen3", "<think>cut short", ("cut short", None)),
-    ("qwen3", "<thin", (None, "<thin")),
-    ("qwen3", "", (None, None)),
-    ("deepseek_r1", "Hmm, ok.</think>\n\nParis.", ("Hmm, ok.", "Paris.")),
-    ("deepseek_r1", "<think>Hmm</think>Paris</think>", ("Hmm", "Paris</think>")),
-    ("deepseek_r1", "all thinking", ("all thinking", None)),
+    ("qwen3", False, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
+    ("qwen3", False, "Paris.", (None, "Paris.")),
+    ("qwen3", False, "<think>cut short", ("cut short", None)),
+    ("qwen3", False, "<thin", (None, "<thin")),
+    ("qwen3", False, "", (None, None)),
+    ("qwen3", True, "Hmm.</think>Paris", ("Hmm.", "Paris")),
+    ("deepseek_r1", True, "Hmm, ok.</think>\n\nParis.", ("Hmm, ok.", "Paris.")),
+    ("deepseek_r1", True, "<think>Hmm</think>Paris</think>", ("Hmm", "Paris</think>")),
+    ("deepseek_r1", True, "all thinking", ("all thinking", None)),
+    # a prompt that opened nothing: the output's first text decides, for every parser
+    ("deepseek_r1", False, "Paris.", (None, "Paris.")),
+    ("deepseek_r1", False, " <think>Hmm</think>Paris", ("Hmm", "Paris")),
+    ("deepseek_r1", False, '{"a": "</think>"}', (None, '{"a": "</think>"}')),
 ]
 
 
@@ -42,20 +48,18 @@ def fed(parser: str, text: str, rng: random.Random, opened: bool = False):
             return (thinking if split.thought else None), answer or None
 
 
-@pytest.mark.parametrize("parser, text, want", CASES)
-def test_thinking_and_answer_whole_and_in_pieces(parser, text, want):
-    assert ReasoningSplit(parser).split(text) == want
+@pytest.mark.parametrize("parser, opened, text, want", CASES)
+def test_thinking_and_answer_whole_and_in_pieces(parser, opened, text, want):
+    assert ReasoningSplit(parser, opened).split(text) == want
     rng = random.Random()
     for _ in range(10):
-        assert fed(parser, text, rng) == want
+        assert fed(parser, text, rng, opened) == want
 
 
 def test_a_prompt_that_opens_or_closes_the_thinking():
     assert prompt_state("<|im_start|>assistant\n<think>\n") == (True, False)
     assert prompt_state("assistant\n<think>\n\n</think>\n\n") == (False, True)
     assert prompt_state("<|im_start|>assistant\n") == (False, False)
-    # opened by the template: the output starts thinking, whichever the parser
-    assert ReasoningSplit("qwen3", opened=True).split("Hmm.</think>Paris") == ("Hmm.", "Paris")
 
 
 QWEN3 = (
@@ -75,10 +79,32 @@ def with_template(loaded, template: str):
     return dataclasses.replace(loaded, tokenizer=tok)
 
 
+def with_think_tokens(loaded):
+    """The model with <think> and </think> as tokens of their own (as a reasoning model's
+    vocabulary has them: Qwen3's, DeepSeek-R1's), two new random embedding rows."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from model_loader.tokenizer import Tokenizer
+
+    old = loaded.tokenizer
+    backend = HFTokenizer.from_str(old.backend.to_str())
+    backend.add_tokens([AddedToken(t, normalized=False) for t in ("<think>", "</think>")])
+    tok = Tokenizer(backend, bos_token_id=old.bos_token_id, eos_token_ids=old.eos_token_ids,
+                    add_bos=old.add_bos, chat_template=old.chat_template)  # fmt: skip
+    w, n = loaded.weights, backend.get_vocab_size(with_added_tokens=True)
+    rows = np.random.default_rng(0).standard_normal((n - w.embed.shape[0], w.embed.shape[1]))
+    embed = np.vstack([w.embed, rows.astype(w.embed.dtype)])  # (V + 2, D)
+    head = embed if w.lm_head is w.embed else np.vstack([w.lm_head, rows.astype(w.embed.dtype)])
+    weights = dataclasses.replace(w, embed=embed, lm_head=head)
+    config = dataclasses.replace(loaded.config, vocab_size=n)
+    return dataclasses.replace(loaded, config=config, weights=weights, tokenizer=tok)
+
+
 @pytest.fixture(scope="module")
 def qwen3(tiny):
     script = {"start": 0, "ids": [], "eos": tiny.tokenizer.eos_token_ids[0]}
-    loaded = with_template(tiny, QWEN3)
+    loaded = with_template(with_think_tokens(tiny), QWEN3)
     with LiveServer(loaded, reasoning_parser="qwen3", backend_factory=scripted_factory(script),
                     max_model_len=256, num_gpu_blocks=64) as s:  # fmt: skip
         yield s, script, loaded.tokenizer
@@ -118,6 +144,21 @@ def test_a_schema_applies_to_the_answer_after_the_thinking(qwen3):
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"] == "\nCount: {one, two}\n"
     assert json.loads(msg.content) == {"n": 2} and r.choices[0].finish_reason == "stop"
+
+
+def test_a_model_that_does_not_think_is_constrained_from_its_first_token(qwen3):
+    """The model writes prose where a schema is asked and never opens <think>: the grammar
+    applies from the first token (it used to wait for a </think> that never came), so the
+    scripted prose is masked and the answer is the schema's."""
+    server, script, tok = qwen3
+    write(server, script, tok, "The answer is two.")
+    r = server.openai_client().chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert "reasoning_content" not in msg.model_extra or not msg.model_extra["reasoning_content"]
+    assert set(json.loads(msg.content)) == {"n"}
 
 
 def test_thinking_switched_off_in_the_template(qwen3):

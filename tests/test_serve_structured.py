@@ -46,9 +46,13 @@ def tiny_client(tiny_server):
     return tiny_server.openai_client()
 
 
-@pytest.fixture(scope="module")
-def smol_client(smollm2):
-    with LiveServer(smollm2, max_model_len=512, num_gpu_blocks=128) as s:
+@pytest.fixture(scope="module", params=[None, "qwen3", "deepseek_r1"])
+def smol_client(smollm2, request):
+    """SmolLM2, a model that never thinks, with each reasoning parser and none: a parser waits
+    for thinking only where the prompt or the output opens it, so every check below gives
+    the same verdict with one on (the grammar applies from the first token)."""
+    parser = {} if request.param is None else {"reasoning_parser": request.param}
+    with LiveServer(smollm2, max_model_len=512, num_gpu_blocks=128, **parser) as s:
         yield s.openai_client()
 
 

@@ -50,7 +50,6 @@ from engine.core.sampler import NO_TOKEN, Sampler
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence, model_eos_ids
 from engine.core.spec_step import Accepted, Speculator, draft_backend, spec_counters
-from engine.core.structured.matcher import AfterReasoning
 from engine.executor import configured_backend
 from engine.kv_offload import KVConnector, make_connector
 from engine.kv_offload.cache_key import engine_key
@@ -167,12 +166,8 @@ class EngineCore:
         if params.structured_outputs is not None:
             compiler = self.structured_compiler()
             compiler.compile(params.structured_outputs)  # a ValueError names a bad constraint
-            for seq in seqs:
+            for seq in seqs:  # (after a reasoning model's thinking, where reasoning_end is set)
                 seq.matcher = compiler.matcher(params.structured_outputs)
-                after = params.structured_outputs.reasoning_end
-                if after is not None:  # the grammar is for the answer after the thinking
-                    piece = compiler.ll_tokenizer.decode_str
-                    seq.matcher = AfterReasoning(seq.matcher, after, lambda t, d=piece: d([t]))
         self.requests[req.request_id] = seqs
         self.num_added_seqs += len(seqs)
         for seq in seqs:

@@ -77,7 +77,7 @@ from engine.entrypoints.protocol import (
     UnsupportedField,
     error_body,
 )
-from engine.entrypoints.reasoning import REASONING_END, check_parser, prompt_state
+from engine.entrypoints.reasoning import check_parser, grammar_bounds, prompt_state
 from engine.entrypoints.responses import ChatFormat, CompletionFormat, final_output
 from engine.entrypoints.responses_api import (
     ResponseEvents,
@@ -727,8 +727,10 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
         tail = server.tokenizer.decode(ids[-64:], skip_special_tokens=False)
         opened, closed = prompt_state(tail)
         reasoning = (server.reasoning_parser, opened)
-        if constraint is not None and not closed:  # the grammar is for the answer: after it
-            so = dataclasses.replace(constraint, reasoning_end=REASONING_END)
+        bounds = grammar_bounds(opened, closed)
+        if constraint is not None and bounds is not None:  # the grammar is for the answer
+            start, end = bounds
+            so = dataclasses.replace(constraint, reasoning_start=start, reasoning_end=end)
             params = dataclasses.replace(params, structured_outputs=so)
     await server.compile(named)
     streams = await server.start([ids], params, req.stream, req.model)

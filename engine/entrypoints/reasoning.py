@@ -1,21 +1,22 @@
 """Reasoning models' thinking, split from their answer: ``--reasoning-parser qwen3|deepseek_r1``
-(vLLM's names). The thinking goes to ``reasoning_content`` (chat completions), a ``reasoning``
-item (Responses) or a ``thinking`` block (Messages); the answer is the content, where tool calls
-are read.
+(vLLM's names; both read ``<think>...</think>``). The thinking goes to ``reasoning_content``
+(chat completions), a ``reasoning`` item (Responses) or a ``thinking`` block (Messages); the
+answer is the content, where tool calls are read.
 
-    qwen3        <think>...</think> at the start of the output, then the answer; an output with
-                 no </think> is all answer (thinking switched off: the template already closed
-                 an empty <think></think> in the prompt, chat_template_kwargs enable_thinking
-                 false)
-    deepseek_r1  the output starts inside the thinking (the template's generation prompt opened
-                 <think>), a <think> the model writes anyway is dropped; the thinking ends at
-                 </think>; an output with no </think> is all thinking
+A thinking section exists only where the prompt or the output opens one:
+    - the rendered prompt ends inside an open <think> (the template opened it, as DeepSeek-R1's
+      and thinking Qwen3 templates do): the output starts in the thinking, a <think> the model
+      writes anyway is dropped, and it ends at </think> (an output with none is all thinking);
+    - else the output's first text decides: <think> opens the thinking, anything else makes
+      the whole output the answer (a model that never thinks, or a template that closed an
+      empty <think></think> in the prompt: chat_template_kwargs enable_thinking false).
 
 ``ReasoningSplit.feed(text, final)`` takes the text as it comes and returns (thinking, answer)
-pieces that are final: text that may still be the start of </think> is held back, so a tag split
-across tokens is found. ``split`` is the whole text at once. The structured-output grammar of a
-request (a schema, a forced tool call) applies to the answer only: ``REASONING_END`` is where it
-starts (engine/core/structured/matcher.py ``AfterReasoning``).
+pieces that are final: text that may still be the start of <think> or </think> is held back, so
+a tag split across tokens is found. ``split`` is the whole text at once. The structured-output
+grammar of a request (a schema, a forced tool call) applies to the answer only, and decides
+where it starts from the same state (``grammar_bounds``; engine/core/structured/matcher.py
+``AfterReasoning``): from the first token when nothing opens a thinking section.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ from engine.entrypoints.tool_parsers import tag_prefix
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
-REASONING_END = END
+
+
+def grammar_bounds(opened: bool, closed: bool) -> tuple[str | None, str] | None:
+    """(reasoning_start, reasoning_end) for a constrained request's grammar
+    (StructuredOutputsParams) after a prompt whose end is ``prompt_state``'s (opened, closed):
+    None when the prompt closed the thinking (the grammar starts at token 0), (None, </think>)
+    when it left it open (the grammar starts after </think>), else (<think>, </think>): the
+    output's first tokens decide, as ``ReasoningSplit`` does."""
+    if closed:
+        return None
+    return (None, END) if opened else (START, END)
 
 
 def check_parser(name: str) -> str:
@@ -49,11 +60,10 @@ class ReasoningSplit:
         output starts thinking, whatever the parser."""
         check_parser(parser)
         self.buf = ""
-        # qwen3 decides at its first text (<think> or not); deepseek_r1 is thinking already,
-        # a <think> it writes itself dropped
-        thinking = parser == "deepseek_r1" or opened
-        self.state = "think_start" if thinking else "start"
-        self.thought = thinking  # whether the output has a thinking part
+        # an output the prompt left thinking drops a <think> it writes itself; any other decides
+        # at its first text (<think> or not)
+        self.state = "think_start" if opened else "start"
+        self.thought = opened  # whether the output has a thinking part
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(thinking, answer) of a whole output; None for a part that is not there."""

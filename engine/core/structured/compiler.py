@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.structured.bitmask import bitmask_width
-from engine.core.structured.matcher import Matcher
+from engine.core.structured.matcher import AfterReasoning, Matcher
 from engine.structured_params import JSON_WHITESPACE, StructuredOutputsParams
 from model_loader.tokenizer import Tokenizer
 
@@ -78,6 +78,7 @@ class StructuredOutputCompiler:
         self._lock = threading.Lock()  # guards _cache: compile may run on worker threads
         self._num_threads = num_threads
         self._executor: llguidance.LLExecutor | None = None
+        self._rows: dict[tuple, np.ndarray] = {}  # opening_row's and newline_row's
 
     # --- compile ----------------------------------------------------------------------------
 
@@ -97,10 +98,47 @@ class StructuredOutputCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        """A fresh Matcher for one request, at the start of params' grammar."""
+    def matcher(self, params: StructuredOutputsParams) -> Matcher | AfterReasoning:
+        """A fresh matcher for one request, at the start of params' grammar; with
+        ``reasoning_end`` set, one that keeps the grammar for the answer after a reasoning
+        model's thinking (``AfterReasoning``; with ``reasoning_start``, the output's first
+        tokens decide whether there is any)."""
         template = self.compile(params).template
-        return Matcher(template.deep_copy(), self.vocab_size, self.eos_token_ids)
+        inner = Matcher(template.deep_copy(), self.vocab_size, self.eos_token_ids)
+        if params.reasoning_end is None:
+            return inner
+        start = params.reasoning_start
+        opening = None if start is None else self.opening_row(start)
+        end = params.reasoning_end
+        return AfterReasoning(inner, start, end, self.token_text, opening, self.newline_row())
+
+    def token_text(self, token: int) -> str:
+        """One token's text as the output shows it."""
+        return self.ll_tokenizer.decode_str([int(token)])
+
+    def opening_row(self, tag: str) -> np.ndarray:
+        """(W,) int32 packed mask of the tokens whose text (after leading whitespace) starts
+        with the whole of ``tag``: what may open a reasoning model's thinking under a grammar.
+        Reasoning models have their tag as one token (Qwen3's and DeepSeek-R1's ``<think>``); a
+        tag spelled in pieces is not offered: a model that never thinks would be lured into it
+        by a first piece such as ``<`` (SmolLM2 begins its tool calls with one)."""
+        return self._row(("opening", tag), lambda text: text.lstrip().startswith(tag))
+
+    def newline_row(self) -> np.ndarray:
+        """(W,) int32 packed mask of the tokens that are newlines only."""
+        return self._row(("newlines",), lambda text: text != "" and text.strip("\n") == "")
+
+    def _row(self, key: tuple, keep) -> np.ndarray:
+        """A packed mask of the tokens whose text ``keep`` takes, cached under ``key`` (each
+        token's text is read once per mask: tens of ms for 49k tokens)."""
+        row = self._rows.get(key)
+        if row is None:
+            allowed = np.zeros(bitmask_width(self.vocab_size) * 32, dtype=bool)  # (32W,)
+            for t in range(self.tokenizer_vocab_size):
+                allowed[t] = keep(self.token_text(t))
+            row = np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
+            self._rows[key] = row
+        return row
 
     def _build(self, params: StructuredOutputsParams, key: tuple) -> CompiledGrammar:
         kind = params.kind
@@ -131,6 +169,9 @@ class StructuredOutputCompiler:
             self.executor.unsafe_compute_mask_ptr(
                 pairs, bitmask.ctypes.data, width * 4, bitmask.shape[0]
             )
+        for i, m in enumerate(matchers):  # a reasoning model's answer may open its thinking
+            if isinstance(m, AfterReasoning):
+                m.adjust(bitmask[i])
 
     @property
     def executor(self) -> llguidance.LLExecutor:

@@ -126,33 +126,88 @@ class Matcher:
 
 
 class AfterReasoning:
-    """A grammar that starts where a reasoning model's thinking ends (``after``: the text that
-    ends it, ``</think>``): until the output holds that text, every token is taken and none is
-    masked (``active`` False); from the token that completes it on, the inner matcher decides.
-    ``piece(token)``: a token's text. An output that never ends its thinking stays
-    unconstrained (the model never wrote the answer the grammar is for)."""
+    """A grammar for the answer of a reasoning model, which may first think between ``start``
+    and ``end`` (``<think>``, ``</think>``). Where the thinking is depends on one state, the same
+    the answer/thinking splitter keeps (engine/entrypoints/reasoning.py):
 
-    def __init__(self, matcher: Matcher, after: str, piece):
-        self.inner, self.after, self.piece = matcher, after, piece
-        self.active = False
-        self.tail = ""  # the output's last characters while waiting
+    * ``start`` None (the prompt left the thinking open): every token is taken unmasked until
+      the output holds ``end``; the grammar decides from the next token on.
+    * otherwise the first token decides. The grammar's mask applies from the first token, with
+      the tokens that open the thinking added while the output is still only whitespace
+      (``opening``: a packed (W,) row of the tokens that hold the whole ``start``). A token the
+      grammar takes makes the output the answer, constrained from its first token on (a model
+      that never thinks); an opening token makes the thinking run to ``end`` as above
+      (whitespace the grammar took before it is taken back). Right after ``end`` the answer may
+      skip up to NEWLINES newline tokens the grammar refuses, as the splitter drops them.
 
+    An output that opens its thinking and never ends it stays unconstrained (the model never
+    wrote the answer the grammar is for). ``piece(token)``: a token's text."""
+
+    NEWLINES = 2  # newlines after the end that the answer may skip (Qwen3 writes two)
+
+    def __init__(self, matcher, start: str | None, end: str, piece, opening=None, newlines=None):
+        self.inner, self.start, self.end, self.piece = matcher, start, end, piece
+        self.opening, self.newlines = opening, newlines  # packed (W,) rows, or None
+        self.skipped = 0  # newline tokens after the end not fed to the grammar
+        self.state = "thinking" if start is None else "start"
+        self.text = ""  # the output's whitespace before it decides; the thinking's tail
+        self.fed = 0  # whitespace tokens fed to the grammar before the output decided
+
+    active = property(lambda self: self.state != "thinking")  # the mask applies
     error = property(lambda self: self.inner.error)
     num_tokens = property(lambda self: self.inner.num_tokens)
     _ll = property(lambda self: self.inner._ll)  # fill_bitmasks reads the inner grammar's
 
     def accept(self, token: int) -> bool:
-        if self.active:
-            return self.inner.accept(token)
-        self.tail = (self.tail + self.piece(token))[-2 * len(self.after) :]
-        self.active = self.after in self.tail
-        return True
+        if self.state == "answer":
+            if self.inner.accept(token):
+                self.skipped = self.NEWLINES  # the answer has begun
+                return True
+            return self._skip(self.piece(token))
+        piece = self.piece(token)
+        if self.state == "thinking":
+            self._think(piece)
+            return True
+        if self.inner.accept(token):  # the grammar's path
+            self.fed += 1
+            self.text += piece
+            if self.text.strip():
+                self.state = "answer"
+            return True
+        lead = piece.lstrip()
+        if lead.startswith(self.start):  # the thinking opens: the grammar waits for its end
+            self.inner.rollback(self.fed)
+            self.state, self.text = "thinking", ""
+            self._think(lead[len(self.start) :])
+            return True
+        return False
+
+    def _skip(self, piece: str) -> bool:
+        """A newline after the thinking's end that the grammar refused: the answer skips it,
+        as the splitter does (``newlines``), up to NEWLINES of them."""
+        ok = self.skipped < self.NEWLINES and piece != "" and piece.strip("\n") == ""
+        self.skipped += ok
+        return ok
+
+    def _think(self, piece: str) -> None:
+        self.text = (self.text + piece)[-2 * len(self.end) :]
+        if self.end in self.text:
+            self.state = "answer"
+
+    def adjust(self, row: np.ndarray) -> None:
+        """After the grammar filled ``row``: before the output's first word, add the tokens
+        that open the thinking; right after the thinking's end, the newline tokens."""
+        if self.opening is not None and self.state == "start":
+            np.bitwise_or(row, self.opening, out=row)
+        elif self.state == "answer" and self.newlines is not None and self.skipped < self.NEWLINES:
+            np.bitwise_or(row, self.newlines, out=row)
 
     def is_accepting(self) -> bool:
-        return self.active and self.inner.is_accepting()
+        return self.state == "answer" and self.inner.is_accepting()
 
     def is_stopped(self) -> bool:
-        return self.active and self.inner.is_stopped()
+        return self.state == "answer" and self.inner.is_stopped()
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         self.inner.fill_bitmask(row)
+        self.adjust(row)
