@@ -63,7 +63,9 @@ def test_the_faster_layout_is_kept_and_measurements_are_read_back(timings):
     wider = {(32, 64): np.ones((32, 64), np.float32)}
     assert cpu_tuning.choose(wider)[(32, 64)].layout == "panels"
     line, vs_numpy = cpu_tuning.summary(cpu_tuning.choose(mats | wider))
-    assert "32x64 panels (0.50x plain, 0.50x numpy)" in line and vs_numpy == pytest.approx(0.5)
+    assert "32x64 panels (time 0.50x plain's, 0.50x numpy's)" in line and vs_numpy == pytest.approx(
+        0.5
+    )
 
 
 def test_a_shape_timed_slower_than_numpy_is_timed_again_not_kept(timings):

@@ -142,6 +142,12 @@ def test_streamed_text_is_the_whole_message(client):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
+    # the message_delta's usage carries the input tokens too, as Anthropic's stream does
+    # (langchain-anthropic's streamed usage_metadata reads them there)
+    with client.messages.stream(**kw) as stream:
+        delta = [e for e in stream if e.type == "message_delta"][-1]
+    assert delta.usage.input_tokens == whole.usage.input_tokens > 0
+    assert delta.usage.output_tokens == 10
 
 
 def test_output_config_format_constrains_the_text_to_the_schema(client):

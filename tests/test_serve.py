@@ -271,6 +271,19 @@ def test_an_unknown_route_names_itself_and_detokenize_keeps_special_tokens(serve
     assert text == "<|im_start|>user\nhi<|im_end|>"
 
 
+def test_the_root_names_the_routes_and_docs_load_nothing_from_elsewhere(server):
+    """GET / answers a person with the model and the routes to try; /docs lists every route
+    (the generation routes among them) without a script or style from another host."""
+    root = httpx.get(server.url + "/").json()
+    assert root["model"] == MODEL and {"/v1/models", "/health", "/docs"} <= set(root["routes"])
+    for path in root["routes"]:  # each named route exists (a GET on a POST route: 405)
+        assert httpx.get(server.url + path).status_code in (200, 405), path
+    page = httpx.get(server.url + "/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in page.text and "/openapi.json" in page.text
+    assert "http://" not in page.text and "https://" not in page.text
+
+
 def test_a_busy_port_is_refused_before_the_model_loads(capsys):
     import socket
 

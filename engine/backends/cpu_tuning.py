@@ -202,10 +202,11 @@ def summary(choices: dict) -> tuple[str, float]:
     for (k, n), c in sorted(choices.items()):
         vs_numpy = c.ratio("kept" if "kept" in c.times else c.layout, "numpy")
         if "kept" in c.times:
-            parts.append(f"{k}x{n} {c.layout} ({vs_numpy:.2f}x numpy)")
+            parts.append(f"{k}x{n} {c.layout} (time {vs_numpy:.2f}x numpy's)")
         else:
             other = "plain" if c.layout == "panels" else "panels"
             vs_other = c.ratio(c.layout, other)
-            parts.append(f"{k}x{n} {c.layout} ({vs_other:.2f}x {other}, {vs_numpy:.2f}x numpy)")
+            ratios = f"time {vs_other:.2f}x {other}'s, {vs_numpy:.2f}x numpy's"
+            parts.append(f"{k}x{n} {c.layout} ({ratios})")
         logs.append(math.log(vs_numpy))
     return "; ".join(parts), math.exp(sum(logs) / len(logs))

@@ -51,6 +51,7 @@ from engine.entrypoints.embeddings_api import (
     rerank_body,
     score_body,
 )
+from engine.entrypoints.index_routes import add_index_routes
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from engine.entrypoints.lora_routes import ServedAdapters, add_lora_routes
 from engine.entrypoints.messages_api import (
@@ -303,9 +304,15 @@ def build_app(
         server.tool_parser = tool_parser
     if reasoning_parser is not None:
         server.reasoning_parser = check_parser(reasoning_parser)
+    how = "given" if tool_parser is not None else "from the chat template"
+    thinking = server.reasoning_parser or "none (every output is the answer)"
+    log.info("tool-call parser: %s (%s); reasoning parser: %s", server.tool_parser, how, thinking)
     for name, path in lora_modules:
         server.adapters.add(name, path)
-    app = FastAPI(title="pagedllm", version="0.1.0", lifespan=_lifespan(server))
+    app = FastAPI(
+        title="pagedllm", version="0.1.0", lifespan=_lifespan(server), docs_url=None,
+        redoc_url=None,
+    )  # fmt: skip
     app.state.server = server
     _add_error_handlers(app)
     lim = server.limits
@@ -321,6 +328,7 @@ def build_app(
     _add_embeddings_routes(app, server)
     if runtime_lora:
         add_lora_routes(app, server)
+    add_index_routes(app, server.model_name)  # GET / and an offline /docs
     app.openapi = functools.partial(_openapi, app)
     return app
 

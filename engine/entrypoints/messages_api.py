@@ -324,6 +324,7 @@ class MessageEvents:
         self.open: str | None = None  # its kind: "text" or a tool call's index
         self.stop: tuple[str, str | None] = ("end_turn", None)
         self.output_tokens = 0
+        self.cached_tokens: int | None = None  # prompt tokens read from the prefix cache
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[tuple[str, dict]]:
         started = False
@@ -333,6 +334,8 @@ class MessageEvents:
                 yield "message_start", self._start(chunk["id"])
             if chunk.get("usage"):
                 self.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                self.cached_tokens = details.get("cached_tokens", self.cached_tokens)
             for choice in chunk.get("choices", []):
                 for event in self._choice(choice):
                     yield event
@@ -340,8 +343,12 @@ class MessageEvents:
             yield event
         reason, sequence = self.stop
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield "message_delta", {"type": "message_delta", "delta": delta,
-                                "usage": {"output_tokens": self.output_tokens}}  # fmt: skip
+        # the final usage, as Anthropic's stream sends it: input tokens too (its SDK's
+        # accumulated message and langchain's usage_metadata read them here)
+        usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+        if self.cached_tokens is not None:
+            usage["cache_read_input_tokens"] = self.cached_tokens
+        yield "message_delta", {"type": "message_delta", "delta": delta, "usage": usage}
         yield "message_stop", {"type": "message_stop"}
 
     def _start(self, chat_id: str) -> dict:
