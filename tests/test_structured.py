@@ -467,3 +467,33 @@ def test_closed_objects_leaves_compositions_open():
     ]
     assert "additionalProperties" not in out["properties"]["q"]  # beside a $ref
     assert schema["$defs"]["d"] == {"type": "object", "properties": {"x": {"items": a}}}  # a copy
+
+
+def test_a_reasoning_grammar_skips_newlines_only_after_the_thinking(smol_compiler, smollm2):
+    """A grammar for a reasoning model's answer: an output that never thinks is held to the
+    grammar from its first token (no newline the grammar refuses, even right after its first
+    word); after </think> up to two refused newlines are skipped, then none."""
+    from engine.core.structured.matcher import AfterReasoning
+
+    tok, regex = smollm2.tokenizer, "[a-z]{3,9}"
+    bounds = dict(reasoning_start="<think>", reasoning_end="</think>")
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+
+    def allows(m, token: int) -> bool:
+        row = np.empty(bitmask_width(smol_compiler.vocab_size), np.int32)
+        m.fill_bitmask(row)
+        return bool(unpack_bitmask(row, smol_compiler.vocab_size)[token])
+
+    plain = smol_compiler.matcher(StructuredOutputsParams(regex=regex))
+    never = smol_compiler.matcher(StructuredOutputsParams(regex=regex, **bounds))
+    assert isinstance(never, AfterReasoning)
+    for t in tok.encode("ab", add_special_tokens=False):
+        assert plain.accept(t) and never.accept(t)
+    assert not allows(plain, newline) and not allows(never, newline)
+    assert not never.accept(newline)
+    opened = smol_compiler.matcher(StructuredOutputsParams(regex=regex, reasoning_end="</think>"))
+    assert all(opened.accept(t) for t in tok.encode("hmm</think>", add_special_tokens=False))
+    assert opened.state == "answer"
+    for _ in range(AfterReasoning.NEWLINES):
+        assert allows(opened, newline) and opened.accept(newline)
+    assert not allows(opened, newline) and not opened.accept(newline)

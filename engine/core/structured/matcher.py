@@ -148,7 +148,8 @@ class AfterReasoning:
     def __init__(self, matcher, start: str | None, end: str, piece, opening=None, newlines=None):
         self.inner, self.start, self.end, self.piece = matcher, start, end, piece
         self.opening, self.newlines = opening, newlines  # packed (W,) rows, or None
-        self.skipped = 0  # newline tokens after the end not fed to the grammar
+        # newline tokens skipped after the end (none may be before it: the count starts full)
+        self.skipped = self.NEWLINES
         self.state = "thinking" if start is None else "start"
         self.text = ""  # the output's whitespace before it decides; the thinking's tail
         self.fed = 0  # whitespace tokens fed to the grammar before the output decided
@@ -192,7 +193,7 @@ class AfterReasoning:
     def _think(self, piece: str) -> None:
         self.text = (self.text + piece)[-2 * len(self.end) :]
         if self.end in self.text:
-            self.state = "answer"
+            self.state, self.skipped = "answer", 0  # the newlines after the end may be skipped
 
     def adjust(self, row: np.ndarray) -> None:
         """After the grammar filled ``row``: before the output's first word, add the tokens
