@@ -79,6 +79,7 @@ class StructuredOutputCompiler:
         self._num_threads = num_threads
         self._executor: llguidance.LLExecutor | None = None
         self._rows: dict[tuple, np.ndarray] = {}  # opening_row's and newline_row's
+        self._texts: list[str] | None = None  # each token's text, for them
 
     # --- compile ----------------------------------------------------------------------------
 
@@ -129,13 +130,13 @@ class StructuredOutputCompiler:
         return self._row(("newlines",), lambda text: text != "" and text.strip("\n") == "")
 
     def _row(self, key: tuple, keep) -> np.ndarray:
-        """A packed mask of the tokens whose text ``keep`` takes, cached under ``key`` (each
-        token's text is read once per mask: tens of ms for 49k tokens)."""
+        """A packed mask of the tokens whose text ``keep`` takes, cached under ``key``."""
         row = self._rows.get(key)
         if row is None:
+            if self._texts is None:  # every token's text, read once (tens of ms for 49k)
+                self._texts = [self.token_text(t) for t in range(self.tokenizer_vocab_size)]
             allowed = np.zeros(bitmask_width(self.vocab_size) * 32, dtype=bool)  # (32W,)
-            for t in range(self.tokenizer_vocab_size):
-                allowed[t] = keep(self.token_text(t))
+            allowed[: len(self._texts)] = [keep(text) for text in self._texts]
             row = np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
             self._rows[key] = row
         return row
