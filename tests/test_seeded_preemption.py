@@ -87,13 +87,12 @@ def test_a_seeded_request_preempted_draws_what_it_draws_alone(tiny, mode):
 CROWDS = (1, 7, 12, 29)
 
 
-def batch_rows_check(backend: str) -> None:
+def batch_rows_check(backend: str, model_dir: str) -> None:
     """A greedy request with prompt logprobs alone and in each crowd of ``CROWDS``: the same
     tokens, and every logits row (prompt and decode) within rounding of its row alone."""
     from model_loader.load import load_model
-    from model_loader.synthetic import make_tiny_model
 
-    loaded = load_model(str(make_tiny_model(_scratch() / "tiny", seed=0)))
+    loaded = load_model(model_dir)
     rng = np.random.default_rng()
     prompt = rng.integers(3, 320, 12).tolist()
     mine = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0, ignore_eos=True)
@@ -117,29 +116,21 @@ def batch_rows_check(backend: str) -> None:
             assert ta == tb and abs(la - lb) < ROUNDING, f"crowd of {size}: prompt row {p}"
 
 
-def _scratch():
-    import tempfile
-    from pathlib import Path
-
-    return Path(tempfile.mkdtemp(prefix="batch-rows-"))
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_a_rows_logits_owe_its_batch_only_rounding(backend, tiny_model_dir):
+    batch_rows_check(backend, str(tiny_model_dir))
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_a_rows_logits_owe_its_batch_only_rounding(backend):
-    batch_rows_check(backend)
-
-
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_the_same_on_an_avx2_machines_kernels(backend):
+def test_the_same_on_an_avx2_machines_kernels(backend, tiny_model_dir):
     """As above with the kernels an AVX2-only CPU (Zen 3) runs: OpenBLAS's Haswell kernels,
     whose float32 product rounds a row differently at each of its positions in a batch, and
     the cpu backend's x86-64-v3 build."""
     if not _haswell_ok():
         pytest.skip("this CPU lacks AVX2 and FMA: OpenBLAS's Haswell kernels cannot run here")
     env = dict(os.environ, OPENBLAS_CORETYPE="Haswell", PAGEDLLM_CPU_ISA="x86-64-v3")
-    code = (
-        f"from tests.test_seeded_preemption import batch_rows_check; batch_rows_check({backend!r})"
-    )
+    args = f"{backend!r}, {str(tiny_model_dir)!r}"
+    code = f"import tests.test_seeded_preemption as t; t.batch_rows_check({args})"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 

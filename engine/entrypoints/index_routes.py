@@ -39,7 +39,8 @@ def _page(app: FastAPI, model_name: str) -> str:
     rows = []
     for r in sorted(app.routes, key=lambda r: getattr(r, "path", "")):
         methods = sorted(m for m in getattr(r, "methods", ()) or () if m != "HEAD")
-        doc = (getattr(r, "endpoint", None).__doc__ or "").strip().split("\n")[0]
+        doc = (getattr(getattr(r, "endpoint", None), "__doc__", None) or "").strip()
+        doc = doc.split("\n")[0]
         if methods:
             cells = (" ".join(methods), r.path, doc)
             rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
