@@ -1,9 +1,11 @@
-"""The tool-call parsers (engine/entrypoints/tool_parsers.py) on hand-written outputs of each
+"""The tool-call parsers (engine/entrypoints/tool_parsers/) on hand-written outputs of each
 format: the calls and the content of the whole text; the same, streamed in random pieces, with
 each call's id and name in its first delta and arguments that concatenate to the whole text's
 (the JSON formats' arguments before their call ends); malformed and cut outputs as content,
-never an exception; and the format a chat template writes. Through the server: the format
-chosen by --tool-call-parser read back from a constrained generation, streamed and not."""
+never an exception; and the format a chat template writes. What a client receives
+(``ToolStream``): every prefix of an output, as max_tokens could cut it, streamed and whole,
+the same content and calls, each call sent whole. Through the server: the format chosen by
+--tool-call-parser read back from a constrained generation, streamed and not, and cut."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import random
 
 import pytest
 
-from engine.entrypoints.tool_parsers import PARSERS, make_parser, parser_for_template
+from engine.entrypoints.tool_calls import Tool, ToolMode, ToolStream, tool_mode
+from engine.entrypoints.tool_parsers import PARSERS, make_parser, parser_for_template, whole_json
 from engine.tools.live_server import MODEL, LiveServer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
@@ -127,13 +130,16 @@ SHORT = {  # one call each, short enough for the tiny model's 512 positions besi
     "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "</function>\n</tool_call>",
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
 }
 
 
-@pytest.mark.parametrize("name", ["pythonic", "qwen3_xml", "mistral"])
+@pytest.mark.parametrize("name", PARSERS)
 def test_the_server_reads_the_chosen_format(tiny, name):
     """--tool-call-parser: the tiny model made to write the format's calls (a choice
-    constraint) returns them as tool_calls, streamed and not, the same."""
+    constraint) returns them as tool_calls, streamed and not, the same; cut by max_tokens
+    inside the call, no call in either mode, the text as content."""
     text = SHORT[name]
     with LiveServer(tiny, max_model_len=512, num_gpu_blocks=64, tool_parser=name) as s:
         client = s.openai_client()
@@ -150,3 +156,68 @@ def test_the_server_reads_the_chosen_format(tiny, name):
                 call = calls.setdefault(d.index, [d.function.name, ""])
                 call[1] += d.function.arguments or ""
         assert [(n, json.loads(a)) for n, a in calls.values()] == got
+        cut = {**kw, "max_tokens": r.usage.completion_tokens // 2}
+        r = client.chat.completions.create(**cut)
+        assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+        content, calls, ending = "", [], None
+        for chunk in client.chat.completions.create(**cut, stream=True):
+            content += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+            ending = chunk.choices[0].finish_reason or ending
+        assert (content, calls, ending) == (r.choices[0].message.content, [], "length")
+        assert text.startswith(content) and len(content) < len(text)
+
+
+def _mode(kind: str, parser: str = "hermes") -> ToolMode:
+    tools = [Tool.model_validate(F), Tool.model_validate(G)]
+    choice = {"named": {"type": "function", "function": {"name": "f"}}}.get(kind, kind)
+    return tool_mode(tools, choice, parser=parser)
+
+
+def _stream(mode: ToolMode, text: str, rng: random.Random) -> tuple[str | None, list]:
+    """What a client gathers from ``ToolStream`` fed ``text`` in random pieces: the content
+    (None when none was sent) and [(id, name, arguments)], checking each call's first delta
+    is whole JSON (a call is sent only once its arguments close)."""
+    stream, content, calls, i, j = ToolStream(mode), None, {}, 0, -1
+    while j < len(text):
+        j = min(len(text), i + rng.randint(1, 7))
+        c, deltas = stream.delta(text[i:j], final=j == len(text))
+        if c is not None:
+            content = (content or "") + c
+        for d in deltas:
+            fn = d["function"]
+            if d["index"] not in calls:
+                assert d["id"].startswith("call_") and whole_json(fn["arguments"]), d
+                calls[d["index"]] = [d["id"], fn["name"], ""]
+            calls[d["index"]][2] += fn["arguments"]
+        i = j
+    return content, [tuple(calls[k]) for k in sorted(calls)]
+
+
+G = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": ' + A + '}, {"name": "f", "parameters": ' + N + "}]"
+)
+
+
+@pytest.mark.parametrize("kind", [*PARSERS, "named", "required"])
+def test_a_cut_call_is_never_sent_and_streaming_agrees(kind):
+    """Every prefix of an output with two calls (what max_tokens leaves), streamed in random
+    pieces and whole: the same content and calls; a call is sent only whole; a cut call after
+    whole ones is dropped; with none before it the whole answer is content."""
+    mode = _mode("auto", kind) if kind in PARSERS else _mode(kind)
+    text = {"named": N, "required": REQUIRED}.get(kind) or CASES[kind][0]
+    rng = random.Random()
+    for n in range(len(text) + 1):
+        content, calls = mode.parse(text[:n])
+        s_content, s_calls = _stream(mode, text[:n], rng)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (name, args) for _, name, args in s_calls
+        ], text[:n]
+        if not calls:
+            assert content == s_content == text[:n], text[:n]
+        else:
+            assert (content or "").strip() == (s_content or "").strip()
+            assert all(whole_json(a) for _, _, a in s_calls)
+    whole_calls = mode.parse(text)[1]
+    assert len(whole_calls) == (1 if kind == "named" else 2)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.entrypoints.tool_parsers import make_parser
+from engine.entrypoints.tool_parsers import make_parser, whole_json
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
@@ -88,18 +88,19 @@ class ToolMode:
     schemas: dict = field(default_factory=dict)  # each tool's parameters schema, by name
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of one choice's whole text; no calls: the text as content."""
-        if self.kind == "named":
-            return None, [new_call(self.name, text)]
-        if self.kind == "required":
-            calls = parse_required(text)
-            return (text, []) if calls is None else (None, calls)
-        if self.kind == "auto":
-            content, calls = make_parser(self.parser, self.schemas).parse(text)
-            calls = calls if self.parallel else calls[:1]
-            if calls:
-                return content.strip() or None, calls
-        return text, []
+        """(content, tool calls) of one choice's whole text: what a ``ToolStream`` sends for
+        it in one piece, gathered (no calls: the text as content)."""
+        content, deltas = ToolStream(self).delta(text, final=True)
+        calls: dict[int, dict] = {}
+        for d in deltas:
+            if d["index"] not in calls:
+                calls[d["index"]] = {k: v for k, v in d.items() if k != "index"}
+                calls[d["index"]]["function"] = dict(d["function"])
+            else:
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+        if not calls:
+            return text, []
+        return (content or "").strip() or None, [calls[i] for i in sorted(calls)]
 
 
 def tool_mode(
@@ -258,45 +259,77 @@ def _skip_space(text: str, i: int) -> int:
 
 
 class ToolStream:
-    """One streamed choice's text turned into deltas: content as it becomes final; auto: each
-    call's name once known, then its arguments as they come (tool_parsers); named: the
-    arguments as they come; required: the calls once the array ends."""
+    """One streamed choice's text turned into deltas: content as it becomes final; a call once
+    its arguments are whole JSON (auto: each call in the model's format, read by tool_parsers;
+    named: the whole output; required: the array's complete items once it ends), in one delta
+    with its id and name, and whatever the model adds to those arguments afterwards (spaces).
+
+    A call is held back until its arguments close because a sent delta cannot be taken back: a
+    call cut by max_tokens is never sent, streamed or not. A cut call after whole ones is
+    dropped; a cut call with none before it leaves the whole answer as content, as ``ToolMode
+    .parse`` returns it (that is this class run over the whole text)."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
         self.parser = make_parser(mode.parser, mode.schemas)
-        self.text = ""  # required: the whole output, parsed at the end
+        self.text = ""  # the answer so far
+        self.sent = ""  # the content sent so far
         self.pending = ""  # auto: whitespace-only content held until more comes
         self.calls = 0  # calls sent so far
+        self.held: dict[int, dict] = {}  # auto: the parser's call index -> the call not yet sent
+        self.index: dict[int, int] = {}  # auto: the parser's call index -> the index sent
         self.call_id = new_call("", "")["id"]  # named: the one call's id
 
     def delta(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
         """(content delta or None, tool call deltas) for the text new in this chunk."""
+        self.text += text
         kind = self.mode.kind
         if kind == "named":
-            return None, [self._named(text)] if text or not self.calls else []
+            return self._named(text, final)
         if kind == "required":
-            self.text += text
             if not final:
                 return None, []
             calls = parse_required(self.text)
             return (self.text, []) if calls is None else (None, self._indexed(calls))
         if kind == "auto":
             content, deltas = self.parser.feed(text, final)
-            if not self.mode.parallel:
-                deltas = [d for d in deltas if d["index"] == 0]
-            self.calls = (
-                len(self.parser.calls) if self.mode.parallel else min(1, len(self.parser.calls))
-            )
-            return self._content(content, final), deltas
-        return text, []
+            out = [d for d in (self._release(d) for d in deltas) if d is not None]
+            if final and not self.calls:  # no whole call: the answer is content, all of it
+                return self._rest(), out
+            return self._content(content, final), out
+        return self._sending(text), []
 
-    def _named(self, text: str) -> dict:
+    def _named(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
         if self.calls:
-            return {"index": 0, "function": {"arguments": text}}
-        self.calls = 1
-        fn = {"name": self.mode.name, "arguments": text}
-        return {"index": 0, "id": self.call_id, "type": "function", "function": fn}
+            return None, [{"index": 0, "function": {"arguments": text}}] if text else []
+        if whole_json(self.text):
+            self.calls = 1
+            fn = {"name": self.mode.name, "arguments": self.text}
+            return None, [{"index": 0, "id": self.call_id, "type": "function", "function": fn}]
+        return (self._rest() if final else None), []
+
+    def _release(self, d: dict) -> dict | None:
+        """The delta to send for the parser's delta ``d``: a sent call's arguments as they come;
+        a new call's deltas gathered until its arguments are whole JSON, then sent as one."""
+        i = d["index"]
+        if i in self.index:
+            return {**d, "index": self.index[i]}
+        for j in [j for j in self.held if j < i]:  # the parser left it unfinished: dropped
+            del self.held[j]
+        if i in self.held:
+            self.held[i]["function"]["arguments"] += d["function"].get("arguments", "")
+        else:
+            self.held[i] = {**d, "function": dict(d["function"])}
+        call = self.held[i]
+        if not whole_json(call["function"]["arguments"]):
+            return None
+        if self.calls and not self.mode.parallel:
+            del self.held[i]
+            return None
+        del self.held[i]
+        self.index[i] = self.calls
+        self.calls += 1
+        return {**call, "index": self.index[i]}
 
     def _indexed(self, calls: list[dict]) -> list[dict]:
         out = []
@@ -310,6 +343,16 @@ class ToolStream:
         content = self.pending + content
         if content.strip():
             self.pending = ""
-            return content
+            return self._sending(content)
         self.pending = "" if final else content
-        return content if final and content and not self.calls else None
+        return None
+
+    def _rest(self) -> str | None:
+        """The answer not yet sent as content (it began with what was sent)."""
+        rest = self.text[len(self.sent) :] if self.text.startswith(self.sent) else ""
+        self.pending = ""
+        return self._sending(rest) if rest or not self.sent else None
+
+    def _sending(self, content: str) -> str:
+        self.sent += content
+        return content
