@@ -5,7 +5,7 @@ Exactly one constraint is set: ``json`` (a JSON schema, as a dict or its JSON te
 ``json_object=True`` (any JSON object). ``key()`` is the hashable form the compiler caches
 grammars under: equal constraints give equal keys, however their schema's keys were ordered.
 
-Two defaults make the JSON kinds' output end where a small model would otherwise ramble:
+Three defaults make the JSON kinds' output end where a small model would otherwise ramble:
 
 - Whitespace between JSON tokens is bounded (``JSON_WHITESPACE``, as llama.cpp's JSON grammars
   bound it): one space, or a newline and at most 20 spaces or tabs of indent; never a run of
@@ -14,6 +14,8 @@ Two defaults make the JSON kinds' output end where a small model would otherwise
   is closed (no other keys), as OpenAI's strict outputs and vLLM's default backend (xgrammar)
   treat it; ``disable_additional_properties=False`` keeps JSON Schema's open default (vLLM's
   guidance backend's). ``closed_objects`` says which schemas this touches.
+- Numbers the schema leaves open take at most 15 integer and 10 fraction digits
+  (``engine.core.structured.json_bounds``, applied where the grammar is compiled).
 """
 
 from __future__ import annotations

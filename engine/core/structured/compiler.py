@@ -25,6 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.structured.bitmask import bitmask_width
+from engine.core.structured.json_bounds import bound_numbers
 from engine.core.structured.matcher import AfterReasoning, Matcher
 from engine.structured_params import JSON_WHITESPACE, StructuredOutputsParams
 from model_loader.tokenizer import Tokenizer
@@ -188,10 +189,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     options = {"whitespace_flexible": False}  # disable_any_whitespace: none between tokens
     if not params.disable_any_whitespace:
         options = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(params.schema(), defaults=options)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+    if kind in ("json", "json_object"):  # the values the schema leaves open bounded
+        schema = params.schema() if kind == "json" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            bound_numbers(schema), defaults=options
+        )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
