@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from engine.config.generation import check_generation_config, parse_override
 from engine.config.speculative import parse_speculative_config
 from engine.utils import GiB
 from model_loader.config import ModelConfig
@@ -22,7 +23,6 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's n
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # -> the canonical name the engine sees
 BACKENDS = ("auto", "cpu", "numpy", "cuda", "cuda-cpu")
 EXECUTORS = ("uni", "mp", "ray")
-GENERATION_CONFIGS = ("auto", "ignore")
 QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's: fp8 is e4m3
@@ -241,9 +241,14 @@ class EngineConfig:
         "auto",
         "auto: the model's generation_config.json (temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_new_tokens; do_sample false means greedy) gives the default "
-        "sampling parameters of requests that do not set them; ignore: SamplingParams' own "
-        "defaults",
-        choices=GENERATION_CONFIGS,
+        "sampling parameters of requests that do not set them; vllm (or ignore): SamplingParams' "
+        "own defaults; a directory: the generation_config.json in it",
+    )
+    override_generation_config: str | None = option(
+        None,
+        "a JSON object of generation-config keys laid over those defaults, e.g. "
+        "'{\"temperature\": 0.2, \"top_p\": 0.9}' for a model whose checkpoint sets none",
+        default_help="none",
     )
     async_scheduling: bool = option(
         False,
@@ -295,6 +300,8 @@ class EngineConfig:
         self._check_ranges()
         self._check_choices()
         self.speculative = parse_speculative_config(self.speculative_config)
+        check_generation_config(self.generation_config)
+        self.generation_overrides = parse_override(self.override_generation_config)
         self._check_parallel()
         self._check_tiers()
         self._check_lora()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
 from engine.sampling_params import generation_defaults, is_integer, is_real
+from model_loader.load import read_generation_config
 
 log = logging.getLogger("engine")
 
@@ -133,17 +135,33 @@ def check_token_ids(params, vocab_size: int) -> None:
 
 
 def model_sampling_defaults(config, loaded) -> dict:
-    """The model's default SamplingParams fields (generation_config 'auto'), else {}."""
-    if config.generation_config != "auto":
-        return {}
+    """The default SamplingParams fields of requests: the model's generation_config.json
+    (generation_config 'auto'; a directory's with a path; none with 'vllm' or 'ignore'), then
+    override_generation_config laid over it (engine/config/generation.py)."""
+    source = config.generation_config
+    if source == "auto":
+        gen, where = loaded.generation_config, "the model's generation_config.json"
+    elif source in ("vllm", "ignore"):
+        gen, where = {}, ""
+    else:
+        gen, where = read_generation_config(Path(source)), f"{source}/generation_config.json"
+    overrides = config.generation_overrides
     try:
-        defaults = generation_defaults(loaded.generation_config)
+        generation_defaults(overrides)
     except ValueError as e:
-        raise ValueError(f"generation_config.json: {e}") from None
+        raise ValueError(f"override_generation_config: {e}") from None
+    merged = {**gen, **overrides}
+    if "temperature" in overrides and "do_sample" not in overrides:
+        merged.pop("do_sample", None)  # the file's greedy yields to an asked temperature
+    try:
+        defaults = generation_defaults(merged)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     if defaults:
+        froms = [where] * bool(gen) + ["--override-generation-config"] * bool(overrides)
         log.info(
-            "default sampling parameters from the model's generation_config.json: %s "
-            "(--generation-config ignore to use SamplingParams' own)",
+            "default sampling parameters (from %s): %s (a request's own fields win)",
+            " and ".join(froms),
             ", ".join(f"{k}={v}" for k, v in defaults.items()),
         )
     return defaults

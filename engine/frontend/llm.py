@@ -82,7 +82,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a prompt without SamplingParams gets: the model's generation_config.json
-        defaults (unless the engine was made with generation_config='ignore')."""
+        defaults, with override_generation_config over them (none with generation_config='vllm')."""
         return self.engine.default_sampling_params()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
