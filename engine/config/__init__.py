@@ -247,7 +247,7 @@ class EngineConfig:
     override_generation_config: str | None = option(
         None,
         "a JSON object of generation-config keys laid over those defaults, e.g. "
-        "'{\"temperature\": 0.2, \"top_p\": 0.9}' for a model whose checkpoint sets none",
+        '\'{"temperature": 0.2, "top_p": 0.9}\' for a model whose checkpoint sets none',
         default_help="none",
     )
     async_scheduling: bool = option(
