@@ -57,15 +57,21 @@ def make_scheduler(
     block_size: int = 4,
     num_cpu_blocks: int = 0,
     max_model_len: int = 64,
+    connector=None,
     **config,
 ) -> Scheduler:
     """A scheduler over its own block manager; the token budget is max_model_len unless config
-    says otherwise. ``enable_prefix_caching=True`` turns caching on in both."""
+    says otherwise. ``enable_prefix_caching=True`` turns caching on in both; ``connector``: the
+    block manager's KV tiers."""
     fields = dict(block_size=block_size, max_model_len=max_model_len)
     fields = {"max_num_batched_tokens": max_model_len, **fields, **config}
     cfg = EngineConfig(**fields)
     bm = BlockManager(
-        num_blocks, block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
+        num_blocks,
+        block_size,
+        num_cpu_blocks,
+        enable_caching=cfg.enable_prefix_caching,
+        connector=connector,
     )
     return Scheduler(cfg, bm)
 

@@ -98,17 +98,32 @@ class EngineCore:
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.spec = Speculator(cfg, draft, self.kv_plan.num_draft_blocks)
         self.drafter, self.spec_stats = self.spec.drafter, self.spec.stats
-        self.block_manager = BlockManager(
-            num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(cfg, self.block_manager)
-        self.eos_token_ids = model_eos_ids(self.loaded)
-        self.sampler = Sampler(self.eos_token_ids)
-        self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
-        self.runner.classifier = None if score is None else np.asarray(score, np.float64)
-        self.connector = None if tier_key is None else self._attach_tiers(tier_key)
+        self.connector = None if tier_key is None else self._make_tiers(tier_key)
         self.lora = LoRAManager(cfg, mc, self.backend) if cfg.enable_lora else None
-        self.scheduler.lora = self.runner.lora = self.lora
+        self.block_manager = BlockManager(
+            num_blocks,
+            cfg.block_size,
+            num_cpu_blocks,
+            enable_caching=cfg.enable_prefix_caching,
+            connector=self.connector,
+        )
+        self.scheduler = Scheduler(cfg, self.block_manager, lora=self.lora)
+        self.eos_token_ids = model_eos_ids(self.loaded)
+        self.sampler = Sampler(self.eos_token_ids, structured=self._make_compiler)
+        self.runner = ModelRunner(
+            mc,
+            cfg,
+            self.backend,
+            self.sampler,
+            self.record_logits,
+            lora=self.lora,
+            connector=self.connector,
+            classifier=None if score is None else np.asarray(score, np.float64),  # (L, D)
+        )
+        if self.connector is not None:  # at exit the pool's cached blocks go to the tiers
+            self._close_tiers = weakref.finalize(
+                self, close_tiers, self.connector, self.block_manager, self.backend
+            )
         self.trace_schedule = tracing.ScheduleTracer(
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
@@ -121,26 +136,27 @@ class EngineCore:
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
 
-    def _attach_tiers(self, key) -> KVConnector:
-        """The KV tiers under the prefix cache, known to the block manager (which evicts into
+    def _make_tiers(self, key) -> KVConnector:
+        """The KV tiers under the prefix cache, handed to the block manager (which evicts into
         them) and the runner (which moves the bytes); at exit the pool's cached blocks are
         saved and the disk writes finished (``shutdown``, or when the interpreter exits)."""
         shape = self.backend.cache_shape(1)  # (L, 2, 1, bs, Hkv, hd)
         block_shape = shape[:2] + shape[3:]  # (L, 2, bs, Hkv, hd)
-        connector = make_connector(self.config, key, block_shape, self.backend.block_dtype)
-        self.block_manager.connector = self.runner.connector = connector
-        self._close_tiers = weakref.finalize(
-            self, close_tiers, connector, self.block_manager, self.backend
-        )
-        return connector
+        return make_connector(self.config, key, block_shape, self.backend.block_dtype)
+
+    def _make_compiler(self):
+        """The structured-output compiler (the sampler builds it when a request first needs it)."""
+        from engine.core.structured import model_compiler
+
+        return model_compiler(self.loaded, self.eos_token_ids)
 
     def shutdown(self) -> None:
         """With KV tiers: the cached blocks still in the pool are saved to the tiers, and the
         disk tier's writes finished, so a restarted engine finds them. Parallel ranks (an
         executor's workers or Ray actors) stop."""
         if self.connector is not None:
-            self._close_tiers()
-            self.connector = self.block_manager.connector = self.runner.connector = None
+            self._close_tiers()  # the connector is empty from now on
+            self.connector = None
         getattr(self.backend, "shutdown", lambda: None)()
 
     # ---- requests ----
@@ -176,11 +192,7 @@ class EngineCore:
 
     def structured_compiler(self):
         """The sampler's structured-output compiler, built on first use."""
-        if self.sampler.structured is None:
-            from engine.core.structured import model_compiler
-
-            self.sampler.structured = model_compiler(self.loaded, self.eos_token_ids)
-        return self.sampler.structured
+        return self.sampler.structured_compiler()
 
     def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
         """Per-sequence RNG: the request's seed, else the engine seed and a request counter."""

@@ -113,20 +113,32 @@ class RunnerOutput:
 
 class ModelRunner:
     """``backend`` runs the forwards; ``sampler`` picks the tokens; ``record_logits`` asks for
-    the logits of every sampled row (so no step takes the argmax-only path)."""
+    the logits of every sampled row (so no step takes the argmax-only path). Each feature's
+    collaborator, None where it is off: ``lora`` the LoRAManager (rows carry their adapter's
+    slot), ``connector`` the KV tiers (engine/kv_offload), ``classifier`` a sequence
+    classifier's (L, D) float64 score head."""
 
     def __init__(
-        self, model_config: ModelConfig, engine_config, backend, sampler: Sampler, record_logits
+        self,
+        model_config: ModelConfig,
+        engine_config,
+        backend,
+        sampler: Sampler,
+        record_logits: bool,
+        *,
+        lora=None,
+        connector=None,
+        classifier: np.ndarray | None = None,
     ):
         self.model_config = model_config
         self.block_size = engine_config.block_size
         self.backend = backend
         self.sampler = sampler
         self.record_logits = record_logits
-        self.connector = None  # the KV tiers (engine/kv_offload), when on
-        self.lora = None  # the LoRAManager (enable_lora): rows carry their adapter's slot
+        self.connector = connector
+        self.lora = lora
         self.pooling = engine_config.runner == "pooling"  # prompts pooled, never sampled
-        self.classifier = None  # (L, D) float64 a sequence classifier's score head
+        self.classifier = classifier  # (L, D) float64
         self.problem_type = model_config.problem_type
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)

@@ -89,7 +89,10 @@ class _StepBuilder:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    """``lora``: the LoRAManager (``enable_lora``), which gives a sequence its adapter's slot
+    at admission; None without adapters."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         if not config.is_resolved:
             raise ValueError("Scheduler: config must be resolved first (EngineConfig.resolve)")
         self.config = config
@@ -105,7 +108,7 @@ class Scheduler:
         self._rejected: list[tuple[Sequence, str]] = []
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
-        self.lora = None  # the LoRAManager (enable_lora): a sequence's adapter slot at admission
+        self.lora = lora
 
     # -- queues ---------------------------------------------------------------------------------
 

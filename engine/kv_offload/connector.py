@@ -134,7 +134,10 @@ class KVConnector:
             tier.flush()
 
     def close(self) -> None:
-        for tier in self.tiers:
+        """Close every tier; the connector is empty from then on (no tier to look in or
+        store to), so a pool that still evicts into it stores nothing."""
+        tiers, self.tiers = self.tiers, []
+        for tier in tiers:
             tier.close()
 
 
