@@ -39,10 +39,10 @@ from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, r
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cupy_step import DeviceLayer, StepInputs, Workspace, pack_inputs, split_inputs
 from engine.backends.forward_batch import ForwardBatch
-from engine.backends.rope import rope_table
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
 from engine.kernels.launch import LORA_MAX_SPLITS, lora_max_tiles, lora_tiles
 from engine.utils import MiB, cdiv
+from model_loader.rope import rope_table
 from model_loader.weights import ModelWeights
 
 log = logging.getLogger("engine.backend")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.backends.base import greedy_ids
 from engine.backends.forward_batch import ForwardBatch, flat_batch
-from engine.backends.numpy_backend import greedy_ids
 from engine.core.async_step import InFlight
 from engine.core.sampler import Sampler, plain_greedy, rows_to_sample, top_logprobs
 from engine.core.scheduler import SchedulerOutput
