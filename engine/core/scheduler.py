@@ -26,11 +26,11 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.messages import check_queue
+from engine.core.scheduler_output import SchedulerOutput, StepBuilder
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger("engine.scheduler")
@@ -38,54 +38,6 @@ logger = logging.getLogger("engine.scheduler")
 
 def _arrival_key(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival_time, seq.seq_id)
-
-
-@dataclass
-class SchedulerOutput:
-    # (seq, num_new_tokens): the first num_decodes are decodes (1 token each), then prefills
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_decodes: int = 0
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), first
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), second
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
-    preempted: list[Sequence] = field(default_factory=list)
-    prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
-    # KV tiers: blocks evicted from the cache whose bytes a tier still needs (block id, hash,
-    # key), read before the forward; then (seq, pool block ids, arrays) loaded from the tiers
-    blocks_to_store: list[tuple] = field(default_factory=list)
-    tier_loads: list[tuple[Sequence, list[int], list]] = field(default_factory=list)
-    # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
-    # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    needs_rows: bool | None = None  # model_runner.needs_rows' answer, once asked
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and nothing to copy: the step can be skipped."""
-        return not (
-            self.scheduled
-            or self.blocks_to_store
-            or self.blocks_to_swap_out
-            or self.blocks_to_swap_in
-            or self.blocks_to_copy
-        )
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-
-@dataclass
-class _StepBuilder:
-    """One step under construction: the token budget left and what is scheduled so far."""
-
-    budget: int
-    decodes: list[tuple[Sequence, int]] = field(default_factory=list)
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-
-    def add(self, seq: Sequence, n: int, is_decode: bool) -> None:
-        (self.decodes if is_decode else self.prefills).append((seq, n))
-        self.budget -= n
 
 
 class Scheduler:
@@ -157,7 +109,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, out)
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
@@ -230,7 +182,7 @@ class Scheduler:
         self._releasing = []
         self._in_flight = {}
 
-    def _schedule_running(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_running(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """One decode token (or the next prefill chunk) per running seq, oldest first.
 
         NOTE: admission is strictly FCFS, so a seq still mid-prefill (chunked) is always the
@@ -263,7 +215,7 @@ class Scheduler:
             step.add(seq, n, is_decode)
             i += 1
 
-    def _plain_decodes(self, step: _StepBuilder) -> int:
+    def _plain_decodes(self, step: StepBuilder) -> int:
         """``_plain_decode`` for the running seqs from the oldest on, as long as each is one (no
         drafts either): the index of the first that is not. The same decisions, in one loop."""
         bm, limit, bs = self.block_manager, self.config.max_model_len, self.block_manager.block_size
@@ -285,7 +237,7 @@ class Scheduler:
         step.budget = budget
         return i
 
-    def _plain_decode(self, seq: Sequence, step: _StepBuilder) -> bool:
+    def _plain_decode(self, seq: Sequence, step: StepBuilder) -> bool:
         """Schedule seq's decode token if it needs nothing else: a budget token, no new block,
         no length limit reached (what the full path decides for it then); else False."""
         n = seq.num_tokens
@@ -301,7 +253,7 @@ class Scheduler:
         step.budget -= 1
         return True
 
-    def _speculate(self, seq: Sequence, step: _StepBuilder, out: SchedulerOutput, later: int):
+    def _speculate(self, seq: Sequence, step: StepBuilder, out: SchedulerOutput, later: int):
         """Schedule seq's last token and its drafts (``seq.spec_tokens``) as one row, if the
         budget and the pool allow it without taking a block that the ``later`` running
         sequences may need this step (speculation never causes a preemption); else False, and
@@ -319,7 +271,7 @@ class Scheduler:
         out.drafts[seq.seq_id] = drafts[: n - 1]
         return True
 
-    def _schedule_swapped(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """Swap preempted seqs back in, oldest first, before any new prefill."""
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -334,7 +286,7 @@ class Scheduler:
             self._start_running(seq)
             step.add(seq, n, is_decode=seq.num_uncomputed_tokens == 1)
 
-    def _schedule_waiting(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """Admit waiting prompts first come, first served, while they fit; with prefix caching
         each starts with its cached prefix blocks, and only the rest counts against the budget."""
         bm = self.block_manager
