@@ -44,7 +44,6 @@ from engine.core.messages import (
     CoreRequest,
     CoreStats,
     core_stats,
-    deltas,
 )
 from engine.core.model_runner import ModelRunner
 from engine.core.sampler import Sampler
@@ -133,7 +132,12 @@ class EngineCore:
         self.requests: dict[str, list[Sequence]] = {}  # live requests' sequences, by sample
         self.num_added_seqs = 0  # every sequence ever queued (a core process's frontend counts)
         self.updater = Updater(
-            self.scheduler, self.spec, self.requests, self.eos_token_ids, self.record_logits
+            self.scheduler,
+            self.spec,
+            self.requests,
+            self.eos_token_ids,
+            self.record_logits,
+            owners=(self.spec, self.runner),
         )
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
@@ -212,6 +216,7 @@ class EngineCore:
         for seq in seqs:  # its own sequences: no search of the scheduler's queues
             self.updater.touched.pop(seq.seq_id, None)
             self.scheduler.finish(seq, "abort")  # a no-op for one already finished
+            self.updater.forget(seq)
         self._release_drafts()
         return True
 
@@ -251,7 +256,7 @@ class EngineCore:
         if speculates and self.in_flight is None:
             self.spec.propose(self.scheduler.running)  # 0. drafts for the decodes
         # 1. schedule: who runs, with which blocks; who can never run
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.spec.drafts)
         self.updater.rejected(self.scheduler.take_rejected())
         self.trace_schedule(out)
         if self.recorder is not None:
@@ -269,8 +274,7 @@ class EngineCore:
         return self._outputs()  # 4. the deltas
 
     def _outputs(self) -> CoreOutputs:
-        touched = self.updater.take_touched()
-        return CoreOutputs(deltas(touched), time.monotonic(), self.stats())
+        return CoreOutputs(self.updater.deltas(), time.monotonic(), self.stats())
 
     # ---- async scheduling ----
     def _would_reject(self, flight: InFlight) -> bool:

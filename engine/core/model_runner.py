@@ -138,6 +138,7 @@ class ModelRunner:
         self.connector = connector
         self.lora = lora
         self.pooling = engine_config.runner == "pooling"  # prompts pooled, never sampled
+        self.poolers: dict[int, Pooler] = {}  # seq_id -> its prompt's pooling so far
         self.classifier = classifier  # (L, D) float64
         self.problem_type = model_config.problem_type
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
@@ -236,16 +237,18 @@ class ModelRunner:
         hidden = self.backend.hidden_states(batch)  # (T, D)
         qsl, pooled, scored = batch.query_start_loc, [], []
         for b, (seq, n) in enumerate(output.scheduled):
-            if seq.pooler is None:
-                seq.pooler = Pooler(seq.params.pooling)
+            pooler = self.poolers.get(seq.seq_id)
+            if pooler is None:
+                pooler = self.poolers[seq.seq_id] = Pooler(seq.params.pooling)
             start = seq.num_computed_tokens
-            seq.pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
+            pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
             if start + n != seq.num_tokens:
                 continue
+            del self.poolers[seq.seq_id]  # its prompt is done
             if seq.params.pooling.task != "embed":
                 scored.append((seq, qsl[b + 1] - 1))
             else:
-                pooled.append((seq, seq.pooler.result(seq.num_tokens)))
+                pooled.append((seq, pooler.result(seq.num_tokens)))
         if scored:  # the last row of each done prompt: a head's logits
             last = hidden[[r for _, r in scored]]  # (S, D)
             for (seq, _), v in zip(scored, self._head(last, scored), strict=True):
@@ -269,6 +272,10 @@ class ModelRunner:
                 logits = self.classifier @ last[i].astype(np.float64)  # (L,)
             out.append(classifier_activation(logits, self.problem_type) if p.activation else logits)
         return out
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence ended: its pooling so far (a prompt aborted between chunks) goes."""
+        self.poolers.pop(seq_id, None)
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
         """Swaps and copies first, then the forward: (R, V) float32 logits of the rows that come

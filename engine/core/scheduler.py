@@ -61,6 +61,10 @@ class Scheduler:
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
         self.lora = lora
+        # KV tiers: seq_id -> (pool blocks it was looked up after, the blocks found) while it
+        # waits at the head of the queue, so a prompt that does not fit yet is not read again
+        self._tier_fetch: dict[int, tuple[int, list]] = {}
+        self._drafts: dict[int, list[int]] = {}  # this step's drafts (``schedule``), by seq id
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -95,6 +99,7 @@ class Scheduler:
             self._releasing.append(seq)
         else:
             self.block_manager.free(seq)
+        self._tier_fetch.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -107,9 +112,13 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. ``drafts``: speculative decoding's proposals for running decodes, by
+        seq id; the scheduler takes (removes) those it considers, running each that fits as one
+        run of rows (``SchedulerOutput.drafts``)."""
         out = SchedulerOutput()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._drafts = {} if drafts is None else drafts
         self._schedule_running(step, out)
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
@@ -191,7 +200,9 @@ class Scheduler:
         i = self._plain_decodes(step)  # the common case, in one tight loop
         while i < len(self.running):
             seq = self.running[i]
-            if seq.spec_tokens and self._speculate(seq, step, out, len(self.running) - i - 1):
+            if self._drafts.get(seq.seq_id) and self._speculate(
+                seq, step, out, len(self.running) - i - 1
+            ):
                 i += 1
                 continue
             if self._plain_decode(seq, step):
@@ -220,10 +231,11 @@ class Scheduler:
         drafts either): the index of the first that is not. The same decisions, in one loop."""
         bm, limit, bs = self.block_manager, self.config.max_model_len, self.block_manager.block_size
         cache, decodes, budget, i = bm.cache_full_blocks, step.decodes, step.budget, 0
+        drafts = self._drafts
         for seq in self.running:
             n = seq.num_tokens
             if (
-                seq.spec_tokens
+                (drafts and drafts.get(seq.seq_id))
                 or n - seq.num_computed_tokens != 1
                 or n > limit
                 or budget < 1
@@ -254,11 +266,11 @@ class Scheduler:
         return True
 
     def _speculate(self, seq: Sequence, step: StepBuilder, out: SchedulerOutput, later: int):
-        """Schedule seq's last token and its drafts (``seq.spec_tokens``) as one row, if the
+        """Schedule seq's last token and its drafts (taken from this step's) as one row, if the
         budget and the pool allow it without taking a block that the ``later`` running
         sequences may need this step (speculation never causes a preemption); else False, and
         seq decodes as usual."""
-        drafts, seq.spec_tokens = seq.spec_tokens, []
+        drafts = self._drafts.pop(seq.seq_id)
         n = min(1 + len(drafts), step.budget)
         bm = self.block_manager
         if seq.num_uncomputed_tokens != 1 or n < 2 or seq.num_tokens > self.config.max_model_len:
@@ -329,9 +341,13 @@ class Scheduler:
 
     def _tier_blocks(self, seq: Sequence, start: int) -> list:
         """The tiers' blocks of seq after its ``start`` pool hits (read once while it waits)."""
-        if seq.tier_fetch is None or seq.tier_fetch[0] != start:
-            seq.tier_fetch = (start, self.block_manager.tier_prefix(seq, start))
-        return seq.tier_fetch[1]
+        fetch = self._tier_fetch.get(seq.seq_id)
+        if fetch is None or fetch[0] != start:
+            fetch = self._tier_fetch[seq.seq_id] = (
+                start,
+                self.block_manager.tier_prefix(seq, start),
+            )
+        return fetch[1]
 
     def _load(self, seq: Sequence, loads: list, out: SchedulerOutput) -> None:
         """Fresh blocks for the tiers' ``loads`` after seq's pool hits, registered in the cache
@@ -348,7 +364,7 @@ class Scheduler:
     ) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed.
         ``loaded``: tokens after them that come from the KV tiers (counted as cached)."""
-        seq.tier_fetch = None
+        self._tier_fetch.pop(seq.seq_id, None)
         if not self.config.enable_prefix_caching:
             return
         hit_tokens = len(hits) * self.block_manager.block_size

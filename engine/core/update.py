@@ -2,8 +2,9 @@
 is appended through the scheduler's accounting, each speculated run's accepted tokens one at a
 time; prompt logprobs, logprobs and logits rows wait for the next delta; grammars advance; the
 stop checks on ids (EOS, stop token ids, max_tokens, max_model_len, a finished grammar) end
-what they end, whose blocks go back at once. ``touched`` collects every sequence with news in
-the step, for step 4's deltas.
+what they end, whose blocks go back at once, and whose state in the features that keep one per
+sequence (``owners``: speculation's drafts and back-off, a pooling prompt's pooler) is dropped.
+``touched`` collects every sequence with news in the step, for step 4's deltas.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 from engine import tracing
 from engine.core.async_step import InFlight, collect
+from engine.core.messages import SampleDelta, deltas
 from engine.core.model_runner import RunnerOutput
 from engine.core.sampler import NO_TOKEN
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -22,7 +24,8 @@ from engine.core.spec_step import Accepted, Speculator
 class Updater:
     """``requests``: the core's book of live requests (request id -> its sequences), from
     which a request whose every sequence finished is dropped; ``record_logits``: each token's
-    logits row goes with its delta."""
+    logits row goes with its delta; ``owners``: what keeps state per sequence, each told
+    ``forget(seq_id)`` when a sequence ends."""
 
     def __init__(
         self,
@@ -31,15 +34,24 @@ class Updater:
         requests: dict[str, list[Sequence]],
         eos_token_ids: list[int],
         record_logits: bool,
+        owners: tuple = (),
     ):
         self.scheduler, self.spec, self.requests = scheduler, spec, requests
         self.eos_token_ids, self.record_logits = eos_token_ids, record_logits
+        self.owners = owners
         self.touched: dict[int, Sequence] = {}  # seq_id -> sequence with news in this step
+        self.vectors: dict[int, np.ndarray] = {}  # seq_id -> a pooled prompt's vector
 
-    def take_touched(self) -> list[Sequence]:
-        """The sequences with news since the last call."""
+    def deltas(self) -> list[SampleDelta]:
+        """A delta for each sequence with news since the last call."""
         touched, self.touched = self.touched, {}
-        return list(touched.values())
+        vectors, self.vectors = self.vectors, {}
+        return deltas(touched.values(), vectors)
+
+    def forget(self, seq: Sequence) -> None:
+        """seq ended: the state the features kept for it goes."""
+        for owner in self.owners:
+            owner.forget(seq.seq_id)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """The step's tokens into their sequences: prompt logprobs, each sampled token (through
@@ -55,7 +67,7 @@ class Updater:
         if result.accepted:
             self._accept_all(result.accepted)
         for seq, vector in result.pooled:  # the pooling runner: the prompt's vector is the end
-            seq.embedding = vector
+            self.vectors[seq.seq_id] = vector
             self.touched[seq.seq_id] = seq
             self.finish(seq, "stop")
 
@@ -133,11 +145,13 @@ class Updater:
                 continue
             if seq.finish_reason == "abort":
                 seq.error = reason
+            self.forget(seq)
             self.touched[seq.seq_id] = seq
             self._forget_if_done(seq.request_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
+        self.forget(seq)
         free = self.scheduler.block_manager.num_free_blocks
         tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
         self._forget_if_done(seq.request_id)
