@@ -46,6 +46,7 @@ from engine.core.messages import (
     core_stats,
 )
 from engine.core.model_runner import ModelRunner
+from engine.core.pooling_runner import PoolingRunner
 from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence, model_eos_ids
@@ -111,16 +112,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.block_manager, lora=self.lora)
         self.eos_token_ids = model_eos_ids(self.loaded)
         self.sampler = Sampler(self.eos_token_ids, structured=self._make_compiler)
-        self.runner = ModelRunner(
-            mc,
-            cfg,
-            self.backend,
-            self.sampler,
-            self.record_logits,
-            lora=self.lora,
-            connector=self.connector,
-            classifier=None if score is None else np.asarray(score, np.float64),  # (L, D)
-        )
+        self.runner = self._make_runner(score)
         if self.connector is not None:  # at exit the pool's cached blocks go to the tiers
             self._close_tiers = weakref.finalize(
                 self, close_tiers, self.connector, self.block_manager, self.backend
@@ -131,18 +123,26 @@ class EngineCore:
         self._counter = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}  # live requests' sequences, by sample
         self.num_added_seqs = 0  # every sequence ever queued (a core process's frontend counts)
-        self.updater = Updater(
-            self.scheduler,
-            self.spec,
-            self.requests,
-            self.eos_token_ids,
-            self.record_logits,
-            owners=(self.spec, self.runner),
-        )
+        pooling = isinstance(self.runner, PoolingRunner)
+        owners = (self.spec, self.runner) if pooling else (self.spec,)  # state per sequence
+        args = (self.scheduler, self.spec, self.requests, self.eos_token_ids, self.record_logits)
+        self.updater = Updater(*args, owners=owners)
+        # step 3 for the runner's output: sampled tokens, or a pooling runner's vectors
+        self._apply = self.updater.update_pooled if pooling else self.updater.update
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
+
+    def _make_runner(self, score) -> ModelRunner:
+        """The generating runner, or with runner='pooling' the pooling one (``score``: a
+        classifier's (L, D) head, kept on the host in float64)."""
+        parts = (self.model_config, self.config, self.backend, self.sampler, self.record_logits)
+        kw = dict(lora=self.lora, connector=self.connector)
+        if self.config.runner != "pooling":
+            return ModelRunner(*parts, **kw)
+        head = None if score is None else np.asarray(score, np.float64)  # (L, D)
+        return PoolingRunner(*parts, classifier=head, **kw)
 
     def _make_tiers(self, key) -> KVConnector:
         """The KV tiers under the prefix cache, handed to the block manager (which evicts into
@@ -269,7 +269,7 @@ class EngineCore:
         self._drain()  # async scheduling: the step in flight is read and processed first
         if not out.is_empty or out.drafts:
             result = self.runner.execute(out)  # 2. execute: the forward, sampling, verifying
-            self.updater.update(out, result)  # 3. update: append, stop checks, free the finished
+            self._apply(out, result)  # 3. update: append, stop checks, free the finished
         self._release_drafts()
         return self._outputs()  # 4. the deltas
 

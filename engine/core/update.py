@@ -15,6 +15,7 @@ from engine import tracing
 from engine.core.async_step import InFlight, collect
 from engine.core.messages import SampleDelta, deltas
 from engine.core.model_runner import RunnerOutput
+from engine.core.pooling_runner import PooledOutput
 from engine.core.sampler import NO_TOKEN
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
@@ -66,7 +67,11 @@ class Updater:
         self._process_tokens(self.scheduler.update(out, sampled), extra)
         if result.accepted:
             self._accept_all(result.accepted)
-        for seq, vector in result.pooled:  # the pooling runner: the prompt's vector is the end
+
+    def update_pooled(self, out: SchedulerOutput, result: PooledOutput) -> None:
+        """A pooling step's prompts: each one whose vector came back ends with it."""
+        self.scheduler.update(out, {})
+        for seq, vector in result.pooled:
             self.vectors[seq.seq_id] = vector
             self.touched[seq.seq_id] = seq
             self.finish(seq, "stop")
