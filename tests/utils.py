@@ -4,6 +4,7 @@ to a constructor touches this file only. The loaded tiny model is the ``tiny`` f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -34,6 +35,12 @@ def patience(seconds: float) -> float:
     import os
 
     return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def with_eos(loaded, eos: int):
+    """``loaded`` with its config's EOS ids replaced by ``eos`` (what an engine stops at)."""
+    config = dataclasses.replace(loaded.config, eos_token_ids=(eos,))
+    return dataclasses.replace(loaded, config=config)
 
 
 def make_engine(loaded, **engine_args) -> LLMEngine:
