@@ -222,3 +222,37 @@ def prompt_before(prompts: dict[str, str], name: str | None, default: str | None
         known = ", ".join(prompts) or "none"
         raise ValueError(f"prompt_name: {name!r} is not one of the model's prompts ({known})")
     return prompts[name]
+
+
+def pooling_defaults(config) -> tuple[PoolingParams | None, dict[str, str], str | None]:
+    """The pooling runner's PoolingParams for a request that sets none (the checkpoint's
+    sentence-transformers config under ``pooler_config``'s keys), its prompts and default
+    prompt name (``pooler_config``'s ``default_prompt_name`` over the checkpoint's); None,
+    {}, None for a generate engine."""
+    if config.runner != "pooling":
+        return None, {}, None
+    found = {}
+    if config.model and Path(config.model).is_dir():  # a GGUF or a name: no such config
+        found = checkpoint_pooling(config.model)
+    prompts, default = found.pop("prompts", {}), found.pop("default_prompt_name", None)
+    over = dict(config.pooler)
+    default = over.pop("default_prompt_name", default)
+    if default is not None and default not in prompts:
+        known = ", ".join(prompts) or "none"
+        raise ValueError(f"default_prompt_name: {default!r} is not one of the model's prompts "
+                         f"({known})")  # fmt: skip
+    return PoolingParams(**{**found, **over}), prompts, default
+
+
+def matryoshka_dimensions(config) -> list[int] | None:
+    """The Matryoshka cuts a pooling model directory's config.json declares: its
+    ``matryoshka_dimensions`` ([] for ``is_matryoshka`` without a list: any cut), None when it
+    declares none (or there is no directory, or the engine generates: not read then)."""
+    conf = Path(config.model) / "config.json" if config.model else None
+    if config.runner != "pooling" or conf is None or not conf.is_file():
+        return None
+    raw = json.loads(conf.read_text())
+    dims = raw.get("matryoshka_dimensions")
+    if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
+        return sorted(dims)
+    return [] if raw.get("is_matryoshka") else None

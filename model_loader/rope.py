@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -183,3 +184,17 @@ def rope_cos_sin(positions: np.ndarray, head_dim: int, rope, dtype) -> tuple:
     angles = np.concatenate([angles, angles], axis=-1)  # (T, hd)
     scale = r.attention_factor
     return (np.cos(angles) * scale).astype(dtype), (np.sin(angles) * scale).astype(dtype)
+
+
+@lru_cache(maxsize=8)
+def rope_table(max_positions: int, head_dim: int, rope) -> np.ndarray:
+    """(max_positions, hd) float32: cos(p * f_j) for j < hd/2, then sin(p * f_j), both times
+    the attention factor (YaRN's; 1 otherwise): the table the kernels read (the engine's
+    backends and the CUDA emulation). The angles are ``rope_cos_sin``'s (float64, any scaling
+    in f_j); the kernels need one of its two halves.
+    ``rope``: a RopeParams or a bare theta."""
+    half = head_dim // 2
+    cos, sin = rope_cos_sin(np.arange(max_positions), head_dim, rope, np.float32)  # (P, hd)
+    table = np.concatenate([cos[:, :half], sin[:, :half]], axis=-1)  # (P, hd)
+    table.setflags(write=False)
+    return table

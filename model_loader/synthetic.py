@@ -30,13 +30,18 @@ CORPUS = [
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-TINY = dict(
+# the tiny models' shapes: this module's checkpoint, the family checkpoints
+# (scripts/make_family_golden.py) and the configs the tests build start from it
+TINY_SHAPE = dict(
     vocab_size=320,
     hidden_size=64,
     intermediate_size=160,
-    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+)
+TINY = dict(
+    **TINY_SHAPE,
+    num_hidden_layers=2,
     head_dim=16,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,

@@ -82,10 +82,10 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from model_loader.synthetic import save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
+from model_loader.synthetic import TINY_SHAPE, save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
 
 OUT = ROOT / "tests" / "data" / "families"
-VOCAB = 320
+VOCAB = TINY_SHAPE["vocab_size"]
 N_TOKENS = 12
 PROMPT_LENGTHS = (5, 40, 70)  # 40, 70 > the sliding windows (8, 12) and llama3's original 32
 PROMPT_SEED = 1234
@@ -96,12 +96,8 @@ ATTN = "eager"
 BOS, EOS, PAD = 0, 0, 0  # <|endoftext|>; <|im_start|> = 1, <|im_end|> = 2
 
 COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=160,
+    **TINY_SHAPE,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=256,
     bos_token_id=BOS,
     eos_token_id=EOS,

@@ -30,8 +30,8 @@ class ScheduleSpy:
         self.steps: list[dict] = []
         engine.scheduler.schedule = self
 
-    def __call__(self):
-        out = self.schedule()
+    def __call__(self, drafts=None):
+        out = self.schedule(drafts)
         self.steps.append(self.snapshot() | {"run": [(s.seq_id, n) for s, n in out.scheduled]})
         self.steps[-1]["pre"] = [s.seq_id for s in out.preempted]
         return out

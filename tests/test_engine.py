@@ -15,7 +15,7 @@ from engine.golden import read_golden
 from engine.utils import MiB
 from reference.generate import generate as reference_generate
 from tests.spies import count_forwards
-from tests.utils import SEED_PROMPTS, make_engine
+from tests.utils import SEED_PROMPTS, make_engine, with_eos
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -233,8 +233,8 @@ def _greedy() -> dict:
 def test_eos_ends_unless_ignored(tiny):
     engine = make_engine(tiny)
     (full,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(**_greedy()))
-    eos = full.token_ids[3]  # pretend the model's EOS is it
-    engine.core.eos_token_ids = engine.sampler.eos_token_ids = [eos]
+    eos = full.token_ids[3]  # a model whose EOS is it
+    engine = make_engine(with_eos(tiny, eos))
     (o,) = run_all(engine, [SEED_PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24))
     assert o.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
     assert o.finish_reason == "stop"

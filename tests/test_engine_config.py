@@ -7,18 +7,12 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from model_loader.config import ModelConfig
+from model_loader.synthetic import TINY_SHAPE
 
 
 def model_config(max_positions: int = 4096) -> ModelConfig:
     return ModelConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_positions,
+        **TINY_SHAPE, num_hidden_layers=2, head_dim=16, max_position_embeddings=max_positions
     )
 
 

@@ -80,7 +80,7 @@ def test_prefill_window_matches_numpy(window, dtype, rng):
 
 
 def test_rotary_cache_bias_and_qk_norm_match_numpy(rng):
-    from engine.backends.rope import rope_table
+    from model_loader.rope import rope_table
 
     T, H, Hkv, hd, bs, N = 9, 4, 2, 32, 4, 8
     qkv = randn(rng, (T, (H + 2 * Hkv) * hd), np.float32)

@@ -239,9 +239,9 @@ def test_weights_fingerprint_changes_with_one_matrix(tiny_model_dir, tmp_path):
 
 
 def test_evicted_blocks_are_stored_and_a_later_prompt_loads_them_into_fresh_blocks():
-    sched = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    conn = KVConnector([HostTier(1 << 20)], (1, 2, 4, 1, 2), np.float32)
+    sched = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=True, connector=conn)
     bm = sched.block_manager
-    bm.connector = conn = KVConnector([HostTier(1 << 20)], (1, 2, 4, 1, 2), np.float32)
     a = make_seq(9)
     sched.add(a)
     step(sched)  # a: [0, 1, 2], blocks 0 and 1 full and cached

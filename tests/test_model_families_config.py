@@ -13,18 +13,15 @@ from model_loader.config import ModelConfig
 from model_loader.families import FAMILIES, HARMLESS_KEYS
 from model_loader.load import load_model
 from model_loader.rope import RopeParams, inv_freq, parse_rope
+from model_loader.synthetic import TINY_SHAPE
 from reference.model import forward
 from tests.test_families import FAMILY_DIR
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 160,
+    **TINY_SHAPE,
     "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
 

@@ -396,7 +396,7 @@ def run_batch(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
 def record_steps(engine: LLMEngine) -> list[SchedulerOutput]:
     """Every SchedulerOutput the engine's scheduler hands out from now on, in order."""
     steps, schedule = [], engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    engine.scheduler.schedule = lambda drafts=None: steps.append(schedule(drafts)) or steps[-1]
     return steps
 
 

@@ -58,9 +58,9 @@ class DraftSpy:
                 row["gained"] = seq.output_token_ids[len(row["out"]) :]
                 row["finished"] = seq.is_finished
 
-    def schedule(self):
+    def schedule(self, drafts=None):
         self.settle()
-        out = self._schedule()
+        out = self._schedule(drafts)
         rows = [
             {"sid": s.seq_id, "req": int(s.request_id), "drafts": list(out.drafts[s.seq_id])}
             | {"out": list(s.output_token_ids)}

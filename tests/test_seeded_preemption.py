@@ -68,8 +68,8 @@ def test_a_seeded_request_preempted_draws_what_it_draws_alone(tiny, mode):
     engine = make_engine(tiny, preemption_mode=mode, swap_space=0.01, record_logits=True, **args)
     schedule, preempted = engine.scheduler.schedule, []
 
-    def spy():
-        out = schedule()
+    def spy(drafts=None):
+        out = schedule(drafts)
         preempted.extend(s.request_id for s in out.preempted)
         return out
 

@@ -562,8 +562,8 @@ def test_draft_model_under_preemption_and_aborts(tiny, mode):
         engine.add_request(str(i), p, params)
     schedule, preempted = engine.scheduler.schedule, []
 
-    def spy():
-        out = schedule()
+    def spy(drafts=None):
+        out = schedule(drafts)
         preempted.extend(out.preempted)
         return out
 

@@ -8,7 +8,7 @@ from engine import SamplingParams
 from engine.core.messages import SampleDelta
 from engine.frontend.llm import run_to_completion
 from engine.frontend.output_processor import OutputProcessor
-from tests.utils import SEED_PROMPTS, make_engine
+from tests.utils import SEED_PROMPTS, make_engine, with_eos
 
 PROMPT = SEED_PROMPTS[0]
 
@@ -45,7 +45,7 @@ def test_eos_has_no_stop_reason(tiny):
     engine = make_engine(tiny)
     full = _run(engine, _greedy())
     eos = full.token_ids[3]
-    engine.core.eos_token_ids = engine.sampler.eos_token_ids = [eos]
+    engine = make_engine(with_eos(tiny, eos))
     o = _run(engine, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[eos]))
     assert (o.finish_reason, o.stop_reason) == ("stop", None)  # EOS first, as in vLLM
 

@@ -4,6 +4,7 @@ to a constructor touches this file only. The loaded tiny model is the ``tiny`` f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -36,6 +37,12 @@ def patience(seconds: float) -> float:
     return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
+def with_eos(loaded, eos: int):
+    """``loaded`` with its config's EOS ids replaced by ``eos`` (what an engine stops at)."""
+    config = dataclasses.replace(loaded.config, eos_token_ids=(eos,))
+    return dataclasses.replace(loaded, config=config)
+
+
 def make_engine(loaded, **engine_args) -> LLMEngine:
     """An engine on an already loaded model, with a small fixed pool unless engine_args say."""
     return LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
@@ -57,15 +64,21 @@ def make_scheduler(
     block_size: int = 4,
     num_cpu_blocks: int = 0,
     max_model_len: int = 64,
+    connector=None,
     **config,
 ) -> Scheduler:
     """A scheduler over its own block manager; the token budget is max_model_len unless config
-    says otherwise. ``enable_prefix_caching=True`` turns caching on in both."""
+    says otherwise. ``enable_prefix_caching=True`` turns caching on in both; ``connector``: the
+    block manager's KV tiers."""
     fields = dict(block_size=block_size, max_model_len=max_model_len)
     fields = {"max_num_batched_tokens": max_model_len, **fields, **config}
     cfg = EngineConfig(**fields)
     bm = BlockManager(
-        num_blocks, block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
+        num_blocks,
+        block_size,
+        num_cpu_blocks,
+        enable_caching=cfg.enable_prefix_caching,
+        connector=connector,
     )
     return Scheduler(cfg, bm)
 

@@ -88,6 +88,14 @@ def copy_host_blocks(dst: np.ndarray, src: np.ndarray, pairs) -> None:
         dst[:, :, d] = src[:, :, s]
 
 
+def greedy_ids(logits: np.ndarray) -> np.ndarray:
+    """(B, V) -> (B,) int32 first argmax, NaN ignored; -1 where no value is above -inf."""
+    clean = np.where(np.isnan(logits), -np.inf, logits)  # (B, V)
+    ids = np.argmax(clean, axis=1).astype(np.int32)  # (B,)
+    ids[~(clean[np.arange(len(ids)), ids] > -np.inf)] = -1
+    return ids
+
+
 class GreedyIds:
     """A launched greedy step: ``result()`` -> its (B,) int32 ids on the host (waiting for the
     device where it still runs). This one holds ids already computed."""

@@ -110,7 +110,7 @@ def fused_add_rms_norm(x, residual, weight, eps, offset: float = 0.0):
 
 def argmax_rows(logits: np.ndarray) -> np.ndarray:
     """(B, V) -> (B,) int32 first argmax of each row, NaN ignored; -1 where no value is above
-    -inf (numpy_backend.greedy_ids in one pass over the logits and no temporaries)."""
+    -inf (base.greedy_ids in one pass over the logits and no temporaries)."""
     logits = _c32(logits)
     ids = np.empty(logits.shape[0], np.int32)  # (B,)
     library().argmax_rows(_p(ids), _p(logits), logits.shape[0], logits.shape[1], threads())

@@ -21,6 +21,10 @@ copied to pinned host memory behind an event that the handle's ``result()`` wait
 inputs' pinned staging buffer alternates between two, so the next step's inputs are written while
 the last one's copy may still be queued.
 
+Its parts, one job each: cupy_step.py (a layer's weights, a step's inputs and workspace),
+cupy_lora.py (the LoRA slots), cupy_memory.py (the memory accounting the pool is sized from),
+cuda_graphs.py (the decode graphs).
+
 Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
 the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
 the output product, ``fused_add_rms_norm``, one gate-up product, ``act_and_mul``, the down
@@ -37,30 +41,27 @@ import numpy as np
 
 from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
 from engine.backends.cuda_graphs import DecodeGraphs
-from engine.backends.cupy_step import DeviceLayer, StepInputs, Workspace, pack_inputs, split_inputs
+from engine.backends.cupy_lora import LoRASlots
+from engine.backends.cupy_memory import DeviceMemory
+from engine.backends.cupy_step import (
+    DeviceLayer,
+    StepInputs,
+    Workspace,
+    on_device,
+    pack_inputs,
+    split_inputs,
+)
 from engine.backends.forward_batch import ForwardBatch
-from engine.backends.rope import rope_table
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
-from engine.kernels.launch import LORA_MAX_SPLITS, lora_max_tiles, lora_tiles
-from engine.utils import MiB, cdiv
+from engine.kernels.launch import lora_tiles
+from engine.utils import MiB
+from model_loader.rope import rope_table
 from model_loader.weights import ModelWeights
 
 log = logging.getLogger("engine.backend")
 
 
-def on_device(method):
-    """Run a backend method inside ``device.active()``: on a GPU, every launch, copy and cuBLAS
-    call goes to the device's stream, whatever stream the calling thread has current."""
-
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self.device.active():
-            return method(self, *args, **kwargs)
-
-    return run
-
-
-class CupyBackend(DecodeGraphs, Backend):
+class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device;
     ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned host memory."""
 
@@ -141,172 +142,6 @@ class CupyBackend(DecodeGraphs, Backend):
         self.embed = self._put(w.embed)  # (V, D)
         self.final_norm = self._put(w.final_norm)  # (D,)
         self.lm_head = self.embed if w.lm_head is w.embed else self._put(w.lm_head)  # (V, D)
-
-    # ---- LoRA slots ----
-    def _allocate_lora(self) -> None:
-        """Per layer and fused matrix, every slot's A (S, M R, K) and B (S, R, N), zeros, and
-        each matrix's module ends (M,) on the device: one fixed place per slot, written by
-        ``set_lora`` (engine/kernels/launch.py ``Kernels.lora`` reads them)."""
-        self.lora_layers, self.lora_ends, self.lora_used = [], {}, []
-        if self.lora_shape is None:
-            return
-        S, R = self.lora_shape
-        for name, (_, widths) in self.cfg.fused_shapes.items():
-            self.lora_ends[name] = self.device.upload(np.cumsum(widths).astype(np.int32))
-        for _ in self.layers:
-            self.lora_layers.append(
-                {
-                    name: (
-                        self.device.zeros((S, len(widths) * R, K), self.dtype),  # (S, M R, K)
-                        self.device.zeros((S, R, sum(widths)), self.dtype),  # (S, R, N)
-                    )
-                    for name, (K, widths) in self.cfg.fused_shapes.items()
-                }
-            )
-            self.lora_used.append({name: set() for name in self.lora_ends})
-
-    @on_device
-    def set_lora(self, slot: int, weights) -> None:
-        """Slot ``slot`` holds this adapter (engine/lora/adapter.py ``LoRAWeights``, this
-        rank's cut) from now on: module m's A^T in A's rows m R.., its B in B's rows 0.. of
-        the module's columns; zeros past the module's rank and where the adapter has none."""
-        if self.lora_shape is None:
-            raise ValueError("set_lora: this backend was built without enable_lora")
-        S, R = self.lora_shape
-        for i, layer in enumerate(self.lora_layers):
-            for name, (a_dev, b_dev) in layer.items():
-                pair = weights.layers[i].get(name)
-                ends = np.cumsum(self.cfg.fused_shapes[name][1]).tolist()
-                a = np.zeros(a_dev.shape[1:], np.float32)  # (M R, K)
-                b = np.zeros(b_dev.shape[1:], np.float32)  # (R, N)
-                for r0, r1, c0, bm in pair[1] if pair is not None else ():
-                    c1 = c0 + bm.shape[1]  # a fused module (q|k|v) spans several of the kernel's
-                    for m, (s, e) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
-                        lo, hi = max(s, c0), min(e, c1)
-                        if lo < hi:
-                            a[m * R : m * R + r1 - r0] = pair[0][:, r0:r1].T
-                            b[: r1 - r0, lo:hi] = bm[:, lo - c0 : hi - c0]
-                self.device.copy_to(a_dev[slot], a.astype(self.dtype))
-                self.device.copy_to(b_dev[slot], b.astype(self.dtype))
-                self.lora_used[i][name].discard(slot)
-                if pair is not None and pair[1]:
-                    self.lora_used[i][name].add(slot)
-        self.device.synchronize()
-
-    @property
-    def lora_bytes(self) -> int:
-        """The device slots (every slot, used or not)."""
-        return sum(int(a.nbytes) for layer in self.lora_layers for p in layer.values() for a in p)
-
-    def _gemm(self, x, lw: DeviceLayer, layer: int, name: str, out, inp: StepInputs) -> None:
-        """out = x @ the layer's matrix ``name``, plus each LoRA row's update (the segmented
-        products, engine/kernels/launch.py ``Kernels.lora``) when a step's adapter changes it."""
-        self.gemm(x, getattr(lw, name), out)
-        if inp.lora is not None and inp.lora[2] & self.lora_used[layer][name]:
-            a, b = self.lora_layers[layer][name]
-            self.k.lora(out, x, a, b, inp.lora[0], inp.lora[1], self.lora_ends[name])
-
-    # ---- memory accounting ----
-    @property
-    def weights_bytes(self) -> int:
-        """The weights' bytes on the device, the LoRA slots' included."""
-        arrays = [self.embed, self.final_norm]
-        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
-        arrays += [] if self.lm_head is self.embed else [self.lm_head]
-        arrays += [a for layer in self.lora_layers for pair in layer.values() for a in pair]
-        return sum(int(a.nbytes) for a in arrays)
-
-    def total_memory_bytes(self) -> int:
-        """The device's memory (the budget is this times gpu_memory_utilization)."""
-        return self.device.total_memory_bytes()
-
-    def _partitions(self, max_context_len: int, B: int) -> int:
-        """Decode partitions per sequence to budget for a batch of up to ``B`` sequences: fewer
-        sequences get more partitions each (the split fills the SMs), so this covers the most
-        partial rows (b sequences x their partitions, when over one) that any b <= B asks for;
-        1 when no such batch splits its contexts."""
-        H, Hkv = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-        B = max(1, B)
-        rows = 0
-        for b in set(range(1, min(B, self.k.sm_count) + 1)) | {B}:
-            P = self.k.decode_split(max_context_len, b, H, Hkv, self.split_window)[0]
-            rows = max(rows, b * P if P > 1 else 0)
-        return max(2, cdiv(rows, B)) if rows else 1
-
-    def step_bytes(
-        self, T: int, B: int, partitions: int, layers_with_partials: int = 1, lora: bool = True
-    ) -> int:
-        """Device bytes one step allocates: inputs, workspace, logits, attention partials (the
-        decode kernel's per-layer scratch, held by ``layers_with_partials`` layers at once),
-        with ``lora`` (steps with LoRA rows: never a graph's) the tiles and the shrink's float32
-        partials (the widest: q|k|v's)."""
-        c, e = self.cfg, self.dtype.itemsize
-        extra = 0
-        if lora and self.lora_shape is not None:
-            S, R = self.lora_shape
-            extra = 4 * (T + 3 * lora_max_tiles(T, S)) + LORA_MAX_SPLITS * T * 3 * R * 4 + 1024
-        M = cdiv(self.max_model_len, self.block_size)
-        inputs = 4 * (4 * T + 3 * B + 1 + B * M)
-        per_token = 3 * c.hidden_size + 3 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size
-        last = B * 3 * c.hidden_size * e + B * c.vocab_size * 4
-        partials = B * c.num_attention_heads * partitions * (c.head_dim + 2) * 4
-        partials = partials if partitions > 1 else 0
-        pool_rounding = 512 * (16 + 2 * layers_with_partials)  # CuPy rounds each block
-        step = inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
-        return step + extra
-
-    def graph_pool_estimate(self) -> int:
-        """The graphs share one pool sized by the largest capture (every layer's partials live)."""
-        if not self.use_graphs:
-            return 0
-        B = self.max_graph_batch
-        P = self._partitions(self.max_model_len, B)
-        return self.step_bytes(B, B, P, self.cfg.num_hidden_layers, lora=False)
-
-    @on_device
-    def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
-        """Activation peak of a step of ``num_tokens`` tokens (computed; on a GPU also measured by
-        a profile forward, the larger kept) plus the CUDA graphs' pool."""
-        B = min(num_seqs, num_tokens)
-        computed = self.step_bytes(num_tokens, B, self._partitions(max_seq_len, B))
-        measured = None
-        if self.device.profiles_memory:
-            measured = self.device.measure_peak(
-                lambda: self._profile_forward(num_tokens, max_seq_len)
-            )
-        graphs = self.graph_pool_estimate()
-        log.info(
-            "profile forward of %d tokens: activation peak %.1f MiB computed, %s measured; "
-            "CUDA graph pool %.1f MiB (estimate)",
-            num_tokens,
-            computed / MiB,
-            "not" if measured is None else f"{measured / MiB:.1f} MiB",
-            graphs / MiB,
-        )
-        return max(computed, measured or 0) + graphs
-
-    def _profile_forward(self, num_tokens: int, max_seq_len: int) -> None:
-        """A forward of prefills filling ``num_tokens``, on a scratch cache (no KV written)."""
-        bs = self.block_size
-        lens = [max_seq_len] * (num_tokens // max_seq_len)
-        lens += [num_tokens % max_seq_len] if num_tokens % max_seq_len else []
-        n_blocks = cdiv(max(lens), bs)
-        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # (B+1,)
-        batch = ForwardBatch(
-            token_ids=np.zeros(num_tokens, np.int32),
-            positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
-            slot_mapping=np.full(num_tokens, -1, np.int32),
-            block_tables=np.tile(np.arange(n_blocks, dtype=np.int32), (len(lens), 1)),
-            context_lens=np.asarray(lens, np.int32),
-            query_start_loc=qsl,
-            num_decodes=0,
-        )
-        scratch = self.device.zeros(self.cache_shape(n_blocks), self.dtype)
-        saved, self.kv_cache = self.kv_cache, scratch
-        try:
-            self._run_eager(batch)
-        finally:
-            self.kv_cache = saved
 
     # ---- cache ----
     @on_device

@@ -1,8 +1,10 @@
 """The GPU backend's step data: a layer's weights on the device, a step's inputs as views of one
-uploaded buffer, and the workspace every layer of a step reuses."""
+uploaded buffer, and the workspace every layer of a step reuses; ``on_device``, which runs a
+backend method on the device's stream."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,3 +80,15 @@ def split_inputs(
     if tiles is not None:
         inp.lora = (v[7], v[8].reshape(tiles, 3))
     return inp
+
+
+def on_device(method):
+    """Run a backend method inside ``device.active()``: on a GPU, every launch, copy and cuBLAS
+    call goes to the device's stream, whatever stream the calling thread has current."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.device.active():
+            return method(self, *args, **kwargs)
+
+    return run

@@ -18,6 +18,7 @@ from engine.backends import fast_ops
 from engine.backends.base import (
     Backend,
     copy_host_blocks,
+    greedy_ids,
     numpy_dtype,
     resolve_kv_dtype,
     retain_freed_memory,
@@ -120,14 +121,6 @@ def pack_weights(
     lm_head = head_store(head) if head_store else np.ascontiguousarray(head, dtype=F32)
     drop_pages(getattr(w.lm_head, "raw", w.lm_head))
     return layers, dict(embed=embed, final_norm=_f32(r(w.final_norm), norm_offset), lm_head=lm_head)
-
-
-def greedy_ids(logits: np.ndarray) -> np.ndarray:
-    """(B, V) -> (B,) int32 first argmax, NaN ignored; -1 where no value is above -inf."""
-    clean = np.where(np.isnan(logits), -np.inf, logits)  # (B, V)
-    ids = np.argmax(clean, axis=1).astype(np.int32)  # (B,)
-    ids[~(clean[np.arange(len(ids)), ids] > -np.inf)] = -1
-    return ids
 
 
 class NumpyBackend(Backend):

@@ -79,8 +79,16 @@ class FreeBlockQueue:
 
 
 class BlockManager:
+    """``connector``: the KV tiers under the prefix cache (engine/kv_offload), or None: an
+    evicted cached block some tier lacks is then kept for the step's forward to store."""
+
     def __init__(
-        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_caching=False
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_caching=False,
+        connector=None,
     ):
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(
@@ -101,7 +109,7 @@ class BlockManager:
         self.block_keys: dict[int, BlockKey] = {}  # cached block id -> what its hash hashed
         # KV tiers under the cache (engine/kv_offload): evicted blocks some tier lacks wait in
         # ``evicted`` for the step's forward to store their bytes first
-        self.connector = None
+        self.connector = connector
         self.evicted: list[tuple[int, int, BlockKey]] = []  # (block id, hash, key)
 
     # -- GPU pool -------------------------------------------------------------------------------

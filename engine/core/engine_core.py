@@ -9,9 +9,10 @@ step        -> 0. drafts for the running decodes (speculative decoding: engine/c
             -> 1. Scheduler.schedule
             -> 2. ModelRunner.execute: swaps, the forward, sampling or draft verification ->
                a RunnerOutput (each sequence's token; each speculated run's accepted tokens)
-            -> 3. update: append the tokens (Scheduler.update, one at a time for accepted
-               drafts), stop checks on ids (EOS, stop token ids, max_tokens, max_model_len, a
-               finished grammar), grammars advanced, finished sequences' blocks freed
+            -> 3. Updater.update (engine/core/update.py): append the tokens (Scheduler.update,
+               one at a time for accepted drafts), stop checks on ids (EOS, stop token ids,
+               max_tokens, max_model_len, a finished grammar), grammars advanced, finished
+               sequences' blocks freed
             -> 4. a ``SampleDelta`` per sequence with news: its new token ids (and logprobs),
                how it ended
 finish_sample -> the frontend found a stop string: that sequence ends, its blocks go back
@@ -35,7 +36,7 @@ import numpy as np
 
 from engine import tracing
 from engine.config import EngineConfig
-from engine.core.async_step import InFlight, can_overlap, collect
+from engine.core.async_step import InFlight, can_overlap
 from engine.core.block_manager import BlockManager
 from engine.core.memory import plan_kv_cache
 from engine.core.messages import (
@@ -43,13 +44,14 @@ from engine.core.messages import (
     CoreRequest,
     CoreStats,
     core_stats,
-    deltas,
 )
-from engine.core.model_runner import ModelRunner, RunnerOutput
-from engine.core.sampler import NO_TOKEN, Sampler
+from engine.core.model_runner import ModelRunner
+from engine.core.pooling_runner import PoolingRunner
+from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence, model_eos_ids
-from engine.core.spec_step import Accepted, Speculator, draft_backend, spec_counters
+from engine.core.spec_step import Speculator, draft_backend, spec_counters
+from engine.core.update import Updater
 from engine.executor import configured_backend
 from engine.kv_offload import KVConnector, make_connector
 from engine.kv_offload.cache_key import engine_key
@@ -98,49 +100,71 @@ class EngineCore:
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.spec = Speculator(cfg, draft, self.kv_plan.num_draft_blocks)
         self.drafter, self.spec_stats = self.spec.drafter, self.spec.stats
-        self.block_manager = BlockManager(
-            num_blocks, cfg.block_size, num_cpu_blocks, enable_caching=cfg.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(cfg, self.block_manager)
-        self.eos_token_ids = model_eos_ids(self.loaded)
-        self.sampler = Sampler(self.eos_token_ids)
-        self.runner = ModelRunner(mc, cfg, self.backend, self.sampler, self.record_logits)
-        self.runner.classifier = None if score is None else np.asarray(score, np.float64)
-        self.connector = None if tier_key is None else self._attach_tiers(tier_key)
+        self.connector = None if tier_key is None else self._make_tiers(tier_key)
         self.lora = LoRAManager(cfg, mc, self.backend) if cfg.enable_lora else None
-        self.scheduler.lora = self.runner.lora = self.lora
+        self.block_manager = BlockManager(
+            num_blocks,
+            cfg.block_size,
+            num_cpu_blocks,
+            enable_caching=cfg.enable_prefix_caching,
+            connector=self.connector,
+        )
+        self.scheduler = Scheduler(cfg, self.block_manager, lora=self.lora)
+        self.eos_token_ids = model_eos_ids(self.loaded)
+        self.sampler = Sampler(self.eos_token_ids, structured=self._make_compiler)
+        self.runner = self._make_runner(score)
+        if self.connector is not None:  # at exit the pool's cached blocks go to the tiers
+            self._close_tiers = weakref.finalize(
+                self, close_tiers, self.connector, self.block_manager, self.backend
+            )
         self.trace_schedule = tracing.ScheduleTracer(
             self.block_manager, cfg.block_size, cfg.preemption_mode
         )
         self._counter = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}  # live requests' sequences, by sample
         self.num_added_seqs = 0  # every sequence ever queued (a core process's frontend counts)
-        self._touched: dict[int, Sequence] = {}  # seq_id -> sequence with news in this step
+        pooling = isinstance(self.runner, PoolingRunner)
+        owners = (self.spec, self.runner) if pooling else (self.spec,)  # state per sequence
+        args = (self.scheduler, self.spec, self.requests, self.eos_token_ids, self.record_logits)
+        self.updater = Updater(*args, owners=owners)
+        # step 3 for the runner's output: sampled tokens, or a pooling runner's vectors
+        self._apply = self.updater.update_pooled if pooling else self.updater.update
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
         self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
 
-    def _attach_tiers(self, key) -> KVConnector:
-        """The KV tiers under the prefix cache, known to the block manager (which evicts into
+    def _make_runner(self, score) -> ModelRunner:
+        """The generating runner, or with runner='pooling' the pooling one (``score``: a
+        classifier's (L, D) head, kept on the host in float64)."""
+        parts = (self.model_config, self.config, self.backend, self.sampler, self.record_logits)
+        kw = dict(lora=self.lora, connector=self.connector)
+        if self.config.runner != "pooling":
+            return ModelRunner(*parts, **kw)
+        head = None if score is None else np.asarray(score, np.float64)  # (L, D)
+        return PoolingRunner(*parts, classifier=head, **kw)
+
+    def _make_tiers(self, key) -> KVConnector:
+        """The KV tiers under the prefix cache, handed to the block manager (which evicts into
         them) and the runner (which moves the bytes); at exit the pool's cached blocks are
         saved and the disk writes finished (``shutdown``, or when the interpreter exits)."""
         shape = self.backend.cache_shape(1)  # (L, 2, 1, bs, Hkv, hd)
         block_shape = shape[:2] + shape[3:]  # (L, 2, bs, Hkv, hd)
-        connector = make_connector(self.config, key, block_shape, self.backend.block_dtype)
-        self.block_manager.connector = self.runner.connector = connector
-        self._close_tiers = weakref.finalize(
-            self, close_tiers, connector, self.block_manager, self.backend
-        )
-        return connector
+        return make_connector(self.config, key, block_shape, self.backend.block_dtype)
+
+    def _make_compiler(self):
+        """The structured-output compiler (the sampler builds it when a request first needs it)."""
+        from engine.core.structured import model_compiler
+
+        return model_compiler(self.loaded, self.eos_token_ids)
 
     def shutdown(self) -> None:
         """With KV tiers: the cached blocks still in the pool are saved to the tiers, and the
         disk tier's writes finished, so a restarted engine finds them. Parallel ranks (an
         executor's workers or Ray actors) stop."""
         if self.connector is not None:
-            self._close_tiers()
-            self.connector = self.block_manager.connector = self.runner.connector = None
+            self._close_tiers()  # the connector is empty from now on
+            self.connector = None
         getattr(self.backend, "shutdown", lambda: None)()
 
     # ---- requests ----
@@ -176,11 +200,7 @@ class EngineCore:
 
     def structured_compiler(self):
         """The sampler's structured-output compiler, built on first use."""
-        if self.sampler.structured is None:
-            from engine.core.structured import model_compiler
-
-            self.sampler.structured = model_compiler(self.loaded, self.eos_token_ids)
-        return self.sampler.structured
+        return self.sampler.structured_compiler()
 
     def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
         """Per-sequence RNG: the request's seed, else the engine seed and a request counter."""
@@ -194,8 +214,9 @@ class EngineCore:
         if seqs is None:
             return False
         for seq in seqs:  # its own sequences: no search of the scheduler's queues
-            self._touched.pop(seq.seq_id, None)
+            self.updater.touched.pop(seq.seq_id, None)
             self.scheduler.finish(seq, "abort")  # a no-op for one already finished
+            self.updater.forget(seq)
         self._release_drafts()
         return True
 
@@ -206,22 +227,10 @@ class EngineCore:
         if seqs is None or seqs[index].is_finished:
             return
         seq = seqs[index]
-        self._touched.pop(seq.seq_id, None)
-        self._finish(seq, "stop")
+        self.updater.touched.pop(seq.seq_id, None)
+        self.updater.finish(seq, "stop")
         seq.truncate_output(num_tokens)
         self._release_drafts()
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)  # its blocks go back to the free queue now
-        free = self.block_manager.num_free_blocks
-        tracing.finished(seq.request_id, reason, seq.num_output_tokens, free)
-        self._forget_if_done(seq.request_id)
-
-    def _forget_if_done(self, request_id: str) -> None:
-        """A request whose every sequence has finished is no longer the core's."""
-        seqs = self.requests.get(request_id)
-        if seqs is not None and all(s.is_finished for s in seqs):
-            del self.requests[request_id]
 
     def _release_drafts(self) -> None:
         self.spec.release(self.scheduler.running)
@@ -247,8 +256,8 @@ class EngineCore:
         if speculates and self.in_flight is None:
             self.spec.propose(self.scheduler.running)  # 0. drafts for the decodes
         # 1. schedule: who runs, with which blocks; who can never run
-        out = self.scheduler.schedule()
-        self._rejected(self.scheduler.take_rejected())
+        out = self.scheduler.schedule(self.spec.drafts)
+        self.updater.rejected(self.scheduler.take_rejected())
         self.trace_schedule(out)
         if self.recorder is not None:
             self.recorder.on_schedule(out)
@@ -260,40 +269,12 @@ class EngineCore:
         self._drain()  # async scheduling: the step in flight is read and processed first
         if not out.is_empty or out.drafts:
             result = self.runner.execute(out)  # 2. execute: the forward, sampling, verifying
-            self._update(out, result)  # 3. update: append, stop checks, free the finished
+            self._apply(out, result)  # 3. update: append, stop checks, free the finished
         self._release_drafts()
         return self._outputs()  # 4. the deltas
 
     def _outputs(self) -> CoreOutputs:
-        touched, self._touched = self._touched, {}
-        return CoreOutputs(deltas(touched.values()), time.monotonic(), self.stats())
-
-    def _rejected(self, rejected: list[tuple[Sequence, str]]) -> None:
-        """Sequences the scheduler finished because they can never run; an abort keeps why."""
-        for seq, reason in rejected:
-            if seq.request_id not in self.requests:
-                continue
-            if seq.finish_reason == "abort":
-                seq.error = reason
-            self._touched[seq.seq_id] = seq
-            self._forget_if_done(seq.request_id)
-
-    # ---- speculative decoding ----
-    def _accept_all(self, accepted: list[Accepted]) -> None:
-        """Each speculated sequence's verified tokens, one by one: it stops at the first token
-        that ends it (EOS, a stop id or string, max_tokens); the rest are dropped."""
-        self.spec.record(accepted)
-        for a in accepted:
-            seq = a.seq
-            for token, logprob in a.tokens:
-                if seq.is_finished:
-                    break
-                if token == NO_TOKEN:
-                    self._abort_unsampled([seq], [NO_TOKEN])
-                    break
-                self.scheduler.accept(seq, token)
-                self._process_tokens([seq], {seq.seq_id: (logprob, None)})
-            self.scheduler.end_speculation(seq)
+        return CoreOutputs(self.updater.deltas(), time.monotonic(), self.stats())
 
     # ---- async scheduling ----
     def _would_reject(self, flight: InFlight) -> bool:
@@ -309,82 +290,14 @@ class EngineCore:
         flight = self.runner.launch(out, prev)
         self.in_flight = None
         if prev is not None:
-            self._collect(prev)
+            self.updater.process_flight(prev)
         self.in_flight = flight
 
     def _drain(self) -> None:
         """Read the step in flight, if any, and process its tokens."""
         if self.in_flight is not None:
             flight, self.in_flight = self.in_flight, None
-            self._collect(flight)
-
-    def _collect(self, flight: InFlight) -> None:
-        grown, failed = collect(flight)
-        if failed:
-            self._abort_unsampled(failed, [NO_TOKEN] * len(failed))
-        self._process_tokens(grown, {})
-
-    def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """The step's tokens into their sequences: prompt logprobs, each sampled token (through
-        the scheduler's accounting), each speculated run's accepted tokens; stop checks."""
-        for seq, entries in result.prompt_logprobs:
-            seq.prompt_logprobs.extend(entries)
-        seqs, ids, extras = result.seqs, result.ids, result.extras
-        if NO_TOKEN in ids:
-            self._abort_unsampled(seqs, ids)
-        sampled = {s.seq_id: t for s, t in zip(seqs, ids, strict=True) if t != NO_TOKEN}
-        extra = {} if extras is None else {s.seq_id: e for s, e in zip(seqs, extras, strict=True)}
-        self._process_tokens(self.scheduler.update(out, sampled), extra)
-        if result.accepted:
-            self._accept_all(result.accepted)
-        for seq, vector in result.pooled:  # the pooling runner: the prompt's vector is the end
-            seq.embedding = vector
-            self._touched[seq.seq_id] = seq
-            self._finish(seq, "stop")
-
-    def _process_tokens(self, grown: list[Sequence], extra: dict) -> None:
-        """Stop checks on each sequence's new last token; the stopped ones finish. Its
-        logprobs (and logits row) wait for the next delta."""
-        touched, record = self._touched, self.record_logits
-        for seq in grown:
-            if seq.matcher is not None and not self._advance_grammar(seq):
-                continue
-            touched[seq.seq_id] = seq
-            if extra:
-                logprob, logits_row = extra.get(seq.seq_id, (None, None))
-                if logprob is not None:
-                    seq.new_logprobs.append(logprob)
-                if record:
-                    seq.new_logits.append(np.array(logits_row, dtype=np.float32))
-            # most tokens end nothing: the full checks only where one could
-            if (
-                seq.last_token_id in seq.stop_ids
-                or seq.num_tokens >= seq.max_num_tokens
-                or seq.matcher is not None
-            ):
-                reason = seq.check_stop(self.eos_token_ids)
-                if reason is not None:
-                    self._finish(seq, reason)
-
-    def _advance_grammar(self, seq: Sequence) -> bool:
-        """Feed seq's new token to its grammar; a token it refuses (or a matcher error) ends
-        the sequence as an error, never as unconstrained text."""
-        if seq.matcher.accept(seq.last_token_id):
-            return True
-        why = seq.matcher.error or f"token {seq.last_token_id} is not allowed by the grammar"
-        self._fail(seq, f"structured output: {why}")
-        return False
-
-    def _abort_unsampled(self, seqs, ids) -> None:
-        """Sequences whose row had no token to pick (NaN or all banned) end as an error."""
-        for seq, t in zip(seqs, ids, strict=True):
-            if t == NO_TOKEN:
-                self._fail(seq, "sampling failed: no finite logit to pick a token from")
-
-    def _fail(self, seq: Sequence, why: str) -> None:
-        seq.error = why
-        self._touched[seq.seq_id] = seq
-        self._finish(seq, "abort")  # its blocks go back now
+            self.updater.process_flight(flight)
 
 
 def close_tiers(connector: KVConnector, bm: BlockManager, backend, batch: int = 64) -> None:

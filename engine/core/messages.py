@@ -87,22 +87,24 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     stats: CoreStats
 
 
-def deltas(seqs) -> list[SampleDelta]:
-    """A delta for each sequence with news (a running plain decode's is its new ids alone)."""
-    out = []
+def deltas(seqs, vectors: dict | None = None) -> list[SampleDelta]:
+    """A delta for each sequence with news (a running plain decode's is its new ids alone);
+    ``vectors``: seq_id -> the vector of a pooled prompt that finished."""
+    out, vectors = [], vectors or {}
     for seq in seqs:
         sent = seq.num_sent
         if sent and seq.always_plain and not seq.new_logits and seq.finish_reason is None:
             seq.num_sent = seq.num_output_tokens  # a running plain decode: the common case
             out.append(SampleDelta(seq.request_id, seq.index, seq.output_token_ids[sent:]))
         else:
-            out.append(delta(seq))
+            out.append(delta(seq, vectors.get(seq.seq_id)))
     return out
 
 
-def delta(seq: Sequence) -> SampleDelta:
-    """seq's tokens (and logprobs, logits) since its last delta; how it ended, once; its cached
-    prompt tokens with its first delta and its last."""
+def delta(seq: Sequence, vector=None) -> SampleDelta:
+    """seq's tokens (and logprobs, logits) since its last delta; how it ended, once (with its
+    ``vector``, a pooled prompt's); its cached prompt tokens with its first delta and its
+    last."""
     sent, seq.num_sent = seq.num_sent, seq.num_output_tokens
     d = SampleDelta(seq.request_id, seq.index, seq.output_token_ids[sent:])
     if not sent or seq.is_finished:
@@ -113,8 +115,8 @@ def delta(seq: Sequence) -> SampleDelta:
         d.logits, seq.new_logits = seq.new_logits, []
     if seq.is_finished:
         d.finish_reason, d.stop_reason, d.error = seq.finish_reason, seq.stop_reason, seq.error
-        if seq.embedding is not None:
-            d.embedding = seq.embedding.tolist()
+        if vector is not None:
+            d.embedding = vector.tolist()
     p = seq.params.prompt_logprobs
     if p is not None and not seq.prompt_logprobs_sent:
         if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:

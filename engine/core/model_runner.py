@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.backends.base import greedy_ids
 from engine.backends.forward_batch import ForwardBatch, flat_batch
-from engine.backends.numpy_backend import greedy_ids
 from engine.core.async_step import InFlight
 from engine.core.sampler import Sampler, plain_greedy, rows_to_sample, top_logprobs
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.core.spec_step import Accepted, verify
-from engine.pooling_params import Pooler, classifier_activation
 from engine.utils import cdiv
 from model_loader.config import ModelConfig
 
@@ -107,27 +106,33 @@ class RunnerOutput:
     extras: list[tuple] | None = None
     prompt_logprobs: list[tuple[Sequence, list]] = field(default_factory=list)
     accepted: list[Accepted] = field(default_factory=list)
-    pooled: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)  # done prompts'
-    #   vectors (the pooling runner)
 
 
 class ModelRunner:
     """``backend`` runs the forwards; ``sampler`` picks the tokens; ``record_logits`` asks for
-    the logits of every sampled row (so no step takes the argmax-only path)."""
+    the logits of every sampled row (so no step takes the argmax-only path). Each feature's
+    collaborator, None where it is off: ``lora`` the LoRAManager (rows carry their adapter's
+    slot), ``connector`` the KV tiers (engine/kv_offload). (``runner="pooling"``: its
+    subclass ``PoolingRunner``, engine/core/pooling_runner.py.)"""
 
     def __init__(
-        self, model_config: ModelConfig, engine_config, backend, sampler: Sampler, record_logits
+        self,
+        model_config: ModelConfig,
+        engine_config,
+        backend,
+        sampler: Sampler,
+        record_logits: bool,
+        *,
+        lora=None,
+        connector=None,
     ):
         self.model_config = model_config
         self.block_size = engine_config.block_size
         self.backend = backend
         self.sampler = sampler
         self.record_logits = record_logits
-        self.connector = None  # the KV tiers (engine/kv_offload), when on
-        self.lora = None  # the LoRAManager (enable_lora): rows carry their adapter's slot
-        self.pooling = engine_config.runner == "pooling"  # prompts pooled, never sampled
-        self.classifier = None  # (L, D) float64 a sequence classifier's score head
-        self.problem_type = model_config.problem_type
+        self.connector = connector
+        self.lora = lora
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
 
@@ -167,8 +172,6 @@ class ModelRunner:
             return self._execute_speculated(output)
         if output.is_empty:
             return RunnerOutput()
-        if self.pooling:
-            return self._execute_pooling(output)
         rows, seqs = rows_to_sample(output.scheduled)
         prompt = []
         if needs_rows(output):  # prompt chunks whose logprobs are asked: all their rows come back
@@ -215,48 +218,6 @@ class ModelRunner:
             plain_ids, lps = self.sampler.sample(logits[plain_rows], plain_seqs, gens)
             extras = [(lp, logits[i]) for lp, i in zip(lps, plain_rows, strict=True)]
         return RunnerOutput(plain_seqs, plain_ids, extras, prompt, accepted)
-
-    def _execute_pooling(self, output: SchedulerOutput) -> RunnerOutput:
-        """A pooling step: every row's hidden states, each sequence's chunk added to its pooler
-        (engine/pooling_params.py); a sequence whose prompt is done comes back with its vector."""
-        self._move_blocks(output)
-        batch = self.prepare(output)
-        hidden = self.backend.hidden_states(batch)  # (T, D)
-        qsl, pooled, scored = batch.query_start_loc, [], []
-        for b, (seq, n) in enumerate(output.scheduled):
-            if seq.pooler is None:
-                seq.pooler = Pooler(seq.params.pooling)
-            start = seq.num_computed_tokens
-            seq.pooler.add(hidden[qsl[b] : qsl[b + 1]], first=start == 0)
-            if start + n != seq.num_tokens:
-                continue
-            if seq.params.pooling.task != "embed":
-                scored.append((seq, qsl[b + 1] - 1))
-            else:
-                pooled.append((seq, seq.pooler.result(seq.num_tokens)))
-        if scored:  # the last row of each done prompt: a head's logits
-            last = hidden[[r for _, r in scored]]  # (S, D)
-            for (seq, _), v in zip(scored, self._head(last, scored), strict=True):
-                pooled.append((seq, v))
-        return RunnerOutput(pooled=pooled)
-
-    def _head(self, last: np.ndarray, scored: list) -> list[np.ndarray]:
-        """Each scored prompt's (S, D) last row through its head: the LM head's yes/no log-odds
-        (a reranker by tokens), else the classifier's (L,) logits; activated unless asked not."""
-        lm_rows = [i for i, (seq, _) in enumerate(scored) if seq.params.pooling.score_tokens]
-        lm = {}  # row -> its (V,) LM head logits
-        if lm_rows:
-            lm = dict(zip(lm_rows, self.backend.head_logits(last[lm_rows]), strict=True))
-        out = []
-        for i, (seq, _) in enumerate(scored):
-            p = seq.params.pooling
-            if p.score_tokens is not None:
-                yes, no = p.score_tokens
-                logits = np.array([float(lm[i][yes]) - float(lm[i][no])])  # (1,) log-odds
-            else:
-                logits = self.classifier @ last[i].astype(np.float64)  # (L,)
-            out.append(classifier_activation(logits, self.problem_type) if p.activation else logits)
-        return out
 
     def forward(self, output: SchedulerOutput, greedy: bool = False) -> np.ndarray:
         """Swaps and copies first, then the forward: (R, V) float32 logits of the rows that come

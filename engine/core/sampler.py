@@ -151,11 +151,20 @@ def draw(probs: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray
 
 
 class Sampler:
-    """Picks one token per row; ``sample`` returns (token ids, logprobs dicts or None)."""
+    """Picks one token per row; ``sample`` returns (token ids, logprobs dicts or None).
+    ``structured``: a function that makes the engine's StructuredOutputCompiler, called when
+    the first request needs it (``structured_compiler``)."""
 
-    def __init__(self, eos_token_ids=()):
+    def __init__(self, eos_token_ids=(), structured=None):
         self.eos_token_ids = list(eos_token_ids)
-        self.structured = None  # the engine's StructuredOutputCompiler, once a request needs it
+        self._make_compiler = structured
+        self._compiler = None
+
+    def structured_compiler(self):
+        """The structured-output compiler, built on first use."""
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
 
     def process(self, logits: np.ndarray, seqs) -> np.ndarray:
         """Steps 1-2: penalties, bias and bans on a copy of logits (B, V); logits itself when no
@@ -194,7 +203,7 @@ class Sampler:
         from engine.core.structured import allocate_bitmask, apply_bitmask
 
         mask = allocate_bitmask(len(rows), x.shape[1])  # (R, W) int32
-        self.structured.fill_bitmasks([seqs[b].matcher for b in rows], mask)
+        self._compiler.fill_bitmasks([seqs[b].matcher for b in rows], mask)
         apply_bitmask(x, mask, np.asarray(rows))
 
     def sample(self, logits: np.ndarray, seqs, generators):

@@ -26,11 +26,11 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.messages import check_queue
+from engine.core.scheduler_output import SchedulerOutput, StepBuilder
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger("engine.scheduler")
@@ -40,56 +40,11 @@ def _arrival_key(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival_time, seq.seq_id)
 
 
-@dataclass
-class SchedulerOutput:
-    # (seq, num_new_tokens): the first num_decodes are decodes (1 token each), then prefills
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_decodes: int = 0
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), first
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), second
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
-    preempted: list[Sequence] = field(default_factory=list)
-    prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
-    # KV tiers: blocks evicted from the cache whose bytes a tier still needs (block id, hash,
-    # key), read before the forward; then (seq, pool block ids, arrays) loaded from the tiers
-    blocks_to_store: list[tuple] = field(default_factory=list)
-    tier_loads: list[tuple[Sequence, list[int], list]] = field(default_factory=list)
-    # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
-    # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    needs_rows: bool | None = None  # model_runner.needs_rows' answer, once asked
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and nothing to copy: the step can be skipped."""
-        return not (
-            self.scheduled
-            or self.blocks_to_store
-            or self.blocks_to_swap_out
-            or self.blocks_to_swap_in
-            or self.blocks_to_copy
-        )
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-
-@dataclass
-class _StepBuilder:
-    """One step under construction: the token budget left and what is scheduled so far."""
-
-    budget: int
-    decodes: list[tuple[Sequence, int]] = field(default_factory=list)
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-
-    def add(self, seq: Sequence, n: int, is_decode: bool) -> None:
-        (self.decodes if is_decode else self.prefills).append((seq, n))
-        self.budget -= n
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    """``lora``: the LoRAManager (``enable_lora``), which gives a sequence its adapter's slot
+    at admission; None without adapters."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         if not config.is_resolved:
             raise ValueError("Scheduler: config must be resolved first (EngineConfig.resolve)")
         self.config = config
@@ -105,7 +60,11 @@ class Scheduler:
         self._rejected: list[tuple[Sequence, str]] = []
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
-        self.lora = None  # the LoRAManager (enable_lora): a sequence's adapter slot at admission
+        self.lora = lora
+        # KV tiers: seq_id -> (pool blocks it was looked up after, the blocks found) while it
+        # waits at the head of the queue, so a prompt that does not fit yet is not read again
+        self._tier_fetch: dict[int, tuple[int, list]] = {}
+        self._drafts: dict[int, list[int]] = {}  # this step's drafts (``schedule``), by seq id
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -140,6 +99,7 @@ class Scheduler:
             self._releasing.append(seq)
         else:
             self.block_manager.free(seq)
+        self._tier_fetch.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -152,9 +112,13 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. ``drafts``: speculative decoding's proposals for running decodes, by
+        seq id; the scheduler takes (removes) those it considers, running each that fits as one
+        run of rows (``SchedulerOutput.drafts``)."""
         out = SchedulerOutput()
-        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._drafts = {} if drafts is None else drafts
         self._schedule_running(step, out)
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
@@ -227,7 +191,7 @@ class Scheduler:
         self._releasing = []
         self._in_flight = {}
 
-    def _schedule_running(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_running(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """One decode token (or the next prefill chunk) per running seq, oldest first.
 
         NOTE: admission is strictly FCFS, so a seq still mid-prefill (chunked) is always the
@@ -236,7 +200,9 @@ class Scheduler:
         i = self._plain_decodes(step)  # the common case, in one tight loop
         while i < len(self.running):
             seq = self.running[i]
-            if seq.spec_tokens and self._speculate(seq, step, out, len(self.running) - i - 1):
+            if self._drafts.get(seq.seq_id) and self._speculate(
+                seq, step, out, len(self.running) - i - 1
+            ):
                 i += 1
                 continue
             if self._plain_decode(seq, step):
@@ -260,15 +226,16 @@ class Scheduler:
             step.add(seq, n, is_decode)
             i += 1
 
-    def _plain_decodes(self, step: _StepBuilder) -> int:
+    def _plain_decodes(self, step: StepBuilder) -> int:
         """``_plain_decode`` for the running seqs from the oldest on, as long as each is one (no
         drafts either): the index of the first that is not. The same decisions, in one loop."""
         bm, limit, bs = self.block_manager, self.config.max_model_len, self.block_manager.block_size
         cache, decodes, budget, i = bm.cache_full_blocks, step.decodes, step.budget, 0
+        drafts = self._drafts
         for seq in self.running:
             n = seq.num_tokens
             if (
-                seq.spec_tokens
+                (drafts and drafts.get(seq.seq_id))
                 or n - seq.num_computed_tokens != 1
                 or n > limit
                 or budget < 1
@@ -282,7 +249,7 @@ class Scheduler:
         step.budget = budget
         return i
 
-    def _plain_decode(self, seq: Sequence, step: _StepBuilder) -> bool:
+    def _plain_decode(self, seq: Sequence, step: StepBuilder) -> bool:
         """Schedule seq's decode token if it needs nothing else: a budget token, no new block,
         no length limit reached (what the full path decides for it then); else False."""
         n = seq.num_tokens
@@ -298,12 +265,12 @@ class Scheduler:
         step.budget -= 1
         return True
 
-    def _speculate(self, seq: Sequence, step: _StepBuilder, out: SchedulerOutput, later: int):
-        """Schedule seq's last token and its drafts (``seq.spec_tokens``) as one row, if the
+    def _speculate(self, seq: Sequence, step: StepBuilder, out: SchedulerOutput, later: int):
+        """Schedule seq's last token and its drafts (taken from this step's) as one row, if the
         budget and the pool allow it without taking a block that the ``later`` running
         sequences may need this step (speculation never causes a preemption); else False, and
         seq decodes as usual."""
-        drafts, seq.spec_tokens = seq.spec_tokens, []
+        drafts = self._drafts.pop(seq.seq_id)
         n = min(1 + len(drafts), step.budget)
         bm = self.block_manager
         if seq.num_uncomputed_tokens != 1 or n < 2 or seq.num_tokens > self.config.max_model_len:
@@ -316,7 +283,7 @@ class Scheduler:
         out.drafts[seq.seq_id] = drafts[: n - 1]
         return True
 
-    def _schedule_swapped(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """Swap preempted seqs back in, oldest first, before any new prefill."""
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -331,7 +298,7 @@ class Scheduler:
             self._start_running(seq)
             step.add(seq, n, is_decode=seq.num_uncomputed_tokens == 1)
 
-    def _schedule_waiting(self, step: _StepBuilder, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, step: StepBuilder, out: SchedulerOutput) -> None:
         """Admit waiting prompts first come, first served, while they fit; with prefix caching
         each starts with its cached prefix blocks, and only the rest counts against the budget."""
         bm = self.block_manager
@@ -374,9 +341,13 @@ class Scheduler:
 
     def _tier_blocks(self, seq: Sequence, start: int) -> list:
         """The tiers' blocks of seq after its ``start`` pool hits (read once while it waits)."""
-        if seq.tier_fetch is None or seq.tier_fetch[0] != start:
-            seq.tier_fetch = (start, self.block_manager.tier_prefix(seq, start))
-        return seq.tier_fetch[1]
+        fetch = self._tier_fetch.get(seq.seq_id)
+        if fetch is None or fetch[0] != start:
+            fetch = self._tier_fetch[seq.seq_id] = (
+                start,
+                self.block_manager.tier_prefix(seq, start),
+            )
+        return fetch[1]
 
     def _load(self, seq: Sequence, loads: list, out: SchedulerOutput) -> None:
         """Fresh blocks for the tiers' ``loads`` after seq's pool hits, registered in the cache
@@ -393,7 +364,7 @@ class Scheduler:
     ) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed.
         ``loaded``: tokens after them that come from the KV tiers (counted as cached)."""
-        seq.tier_fetch = None
+        self._tier_fetch.pop(seq.seq_id, None)
         if not self.config.enable_prefix_caching:
             return
         hit_tokens = len(hits) * self.block_manager.block_size

@@ -82,9 +82,6 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
-        # KV tiers: (pool blocks it was looked up after, the blocks found) while it waits at the
-        # head of the queue, so a prompt that does not fit yet is not read again each step
-        self.tier_fetch: tuple[int, list] | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.error: str | None = None  # why it was aborted (a refused token, a failed sample)
@@ -107,14 +104,8 @@ class Sequence:
         # the grammar state of a structured-output request (engine/core/structured/matcher.py)
         self.bad_words_ids: list[list[int]] = bad_words_ids or []
         self.matcher = None
-        # the pooling runner: its prompt's pooling so far, then the vector (engine/pooling_params)
-        self.pooler = None
-        self.embedding = None
         # prompt_logprobs: one entry per prompt token computed so far (the first is None)
         self.prompt_logprobs: list[dict[int, float] | None] = []
-        self.spec_tokens: list[int] = []  # speculative decoding: drafts for the next step
-        self.spec_wait = 0  # steps to go before drafting again (after rejected drafts)
-        self.spec_backoff = 1  # the wait after the next wholly rejected draft
 
     @classmethod
     def of_request(cls, req, index: int, generator, stop_ids, max_model_len: int) -> Sequence:

@@ -1,12 +1,13 @@
 """Speculative decoding's part of a step, around the engine core's loop.
 
 Before the schedule, ``Speculator.propose`` gives each running decode its drafts
-(``seq.spec_tokens``: n-gram prompt lookup or a draft model). The scheduler runs each speculated
-sequence's last token and drafts as one run of rows; the model runner verifies them
-(``verify``: greedy acceptance, or rejection sampling against the distribution the sampler would
-draw from) and returns each run's tokens as an ``Accepted``. The core appends them one at a time
-through its stop checks, and ``Speculator.record`` counts them and backs a sequence off after a
-wholly rejected draft.
+(``Speculator.drafts``, by seq id: n-gram prompt lookup or a draft model), which the scheduler
+takes (``Scheduler.schedule(drafts)``). It runs each speculated sequence's last token and drafts
+as one run of rows; the model runner verifies them (``verify``: greedy acceptance, or rejection
+sampling against the distribution the sampler would draw from) and returns each run's tokens as
+an ``Accepted``. The core appends them one at a time through its stop checks, and
+``Speculator.record`` counts them and backs a sequence off after a wholly rejected draft (its
+back-off kept in the speculator, by seq id, until the sequence ends: ``forget``).
 """
 
 from __future__ import annotations
@@ -56,15 +57,15 @@ class DraftPrefix:
         self.always_plain = False
 
 
-def backoff(seq: Sequence, num_accepted: int) -> None:
-    """After a wholly rejected draft a sequence decodes plainly for ``spec_backoff`` steps, the
-    wait doubling (up to MAX_SPEC_BACKOFF) while its drafts keep failing; an accepted draft
+def backoff(state: tuple[int, int] | None, num_accepted: int) -> tuple[int, int] | None:
+    """A sequence's (wait, backoff) after a verified draft (None: (0, 1), the state of one
+    that never failed). After a wholly rejected draft it decodes plainly for ``backoff`` steps,
+    the wait doubling (up to MAX_SPEC_BACKOFF) while its drafts keep failing; an accepted draft
     token resets it. Prompt lookup on text that does not repeat costs a verify row per step."""
     if num_accepted:
-        seq.spec_backoff = 1
-    else:
-        seq.spec_wait = seq.spec_backoff
-        seq.spec_backoff = min(2 * seq.spec_backoff, MAX_SPEC_BACKOFF)
+        return None  # (its wait is 0: it drafted)
+    _, wait = state or (0, 1)
+    return wait, min(2 * wait, MAX_SPEC_BACKOFF)
 
 
 def spec_counters(stats: SpecStats) -> list:
@@ -113,10 +114,14 @@ class Speculator:
     """Drafts for the running decodes, and the counters of what verification accepted.
     ``config``: the engine's (``speculative`` None: nothing is proposed); ``draft``: the draft
     model's backend (``draft_backend``), given a pool of ``num_draft_blocks``, or None for
-    prompt lookup."""
+    prompt lookup. Its state per sequence, by seq id, dropped by ``forget`` when the sequence
+    ends: ``drafts`` (the drafts proposed for its next step, taken by the scheduler) and its
+    back-off after rejected drafts."""
 
     def __init__(self, config, draft=None, num_draft_blocks: int = 0):
         self.config = config.speculative
+        self.drafts: dict[int, list[int]] = {}  # seq_id -> drafts for the next step (not [])
+        self.backoffs: dict[int, tuple[int, int]] = {}  # seq_id -> (steps to wait, next wait)
         self.drafter = None
         if draft is not None:
             draft.allocate_kv_cache(num_draft_blocks)
@@ -129,20 +134,21 @@ class Speculator:
                 log.info("async scheduling overlaps no step while speculative decoding is on")
 
     def propose(self, running: list[Sequence]) -> None:
-        """Drafts (``seq.spec_tokens``) for each running decode (greedy or sampled), cut so that
-        no step can pass max_tokens or max_model_len (``seq.max_num_tokens``); none above
+        """Drafts (``drafts``) for each running decode (greedy or sampled), cut so that no step
+        can pass max_tokens or max_model_len (``seq.max_num_tokens``); none above
         disable_by_batch_size."""
         sc = self.config
         if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
             return
-        seqs, rooms = [], []
+        seqs, rooms, backoffs = [], [], self.backoffs
         for seq in running:
-            seq.spec_tokens = []  # none left from a step that preempted it before its turn
+            self.drafts.pop(seq.seq_id, None)  # none left from a step that preempted it
             room = min(sc.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1)
             if room < 1 or seq.num_uncomputed_tokens != 1 or seq.matcher is not None:
                 continue  # (a structured-output request decodes plainly)
-            if seq.spec_wait:  # its last drafts were all rejected: plain decodes for a while
-                seq.spec_wait -= 1
+            wait, next_wait = backoffs.get(seq.seq_id, (0, 1))
+            if wait:  # its last drafts were all rejected: plain decodes for a while
+                backoffs[seq.seq_id] = (wait - 1, next_wait)
                 continue
             seqs.append(seq)
             rooms.append(room)
@@ -153,13 +159,21 @@ class Speculator:
             pairs = zip(seqs, rooms, strict=True)
             drafts = [propose_ngram(s.token_ids, r, n_min, n_max) for s, r in pairs]
         for seq, d in zip(seqs, drafts, strict=True):
-            seq.spec_tokens = d
+            if d:
+                self.drafts[seq.seq_id] = d
 
     def record(self, accepted: list[Accepted]) -> None:
         """Count each verified run; back off the sequences whose drafts all failed."""
         for a in accepted:
-            backoff(a.seq, len(a.tokens) - 1)
+            state = backoff(self.backoffs.pop(a.seq.seq_id, None), len(a.tokens) - 1)
+            if state is not None:
+                self.backoffs[a.seq.seq_id] = state
             self.stats.record(a.num_drafts, len(a.tokens) - 1)
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence ended: its drafts and back-off go."""
+        self.drafts.pop(seq_id, None)
+        self.backoffs.pop(seq_id, None)
 
     def release(self, running: list[Sequence]) -> None:
         """The draft model's blocks of sequences no longer running go back."""

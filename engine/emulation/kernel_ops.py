@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.rope import rope_table
 from engine.emulation.kernels import cpu_kernels
+from model_loader.rope import rope_table
 
 
 def _i32(a) -> np.ndarray:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.numpy_backend import F32, NumpyBackend, greedy_ids, matmul
+from engine.backends.base import greedy_ids
+from engine.backends.numpy_backend import F32, NumpyBackend, matmul
 from engine.devices.comm import ShmComm
 from engine.executor.sharding import Shard, Stage
 from model_loader.config import ModelConfig

@@ -3,7 +3,7 @@ outputs) around an engine core (scheduler, block manager, forward, sampling:
 engine/core/engine_core.py), in this process or, with ``engine_core_process``, in its own
 (engine/frontend/core_client.py).
 
-add_request -> 1. tokenize and validate (input_processor)  2. OutputProcessor.add_request
+add_request -> 1. validate and tokenize (request_checks)  2. OutputProcessor.add_request
             -> 3. core.add_request: one Sequence per sample joins the waiting queue
 step        -> 4. core.step: one scheduled forward, a token-id delta per sequence with news
             -> 5. OutputProcessor.process: text, stop strings (a sample one ends is finished in
@@ -15,26 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 from engine.config import EngineConfig, make_config
 from engine.core.engine_core import EngineCore
 from engine.core.messages import CoreRequest, CoreStats
-from engine.frontend.input_processor import (
-    FrontendState,
-    bad_words_token_ids,
-    check_arrival_time,
-    check_token_ids,
-    tokenize_prompt,
-)
+from engine.frontend.input_processor import FrontendState
 from engine.frontend.output_processor import OutputProcessor
-from engine.lora.adapter import load_adapter
+from engine.frontend.request_checks import RequestChecks
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, StreamChunk
-from engine.pooling_params import PoolingParams, checkpoint_pooling
+from engine.pooling_params import matryoshka_dimensions, pooling_defaults
 from engine.sampling_params import SamplingParams
 from model_loader.load import LoadedModel, default_model, load_model
 
@@ -79,11 +71,10 @@ class LLMEngine(FrontendState):
         # runner='pooling': the PoolingParams of a request that sets none, and the checkpoint's
         # sentence-transformers prompts (name -> text put before an input) and default one
         self.pooling_defaults, self.prompts, self.default_prompt_name = pooling_defaults(config)
-        self.matryoshka = matryoshka_dimensions(config)  # the dimensions cuts it declares
+        self.checks = RequestChecks(self, matryoshka_dimensions(config))
         self.output_processor = OutputProcessor(self.tokenizer, record_logits)
         self._counter = itertools.count()
         self._core_ids = itertools.count()
-        self._checked_adapters: set = set()  # (lora_int_id, path) read here (a core process)
         if self.config.engine_core_process:
             from engine.frontend.core_client import CoreClient
 
@@ -105,42 +96,6 @@ class LLMEngine(FrontendState):
                 backend_factory=backend_factory,
             )
             self.loaded = self.core.loaded  # without the weights: the backend has its own
-
-    def _check_pooling(self, p: PoolingParams) -> None:
-        """What the model cannot do for ``p``: a classifier's task without a score head, token
-        logits from a classifier (it has no LM head), a Matryoshka cut it does not declare."""
-        labels = self.model_config.num_labels
-        if p.task == "classify" and not labels:
-            raise ValueError(
-                "classify needs a sequence classifier (a *ForSequenceClassification checkpoint "
-                "with a score head); this model has none"
-            )
-        if p.score_tokens is not None and labels:
-            raise ValueError(
-                "score_tokens: this model is a sequence classifier, with no LM head to read "
-                "token logits from; its scores come from its own head (leave score_tokens out)"
-            )
-        if p.task == "score" and p.score_tokens is None and labels != 1:
-            raise ValueError(
-                "score without score_tokens needs a one-label classifier; this model has "
-                f"{labels or 'no'} label{'s' if labels != 1 else ''}: give the yes/no token ids"
-            )
-        if p.dimensions is not None:
-            self._check_dimensions(p.dimensions)
-
-    def _check_dimensions(self, d: int) -> None:
-        """A Matryoshka cut the model declares (config.json's matryoshka_dimensions or
-        is_matryoshka, as vLLM reads them), no longer than its hidden size."""
-        hidden = self.model_config.hidden_size
-        if self.matryoshka is None:
-            raise ValueError(
-                f"dimensions: this model does not declare Matryoshka embeddings (config.json "
-                f"matryoshka_dimensions or is_matryoshka); its vectors have {hidden}"
-            )
-        if d > hidden:
-            raise ValueError(f"dimensions {d} is more than the model's {hidden}")
-        if self.matryoshka and d not in self.matryoshka:
-            raise ValueError(f"dimensions {d} is not one the model declares: {self.matryoshka}")
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams for a request that sets only ``overrides``: the model's defaults
@@ -196,36 +151,7 @@ class LLMEngine(FrontendState):
         if not isinstance(request_id, str) or request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is not a new string id")
         params = self.default_sampling_params() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        mc, cfg = self.model_config, self.config
-        if (params.pooling is not None) != (cfg.runner == "pooling"):
-            if cfg.runner == "pooling":
-                raise ValueError(
-                    "this engine was started with runner='pooling': it embeds prompts "
-                    "(LLM.embed, /v1/embeddings) and generates nothing"
-                )
-            raise ValueError("a pooling request needs an engine started with runner='pooling'")
-        if params.pooling is not None:
-            self._check_pooling(params.pooling)
-        if params.n > cfg.max_num_seqs:
-            raise ValueError(f"n must be in [1, max_num_seqs={cfg.max_num_seqs}], got {params.n}")
-        arrival = check_arrival_time(arrival_time)
-        if lora_request is not None:
-            if not isinstance(lora_request, LoRARequest):
-                raise ValueError(
-                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
-                )
-            if not cfg.enable_lora:
-                raise ValueError("lora_request needs an engine made with enable_lora=True")
-            lora_request.check()
-            if cfg.engine_core_process:  # the core's refusal would come back as an abort
-                self._check_adapter(lora_request)
-        text, ids = tokenize_prompt(
-            prompt, self.tokenizer, mc.vocab_size, cfg.max_model_len, self.max_prompt_chars
-        )
-        check_token_ids(params, mc.vocab_size)
-        bad = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        text, ids, arrival, bad = self.checks.check(prompt, params, arrival_time, lora_request)
         # a core process may still send about an earlier request of this id: its own id there
         core_id = (
             f"{request_id}@{next(self._core_ids)}" if self.config.engine_core_process else None
@@ -240,14 +166,6 @@ class LLMEngine(FrontendState):
             self.output_processor.abort(request_id)
             raise
         return ids
-
-    def _check_adapter(self, req: LoRARequest) -> None:
-        """Read ``req``'s adapter here once (a ValueError names what is wrong), so that a core
-        process's requests are refused as an in-process core's are."""
-        key = (req.lora_int_id, req.lora_path)
-        if key not in self._checked_adapters:
-            load_adapter(req.lora_path, self.model_config, self.config.max_lora_rank, req.lora_name)
-            self._checked_adapters.add(key)
 
     def structured_compiler(self):
         """The core's structured-output compiler (this process's own beside a core process):
@@ -315,37 +233,3 @@ class LLMEngine(FrontendState):
                     if c.index not in ended and (c.text_delta or c.finished):
                         yield StreamChunk(c.index, c.text_delta, c.finish_reason, c.stop_reason)
                         ended |= {c.index} if c.finished else set()
-
-
-def pooling_defaults(config) -> tuple[PoolingParams | None, dict[str, str], str | None]:
-    """The pooling runner's PoolingParams for a request that sets none (the checkpoint's
-    sentence-transformers config under ``pooler_config``'s keys), its prompts and default
-    prompt name (``pooler_config``'s ``default_prompt_name`` over the checkpoint's); None,
-    {}, None for a generate engine."""
-    if config.runner != "pooling":
-        return None, {}, None
-    found = {}
-    if config.model and Path(config.model).is_dir():  # a GGUF or a name: no such config
-        found = checkpoint_pooling(config.model)
-    prompts, default = found.pop("prompts", {}), found.pop("default_prompt_name", None)
-    over = dict(config.pooler)
-    default = over.pop("default_prompt_name", default)
-    if default is not None and default not in prompts:
-        known = ", ".join(prompts) or "none"
-        raise ValueError(f"default_prompt_name: {default!r} is not one of the model's prompts "
-                         f"({known})")  # fmt: skip
-    return PoolingParams(**{**found, **over}), prompts, default
-
-
-def matryoshka_dimensions(config) -> list[int] | None:
-    """The Matryoshka cuts a pooling model directory's config.json declares: its
-    ``matryoshka_dimensions`` ([] for ``is_matryoshka`` without a list: any cut), None when it
-    declares none (or there is no directory, or the engine generates: not read then)."""
-    conf = Path(config.model) / "config.json" if config.model else None
-    if config.runner != "pooling" or conf is None or not conf.is_file():
-        return None
-    raw = json.loads(conf.read_text())
-    dims = raw.get("matryoshka_dimensions")
-    if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
-        return sorted(dims)
-    return [] if raw.get("is_matryoshka") else None

@@ -9,6 +9,7 @@ fresh pool block before the step's forward instead of being computed. The same h
 block in every tier; each stored block also keeps the key its hash was made of (the parent
 block's hash and its own token ids), checked again on every lookup.
 
+tier.py        what a tier is (KVTier), a block's key, the counters
 connector.py   the connector: the tiers in order, fetch / save, counters per tier
 host_tier.py   blocks in host memory
 disk_tier.py   blocks in files, one a block, checked against the model and the layout

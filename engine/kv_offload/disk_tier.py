@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.kv_offload.cache_key import FORMAT_VERSION, CacheKey
-from engine.kv_offload.connector import BlockKey, KVTier, TierStats
+from engine.kv_offload.tier import BlockKey, KVTier, TierStats
 
 log = logging.getLogger("engine")
 

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.kv_offload.connector import BlockKey, KVTier, TierStats
+from engine.kv_offload.tier import BlockKey, KVTier, TierStats
 
 
 class HostTier(KVTier):

@@ -32,7 +32,7 @@ PARTS = (
     ("schedule", "core.scheduler.schedule"),
     ("prepare", "core.runner.prepare"),
     ("forward", "core.backend.forward_greedy"),
-    ("update", "core._update"),
+    ("update", "core._apply"),
     ("deltas", "core._outputs"),
     ("detok+stops", "output_processor.process"),
     ("outputs", "output_processor.outputs"),

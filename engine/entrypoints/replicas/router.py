@@ -1,6 +1,6 @@
 """The engine deployment's Ray Serve request router: ``routing.Router``'s policy over the live
 replicas (imported only when serving: it imports Ray Serve). Its decisions are counted on the
-metrics board (``replicas.MetricsBoard``), where the ingress's ``/metrics`` reads them.
+metrics board (``replicas.metrics.MetricsBoard``), where the ingress's ``/metrics`` reads them.
 
 Serve calls ``choose_replicas`` for each request, with the replicas it may go to; the request's
 prompt token ids are its first argument. The decision ranks the chosen replica first and the

@@ -1,0 +1,55 @@
+"""What a KV tier is: a store of blocks by hash (``KVTier``), the key each block is checked
+against (``BlockKey``) and its counters (``TierStats``); the tiers (host_tier.py, disk_tier.py)
+and the connector that walks them (connector.py) import it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+
+
+@dataclass
+class TierStats:
+    """One tier's counters (cumulative) and its fill."""
+
+    name: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    queries: int = 0  # blocks looked up here (those the tiers above did not have)
+    hits: int = 0  # of those, found
+    loads: int = 0  # blocks handed to the pool from this tier
+    load_bytes: int = 0
+    stores: int = 0  # blocks written to this tier
+    store_bytes: int = 0
+    evictions: int = 0  # blocks dropped to stay within capacity_bytes
+    rejected: int = 0  # stored blocks that failed their checks (the disk tier's files)
+
+
+class KVTier(ABC):
+    """A store of blocks by hash, LRU within ``stats.capacity_bytes``."""
+
+    name: str
+    stats: TierStats
+
+    @abstractmethod
+    def get(self, h: int, key: BlockKey) -> np.ndarray | None:
+        """The block stored under hash ``h`` whose key is ``key``, or None."""
+
+    @abstractmethod
+    def put(self, h: int, key: BlockKey, data: np.ndarray) -> None:
+        """Store a block (the caller no longer changes ``data``)."""
+
+    @abstractmethod
+    def __contains__(self, h: int) -> bool:
+        """Whether a block is stored under ``h`` (no key check, nothing read)."""
+
+    def flush(self) -> None:  # noqa: B027 - a tier that stores as it is handed has nothing to do
+        """Every block put so far is stored."""
+
+    def close(self) -> None:
+        """Flush, and stop any worker."""
+        self.flush()
