@@ -1,8 +1,18 @@
-"""What CompletionOutput derives from what the engine recorded."""
+"""What CompletionOutput derives from what the engine recorded; outputs as snapshots: what an
+output reads is what its request held when the output was made, however late it is read and
+whatever the request did since (more tokens, a stop string that dropped tokens, its end); keyword
+construction, ``==``, ``repr`` and pickling as the dataclasses had them."""
 
 import math
+import pickle
 
+import numpy as np
+import pytest
+
+from engine.core.messages import SampleDelta
 from engine.frontend.llm import run_to_completion
+from engine.frontend.output_processor import OutputProcessor
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.utils import make_engine
 
@@ -16,3 +26,104 @@ def test_cumulative_logprob_sums_the_sampled_tokens(tiny):
     assert (
         run_to_completion(make_engine(tiny), ["hi"], plain)[0].outputs[0].cumulative_logprob is None
     )
+
+
+ARRIVAL = 10.0  # time.monotonic() seconds, as handed to add_request
+
+
+def _feed(tok, params, prompt, chunks, nows, read_now):
+    """Run the chunks (lists of ids) through a processor, one core step each, with a logprob
+    dict and a (V,) logits row per id; the outputs, and for each output what reading it at once
+    gave (for the outputs whose index is in read_now)."""
+    op = OutputProcessor(tok, record_logits=True)
+    op.add_request("r", None, prompt, params, ARRIVAL)
+    outs, early = [], {}
+    for k, (ids, now) in enumerate(zip(chunks, nows, strict=True)):
+        end = "length" if k == len(chunks) - 1 else None
+        lps = [{t: -float(t) / 7, t + 1: -1.0} for t in ids]
+        logits = [np.full(4, t, dtype=np.float32) for t in ids]
+        op.process([SampleDelta("r", 0, ids, finish_reason=end, logprobs=lps, logits=logits)], now)
+        for o in op.outputs():
+            if len(outs) in read_now:
+                early[len(outs)] = _read(o)
+            outs.append(o)
+    return op, outs, early
+
+
+def _read(o: RequestOutput) -> tuple:
+    c = o.outputs[0]
+    logits = [float(x[0]) for x in c.step_logits]
+    return (list(o.prompt_token_ids), list(c.token_ids), c.text, list(c.logprobs), logits,
+            o.metrics.as_dict())  # fmt: skip
+
+
+def test_outputs_read_late_are_what_the_request_held_then(tiny):
+    tok, rng = tiny.tokenizer, np.random.default_rng()
+    prompt = rng.integers(5, 200, 6).tolist()
+    ids = rng.integers(5, tok.vocab_size - 5, 12).tolist()
+    nows = np.cumsum(rng.uniform(0.01, 0.1, len(ids))) + ARRIVAL + 0.5  # (T,)
+    params = SamplingParams(max_tokens=len(ids), logprobs=1)
+    op, outs, early = _feed(tok, params, prompt, [[t] for t in ids], nows.tolist(), {0, 5, 11})
+    assert len(outs) == len(ids)
+    prompt.append(-1)  # the caller's list changing later changes no output
+    for k, o in enumerate(outs):
+        got = _read(o)
+        assert got == early.get(k, got)
+        p_ids, c_ids, text, lps, logits, m = got
+        assert p_ids == prompt[:-1] and c_ids == ids[: k + 1] == [int(x) for x in logits]
+        assert text == tok.decode(ids[: k + 1]) or k < len(ids) - 1  # held back till the end
+        assert lps == [{t: -float(t) / 7, t + 1: -1.0} for t in ids[: k + 1]]
+        assert m["arrival_time"] == ARRIVAL + op.wall_offset
+        assert m["first_token_time"] == nows[0] + op.wall_offset
+        assert m["itl"] == pytest.approx(np.diff(nows[: k + 1]).tolist(), abs=1e-12)
+        assert (m["finish_time"] is None) == (k < len(ids) - 1) == (not o.finished)
+    outs[3].outputs[0].token_ids.append(-5)  # an output's list is its own
+    assert outs[3].outputs[0].token_ids[-1] == -5 and outs[4].outputs[0].token_ids[-1] == ids[4]
+
+
+def _stop_case(tok, rng) -> tuple[list[int], str]:
+    """Nine ids of whole words and a stop string that first shows in the text of ids 4 to 6."""
+    words = tok.encode("the quick brown fox jumps over a lazy dog", add_special_tokens=False)
+    while True:
+        ids = rng.choice(words, 9).tolist()
+        early, text = tok.decode(ids[:3]), tok.decode(ids[:6])
+        stop = text[-2:]
+        if stop.strip() and stop not in early:
+            return ids, stop
+
+
+def test_a_stop_string_that_drops_tokens_leaves_earlier_outputs_as_they_were(tiny):
+    tok, rng = tiny.tokenizer, np.random.default_rng()
+    ids, stop = _stop_case(tok, rng)
+    chunks = [ids[:3], ids[3:]]  # the stop string ends in the second step, ids after it dropped
+    params = SamplingParams(max_tokens=len(ids), logprobs=1, stop=[stop])
+    _, outs, early = _feed(tok, params, [1, 2], chunks, [ARRIVAL + 1, ARRIVAL + 2], {0})
+    first, last = outs[0].outputs[0], outs[-1].outputs[0]
+    assert _read(outs[0]) == early[0] and first.token_ids == ids[:3]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    kept = len(last.token_ids)
+    assert 3 < kept <= 6 and last.token_ids == ids[:kept] and len(last.logprobs) == kept
+
+
+def _fields(rng) -> dict:
+    metrics = RequestMetrics(arrival_time=rng.uniform(), itl=rng.uniform(size=3).tolist())
+    ids = rng.integers(0, 100, 4).tolist()
+    comp = CompletionOutput(
+        index=0, text="ab", token_ids=ids, finish_reason="length", logprobs=[{i: -1.0} for i in ids]
+    )
+    prompt = rng.integers(0, 100, 3).tolist()
+    return dict(request_id="x", prompt="p", prompt_token_ids=prompt, outputs=[comp],
+                finished=True, metrics=metrics, num_cached_tokens=2)  # fmt: skip
+
+
+def test_keyword_construction_eq_repr_and_pickle_as_dataclasses():
+    rng = np.random.default_rng()
+    fields = _fields(rng)
+    a = RequestOutput(**fields)
+    assert all(getattr(a, f) is fields[f] for f in fields)  # held as given, not copied
+    b = pickle.loads(pickle.dumps(a))
+    assert b == a and b is not a and b.outputs[0].cumulative_logprob == -4.0
+    assert repr(a).startswith("RequestOutput(request_id='x', prompt='p', prompt_token_ids=[")
+    assert "CompletionOutput(index=0, text='ab', token_ids=[" in repr(a)
+    b.outputs[0].token_ids = [7]
+    assert b.token_ids == [7] and a != b

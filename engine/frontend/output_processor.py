@@ -23,7 +23,7 @@ import numpy as np
 from engine import tracing
 from engine.core.messages import SampleDelta
 from engine.frontend.stop_strings import StopStrings
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from model_loader.tokenizer import IncrementalDetokenizer
 
@@ -77,23 +77,25 @@ class SampleState:
         self.text += self.detok.add_last(ids[self.detokenized :])
         self.detokenized = len(ids)
 
-    def completion(self, params: SamplingParams, hold_back: int, record_logits: bool):
-        """The CompletionOutput so far, with the text that is new since the previous one."""
+    def completion(self, want_logprobs: bool, hold_back: int, record_logits: bool):
+        """The CompletionOutput so far (a snapshot of the lists: they only grow), with the text
+        that is new since the previous one."""
         self.sync_text()
         # while running, hold back a possible stop-string prefix so no emitted text is retracted
-        ready = len(self.text) if self.finished else max(len(self.text) - hold_back, 0)
-        delta = self.text[self.emitted : ready]
-        self.emitted = max(self.emitted, ready)
-        return CompletionOutput(
-            index=self.index,
-            text=self.text,
-            token_ids=list(self.token_ids),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if params.logprobs is not None else None,
-            text_delta=delta,
-            step_logits=list(self.step_logits) if record_logits else None,
-            error=self.error,
+        text, emitted = self.text, self.emitted
+        ready = len(text) if self.finish_reason is not None else max(len(text) - hold_back, 0)
+        if ready > emitted:
+            delta, self.emitted = text[emitted:ready], ready
+        else:
+            delta = ""
+        lists = (
+            self.token_ids,
+            self.logprobs if want_logprobs else None,
+            self.step_logits if record_logits else None,
+            len(self.token_ids),
+        )
+        return CompletionOutput.snapshot(
+            self.index, text, delta, self.finish_reason, self.stop_reason, self.error, lists
         )
 
 
@@ -108,21 +110,10 @@ class RequestTimes:
         self.finish: float | None = None
         self.itl: list[float] = []
 
-    def _wall(self, t: float | None) -> float | None:
-        return None if t is None else t + self.wall_offset
-
-    def _since_arrival(self, t: float | None) -> float | None:
-        return None if t is None else t - self.arrival
-
-    def metrics(self) -> RequestMetrics:
-        return RequestMetrics(
-            arrival_time=self.arrival + self.wall_offset,
-            first_token_time=self._wall(self.first_token),
-            finish_time=self._wall(self.finish),
-            itl=list(self.itl),
-            ttft=self._since_arrival(self.first_token),
-            e2e_latency=self._since_arrival(self.finish),
-        )
+    def moments(self) -> tuple:
+        """What ``RequestMetrics.from_moments`` reads, as things stand (O(1): itl only grows)."""
+        itl = self.itl
+        return (self.arrival, self.first_token, self.finish, itl, len(itl), self.wall_offset)
 
 
 class RequestState:
@@ -135,7 +126,7 @@ class RequestState:
         self.final_only = final_only  # no output until it finishes (its caller reads that alone)
         self.core_id = request_id if core_id is None else core_id  # its id in the core
         self.prompt: str | None = prompt
-        self.prompt_ids: list[int] = prompt_ids
+        self.prompt_ids: list[int] = list(prompt_ids)  # its own: outputs share it, unchanged
         self.params: SamplingParams = params
         self.samples: list[SampleState] = samples
         self.times = times
@@ -164,17 +155,12 @@ class RequestState:
         return first
 
     def output(self, record_logits: bool, finished: bool) -> RequestOutput:
-        outs = [s.completion(self.params, self.hold_back, record_logits) for s in self.samples]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_ids),
-            outputs=outs,
-            finished=finished,
-            metrics=self.times.metrics(),
-            num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=self.prompt_logprobs,
-            embedding=self.embedding,
+        want_logprobs, hold_back = self.params.logprobs is not None, self.hold_back
+        outs = [s.completion(want_logprobs, hold_back, record_logits) for s in self.samples]
+        extras = (self.num_cached_tokens, self.prompt_logprobs, self.embedding)
+        moments = self.times.moments()
+        return RequestOutput.snapshot(
+            self.request_id, self.prompt, self.prompt_ids, outs, finished, moments, extras
         )
 
 
