@@ -29,6 +29,8 @@ from engine.backends.numpy_backend import NumpyBackend, PackedLayer, _arrays
 from engine.backends.quant import (
     HEAD_FORMAT,
     PANEL,
+    bytes_by_kind,
+    keep_stored,
     quantize,
     to_bf16,
     to_bf16_panels,
@@ -157,6 +159,9 @@ class CpuBackend(NumpyBackend):
     def _float32_store(self, w: np.ndarray):
         """A packed float32 matrix in the layout timed fastest for its shape (timed, or read
         from the measurements' file, the first time the shape comes)."""
+        kept = keep_stored(w)  # a GGUF's k-quant matrices: the file's blocks
+        if kept is not None:
+            return kept
         w = np.ascontiguousarray(w, dtype=np.float32)  # the LM head comes as a view
         if w.shape not in self._choices:
             self._choices.update(cpu_tuning.choose({w.shape: w}))
@@ -254,6 +259,13 @@ class CpuBackend(NumpyBackend):
 
     def _stored(self) -> None:
         self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
+        arrays = [self.embed, self.final_norm, self.lm_head]
+        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
+        kinds = sorted(bytes_by_kind(arrays).items(), key=lambda kv: -kv[1])
+        log.info(
+            "weights resident, by format: %s",
+            ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in kinds),
+        )
         if self._choices:
             line, self.products_vs_numpy = cpu_tuning.summary(self._choices)
             log.info(
