@@ -12,10 +12,13 @@
 //   dx (d sum_j sc[j] sum_i q qx - c sum_j mn[j] bs[j])
 // the mins costing one multiply per 16 values. Every batch size computes this same function
 // (of x quantized), in float32.
-// Up to INT_MAX_ROWS rows of x (decode, small batches): each W row's super-blocks unpacked
-// once and dotted with every row. AVX2: vpmaddubsw (q unsigned <= 63, qx signed: a pair's sum
-// fits int16) and vpmaddwd against the 16-value scales; with AVX512-VNNI, vpdpbusd and one
-// int32 multiply by the scales. Other CPUs: plain loops (the integer sums are exact either way).
+// Up to INT_MAX_ROWS rows of x (decode, small batches): each W row read once and dotted with
+// every row of x. x86 (AVX2): a super-block's scales decoded once (the 6-bit ones four at a
+// time in 32-bit words), its q unpacked in registers for each row of x (from L1), vpmaddubsw
+// (q unsigned <= 63, qx signed: a pair's sum fits int16) then vpmaddwd against the scales;
+// with AVX512-VNNI vpdpbusd then one vpmulld by the scales; the mins one vpmaddwd of bs; two
+// float32 vector sums per row. Other CPUs: each super-block unpacked once into bytes (Unpacked)
+// for all rows, plain loops (the integer sums are exact either way).
 // More rows (prefill): NB W rows dequantized into a float32 tile, multiplied by the BLAS's
 // sgemm with x's quantized values (the same function again).
 // Threads: one task per run of W's rows. (The unpacking loops carry no `omp simd`: with it GCC
@@ -42,8 +45,6 @@ const long BLOCK_BYTES[3] = {144, 176, 210};
 
 struct Unpacked {
   alignas(32) uint8_t q[QK];     // the 256 values' q, unsigned
-  alignas(32) int16_t sc8[8][16];  // sc of the 16 values of each half of the 8 chunks of 32
-  alignas(32) int32_t sc4[8][8];   // the same, per four values (vpdpbusd's lanes)
   alignas(32) int16_t mn[16];    // the min factor per 16 values
   int16_t sc[16];                // the scale per 16 values
   float d, c;
@@ -95,11 +96,6 @@ template <int F> void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half(b);
     u.c = half(b + 2);
   }
-  for (int c = 0; c < 8; c++)
-    for (int i = 0; i < 16; i++) {
-      u.sc8[c][i] = u.sc[2 * c + i / 8];
-      if (i < 8) u.sc4[c][i] = u.sc[2 * c + i / 4];
-    }
 }
 
 // x (M, K) -> qx (M, K) int8, dx (M, K/256), bs (M, K/16) int16: Q8_K.
@@ -123,26 +119,135 @@ void quantize_rows(int8_t* qx, float* dx, int16_t* bs, const float* x, long M, l
     }
 }
 
-// sum_j sc[j] sum_i q qx over the super-block (exact int32).
-inline int32_t dot_scaled(const Unpacked& u, const int8_t* qx) {
+// sum_j mn[j] bs[j] (exact int32).
+inline int32_t dot_mins(const int16_t* mn, const int16_t* bs) {
+  int32_t s = 0;
+  for (int j = 0; j < 16; j++) s += (int32_t)mn[j] * bs[j];
+  return s;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256i acc = _mm256_setzero_si256();
-  for (int c = 0; c < 8; c++) {
-    const __m256i q = _mm256_load_si256((const __m256i*)(u.q + 32 * c));
-    const __m256i x = _mm256_loadu_si256((const __m256i*)(qx + 32 * c));
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// acc += the two 16-value halves' scale (lo, hi) times their q . x: q 32 unsigned bytes (<= 63),
+// x 32 int8. AVX512-VNNI: vpdpbusd (4 products an int32 lane) then vpmulld by the scales;
+// AVX2: vpmaddubsw (pairs to int16: 2 x 63 x 127 fits) then vpmaddwd against the scales.
+inline __m256i scaled_dot(__m256i acc, __m256i q, const int8_t* x, int16_t lo, int16_t hi) {
+  const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, _mm256_load_si256((const __m256i*)u.sc4[c])));
+  const __m256i s = _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo));
+  const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
+  return _mm256_add_epi32(acc, _mm256_mullo_epi32(dot, s));
 #else
-    const __m256i p16 = _mm256_maddubs_epi16(q, x);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_load_si256((const __m256i*)u.sc8[c])));
+  const __m256i s = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
 #endif
+}
+
+// One super-block's sum_j sc[j] sum_i q qx (8 int32 lanes) straight from its bytes, q
+// unpacked in registers; sc: Q4_K/Q5_K's 8 group scales (uint8), Q6_K's 16 (int8).
+template <int F> inline __m256i block_dot(const uint8_t* b, const void* sc, const int8_t* x) {
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256i acc = _mm256_setzero_si256();
+  if constexpr (F == Q6_K) {
+    const int8_t* s8 = (const int8_t*)sc;
+    const __m256i two = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+      const __m256i nib[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+      for (int j = 0; j < 4; j++) {
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), two);
+        const __m256i q = _mm256_or_si256(nib[j], _mm256_slli_epi16(hb, 4));
+        const int8_t* s = s8 + 8 * h + 2 * j;
+        acc = scaled_dot(acc, q, x + 128 * h + 32 * j, s[0], s[1]);
+      }
+    }
+  } else {
+    const uint8_t* s8 = (const uint8_t*)sc;
+    const uint8_t* qs = b + (F == Q4_K ? 16 : 48);
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));  // Q5_K's fifth bits
+    for (int c = 0; c < 4; c++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+      __m256i q[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int g = 0; g < 2; g++) {
+        if constexpr (F == Q5_K) {
+          const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + g), _mm256_set1_epi8(1));
+          q[g] = _mm256_or_si256(q[g], _mm256_slli_epi16(bit, 4));
+        }
+        acc = scaled_dot(acc, q[g], x + 64 * c + 32 * g, s8[2 * c + g], s8[2 * c + g]);
+      }
+    }
   }
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
+  return acc;
+}
+
+// Q4_K/Q5_K's 12 bytes -> sc[0..7], m[0..7] as bytes, four at a time in 32-bit words.
+inline void scales_mins_words(const uint8_t* s, uint32_t* sc, uint32_t* m) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  sc[0] = w[0] & 0x3f3f3f3f;
+  m[0] = w[1] & 0x3f3f3f3f;
+  sc[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 6) & 0x03030303) << 4;
+  m[1] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 6) & 0x03030303) << 4;
+}
+
+// The mins' sum_j mn[j] bs[j] as 8 int32 lanes: Q4_K/Q5_K's group mins m (8 bytes) against
+// each 32's pair of bs; Q6_K's 16 scales (mn = 32 sc: the 32 goes in the float factor).
+template <int F> inline __m256i mins_dot(const void* mn, const int16_t* bs) {
+  const __m256i b = _mm256_loadu_si256((const __m256i*)bs);  // (16,) int16
+  if constexpr (F == Q6_K) {
+    const __m128i s = _mm_loadu_si128((const __m128i*)mn);
+    return _mm256_madd_epi16(b, _mm256_cvtepi8_epi16(s));
+  } else {
+    const __m128i v = _mm_loadl_epi64((const __m128i*)mn);
+    return _mm256_madd_epi16(b, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)));
+  }
+}
+
+// out[m * N] for the M rows of x: one W row (its nb super-blocks at w) against each; a row's
+// sums in two float32 vector chains (scaled dots, mins), whatever M: its bits do not depend on
+// the rows beside it.
+template <int F>
+void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx,
+             const int16_t* bs, long M, long K, Unpacked&, float*) {
+  const long nb = K / QK;
+  __m256 vacc[16], vmin[16];  // INT_MAX_ROWS
+  for (long m = 0; m < M; m++) vacc[m] = vmin[m] = _mm256_setzero_ps();
+  for (long b = 0; b < nb; b++) {
+    const uint8_t* blk = w + b * BLOCK_BYTES[F];
+    uint32_t sc[4], mn[2];  // Q4_K/Q5_K: bytes of sc (8), m (8); Q6_K: its 16 int8 scales
+    float d, c;
+    if constexpr (F == Q6_K) {
+      std::memcpy(sc, blk + 192, 16);
+      d = half(blk + 208);
+      c = 32.0f * d;
+    } else {
+      scales_mins_words(blk + 4, sc, mn);
+      d = half(blk);
+      c = half(blk + 2);
+    }
+    const void* mins = F == Q6_K ? (const void*)sc : (const void*)mn;
+    for (long m = 0; m < M; m++) {
+      const __m256i is = block_dot<F>(blk, sc, qx + m * K + b * QK);
+      const __m256i im = mins_dot<F>(mins, bs + (m * K + b * QK) / 16);
+      const float e = dx[m * nb + b];
+      vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * e), vacc[m]);
+      vmin[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(c * e), vmin[m]);
+    }
+  }
+  for (long m = 0; m < M; m++) out[m * N] = hsum(vacc[m]) - hsum(vmin[m]);
+}
 #else
+// sum_j sc[j] sum_i q qx over the super-block (exact int32), from its unpacked q.
+inline int32_t dot_scaled(const Unpacked& u, const int8_t* qx) {
   int32_t total = 0;
   for (int j = 0; j < 16; j++) {
     int32_t s = 0;
@@ -151,18 +256,10 @@ inline int32_t dot_scaled(const Unpacked& u, const int8_t* qx) {
     total += u.sc[j] * s;
   }
   return total;
-#endif
 }
 
-// sum_j mn[j] bs[j] (exact int32).
-inline int32_t dot_mins(const Unpacked& u, const int16_t* bs) {
-  int32_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int j = 0; j < 16; j++) s += (int32_t)u.mn[j] * bs[j];
-  return s;
-}
-
-// out[m * N] for the M rows of x: one W row (its nb super-blocks at w) against each.
+// out[m * N] for the M rows of x: one W row (its nb super-blocks at w) against each, each
+// super-block unpacked once for all M.
 template <int F>
 void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx,
              const int16_t* bs, long M, long K, Unpacked& u, float* acc) {
@@ -172,12 +269,13 @@ void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float
     unpack<F>(w + b * BLOCK_BYTES[F], u);
     for (long m = 0; m < M; m++) {
       const int32_t is = dot_scaled(u, qx + m * K + b * QK);
-      const int32_t im = dot_mins(u, bs + (m * K + b * QK) / 16);
+      const int32_t im = dot_mins(u.mn, bs + (m * K + b * QK) / 16);
       acc[m] += dx[m * nb + b] * (u.d * (float)is - u.c * (float)im);
     }
   }
   for (long m = 0; m < M; m++) out[m * N] = acc[m];
 }
+#endif
 
 // out (M, N) with the integer dots, W's rows split over nt threads.
 template <int F>

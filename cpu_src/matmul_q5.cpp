@@ -71,44 +71,78 @@ void quantize_rows(int8_t* qx, float* dx, int32_t* sx, const float* x, long M, l
     }
 }
 
-inline int32_t dot32(const uint8_t* q, const int8_t* x) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256i qv = _mm256_loadu_si256((const __m256i*)q);
-  const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qv, xv);
-#else
-  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), _mm256_set1_epi16(1));
-#endif
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-#else
-  int32_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < QK; i++) s += (int32_t)q[i] * x[i];
-  return s;
-#endif
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// out[m * N] for the M rows of x: one W row against each.
+// A block's 32 q (0..31) in a register: byte i of the 16 nibble bytes gives values i (low) and
+// i + 16 (high); bit i of qh, as 0x10 in byte i: qh's byte i / 8 broadcast to each byte, kept
+// where its bit i % 8 is set.
+inline __m256i block_q(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const __m256i which = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                          0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), which);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+  return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+// out[m * N] for the M rows of x: one W row against each, q unpacked in registers; a row's
+// sums in one float32 vector chain (its bits do not depend on the rows beside it).
 template <int F>
 void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx,
              const int32_t* sx, long M, long K, float* acc) {
   const long nb = K / QK;
-  alignas(32) uint8_t q[QK];
+  __m256 vacc[16];  // INT_MAX_ROWS
+  for (long m = 0; m < M; m++) vacc[m] = _mm256_setzero_ps(), acc[m] = 0.0f;
+  for (long b = 0; b < nb; b++) {
+    const uint8_t* blk = w + b * BLOCK_BYTES[F];
+    const float d = half(blk), c = F == Q5_0 ? -16.0f * d : half(blk + 2);
+    const __m256i q = block_q(blk + (F == Q5_0 ? 2 : 4));
+    for (long m = 0; m < M; m++) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + m * K + b * QK));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
+#else
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1));
+#endif
+      const float e = dx[m * nb + b];
+      vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * e), vacc[m]);
+      acc[m] += c * e * (float)sx[m * nb + b];
+    }
+  }
+  for (long m = 0; m < M; m++) out[m * N] = hsum(vacc[m]) + acc[m];
+}
+#else
+// out[m * N] for the M rows of x: one W row against each, a block unpacked once for all M.
+template <int F>
+void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx,
+             const int32_t* sx, long M, long K, float* acc) {
+  const long nb = K / QK;
+  uint8_t q[QK];
   for (long m = 0; m < M; m++) acc[m] = 0.0f;
   for (long b = 0; b < nb; b++) {
     float d, c;
     unpack<F>(w + b * BLOCK_BYTES[F], q, d, c);
     for (long m = 0; m < M; m++) {
-      const int32_t is = dot32(q, qx + m * K + b * QK);
+      const int8_t* x = qx + m * K + b * QK;
+      int32_t is = 0;
+#pragma omp simd reduction(+ : is)
+      for (int i = 0; i < QK; i++) is += (int32_t)q[i] * x[i];
       acc[m] += dx[m * nb + b] * (d * (float)is + c * (float)sx[m * nb + b]);
     }
   }
   for (long m = 0; m < M; m++) out[m * N] = acc[m];
 }
+#endif
 
 template <int F>
 void gemv(float* out, const int8_t* qx, const float* dx, const int32_t* sx, const uint8_t* w,
