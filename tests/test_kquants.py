@@ -145,6 +145,20 @@ def test_a_kquant_gguf_is_kept_as_stored(kquant_files, caplog):
     assert "weights resident, by format: q4_k" in caplog.text
 
 
+def test_tensor_parallel_cuts_of_kept_blocks_are_their_values(kquant_files):
+    """A rank's rows and columns of a kept matrix come as float32 values (whole rows widened,
+    then cut), never as cut blocks: each rank's weights equal the float32 file's."""
+    from engine.executor.sharding import Shard
+
+    blocks, f32 = (load_model(str(p)) for p in kquant_files)
+    for rank in range(2):
+        shard = Shard.of(blocks.config, rank, 2)
+        a = shard.weights(blocks.weights, blocks.config)
+        b = shard.weights(f32.weights, f32.config)
+        for (name, x), (_, y) in zip(a.arrays(), b.arrays(), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
 def quantized_x(x: np.ndarray, per: int) -> np.ndarray:
     """x (M, K) -> (M, K) float64, x as the kernels quantize it: per row and ``per`` values,
     d = absmax / 127 (float32), q = x * (1 / d) rounded half to even."""
