@@ -25,7 +25,8 @@ namespace {
 
 const long QK = 32;
 const long NB = 64;
-const long INT_MAX_ROWS = 16;
+const long INT_MAX_ROWS = 64;  // rows of x up to which the integer dots run
+const long GROUP = 16;         // rows of x a W row meets at once (dot_row's sums in registers)
 const long GEMV_WORK = 1L << 19;
 
 enum { Q5_0 = 0, Q5_1 = 1 };
@@ -101,7 +102,7 @@ template <int F>
 void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx,
              const int32_t* sx, long M, long K, float* acc) {
   const long nb = K / QK;
-  __m256 vacc[16];  // INT_MAX_ROWS
+  __m256 vacc[GROUP];
   for (long m = 0; m < M; m++) vacc[m] = _mm256_setzero_ps(), acc[m] = 0.0f;
   for (long b = 0; b < nb; b++) {
     const uint8_t* blk = w + b * BLOCK_BYTES[F];
@@ -144,14 +145,18 @@ void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float
 }
 #endif
 
+// out (M, N) with the integer dots, W's rows split over nt threads; each W row against the rows
+// of x GROUP at a time (its bytes stay in L1 from one group to the next).
 template <int F>
 void gemv(float* out, const int8_t* qx, const float* dx, const int32_t* sx, const uint8_t* w,
           long M, long K, long N, int nt) {
-  const long per = (N + nt - 1) / nt, row = K / QK * BLOCK_BYTES[F];
+  const long per = (N + nt - 1) / nt, row = K / QK * BLOCK_BYTES[F], nb = K / QK;
   on_threads(nt, [&](int t) {
-    std::vector<float> acc(M);
+    float acc[GROUP];
     for (long n = t * per; n < std::min(N, (t + 1) * per); n++)
-      dot_row<F>(out + n, N, w + n * row, qx, dx, sx, M, K, acc.data());
+      for (long m = 0; m < M; m += GROUP)
+        dot_row<F>(out + m * N + n, N, w + n * row, qx + m * K, dx + m * nb, sx + m * nb,
+                   std::min(GROUP, M - m), K, acc);
   });
 }
 
