@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 
@@ -29,6 +30,10 @@ void matmul_int8(float* out, const float* x, const int8_t* w, const float* scale
                  long N, int threads);
 int matmul_blocks(float* out, const float* x, const uint8_t* w, const f16* scales,
                   int format, long M, long K, long N, int threads);
+int matmul_kquants(float* out, const float* x, const uint8_t* w, int format, long M, long K,
+                   long N, int threads);
+int matmul_q5(float* out, const float* x, const uint8_t* w, int format, long M, long K, long N,
+              int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
@@ -41,16 +46,19 @@ int paged_attention_decode(float* out, const float* q, const void* k_cache, cons
 
 namespace {
 
-// W_BLOCKS + 0, 1, 2: Q8_0, Q4_0, Q4_1
+// W_BLOCKS + 0, 1, 2: Q8_0, Q4_0, Q4_1; W_RAW + 0..4: a GGUF file's Q4_K, Q5_K, Q6_K, Q5_0,
+// Q5_1 bytes; W_PARTS: a matrix whose columns come in parts of different kinds
 enum {
   W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BLOCKS = 3, W_PANELS = 6, W_BF16_PANELS = 7,
-  W_INT8_PANELS = 8
+  W_INT8_PANELS = 8, W_RAW = 9, W_PARTS = 14
 };
 
 // A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
 // float32; the block formats: per output channel, as matmul_blocks.cpp lays them out; panels:
 // (N/16, K, 16) float32 or int8 (+ scales (N,)), as matmul_panels.cpp reads them; bf16
-// panels: (N/16, K/2, 16, 2) bf16, as matmul_panels_bf16.cpp reads them).
+// panels: (N/16, K/2, 16, 2) bf16, as matmul_panels_bf16.cpp reads them; W_RAW: (N, bytes of
+// a row), as matmul_kquants.cpp and matmul_q5.cpp read them; W_PARTS: data the `pad` parts
+// (Matrix), scales their widths (int64), the columns of each one after another).
 struct Matrix {
   int32_t kind;
   int32_t pad;
@@ -121,8 +129,34 @@ struct Step {
   int32_t* lora_rows;           // (T,) scratch: an adapter's rows
 };
 
+int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads);
+
+// out (M, N) = x @ the parts' columns side by side: each part's product into its own (M, n)
+// scratch, then into its columns.
+int matmul_parts(float* out, const float* x, const Matrix& w, long M, long K, long N,
+                 int threads) {
+  const Matrix* parts = (const Matrix*)w.data;
+  const int64_t* widths = (const int64_t*)w.scales;
+  std::vector<float> tmp;
+  long c0 = 0;
+  for (int i = 0; i < w.pad; i++) {
+    const long n = widths[i];
+    tmp.resize(M * n);
+    if (matmul(tmp.data(), x, parts[i], M, K, n, threads)) return 1;
+    for (long m = 0; m < M; m++) std::memcpy(out + m * N + c0, tmp.data() + m * n, n * 4);
+    c0 += n;
+  }
+  return c0 == N ? 0 : 1;
+}
+
 int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
   const int8_t* q = (const int8_t*)w.data;
+  const uint8_t* raw = (const uint8_t*)w.data;
+  if (w.kind >= W_RAW && w.kind < W_RAW + 3)
+    return matmul_kquants(out, x, raw, w.kind - W_RAW, M, K, N, threads);
+  if (w.kind >= W_RAW + 3 && w.kind < W_PARTS)
+    return matmul_q5(out, x, raw, w.kind - W_RAW - 3, M, K, N, threads);
+  if (w.kind == W_PARTS) return matmul_parts(out, x, w, M, K, N, threads);
   switch (w.kind) {
     case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
     case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;
@@ -245,4 +279,11 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
     if (status) return status;
   }
   return 0;
+}
+
+// out (M, N) = x (M, K) @ w, any kind (cpu_ops.matmul's way to the GGUF kinds and parts).
+// Returns nonzero for a shape its kernel refuses.
+extern "C" int matmul_matrix(float* out, const float* x, const Matrix* w, long M, long K, long N,
+                             int threads) {
+  return matmul(out, x, *w, M, K, N, threads);
 }

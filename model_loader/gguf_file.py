@@ -2,11 +2,14 @@
 
 Three things differ from a Hugging Face checkpoint:
   * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
-  * tensors may be quantized (Q4_0, Q4_1, Q8_0, ...) and are dequantized to float32 here (each
-    when it is asked for, from the mapped file: ``LazyTensors``, and a model's layers one at a
-    time: ``LazyLayers``), except an embedding table or LM head in Q8_0, Q4_0 or Q4_1, which
-    stays in its blocks (``BlockMatrix``: float32 by row or whole when asked), and GGUF lists
-    a tensor's dims fastest-first, the reverse of a NumPy shape;
+  * tensors may be quantized (Q4_0, Q4_1, Q8_0, Q4_K, ...). Matrices in a k-quant or 5-bit type
+    (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), with, in a file that has them, its Q8_0/Q4_0/Q4_1 ones,
+    and an embedding table or LM head in Q8_0, Q4_0 or Q4_1, stay in their blocks
+    (``model_loader.gguf_blocks.BlockMatrix``: float32 by row or whole when asked); every
+    other tensor is dequantized to float32 when it is asked for, from the mapped file
+    (``LazyTensors``; a model's layers one at a time: ``LazyLayers``), each type so widened
+    logged once with its tensors and cost; and GGUF lists a tensor's dims fastest-first, the
+    reverse of a NumPy shape;
   * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
     (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
     rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
@@ -14,6 +17,7 @@ Three things differ from a Hugging Face checkpoint:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,12 @@ import gguf
 import numpy as np
 
 from model_loader.config import ModelConfig
+from model_loader.gguf_blocks import (  # noqa: F401  (BLOCK_KINDS, TransposedBlocks: re-exported)
+    BLOCK_KINDS,
+    KQUANT_TYPES,
+    BlockMatrix,
+    TransposedBlocks,
+)
 from model_loader.hf_weights import (
     drop_pages,
     expected_shapes,
@@ -32,6 +42,8 @@ from model_loader.hf_weights import (
 )
 from model_loader.rope import RopeParams, parse_rope
 from model_loader.weights import ModelWeights
+
+log = logging.getLogger("model_loader")
 
 # ModelWeights field -> GGUF tensor name.
 GGUF_GLOBAL_NAMES = {
@@ -73,92 +85,6 @@ GGUF_FUSED = {
 GGUF_NORMS = ("blk.{i}.attn_norm.weight", "blk.{i}.ffn_norm.weight")
 
 
-# GGUF's block formats that a backend may keep as stored (engine/backends/quant.py's kinds),
-# and a block's layout: (bytes of float16 scales, bytes of q).
-BLOCK_KINDS = {
-    gguf.GGMLQuantizationType.Q8_0: ("q8_0", 2, 32),
-    gguf.GGMLQuantizationType.Q4_0: ("q4_0", 2, 16),
-    gguf.GGMLQuantizationType.Q4_1: ("q4_1", 4, 16),
-}
-
-
-class BlockMatrix:
-    """A (N, K) GGUF matrix in one of BLOCK_KINDS kept as the file stores it, a read-only view
-    of the mapped file (``raw``: (N, bytes of a row), each row's blocks of 32 values with their
-    float16 scales). Indexed by rows it gives those rows' float32 values (an embedding table's
-    gather: the values a dequantized copy holds, bit for bit); ``np.asarray`` gives them all;
-    ``.T`` is the (K, N) matrix, still in blocks (``TransposedBlocks``). The embedding table
-    and the LM head come so, so a backend that keeps them in blocks, or reads the table by
-    row, never holds their float32 copy."""
-
-    dtype = np.dtype(np.float32)
-    ndim = 2
-
-    def __init__(self, t: gguf.ReaderTensor):
-        self.kind, self._scale_bytes, self._q_bytes = BLOCK_KINDS[t.tensor_type]
-        self.qtype, self.raw = t.tensor_type, t.data
-        self.shape = tuple(int(n) for n in reversed(t.shape))  # (N, K)
-        if self.raw.ndim != 2 or len(self.raw) != self.shape[0]:
-            raise ValueError(f"gguf: tensor {t.name!r} is not a matrix of {self.shape[0]} rows")
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.nbytes
-
-    @property
-    def T(self) -> TransposedBlocks:
-        return TransposedBlocks(self)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, rows) -> np.ndarray:
-        """Rows (an index, a slice, an array of ids) as float32: (..., K)."""
-        return gguf.quants.dequantize(self.raw[rows], self.qtype)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        a = self[:]  # (N, K) float32, a new array
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-    def astype(self, dtype, copy: bool = True) -> np.ndarray:
-        return np.asarray(self, dtype)
-
-    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """(q (N, K/32 * bytes of a block's q): Q8_0's int8, Q4's uint8 nibbles; scales
-        (N, K/32 * scales a block) float16): the file's bytes, split as
-        engine/backends/quant.py keeps a block format."""
-        n, (s, q) = self.shape[0], (self._scale_bytes, self._q_bytes)
-        b = self.raw.reshape(n, -1, s + q)  # (N, K/32, a block's bytes)
-        data = np.ascontiguousarray(b[:, :, s:]).reshape(n, -1)
-        data = data.view(np.int8) if self.kind == "q8_0" else data
-        scales = np.ascontiguousarray(b[:, :, :s]).view(np.float16).reshape(n, -1)
-        return data, scales
-
-
-class TransposedBlocks:
-    """The (K, N) transpose of a BlockMatrix, as a weight matrix's products take it:
-    ``m[:, a:b]`` widens the columns a..b (rows a..b of the stored matrix), ``np.asarray`` all
-    of them; ``stored`` is the BlockMatrix, for a backend that keeps its blocks."""
-
-    dtype = np.dtype(np.float32)
-    ndim = 2
-
-    def __init__(self, stored: BlockMatrix):
-        self.stored = stored
-        self.shape = stored.shape[::-1]
-
-    @property
-    def T(self) -> BlockMatrix:
-        return self.stored
-
-    def __getitem__(self, index) -> np.ndarray:
-        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
-        return self.stored[cols].T[rows]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return np.asarray(self.stored, dtype).T
-
-
 class LazyTensors(Mapping):
     """GGUF name -> float32 array in NumPy (HF) orientation, made (dequantized from the mapped
     file, then reordered, split or offset as ``derive`` and ``split`` said) each time it is
@@ -166,18 +92,26 @@ class LazyTensors(Mapping):
 
     def __init__(self, reader: gguf.GGUFReader):
         self._shape = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-        self._make = {t.name: (lambda t=t: _dequantized(t)) for t in reader.tensors}
+        has_k = any(t.tensor_type in KQUANT_TYPES for t in reader.tensors)
+        self.kept = {t.name for t in reader.tensors if _kept(t, has_k)}
+        self.multiplied = set(self.kept)  # kept to be multiplied as stored, not only read by row
+        self._make = {t.name: (lambda t=t: self._tensor_of(t)) for t in reader.tensors}
         self._plain, self._tensor = dict(self._make), {t.name: t for t in reader.tensors}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._make[name]()
+
+    def _tensor_of(self, t: gguf.ReaderTensor):
+        if t.name not in self.kept:
+            return _dequantized(t)
+        return BlockMatrix.of(t, as_stored=t.name in self.multiplied)
 
     def keep_blocks(self, name: str) -> None:
         """tensors[name] becomes its BlockMatrix where the file stores it in a block format
         (and nothing derived it); otherwise it stays a float32 array."""
         t = self._tensor.get(name)
         if t is not None and t.tensor_type in BLOCK_KINDS and self._make[name] is self._plain[name]:
-            self._make[name] = lambda: BlockMatrix(t)
+            self.kept.add(name)
 
     def __iter__(self):
         return iter(self._make)
@@ -203,7 +137,7 @@ class LazyTensors(Mapping):
         start = 0
         for part, rows in parts.items():
             self._shape[part] = (rows, d)
-            self._make[part] = lambda a=start, b=start + rows: np.ascontiguousarray(make()[a:b])
+            self._make[part] = lambda a=start, b=start + rows: _rows(make(), a, b)
             start += rows
 
     def pop(self, name: str, default=None):
@@ -211,6 +145,48 @@ class LazyTensors(Mapping):
             return default
         self._shape.pop(name)
         return self._make.pop(name)()
+
+
+def _kept(t: gguf.ReaderTensor, has_k: bool) -> bool:
+    """Whether a tensor stays in its blocks: a matrix in a k-quant or 5-bit type, or in Q8_0,
+    Q4_0 or Q4_1 in a file that has those (``has_k``)."""
+    if len(t.shape) != 2:
+        return False
+    return t.tensor_type in KQUANT_TYPES or (has_k and t.tensor_type in BLOCK_KINDS)
+
+
+def _rows(a, start: int, stop: int):
+    """Rows start..stop of a float32 array (a contiguous copy) or of a BlockMatrix (still in
+    blocks)."""
+    if isinstance(a, BlockMatrix):
+        return a.take_rows(slice(start, stop))
+    return np.ascontiguousarray(a[start:stop])
+
+
+WIDER = {"F32": 4, "F16": 2, "BF16": 2}  # bytes a value of the plain float types
+
+
+def log_widened(reader: gguf.GGUFReader, kept: set[str]) -> None:
+    """One log line per type whose tensors are dequantized to float32 at load (float32 ones
+    aside): the type, its tensors (layer numbers folded: ``blk.*.ffn_down.weight x 22``) and
+    the bytes they take as float32 against the file's."""
+    by_type: dict[str, list] = {}
+    for t in reader.tensors:
+        if t.name not in kept and t.tensor_type.name != "F32":
+            by_type.setdefault(t.tensor_type.name, []).append(t)
+    for name, ts in sorted(by_type.items()):
+        counts: dict[str, int] = {}
+        for t in ts:
+            parts = t.name.split(".")
+            key = ".".join(["blk", "*", *parts[2:]]) if parts[0] == "blk" else t.name
+            counts[key] = counts.get(key, 0) + 1
+        names = ", ".join(k if n == 1 else f"{k} x {n}" for k, n in counts.items())
+        wide = sum(int(t.n_elements) * 4 for t in ts)
+        log.info(
+            "gguf: %s tensors are dequantized to float32 at load (%s): %.1f MiB as float32, "
+            "%.1f MiB in the file", name, names, wide / 2**20,
+            sum(int(t.n_bytes) for t in ts) / 2**20,
+        )  # fmt: skip
 
 
 @dataclass
@@ -333,6 +309,9 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows, dim = w.shape
     hd = rows // n_heads
+    if isinstance(w, BlockMatrix):  # the same order of whole rows, still in blocks
+        order = np.arange(rows).reshape(n_heads, hd // 2, 2).swapaxes(1, 2).reshape(rows)
+        return w.take_rows(order)
     w = w.reshape(n_heads, hd // 2, 2, dim)  # (H, hd/2, 2, dim): as stored
     return w.swapaxes(1, 2).reshape(rows, dim)  # (H, 2, hd/2, dim) -> (H * hd, dim)
 
@@ -386,6 +365,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         _unoffset_norms(tensors, cfg)
     for field in ("embed", "lm_head"):  # read by row, or kept in blocks: never widened whole
         tensors.keep_blocks(GGUF_GLOBAL_NAMES[field])
+    log_widened(reader, tensors.kept)
     return GGUFFile(config=cfg, metadata=md, tensors=tensors)
 
 

@@ -2,7 +2,9 @@
 
 TinyLlama's four layer matrices (2048x2560 QKV, 2048x2048 O, 2048x11264 gate and up, 5632x2048
 down) for a number of layers, random weights, each format as the engine packs it (float32
-panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels); x of a given number of rows. Every
+panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels; GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 as
+random blocks of the shape, the engine having no quantizer for them); x of a given number of
+rows. Every
 (format, build) pair is timed in the same process, in alternating rounds, so a noisy machine
 moves them all alike. Prints, per pair, the fastest and the median sweep over all the layers,
 and the weights' bytes over that time (at batch 1 the products are bound by it).
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends import cpu_native, cpu_ops, quant  # noqa: E402
 from engine.backends.base import numpy_dtype  # noqa: E402
+from model_loader import kquants  # noqa: E402
 
 SHAPES = [(2048, 2560), (2048, 2048), (2048, 11264), (5632, 2048)]  # (K, N)
 PACK = {
@@ -28,7 +31,18 @@ PACK = {
     "bf16": lambda w: quant.to_bf16_panels(w.astype(numpy_dtype("bfloat16")).astype(np.float32)),
     "int8": quant.to_int8_panels,
     **{kind: (lambda w, k=kind: quant.quantize(w, k)) for kind in quant.BLOCK_FORMATS},
+    **{kind: (lambda w, k=kind: random_blocks(w.shape, k)) for kind in quant.RAW_FORMATS},
 }
+
+
+def random_blocks(shape: tuple[int, int], kind: str) -> quant.QuantWeight:
+    """A (K, N) weight of random GGUF blocks: random bytes, float16 factors in [0, 2e-3)."""
+    k, n = shape
+    per, size = kquants.LAYOUTS[kind.upper()]
+    raw = np.random.default_rng(0).integers(0, 256, (n * k // per, size), dtype=np.uint8)
+    for at in (208,) if kind == "q6_k" else (0, 2):
+        raw[:, at : at + 2] = np.full((len(raw), 1), 1e-3, np.float16).view(np.uint8)
+    return quant.QuantWeight(kind, raw.reshape(n, -1))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from engine.backends import cpu_native, cpu_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.quant import (
     BLOCK_FORMATS,
+    RAW_FORMATS,
     quantize,
     to_bf16_panels,
     to_int8,
@@ -26,6 +27,7 @@ from engine.utils import cdiv
 from reference import kernel_ops as numpy_ops
 from tests.native import remote
 from tests.test_blocks import assert_product, random_weight
+from tests.test_kquants import assert_kquant_product, kquant_weight
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 DT = {name: numpy_dtype(name) for name in CACHES}
@@ -328,6 +330,25 @@ def test_matmul_over_gguf_blocks(threads, kind, rows):
         x = rng.standard_normal((rows, k), dtype=np.float32)
         x[:, 3] *= 40
         assert_product(x, quantize(random_weight(rng, k, n), kind))
+
+
+@pytest.mark.parametrize("kind", RAW_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65])
+def test_matmul_over_gguf_kquants(threads, kind, rows):
+    """matmul_kquants.cpp and matmul_q5.cpp on each build (AVX2's vpmaddubsw, AVX-512 VNNI's
+    vpdpbusd, the plain loops, ARM): the integer dots (up to 64 rows, 16 at a time) and the
+    float32 tiles (more), against the float64 product of the NumPy dequantizer's values,
+    within x's 8-bit quantization; K of 1, 3 and 6 super-blocks (Q5_0/Q5_1 also 9 blocks:
+    SmolLM2's 288), N of 5, 33 and 130 (two threads)."""
+    rng = np.random.default_rng()
+    shapes = [(256, 5), (768, 130), (1536, 33)] + ([] if kind.endswith("_k") else [(288, 7)])
+    for k, n in shapes:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        x[:, 3] *= 40  # an outlier widens its block's step
+        w = kquant_weight(rng, kind, k, n)
+        got = cpu_ops.matmul(x, w)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        assert_kquant_product(x, w, got)
 
 
 def test_panels_need_whole_panels():

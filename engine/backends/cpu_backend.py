@@ -11,8 +11,11 @@ with ``--dtype bfloat16`` as bf16 panels with
 rows in pairs (half the bytes; x rounded to bf16 in each product, AVX512-BF16's dot products
 where the CPU has them); with ``--quantization int8`` as int8 and a scale per column (a
 quarter), with ``--quantization q8_0|q4_0|q4_1`` in llama.cpp's block formats (float16 scales
-per 32 inputs; the LM head Q8_0 under the 4-bit ones); ``cpu_ops.matmul`` multiplies them by x,
-accumulating in float32 (the block formats: x quantized to 8 bits per 32, integer dot products).
+per 32 inputs; the LM head Q8_0 under the 4-bit ones); a GGUF's k-quant and 5-bit matrices
+(Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, and beside them its Q8_0/Q4_0/Q4_1 ones) as the file's blocks,
+a fused one of mixed types in parts (``quant.keep_stored``); ``cpu_ops.matmul`` multiplies
+them by x, accumulating in float32 (the block formats: x quantized to 8 bits per 32, or per
+256 for the k-quants, integer dot products). The startup log states the bytes held by format.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from engine.backends.numpy_backend import NumpyBackend, PackedLayer, _arrays
 from engine.backends.quant import (
     HEAD_FORMAT,
     PANEL,
+    bytes_by_kind,
+    keep_stored,
     quantize,
     to_bf16,
     to_bf16_panels,
@@ -157,6 +162,9 @@ class CpuBackend(NumpyBackend):
     def _float32_store(self, w: np.ndarray):
         """A packed float32 matrix in the layout timed fastest for its shape (timed, or read
         from the measurements' file, the first time the shape comes)."""
+        kept = keep_stored(w)  # a GGUF's k-quant matrices: the file's blocks
+        if kept is not None:
+            return kept
         w = np.ascontiguousarray(w, dtype=np.float32)  # the LM head comes as a view
         if w.shape not in self._choices:
             self._choices.update(cpu_tuning.choose({w.shape: w}))
@@ -254,6 +262,13 @@ class CpuBackend(NumpyBackend):
 
     def _stored(self) -> None:
         self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
+        arrays = [self.embed, self.final_norm, self.lm_head]
+        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
+        kinds = sorted(bytes_by_kind(arrays).items(), key=lambda kv: -kv[1])
+        log.info(
+            "weights resident, by format: %s",
+            ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in kinds),
+        )
         if self._choices:
             line, self.products_vs_numpy = cpu_tuning.summary(self._choices)
             log.info(

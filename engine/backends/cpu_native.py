@@ -184,6 +184,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_int8.restype = None
     lib.matmul_blocks.argtypes = [P, P, P, P, I, L, L, L, I]
     lib.matmul_blocks.restype = I
+    lib.matmul_kquants.argtypes = [P, P, P, I, L, L, L, I]
+    lib.matmul_kquants.restype = I
+    lib.matmul_q5.argtypes = [P, P, P, I, L, L, L, I]
+    lib.matmul_q5.restype = I
+    lib.matmul_matrix.argtypes = [P, P, P, L, L, L, I]
+    lib.matmul_matrix.restype = I
     lib.matmul_seconds.argtypes = [P, P, P, L, L, L, I, I]
     lib.matmul_seconds.restype = ctypes.c_double
     lib.decode_layers.argtypes = [P, I, P]

@@ -19,7 +19,7 @@ from engine.backends import fast_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.cpu_native import library, threads
 from engine.backends.fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
-from engine.backends.quant import BLOCK_FORMATS, QuantWeight
+from engine.backends.quant import BLOCK_FORMATS, RAW_FORMATS, QuantWeight
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -49,12 +49,21 @@ class Matrix(Structure):  # cpu_src/decode_layers.cpp: Matrix, a weight as the s
 # W_PANELS, W_BF16_PANELS, W_INT8_PANELS (a plain float32 array: W_F32, 0)
 KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
 KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
+KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS)} | {"parts": 14}  # W_RAW.., W_PARTS
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
-    """A weight's kind and pointers for the native step (the arrays must outlive it)."""
+    """A weight's kind and pointers for the native step (the arrays must outlive it; a
+    "parts" weight keeps its parts' Matrix array and widths on itself)."""
     if not isinstance(w, QuantWeight):
         return Matrix(0, 0, _p(w), None)
+    if w.kind == "parts":
+        if getattr(w, "_native", None) is None:
+            parts = (Matrix * len(w.parts))(*(matrix(p) for p in w.parts))
+            widths = np.array([p.shape[1] for p in w.parts], np.int64)  # (parts,)
+            w._native = (parts, widths)
+        parts, widths = w._native
+        return Matrix(KINDS["parts"], len(w.parts), addressof(parts), _p(widths))
     return Matrix(KINDS[w.kind], 0, _p(w.data), _p(w.scales))
 
 
@@ -246,6 +255,15 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         scales = _contiguous(w.scales, F16)
         fmt = BLOCK_FORMATS.index(w.kind)
         _check(lib.matmul_blocks(_p(out), _p(x), _p(data), _p(scales), fmt, m, k, n, threads()),
+               f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind in RAW_FORMATS:
+        data, fmt = _contiguous(w.data, np.dtype(np.uint8)), RAW_FORMATS.index(w.kind)
+        kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5
+        _check(kernel(_p(out), _p(x), _p(data), fmt % 3, m, k, n, threads()),
+               f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind == "parts":
+        mat = matrix(w)  # (alive through the call)
+        _check(lib.matmul_matrix(_p(out), _p(x), addressof(mat), m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
     else:
         raise ValueError(f"matmul: unknown weight kind {w.kind!r}")

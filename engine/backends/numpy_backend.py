@@ -27,7 +27,7 @@ from engine.backends.fast_ops import matmul  # noqa: F401  (the tensor-parallel 
 from engine.backends.forward_batch import ForwardBatch
 from engine.backends.quant import HEAD_FORMAT, QuantWeight, quantize
 from model_loader.config import ModelConfig
-from model_loader.gguf_file import BlockMatrix
+from model_loader.gguf_blocks import BlockMatrix, stack_rows
 from model_loader.hf_weights import drop_pages
 from model_loader.weights import ModelWeights, release_layer
 
@@ -56,8 +56,9 @@ class PackedLayer:
 
 def _t(*mats: np.ndarray) -> np.ndarray:
     """Stack (out, in) matrices along out and transpose: (in, sum(out)), a view in their dtype
-    (of the file's map for one matrix): the store widens it as it converts."""
-    return (mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)).T
+    (of the file's map for one matrix; a GGUF's blocks: model_loader.gguf_blocks, still in
+    blocks): the store widens it as it converts, or keeps the blocks."""
+    return stack_rows(mats).T
 
 
 def _table(a: np.ndarray) -> np.ndarray:

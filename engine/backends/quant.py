@@ -17,6 +17,12 @@ Kept transposed as a GGUF file stores them: ``data`` (N, K/32 * bytes of a block
 (Q4: byte j of a block holds q[j] in its low nibble, q[j + 16] in its high one), ``scales``
 (N, K/32 * scales of a block) float16 (Q4_1: d, m per block). The cpu backend quantizes x the
 same way as Q8_0 and multiplies with integer dot products (cpu_src/matmul_blocks.cpp).
+
+A GGUF file's k-quant and 5-bit matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: RAW_FORMATS) are kept
+as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales (model_loader.kquants lays
+the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp multiplies them). A fused matrix
+whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside its Q6_K v) is
+kind "parts": ``parts`` the QuantWeights (or float32 arrays) of its runs of columns, in order.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 QK = 32  # weights per block of the GGUF formats
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
+RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")  # in matmul_kquants' format order
 
 
 def _blocks(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -131,12 +138,19 @@ class QuantWeight:
     column side by side (cpu_src/matmul_panels_bf16.cpp, which rounds x to bf16 as well)."""
 
     kind: str
-    data: np.ndarray  # (K, N); a block format: (N, bytes)
+    data: np.ndarray | None  # (K, N); a block format: (N, bytes); "parts": None
     scales: np.ndarray | None = None  # int8: (N,); a block format: (N, K/32 * scales a block)
+    parts: tuple = ()  # "parts": (K, N_i) QuantWeights or float32 arrays, N = sum(N_i)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(K, N): the matrix it stands for."""
+        if self.kind == "parts":
+            return self.parts[0].shape[0], sum(p.shape[1] for p in self.parts)
+        if self.kind in RAW_FORMATS:
+            from model_loader.kquants import row_values
+
+            return row_values(self.kind.upper(), self.data.shape[1]), self.data.shape[0]
         if self.kind in BLOCK_FORMATS:
             n, nbytes = self.data.shape
             return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
@@ -150,10 +164,18 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
+        if self.kind == "parts":
+            return sum(p.nbytes for p in self.parts)
         return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def dequantize(self) -> np.ndarray:
         """(K, N) float32: the values the products use."""
+        if self.kind == "parts":
+            return np.concatenate([np.asarray(_values(p), F32) for p in self.parts], axis=1)
+        if self.kind in RAW_FORMATS:
+            from model_loader.kquants import dequantize
+
+            return np.ascontiguousarray(dequantize(self.data, self.kind.upper()).T)
         if self.kind == "int8":
             return dequantize_int8(self.data, self.scales)
         if self.kind in BLOCK_FORMATS:
@@ -165,6 +187,47 @@ class QuantWeight:
         if self.kind == "bf16_panels":
             return from_bf16_panels(self.data)
         return self.data.astype(F32)
+
+
+def _values(p) -> np.ndarray:
+    return p.dequantize() if isinstance(p, QuantWeight) else p
+
+
+def keep_stored(w) -> QuantWeight | None:
+    """A (K, N) GGUF matrix kept in blocks (model_loader.gguf_blocks.TransposedBlocks) as its
+    QuantWeight: the file's bytes (a k-quant or 5-bit type; Q8_0/Q4_0/Q4_1 split into q and
+    scales), a fused one's parts each so. None for any other matrix, and for a table or LM
+    head kept in blocks only to be read by row (a file with no k-quants)."""
+    stored = getattr(w, "stored", None)
+    parts = getattr(stored, "parts", [stored])
+    if stored is None or not any(getattr(p, "as_stored", False) for p in parts):
+        return None
+    kept = tuple(_kept_part(p) for p in parts)
+    return kept[0] if len(kept) == 1 else QuantWeight("parts", None, parts=kept)
+
+
+def _kept_part(p):
+    """One stored (N_i, K) part -> (K, N_i): its QuantWeight, or float32 for a part stored
+    wider."""
+    if not hasattr(p, "qtype"):
+        return np.ascontiguousarray(np.asarray(p, F32).T)
+    if p.kind in RAW_FORMATS:
+        return QuantWeight(p.kind, np.ascontiguousarray(p.raw))
+    return QuantWeight(p.kind, *p.blocks())
+
+
+def bytes_by_kind(arrays) -> dict[str, int]:
+    """Weights (arrays, QuantWeights, GGUF BlockMatrix tables) -> bytes held per kind
+    ("float32", "q4_k", ...; a "parts" weight counted by its parts' kinds)."""
+    out: dict[str, int] = {}
+    for a in arrays:
+        if isinstance(a, QuantWeight) and a.kind == "parts":
+            for kind, n in bytes_by_kind(a.parts).items():
+                out[kind] = out.get(kind, 0) + n
+            continue
+        kind = getattr(a, "kind", None) or np.dtype(a.dtype).name
+        out[kind] = out.get(kind, 0) + int(a.nbytes)
+    return out
 
 
 def to_bf16(w: np.ndarray) -> QuantWeight:
@@ -241,7 +304,7 @@ def quantize(w: np.ndarray, kind: str) -> QuantWeight:
     matrix already in ``kind`` (model_loader.gguf_file.TransposedBlocks) keeps the file's blocks:
     what quantizing its values again would give, without widening them."""
     stored = getattr(w, "stored", None)
-    if stored is not None and stored.kind == kind:
+    if stored is not None and getattr(stored, "kind", None) == kind and kind in BLOCK_FORMATS:
         return QuantWeight(kind, *stored.blocks())
     if kind not in BLOCK_FORMATS or w.shape[1] <= COLUMNS_AT_ONCE:
         return QuantWeight(kind, *QUANTIZE[kind](w))

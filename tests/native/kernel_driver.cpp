@@ -24,6 +24,8 @@ void matmul_panels_bf16(float*, const float*, const uint16_t*, long, long, long,
 void matmul_bf16(float*, const float*, const uint16_t*, long, long, long, int);
 void matmul_int8(float*, const float*, const int8_t*, const float*, long, long, long, int);
 int matmul_blocks(float*, const float*, const uint8_t*, const f16*, int, long, long, long, int);
+int matmul_kquants(float*, const float*, const uint8_t*, int, long, long, long, int);
+int matmul_q5(float*, const float*, const uint8_t*, int, long, long, long, int);
 int paged_attention_decode(float*, const float*, const void*, const void*, int, const int32_t*,
                            const int32_t*, int, int, int, int, int, int, float, int, int);
 int paged_attention_prefill(float*, const float*, const void*, const void*, int,
@@ -120,6 +122,10 @@ int64_t run(Call& c) {
   else if (k == "matmul_blocks")
     return matmul_blocks(c.f(0), c.f(1), (uint8_t*)c.p(2), (f16*)c.p(3), c.n(0), c.l(1), c.l(2),
                          c.l(3), c.n(4));
+  else if (k == "matmul_kquants")
+    return matmul_kquants(c.f(0), c.f(1), (uint8_t*)c.p(2), c.n(0), c.l(1), c.l(2), c.l(3), c.n(4));
+  else if (k == "matmul_q5")
+    return matmul_q5(c.f(0), c.f(1), (uint8_t*)c.p(2), c.n(0), c.l(1), c.l(2), c.l(3), c.n(4));
   else if (k == "paged_attention_decode")
     return paged_attention_decode(c.f(0), c.f(1), c.p(2), c.p(3), c.n(0), c.i32(4), c.i32(5),
                                   c.n(1), c.n(2), c.n(3), c.n(4), c.n(5), c.n(6), c.floats[0],

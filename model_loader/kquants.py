@@ -1,0 +1,142 @@
+"""GGUF's k-quants (Q4_K, Q5_K, Q6_K) and 5-bit formats (Q5_0, Q5_1): their block layouts and
+a NumPy dequantizer per type, written from the formats' definitions (ggml's block structs).
+The values they give are the semantics the cpu backend's kernels (cpu_src/matmul_kquants.cpp,
+cpu_src/matmul_q5.cpp) are checked against; every product is float32, in ggml's order.
+
+A matrix row is a run of blocks; a block's bytes, in file order:
+  Q4_K (256 values, 144 bytes): d, dmin (float16); 12 bytes of eight 6-bit scales and eight
+       6-bit mins; 128 bytes of nibbles. Values in 8 groups of 32: group g uses byte 32 (g // 2)
+       + l of the nibbles, low nibble for even g, high for odd: w = (d sc_g) q - (dmin m_g).
+  Q5_K (256 values, 176 bytes): Q4_K's header, then qh (32 bytes: bit g of byte l is the fifth
+       bit of value l of group g), then the nibbles as Q4_K's: w = (d sc_g) (q + 16 h) - dmin m_g.
+  Q6_K (256 values, 210 bytes): ql (128 bytes of nibbles), qh (64 bytes of 2-bit pairs),
+       16 int8 scales, d (float16). Two halves of 128: value 32 j + l of a half (j = 0..3)
+       takes ql[64 h + l + 32 (j % 2)]'s low (j < 2) or high nibble and bits 2j, 2j+1 of
+       qh[32 h + l]: w = (d sc_(8h + 2j + l // 16)) (q - 32).
+  Q5_0 (32 values, 22 bytes): d (float16), qh (uint32, bit i the fifth bit of value i),
+       16 bytes of nibbles (byte j: value j low, value j + 16 high): w = d (q - 16).
+  Q5_1 (32 values, 24 bytes): d, m (float16), qh, nibbles: w = d q + m.
+The 6-bit scales of Q4_K/Q5_K: for j < 4, sc_j = b[j] & 63, m_j = b[j + 4] & 63; for j >= 4,
+sc_j = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4, m_j = (b[j + 4] >> 4) | (b[j] >> 6) << 4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+QK_K = 256
+
+# type name -> (values per block, bytes per block)
+LAYOUTS = {
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+}
+
+
+def _halves(b: np.ndarray, a: int, z: int) -> np.ndarray:
+    """Bytes a..z of each block as float16 -> float32: (n,)."""
+    return np.ascontiguousarray(b[:, a:z]).view(np.float16)[:, 0].astype(F32)
+
+
+def scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 12) packed bytes -> (sc (n, 8), m (n, 8)) uint8, the 6-bit scales and mins."""
+    lo = s[:, 0:4]  # sc 0..3 (bits 0-5), high bits of sc 4..7 (bits 6-7)
+    mid = s[:, 4:8]  # m 0..3, high bits of m 4..7
+    hi = s[:, 8:12]  # low nibbles: sc 4..7; high nibbles: m 4..7
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
+    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def _groups_of_nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 128) nibbles -> (n, 8, 32) uint8: group g from bytes 32 (g // 2).., low then high."""
+    b = qs.reshape(len(qs), 4, 1, 32)
+    return np.concatenate([b & 15, b >> 4], axis=2).reshape(len(qs), 8, 32)
+
+
+def _k_affine(b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: (n, 8, 32) q -> (n, 256) float32 (d sc) q - (dmin m)."""
+    d, dmin = _halves(b, 0, 2), _halves(b, 2, 4)  # (n,)
+    sc, m = scales_mins(b[:, 4:16])  # (n, 8)
+    ds = (d[:, None] * sc.astype(F32))[:, :, None]  # (n, 8, 1)
+    dm = (dmin[:, None] * m.astype(F32))[:, :, None]
+    return (ds * q.astype(F32) - dm).reshape(len(b), QK_K)
+
+
+def dequantize_q4_k(b: np.ndarray) -> np.ndarray:
+    """(n, 144) uint8 blocks -> (n, 256) float32."""
+    return _k_affine(b, _groups_of_nibbles(b[:, 16:144]))
+
+
+def dequantize_q5_k(b: np.ndarray) -> np.ndarray:
+    """(n, 176) uint8 blocks -> (n, 256) float32."""
+    qh = b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]  # (n, 8, 32)
+    return _k_affine(b, _groups_of_nibbles(b[:, 48:176]) | ((qh & 1) << 4))
+
+
+def dequantize_q6_k(b: np.ndarray) -> np.ndarray:
+    """(n, 210) uint8 blocks -> (n, 256) float32."""
+    n = len(b)
+    ql = b[:, 0:128].reshape(n, 2, 1, 2, 32)  # (half, _, which 32 bytes, l)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2)  # (n, 2, 2 nibble, 2, 32): j = 2 nib + x
+    qh = (
+        b[:, 128:192].reshape(n, 2, 1, 32)
+        >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    )
+    q = low.reshape(n, 2, 4, 32) | ((qh & 3) << 4)  # (n, 2, 4, 32): value 128 h + 32 j + l
+    sc = b[:, 192:208].view(np.int8).astype(F32)  # (n, 16)
+    ds = (_halves(b, 208, 210)[:, None] * sc).reshape(n, 16, 1)  # (n, 16, 1): per 16 values
+    v = q.astype(np.int8) - np.int8(32)  # (n, 2, 4, 32)
+    return (ds * v.reshape(n, 16, 16).astype(F32)).reshape(n, QK_K)
+
+
+def _q5_values(b: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0/Q5_1: (n, bytes) blocks with qh at bytes at..at+4 -> (n, 32) uint8 q in [0, 31]."""
+    qh = np.ascontiguousarray(b[:, at : at + 4]).view("<u4")  # (n, 1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # (n, 32)
+    qs = b[:, at + 4 : at + 20]
+    return np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)
+
+
+def dequantize_q5_0(b: np.ndarray) -> np.ndarray:
+    """(n, 22) uint8 blocks -> (n, 32) float32."""
+    v = _q5_values(b, 2).astype(np.int8) - np.int8(16)
+    return _halves(b, 0, 2)[:, None] * v.astype(F32)
+
+
+def dequantize_q5_1(b: np.ndarray) -> np.ndarray:
+    """(n, 24) uint8 blocks -> (n, 32) float32."""
+    d, m = _halves(b, 0, 2)[:, None], _halves(b, 2, 4)[:, None]
+    return d * _q5_values(b, 4).astype(F32) + m
+
+
+DEQUANTIZE = {
+    "Q4_K": dequantize_q4_k,
+    "Q5_K": dequantize_q5_k,
+    "Q6_K": dequantize_q6_k,
+    "Q5_0": dequantize_q5_0,
+    "Q5_1": dequantize_q5_1,
+}
+
+
+def row_values(type_name: str, row_bytes: int) -> int:
+    """The values a row of ``row_bytes`` holds in the type."""
+    per, size = LAYOUTS[type_name]
+    if row_bytes % size:
+        raise ValueError(f"{type_name}: a row of {row_bytes} bytes is not whole blocks of {size}")
+    return row_bytes // size * per
+
+
+def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """(..., bytes of a row) uint8 rows of blocks -> (..., values of a row) float32."""
+    if type_name not in DEQUANTIZE:
+        raise ValueError(f"no dequantizer for GGUF type {type_name!r} (have {', '.join(LAYOUTS)})")
+    raw = np.asarray(raw, np.uint8)
+    per, size = LAYOUTS[type_name]
+    width = row_values(type_name, raw.shape[-1])
+    blocks = np.ascontiguousarray(raw).reshape(-1, size)  # (rows * blocks a row, bytes)
+    return DEQUANTIZE[type_name](blocks).reshape(*raw.shape[:-1], width)
