@@ -281,7 +281,7 @@ def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None
 
 
 def build_everything(workers: int = 2) -> None:
-    """``make setup``: every kernel's CPU build, plain and under ASan (what the tests load),
+    """``make test``'s setup: every kernel's CPU build, plain and under ASan (what the tests load),
     ahead of the tests; cached by content hash, so a build already there is skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
