@@ -126,7 +126,7 @@ def library_path(target: str | None = None) -> Path:
     jobs = min(len(sources), available_cores())
     log.info("building %s (g++, %d files, %d at a time) -> %s", what, len(sources), jobs, out)
     t0 = time.perf_counter()
-    _compile(sources, flags, out, jobs)
+    compile_and_link(sources, flags, out, jobs)
     log.info("built %s in %.1f s", what, time.perf_counter() - t0)
     return out
 
@@ -143,27 +143,30 @@ def target_name(target: str | None = None) -> str:
     return f"this CPU ({best})"
 
 
-def _compile(sources: list[Path], flags: list[str], out: Path, jobs: int) -> None:
-    """Each source to an object file, ``jobs`` g++ at a time (largest first), then one shared
-    library at ``out``, written whole (a reader never sees half a file)."""
+def compile_and_link(
+    sources: list[Path], flags: list[str], out: Path, jobs: int, cxx: str = "g++"
+) -> None:
+    """Each source to an object file, ``jobs`` compilers at a time (largest first), then linked
+    with ``flags`` (a shared library with -shared) at ``out``, written whole (a reader never
+    sees half a file). NativeBuildError with the compiler's messages if it rejects one."""
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f"{out.stem}-") as tmp:
         objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
         compile_flags = [f for f in flags if f != "-shared"]
         order = sorted(zip(sources, objects, strict=True), key=lambda so: -so[0].stat().st_size)
 
         def one(job: tuple[Path, Path]) -> subprocess.CompletedProcess:
-            cmd = ["g++", *compile_flags, "-c", str(job[0]), "-o", str(job[1])]
+            cmd = [cxx, *compile_flags, "-c", str(job[0]), "-o", str(job[1])]
             return subprocess.run(cmd, capture_output=True, text=True)
 
         with ThreadPoolExecutor(jobs) as pool:
             errors = [r.stderr for r in pool.map(one, order) if r.returncode != 0]
         if not errors:
             lib = Path(tmp) / out.name
-            link = ["g++", *flags, *map(str, objects), "-o", str(lib)]
+            link = [cxx, *flags, *map(str, objects), "-o", str(lib)]
             result = subprocess.run(link, capture_output=True, text=True)
             errors = [result.stderr] if result.returncode != 0 else []
         if errors:
-            raise NativeBuildError("g++ failed on cpu_src/:\n" + "".join(errors))
+            raise NativeBuildError(f"{cxx} failed on cpu_src/:\n" + "".join(errors))
         os.replace(lib, out)
 
 
