@@ -132,7 +132,7 @@ def library_path(target: str | None = None) -> Path:
 
 
 def target_name(target: str | None = None) -> str:
-    """The target in words: "this CPU (AVX-512)", "x86-64-v3 (AVX2)", "the baseline (x86-64)"."""
+    """The target in words: "this CPU (AVX-512)", "x86-64-v3 (AVX2)", "the baseline (x86_64)"."""
     name = isa(target)
     if name == "generic":
         return f"the baseline ({platform.machine()})"
