@@ -18,12 +18,16 @@ sets that the compile checks and ``build_all_cpu`` build.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("engine.kernels")
 
 REPO = Path(__file__).resolve().parents[2]
 SRC_DIR = REPO / "cuda_src"
@@ -254,11 +258,14 @@ def build_cpu_library(
     tmp = cpp.with_suffix(".tmp")
     cpp.write_text(source)
     cmd = ["g++", *flags, "-x", "c++", str(cpp), "-o", str(tmp)]
+    t0 = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     cpp.unlink()
     if result.returncode != 0:
         raise KernelBuildError(f"g++ failed on {tag}:\n{result.stderr}")
     os.replace(tmp, out)
+    kind = " (ASan)" if asan else f" (counting {counting})" if counting else ""
+    log.info("built %s%s for the CUDA emulation in %.1f s", tag, kind, time.perf_counter() - t0)
     return out
 
 
@@ -274,7 +281,7 @@ def build_all_cpu(names: list[str] | None = None, workers: int = 2, defines=None
 
 
 def build_everything(workers: int = 2) -> None:
-    """``make setup``: every kernel's CPU build, plain and under ASan (what the tests load),
+    """``make test``'s setup: every kernel's CPU build, plain and under ASan (what the tests load),
     ahead of the tests; cached by content hash, so a build already there is skipped."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -6,7 +6,7 @@ bench_serve.py     ``python -m engine.bench_serve``: the same against a running 
 bench_gpu.py       GPU measurements, each figure next to its ceiling
 host_overhead.py   the host's cost per decode step, the forward stubbed
 quant_eval.py      ``python -m engine.quant_eval``: a weight format's perplexity and KL
-prebuild.py        ``python -m engine.tools.prebuild``: every CPU build of the kernels, ahead
+prebuild.py        ``python -m engine.tools.prebuild run|test``: the kernels' CPU builds, ahead
 live_server.py     the OpenAI server in a thread on an ephemeral port (tests, soak scripts)
 soak_mix.py        the request mix of the soak tests and scripts
 """

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"
 DRIVER = Path(__file__).with_name("kernel_driver.cpp")
+log = logging.getLogger("tests.native")
 FLAGS = ["-O2", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-Wall",
          "-Werror", "-Wno-psabi"]  # fmt: skip
 
@@ -40,7 +43,8 @@ MARCH = {"aarch64": "armv8-a", "aarch64-dotprod": "armv8.2-a+dotprod"}
 
 
 def build(name: str = "aarch64") -> Path:
-    """The driver and every kernel, built for an aarch64 target once per source change."""
+    """The driver and every kernel, built for an aarch64 target once per source change (each
+    file on its own, one compiler a core)."""
     sources = [*sorted((REPO / "cpu_src").glob("*.cpp")), DRIVER]
     flags = [*FLAGS, f"-march={MARCH[name]}"]
     h = hashlib.sha256(" ".join(flags).encode())
@@ -49,9 +53,11 @@ def build(name: str = "aarch64") -> Path:
     out = build_dir() / "native" / f"kernel_driver-{name}-{h.hexdigest()[:16]}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        subprocess.run([CXX, *flags, *map(str, sources), "-o", str(tmp)], check=True)
-        tmp.replace(out)
+        log.info("building the %s kernels and driver (%s) -> %s", name, CXX, out)
+        t0 = time.perf_counter()
+        jobs = cpu_native.available_cores()
+        cpu_native.compile_and_link(sources, flags, out, jobs, CXX)
+        log.info("built the %s kernels and driver in %.1f s", name, time.perf_counter() - t0)
     return out
 
 
@@ -154,9 +160,13 @@ def load(name: str):
     return lib
 
 
-if __name__ == "__main__":  # make setup: the aarch64 build ahead of the tests, where it can be
+if __name__ == "__main__":  # make test's setup: the aarch64 builds ahead, where they can be
     missing = available()
     for name in MARCH:
-        print(
-            f"{name} kernels not built: {missing}" if missing else f"{name} kernels: {build(name)}"
-        )
+        if missing:
+            print(f"not built: the {name} kernels ({missing})")
+            continue
+        print(f"building the {name} kernels (-march={MARCH[name]}) ...", end=" ", flush=True)
+        t0 = time.perf_counter()
+        build(name)
+        print(f"{time.perf_counter() - t0:.0f} s", flush=True)
