@@ -15,10 +15,11 @@
 // Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once and
 // dotted with every row of x, 16 rows at a time (Q4_K 2048 x 5632 on one thread: 64 rows 18 ms
 // against 28 through the tiles; at 128, 37 against 41). x86 (AVX2): a super-block's scales
-// decoded once (the 6-bit ones four at a time in 32-bit words), its q unpacked in registers
-// for each row of x (from L1), vpmaddubsw (q unsigned <= 63, qx signed: a pair's sum fits
-// int16) then vpmaddwd against the scales; with AVX512-VNNI vpdpbusd then one vpmulld by the
-// scales; the mins one vpmaddwd of bs; two float32 vector sums per row. Other CPUs: each
+// decoded once (the 6-bit ones four at a time in 32-bit words) into 16 int16 that one byte
+// shuffle per 32 values spreads, its q unpacked in registers for each row of x (from L1),
+// vpmaddubsw (q unsigned <= 63, qx signed: a pair's sum fits int16) then vpmaddwd against the
+// scales (VNNI's vpdpbusd would need a vpmulld by the scales after it: slower); the mins one
+// vpmaddwd of bs; two float32 vector sums per row. Other CPUs: each
 // super-block unpacked once into bytes (Unpacked) for all rows, plain loops (the integer sums
 // are exact either way).
 // More rows (prefill): NB W rows dequantized into a float32 tile, multiplied by the BLAS's
@@ -136,28 +137,41 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// acc += the two 16-value halves' scale (lo, hi) times their q . x: q 32 unsigned bytes (<= 63),
-// x 32 int8. AVX512-VNNI: vpdpbusd (4 products an int32 lane) then vpmulld by the scales;
-// AVX2: vpmaddubsw (pairs to int16: 2 x 63 x 127 fits) then vpmaddwd against the scales.
-inline __m256i scaled_dot(__m256i acc, __m256i q, const int8_t* x, int16_t lo, int16_t hi) {
+// A super-block's 16 scales (one per 16 values) as int16, in the two forms scaled_dot reads:
+// lo: scales 0-7 in both 128-bit lanes, hi: scales 8-15 in both.
+struct Scales {
+  __m256i lo, hi;
+};
+
+inline Scales spread(__m256i s16) {
+  return {_mm256_permute2x128_si256(s16, s16, 0x00), _mm256_permute2x128_si256(s16, s16, 0x11)};
+}
+
+// For the 32 values of chunk k: scale 2k in the low lane's 8 int16, 2k + 1 in the high lane's
+// (what vpmaddubsw's 16 pair sums of the chunk meet): one in-lane byte shuffle of lo or hi.
+inline __m256i chunk_scales(const Scales& s, int k) {
+  const int p = 2 * (k % 4);  // scale 2k's place within its lane
+  const __m256i pick = _mm256_setr_epi8(
+      2 * p, 2 * p + 1, 2 * p, 2 * p + 1, 2 * p, 2 * p + 1, 2 * p, 2 * p + 1, 2 * p, 2 * p + 1,
+      2 * p, 2 * p + 1, 2 * p, 2 * p + 1, 2 * p, 2 * p + 1, 2 * p + 2, 2 * p + 3, 2 * p + 2,
+      2 * p + 3, 2 * p + 2, 2 * p + 3, 2 * p + 2, 2 * p + 3, 2 * p + 2, 2 * p + 3, 2 * p + 2,
+      2 * p + 3, 2 * p + 2, 2 * p + 3, 2 * p + 2, 2 * p + 3);
+  return _mm256_shuffle_epi8(k < 4 ? s.lo : s.hi, pick);
+}
+
+// acc += chunk k's two 16-value halves' scales times their q . x: q 32 unsigned bytes (<= 63),
+// x 32 int8; vpmaddubsw (pairs to int16: 2 x 63 x 127 fits) then vpmaddwd against the scales.
+inline __m256i scaled_dot(__m256i acc, __m256i q, const int8_t* x, const Scales& s, int k) {
   const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i s = _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo));
-  const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
-  return _mm256_add_epi32(acc, _mm256_mullo_epi32(dot, s));
-#else
-  const __m256i s = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
-#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), chunk_scales(s, k)));
 }
 
 // One super-block's sum_j sc[j] sum_i q qx (8 int32 lanes) straight from its bytes, q
-// unpacked in registers; sc: Q4_K/Q5_K's 8 group scales (uint8), Q6_K's 16 (int8).
-template <int F> inline __m256i block_dot(const uint8_t* b, const void* sc, const int8_t* x) {
+// unpacked in registers; s: its 16 scales (Scales).
+template <int F> inline __m256i block_dot(const uint8_t* b, const Scales& s, const int8_t* x) {
   const __m256i low = _mm256_set1_epi8(15);
   __m256i acc = _mm256_setzero_si256();
   if constexpr (F == Q6_K) {
-    const int8_t* s8 = (const int8_t*)sc;
     const __m256i two = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
       const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
@@ -169,12 +183,10 @@ template <int F> inline __m256i block_dot(const uint8_t* b, const void* sc, cons
       for (int j = 0; j < 4; j++) {
         const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), two);
         const __m256i q = _mm256_or_si256(nib[j], _mm256_slli_epi16(hb, 4));
-        const int8_t* s = s8 + 8 * h + 2 * j;
-        acc = scaled_dot(acc, q, x + 128 * h + 32 * j, s[0], s[1]);
+        acc = scaled_dot(acc, q, x + 128 * h + 32 * j, s, 4 * h + j);
       }
     }
   } else {
-    const uint8_t* s8 = (const uint8_t*)sc;
     const uint8_t* qs = b + (F == Q4_K ? 16 : 48);
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));  // Q5_K's fifth bits
     for (int c = 0; c < 4; c++) {
@@ -185,7 +197,7 @@ template <int F> inline __m256i block_dot(const uint8_t* b, const void* sc, cons
           const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + g), _mm256_set1_epi8(1));
           q[g] = _mm256_or_si256(q[g], _mm256_slli_epi16(bit, 4));
         }
-        acc = scaled_dot(acc, q[g], x + 64 * c + 32 * g, s8[2 * c + g], s8[2 * c + g]);
+        acc = scaled_dot(acc, q[g], x + 64 * c + 32 * g, s, 2 * c + g);
       }
     }
   }
@@ -200,6 +212,14 @@ inline void scales_mins_words(const uint8_t* s, uint32_t* sc, uint32_t* m) {
   m[0] = w[1] & 0x3f3f3f3f;
   sc[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 6) & 0x03030303) << 4;
   m[1] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 6) & 0x03030303) << 4;
+}
+
+// The 16 scales (one per 16 values) as int16: Q4_K/Q5_K's 8 group scales each twice, Q6_K's
+// 16 int8 scales.
+template <int F> inline __m256i block_scales(const void* sc) {
+  if constexpr (F == Q6_K) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+  const __m128i v = _mm_loadl_epi64((const __m128i*)sc);
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
 }
 
 // The mins' sum_j mn[j] bs[j] as 8 int32 lanes: Q4_K/Q5_K's group mins m (8 bytes) against
@@ -238,8 +258,9 @@ void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float
       c = half(blk + 2);
     }
     const void* mins = F == Q6_K ? (const void*)sc : (const void*)mn;
+    const Scales s = spread(block_scales<F>(sc));
     for (long m = 0; m < M; m++) {
-      const __m256i is = block_dot<F>(blk, sc, qx + m * K + b * QK);
+      const __m256i is = block_dot<F>(blk, s, qx + m * K + b * QK);
       const __m256i im = mins_dot<F>(mins, bs + (m * K + b * QK) / 16);
       const float e = dx[m * nb + b];
       vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * e), vacc[m]);
