@@ -1,22 +1,26 @@
 """Mixtures of experts: the engine's routing and grouped expert products
 (engine/backends/moe.py) against the reference's token-by-token ones (reference/moe.py) and
-hand-computed values; config.json's expert keys; a batch's prompts routed apart; the refusals."""
+hand-computed values; config.json's expert keys; the checkpoints' two layouts of experts; a
+batch's prompts routed apart; the refusals."""
 
 from __future__ import annotations
 
+import shutil
 from functools import cache
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from engine import SamplingParams
 from engine.backends import cpu_ops, fast_ops, moe
 from engine.frontend.llm import run_to_completion
 from model_loader.config import ModelConfig
+from model_loader.hf_weights import read_safetensors
 from model_loader.load import load_model
 from model_loader.moe import MoeSpec
 from model_loader.weights import LayerWeights
-from reference.model import silu
+from reference.model import forward, silu
 from reference.moe import moe_mlp, route_token
 from tests.test_families import FAMILY_DIR
 from tests.utils import make_engine
@@ -226,3 +230,46 @@ def test_refused_by_name():
         make_engine(m, backend="numpy", tensor_parallel_size=2, distributed_executor_backend="mp")
     with pytest.raises(ValueError, match=r"the cuda backend has no expert products"):
         make_engine(m, backend="cuda")
+
+
+def rewritten(tmp_path, name, edit):
+    """A copy of a family checkpoint whose tensors ``edit`` changed (a dict, in place)."""
+    out = tmp_path / name
+    shutil.copytree(FAMILY_DIR / name, out)
+    tensors = {k: np.array(v) for k, v in read_safetensors(FAMILY_DIR / name).items()}
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def fuse_qwen3_moe_experts(t: dict) -> None:
+    """Per-expert tensors -> transformers 5's in-memory 3-D form (gate rows, then up rows)."""
+    for i in (0, 2):  # the sparse layers (layer 1 is in mlp_only_layers)
+        name = "model.layers.{i}.mlp.experts.{e}.{m}_proj.weight"
+        g, u, dn = (
+            [t.pop(name.format(i=i, e=e, m=m)) for e in range(8)] for m in ("gate", "up", "down")
+        )
+        t[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate(
+            [np.stack(g), np.stack(u)], 1
+        )
+        t[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack(dn)
+
+
+def test_fused_3d_expert_tensors_load_as_the_per_expert_ones(tmp_path):
+    fused = load_model(str(rewritten(tmp_path, "qwen3_moe", fuse_qwen3_moe_experts)))
+    plain = loaded("qwen3_moe")
+    for a, b in zip(plain.weights.layers, fused.weights.layers, strict=True):
+        for field in ("router", "e_gate", "e_up", "e_down", "w_gate"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None and y is None) or np.array_equal(x, y), field
+    ids = np.random.default_rng().integers(3, 320, size=9).tolist()
+    np.testing.assert_array_equal(
+        forward(fused.weights, fused.config, ids), forward(plain.weights, plain.config, ids)
+    )
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    gone = "model.layers.2.block_sparse_moe.experts.3.w3.weight"
+    path = rewritten(tmp_path, "mixtral", lambda t: t.pop(gone))
+    with pytest.raises(ValueError, match=f"missing tensor '{gone}'"):
+        load_model(str(path))
