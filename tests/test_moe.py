@@ -222,6 +222,22 @@ def test_batched_prompts_route_apart(name, backend, monkeypatch):
     assert len(np.unique(first[:, 0])) > 1  # rows of the batch went to different experts
 
 
+def test_router_never_quantized():
+    """--quantization int8 on the cpu backend: the experts' matrices int8, the router the
+    checkpoint's float32 values."""
+    m = loaded("qwen3_moe")
+    backend = make_engine(m, backend="cpu", quantization="int8").backend
+    for lw, packed in zip(m.weights.layers, backend.layers, strict=True):
+        if lw.router is None:
+            assert packed.experts is None
+            continue
+        assert packed.experts.router.dtype == F32
+        np.testing.assert_array_equal(packed.experts.router, lw.router.T)
+        assert all(
+            w.kind.startswith("int8") for w in (*packed.experts.gate_up, *packed.experts.down)
+        )
+
+
 def test_refused_by_name():
     m = loaded("mixtral")
     with pytest.raises(ValueError, match=r"enable_lora: LoRA adapters on a mixture of experts"):
