@@ -21,6 +21,7 @@ from model_loader.families import (
     is_classifier,
     layer_windows,
 )
+from model_loader.moe import MoeSpec, moe_spec
 from model_loader.rope import RopeParams, parse_rope
 
 # Hugging Face config.json keys that must be present (no sensible default exists).
@@ -59,6 +60,7 @@ class ModelConfig:
     stored_matrix_type: str | None = None  # a GGUF's layer matrices' type if one ("Q8_0")
     labels: tuple[str, ...] = ()  # a sequence classifier's labels, in id order (): a causal LM)
     problem_type: str | None = None  # a classifier's: how its logits become probabilities
+    moe: MoeSpec | None = None  # a mixture of experts' experts and routing (None: dense)
 
     def __post_init__(self):
         if self.rope is None:
@@ -186,6 +188,7 @@ class ModelConfig:
             layer_windows=layer_windows(d, fam, d["num_hidden_layers"]),
             labels=classifier_labels(d),
             problem_type=d.get("problem_type") if is_classifier(d) else None,
+            moe=moe_spec(d, fam.name, d["num_hidden_layers"]) if fam.moe else None,
         )
 
     @classmethod

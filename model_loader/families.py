@@ -15,6 +15,10 @@ backend and the CUDA kernels:
   qwen3    -           per head  w        SiLU         x            layer_types
   phi3     -           -         w        SiLU         x            sliding_window
   gemma    -           -         (1 + w)  GELU (tanh)  x sqrt(D)    -
+  qwen3_moe  as qwen3, with experts in place of the MLP (use_sliding_window: every layer)
+  mixtral    as mistral, with experts in place of the MLP
+
+A mixture of experts' own keys are read by ``model_loader.moe`` (``MoeSpec``).
 
 Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``; the loader splits
 them (``model_loader.hf_weights``).
@@ -23,6 +27,8 @@ them (``model_loader.hf_weights``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from model_loader.moe import MIXTRAL_KEYS, QWEN3_MOE_KEYS
 
 # Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
 COMMON_KEYS = {
@@ -112,6 +118,9 @@ HARMLESS_KEYS = {
     "begin_suppress_tokens",
     "auto_map",  # custom code for other libraries; the family alone decides the math here
 }
+# a mixture of experts' training-only keys: the router's auxiliary loss, its logits as an
+# output, Mixtral's jitter (applied in training mode only)
+HARMLESS_KEYS |= {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
 
 # Keys that must hold one value (the one implemented), else the checkpoint is refused.
 # key -> (values accepted, what the key would ask for).
@@ -148,8 +157,10 @@ class Family:
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
     activations: dict = None  # hidden_act value -> activation (None: SILU)
-    window: str = "none"  # none | global (sliding_window) | layer_types
+    window: str = "none"  # none | global (sliding_window) | layer_types | flag (when
+    #   use_sliding_window: every layer)
     fused_projections: bool = False  # qkv_proj, gate_up_proj in the checkpoint
+    moe: bool = False  # experts in place of the MLP (model_loader.moe)
     example: str = ""  # a checkpoint of the family
     differs: str = ""  # what differs from Llama, for the docs
 
@@ -217,6 +228,31 @@ FAMILIES = {
             activations=GEMMA_GELU,
             example="google/gemma-2b",
             differs="(1 + w) norms, GELU-tanh gated MLP, embeddings times sqrt(hidden_size)",
+        ),
+        Family(
+            "qwen3_moe",
+            ("Qwen3MoeForCausalLM",),
+            frozenset(
+                QWEN3_MOE_KEYS
+                | {"use_sliding_window", "sliding_window"}
+                | {"max_window_layers", "attention_bias"}
+            ),  # fmt: skip
+            qk_norm=True,
+            window="flag",
+            moe=True,
+            example="Qwen/Qwen3-30B-A3B",
+            differs="as qwen3, experts in place of the MLP (top-k of num_experts; dense layers: "
+            "mlp_only_layers, decoder_sparse_step)",
+        ),
+        Family(
+            "mixtral",
+            ("MixtralForCausalLM",),
+            frozenset(MIXTRAL_KEYS | {"sliding_window"}),
+            window="global",
+            moe=True,
+            example="mistralai/Mixtral-8x7B-v0.1",
+            differs="as mistral, experts in place of the MLP (top-k of num_local_experts, "
+            "renormalized)",
         ),
     )
 }
@@ -307,11 +343,11 @@ def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.js
     if fam.window == "none":
         return (0,) * num_layers
     window = d.get("sliding_window")
-    if fam.window == "layer_types" and not d.get("use_sliding_window", False):
+    if fam.window in ("layer_types", "flag") and not d.get("use_sliding_window", False):
         window = None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
-    if fam.window == "global":
+    if fam.window in ("global", "flag"):  # flag: transformers 5's Qwen3-MoE, every layer
         return (window or 0,) * num_layers
     types = d.get("layer_types")
     if types is None:

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from model_loader.config import ModelConfig
+from model_loader.moe import moe_layer_names, moe_shapes, stack_experts
 from model_loader.weights import LayerWeights, LazyLayers, ModelWeights
 
 # ModelWeights field -> Hugging Face tensor name.
@@ -82,7 +83,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "bv": (cfg.kv_dim,),
         "q_norm": (cfg.head_dim,),
         "k_norm": (cfg.head_dim,),
-    }
+    } | (moe_shapes(cfg.moe, d) if cfg.moe is not None else {})
 
 
 def family_layer_names(cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm) -> dict[str, str]:
@@ -151,13 +152,15 @@ def weights_from_tensors(
     if layer_names is None:
         layer_names = family_layer_names(cfg, HF_LAYER_NAMES, HF_BIAS_NAMES, HF_QK_NORM_NAMES)
     shapes, used = expected_shapes(cfg), set()
+    sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_hidden_layers
+    tables = [moe_layer_names(layer_names) if s else layer_names for s in sparse]
     embed = _take(tensors, global_names["embed"], shapes["embed"], used)
     for i in range(cfg.num_hidden_layers):  # every layer's names and shapes, now
-        for field, name in layer_names.items():
+        for field, name in tables[i].items():
             _check(tensors, name.format(i=i), shapes[field], used)
 
     def layer(i: int) -> LayerWeights:
-        return LayerWeights(**{f: tensors[n.format(i=i)] for f, n in layer_names.items()})
+        return LayerWeights(**{f: tensors[n.format(i=i)] for f, n in tables[i].items()})
 
     n = cfg.num_hidden_layers
     layers = LazyLayers(n, layer) if hasattr(tensors, "shape") else [layer(i) for i in range(n)]
@@ -273,4 +276,6 @@ def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     tensors = read_safetensors(model_dir)
     if cfg.spec.fused_projections:
         tensors = split_fused(tensors, cfg)
+    if cfg.moe is not None:
+        tensors = stack_experts(tensors, cfg.family, cfg.moe, cfg.hidden_size)
     return weights_from_tensors(tensors, cfg)

@@ -21,15 +21,20 @@ class LayerWeights:
     wv: np.ndarray  # (n_kv_heads * head_dim, dim)
     wo: np.ndarray  # (dim, n_heads * head_dim)
     mlp_norm: np.ndarray  # (dim,)
-    w_gate: np.ndarray  # (ffn_dim, dim)
-    w_up: np.ndarray  # (ffn_dim, dim)
-    w_down: np.ndarray  # (dim, ffn_dim)
+    w_gate: np.ndarray | None = None  # (ffn_dim, dim); None in a layer of experts
+    w_up: np.ndarray | None = None  # (ffn_dim, dim)
+    w_down: np.ndarray | None = None  # (dim, ffn_dim)
     # family extras, None where the family has none (model_loader.families)
     bq: np.ndarray | None = None  # (n_heads * head_dim,) q projection bias (Qwen2)
     bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: np.ndarray | None = None  # (head_dim,)
+    # a layer of experts (model_loader.moe) in place of w_gate, w_up, w_down
+    router: np.ndarray | None = None  # (n_experts, dim)
+    e_gate: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
+    e_up: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
+    e_down: np.ndarray | None = None  # (n_experts, dim, expert_ffn_dim)
 
 
 class LazyLayers(Sequence):

@@ -19,6 +19,7 @@ import numpy as np
 from model_loader.config import ModelConfig
 from model_loader.rope import rope_cos_sin
 from model_loader.weights import LayerWeights, ModelWeights
+from reference.moe import moe_mlp
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
@@ -136,6 +137,8 @@ def forward(
     for layer, lw in enumerate(w.layers):
         h = rms_norm(x, lw.attn_norm, eps, off)
         x = x + attention_block(h, lw, cfg, cos, sin, layer, cache, start)
-        x = x + mlp(rms_norm(x, lw.mlp_norm, eps, off), lw, cfg.hidden_act)
+        h = rms_norm(x, lw.mlp_norm, eps, off)
+        x = x + (moe_mlp(h, lw, cfg.moe, ACTIVATIONS[cfg.hidden_act]) if lw.router is not None
+                 else mlp(h, lw, cfg.hidden_act))  # fmt: skip
     last = rms_norm(x[-1:], w.final_norm, eps, off)  # (1, D): only the last row matters
     return (last @ w.lm_head.T)[0]  # (V,)

@@ -82,6 +82,8 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from family_golden_moe import MOE_FAMILIES, MOE_VARIANTS  # noqa: E402  (scripts/)
+
 from model_loader.synthetic import TINY_SHAPE, save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
 
 OUT = ROOT / "tests" / "data" / "families"
@@ -219,6 +221,7 @@ FAMILIES = {
 # Each variant is what a loader that misses the family's quirk would compute, applied to the saved
 # checkpoint: its logits must differ from the golden ones by more than the bound (the largest
 # difference is recorded in meta["variants"], so a test's tolerance can be set below it).
+FAMILIES |= MOE_FAMILIES
 
 
 def _gemma_no_embed_scale(model) -> None:
@@ -259,6 +262,9 @@ VARIANTS = {
 }
 
 
+VARIANTS |= MOE_VARIANTS
+
+
 def b64_float32(x: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(x, dtype="<f4").tobytes()).decode("ascii")
 
@@ -296,8 +302,8 @@ def randomise(model, family: str, rng: np.random.Generator) -> None:
             else:
                 w = 1.0 + 0.1 * z
         else:
-            assert len(shape) == 2, pname
-            w = z / np.sqrt(shape[1])
+            assert len(shape) in (2, 3), pname  # 3: a mixture's experts, (E, out, in)
+            w = z / np.sqrt(shape[-1])
             if pname.endswith(("o_proj.weight", "down_proj.weight")):
                 w = gain * w
         p.copy_(torch.from_numpy(w.astype(np.float32)))

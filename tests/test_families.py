@@ -26,6 +26,9 @@ from tests.utils import make_engine
 
 FAMILY_DIR = Path(__file__).parent / "data" / "families"
 FAMILIES = sorted(p.name for p in FAMILY_DIR.iterdir() if (p / "golden.json").exists())
+# mixtures of experts: the host backends run them, the CUDA backend refuses them
+MOE = [n for n in FAMILIES if "_moe" in n or n == "mixtral"]
+DENSE = [n for n in FAMILIES if n not in MOE]
 LOGITS_ATOL = 1e-3  # float32, transformers vs us (the golden tests' tolerance)
 STEP_ATOL = 2e-3  # every step's logits, after several decode steps through the KV cache
 
@@ -49,6 +52,7 @@ def step_logits(case: dict) -> np.ndarray:
 def test_every_family_has_golden_data():
     want = {"llama", "llama3", "qwen2", "qwen2_swa", "qwen2_yarn", "qwen3", "mistral", "phi3"}
     want.add("gemma")
+    want |= {"qwen3_moe", "mixtral"}
     assert want <= set(FAMILIES)
     for name in FAMILIES:
         arch = golden(name)["meta"]["architecture"]
@@ -105,7 +109,27 @@ def test_numpy_backend_chunked_prefill_small_blocks(name):
     check_outputs(name, *outs)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MOE)
+def test_cpu_backend_matches_transformers(name):
+    check_outputs(name, *engine_outputs(name, "cpu", block_size=4, num_gpu_blocks=128))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_cpu_backend_chunked_prefill(name):
+    outs = engine_outputs(
+        name, "cpu", num_gpu_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=24,
+        max_num_seqs=4,
+    )  # fmt: skip
+    check_outputs(name, *outs)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_cuda_refuses_a_mixture_of_experts(name):
+    with pytest.raises(ValueError, match="cuda-cpu backend has no expert products"):
+        engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128)
+
+
+@pytest.mark.parametrize("name", DENSE)
 def test_cuda_cpu_backend_matches_transformers(name):
     check_outputs(name, *engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128))
 

@@ -95,7 +95,7 @@ def test_linear_and_yarn_rope():
     [
         ({"model_type": "gpt2", "architectures": None}, "model_type 'gpt2'"),
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
-        ({"architectures": ["MixtralForCausalLM"]}, "architecture 'MixtralForCausalLM'"),
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "does not match model_type 'llama'"),
         ({"my_new_knob": 3}, "key 'my_new_knob'"),
         ({"sliding_window": 4096}, "key 'sliding_window'"),  # not a Llama key

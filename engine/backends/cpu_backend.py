@@ -263,7 +263,7 @@ class CpuBackend(NumpyBackend):
     def _stored(self) -> None:
         self.products_vs_numpy = None  # the kept products' time over NumPy's float32 ones
         arrays = [self.embed, self.final_norm, self.lm_head]
-        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
+        arrays += [a for lw in self.layers for a in lw.arrays()]
         kinds = sorted(bytes_by_kind(arrays).items(), key=lambda kv: -kv[1])
         log.info(
             "weights resident, by format: %s",
@@ -296,8 +296,10 @@ class CpuBackend(NumpyBackend):
         verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
-        rows' updates after each product. Anything else takes the NumPy backend's loop."""
+        rows' updates after each product. Anything else (a mixture of experts too) takes the
+        NumPy backend's loop."""
         fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
+        fused = fused and self.cfg.moe is None  # decode_layers has no experts
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)

@@ -25,6 +25,7 @@ from engine.backends.base import (
 )
 from engine.backends.fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
 from engine.backends.forward_batch import ForwardBatch
+from engine.backends.moe import PackedExperts, experts_forward, pack_experts
 from engine.backends.quant import HEAD_FORMAT, QuantWeight, quantize
 from model_loader.config import ModelConfig
 from model_loader.gguf_blocks import BlockMatrix, stack_rows
@@ -41,17 +42,27 @@ MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a PackedLayer's (K, N) mat
 @dataclass
 class PackedLayer:
     """A layer's weights. The four (K, N) matrices are float32, or on the cpu backend bf16 or
-    int8 (``quant.QuantWeight``), multiplied through ``ops.matmul`` either way."""
+    int8 (``quant.QuantWeight``), multiplied through ``ops.matmul`` either way. A layer of
+    experts has ``experts`` (engine/backends/moe.py) in place of w_gate_up and w_down."""
 
     attn_norm: np.ndarray  # (D,) the norm's scale, offset + w (Gemma's 1 + w)
     w_qkv: np.ndarray | QuantWeight  # (D, H*hd + 2*Hkv*hd): q | k | v columns
     w_o: np.ndarray | QuantWeight  # (H*hd, D)
     mlp_norm: np.ndarray  # (D,)
-    w_gate_up: np.ndarray | QuantWeight  # (D, 2F): gate | up columns
-    w_down: np.ndarray | QuantWeight  # (F, D)
+    w_gate_up: np.ndarray | QuantWeight | None  # (D, 2F): gate | up columns
+    w_down: np.ndarray | QuantWeight | None  # (F, D)
     b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
     q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
     k_norm: np.ndarray | None = None  # (hd,)
+    experts: PackedExperts | None = None  # a layer of experts' router and matrices
+
+    def arrays(self):
+        """Every kept array once (a layer of experts': its router's and experts')."""
+        for a in vars(self).values():
+            if isinstance(a, PackedExperts):
+                yield from a.arrays()
+            elif a is not None:
+                yield a
 
 
 def _t(*mats: np.ndarray) -> np.ndarray:
@@ -83,14 +94,20 @@ def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
 
 
 def pack_weights(
-    w: ModelWeights, round_to: np.dtype, norm_offset: float = 0.0, store=None, head_store=None
+    w: ModelWeights,
+    round_to: np.dtype,
+    norm_offset: float = 0.0,
+    store=None,
+    head_store=None,
+    moe=None,
 ) -> tuple[list[PackedLayer], dict]:
     """Fused, transposed float32 weights (values first rounded through ``round_to``); norm
     scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does. ``store``
     (and ``head_store`` for the LM head), given, turn each packed (K, N) matrix into the form
     it is kept in right after it is packed: a matrix reaches its store as a (K, N) view in the
     checkpoint's dtype (the fused ones as one copy of it), and the store widens it slice by
-    slice or as a whole, so one layer's matrices at a time exist beside the kept ones."""
+    slice or as a whole, so one layer's matrices at a time exist beside the kept ones.
+    A layer of experts (``moe``: the config's MoeSpec) packs them through the same store."""
 
     def r(a: np.ndarray | None) -> np.ndarray | None:  # rounded through round_to
         return a if a is None or round_to == F32 else a.astype(round_to, copy=False)
@@ -99,17 +116,19 @@ def pack_weights(
     layers = []
     for i, lw in enumerate(w.layers):
         bias = None if lw.bq is None else _f32(np.concatenate([r(lw.bq), r(lw.bk), r(lw.bv)]))
+        sparse = lw.router is not None
         layers.append(
             PackedLayer(
                 attn_norm=_f32(r(lw.attn_norm), norm_offset),
                 w_qkv=keep(_t(r(lw.wq), r(lw.wk), r(lw.wv))),
                 w_o=keep(_t(r(lw.wo))),
                 mlp_norm=_f32(r(lw.mlp_norm), norm_offset),
-                w_gate_up=keep(_t(r(lw.w_gate), r(lw.w_up))),
-                w_down=keep(_t(r(lw.w_down))),
+                w_gate_up=None if sparse else keep(_t(r(lw.w_gate), r(lw.w_up))),
+                w_down=None if sparse else keep(_t(r(lw.w_down))),
                 b_qkv=bias,
                 q_norm=_f32(r(lw.q_norm)),
                 k_norm=_f32(r(lw.k_norm)),
+                experts=pack_experts(lw, moe, r, keep) if sparse else None,
             )
         )
         drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
@@ -145,6 +164,7 @@ class NumpyBackend(Backend):
             model_config.norm_offset,
             self._matrix_store(self.quantization),
             self._matrix_store(self.quantization, head=True),
+            model_config.moe,
         )
         # Gemma's sqrt(D), rounded to the weights' dtype as Hugging Face rounds it
         self.embed_scale = float(self.np_kv_dtype.type(model_config.embed_scale))
@@ -190,7 +210,7 @@ class NumpyBackend(Backend):
     @property
     def weights_bytes(self) -> int:
         arrays = [self.embed, self.final_norm, self.lm_head]
-        arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
+        arrays += [a for lw in self.layers for a in lw.arrays()]
         return sum(a.nbytes for a in arrays)
 
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
@@ -199,7 +219,10 @@ class NumpyBackend(Backend):
         c = self.cfg
         t, s = num_tokens, min(max_seq_len, num_tokens)
         qkv = c.q_dim + 2 * c.kv_dim
-        per_token = 3 * c.hidden_size + 2 * qkv + 2 * c.q_dim + 4 * c.intermediate_size
+        ffn = c.intermediate_size
+        if c.moe is not None:  # each token's k pairs: gathered rows, gate|up, act, down
+            ffn = max(ffn, c.moe.top_k * (c.moe.intermediate_size + c.hidden_size))
+        per_token = 3 * c.hidden_size + 2 * qkv + 2 * c.q_dim + 4 * ffn
         seq_kv = 4 * s * c.kv_dim  # one sequence's gathered K and V (+ transposed copies)
         rows = min(s, fast_ops.QUERY_CHUNK)
         scores = 3 * c.num_attention_heads * rows * s  # scores, mask, probs
@@ -247,10 +270,16 @@ class NumpyBackend(Backend):
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
             x = self._attention(h, lw, layer, batch)  # (T, D)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            gate_up = self._mm(h, lw, layer, "w_gate_up", batch)  # (T, 2F)
-            act = ops.act_and_mul(gate_up, c.hidden_act)  # (T, F)
-            x = self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)
+            x = self._mlp(h, lw, layer, batch)  # (T, D)
         return x, residual
+
+    def _mlp(self, h: np.ndarray, lw: PackedLayer, layer: int, batch: ForwardBatch):
+        # h (T, D) normed -> (T, D): the gated MLP, or a layer of experts
+        if lw.experts is not None:
+            return experts_forward(h, lw.experts, self.ops, self.cfg.hidden_act)
+        gate_up = self._mm(h, lw, layer, "w_gate_up", batch)  # (T, 2F)
+        act = self.ops.act_and_mul(gate_up, self.cfg.hidden_act)  # (T, F)
+        return self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)
 
     def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (T, D) float32: every row's last hidden state after the final norm

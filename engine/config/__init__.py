@@ -13,6 +13,7 @@ from engine.config.checks import (
     host_only_refusal,
     is_int,
     is_number,
+    moe_refusal,
 )
 from engine.config.engine_config import EngineConfig, make_config
 
@@ -22,6 +23,7 @@ __all__ = [
     "QUANTIZATIONS",
     "EngineConfig",
     "host_only_refusal",
+    "moe_refusal",
     "is_int",
     "is_number",
     "make_config",

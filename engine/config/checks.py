@@ -258,3 +258,22 @@ def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
                 f"{world_size}"
             )
     return None
+
+
+def moe_refusal(config, model_config, backend: str) -> str | None:
+    """Why a mixture of experts cannot run with these options on this backend (a resolved
+    name, or auto), in one line; None where it can (or the model is dense)."""
+    if model_config.moe is None:
+        return None
+    what = f"a mixture of experts ({model_config.family})"
+    world = getattr(config, "world_size", 1)
+    if getattr(config, "enable_lora", False):
+        return f"enable_lora: LoRA adapters on {what} are not supported"
+    if world > 1:
+        return f"tensor_parallel_size x pipeline_parallel_size is {world}: {what} runs on one rank"
+    if backend in ("cuda", "cuda-cpu"):
+        return (
+            f"the {backend} backend has no expert products for {what}; --backend cpu or numpy "
+            f"runs it"
+        )
+    return None

@@ -1,0 +1,100 @@
+"""A layer of experts on the host backends (numpy, cpu): routing and the grouped expert products.
+
+Face: ``pack_experts`` (at load: a LayerWeights' router and stacked experts -> ``PackedExperts``)
+and ``experts_forward`` (per step: normed hidden states -> the layer's MLP output), through the
+backend's own ``ops`` (``matmul``, ``act_and_mul``), so each backend's product formats apply.
+
+Per step and layer:
+  route    router logits h @ W_r in float32 (T, E); softmax over the experts; the top k per token
+           (a stable sort of -p: equal probabilities go to the lower expert index, torch.topk's
+           order); their weights, renormalized to sum to one where the family says so
+  group    the T*k (token, expert) pairs bucketed by expert: a stable argsort of the expert ids
+           gives the sorted pairs, bincount the counts, their cumulative sum the offsets
+  experts  each expert with rows: its tokens' rows gathered (n_e, D), one gate|up product,
+           act(gate) * up, one down product, scaled by each pair's weight and added into its
+           token's row (a token picks an expert at most once, so a bucket's rows are distinct)
+Each chosen expert's matrices are read once per step, whatever its number of tokens. The router
+stays float32 whatever ``--quantization`` or ``--dtype`` does to the experts' matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from model_loader.moe import MoeSpec
+
+F32 = np.dtype(np.float32)
+
+
+@dataclass
+class PackedExperts:
+    """One layer's experts as a backend keeps them."""
+
+    router: np.ndarray  # (D, E) float32, never quantized
+    gate_up: list  # E kept (D, 2F) matrices: gate | up columns
+    down: list  # E kept (F, D) matrices
+    top_k: int
+    renormalize: bool
+
+    def arrays(self):
+        """Every kept array once (for byte counts)."""
+        yield self.router
+        yield from self.gate_up
+        yield from self.down
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays())
+
+
+def pack_experts(lw, spec: MoeSpec, rounded, keep) -> PackedExperts:
+    """A sparse layer's router and experts -> PackedExperts: each expert's gate and up stacked
+    and transposed to (D, 2F), its down to (F, D), each through ``keep`` (the backend's matrix
+    store), values first through ``rounded`` (the backend's dtype)."""
+    n = spec.num_experts
+    gate_up = [
+        keep(np.concatenate([rounded(lw.e_gate[e]), rounded(lw.e_up[e])]).T) for e in range(n)
+    ]
+    down = [keep(rounded(lw.e_down[e]).T) for e in range(n)]
+    router = np.ascontiguousarray(np.asarray(rounded(lw.router), dtype=F32).T)  # (D, E)
+    return PackedExperts(router, gate_up, down, spec.top_k, spec.renormalize)
+
+
+def route(h: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool):
+    """h (T, D), router (D, E) -> ((T, k) expert ids, (T, k) float32 weights), the most
+    probable expert first, equal probabilities by lower index."""
+    logits = np.asarray(h, dtype=F32) @ router  # (T, E) float32
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)  # (T, E)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :top_k]  # (T, k)
+    weights = np.take_along_axis(p, ids, axis=1)  # (T, k)
+    if renormalize:
+        weights /= weights.sum(axis=1, keepdims=True)
+    return ids, weights
+
+
+def group(ids: np.ndarray, num_experts: int):
+    """(T, k) expert ids -> (sorted pairs (T*k,): pair t*k + j ordered by expert, stable;
+    (E,) counts; (E + 1,) offsets: expert e's pairs are sorted[offsets[e]:offsets[e + 1]])."""
+    flat = ids.reshape(-1)  # (T*k,)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=num_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return order, counts, offsets
+
+
+def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.ndarray:
+    """h (T, D) normed -> (T, D) float32: each token's top-k experts, weighted and summed."""
+    ids, weights = route(h, layer.router, layer.top_k, layer.renormalize)  # (T, k) x 2
+    order, counts, offsets = group(ids, len(layer.gate_up))
+    tokens = order // layer.top_k  # (T*k,) each sorted pair's token
+    pair_w = weights.reshape(-1)[order]  # (T*k,) each sorted pair's weight
+    out = np.zeros((h.shape[0], layer.router.shape[0]), F32)  # (T, D)
+    for e in np.flatnonzero(counts):
+        lo, hi = offsets[e], offsets[e + 1]
+        rows = tokens[lo:hi]  # (n_e,) distinct tokens
+        a = ops.act_and_mul(ops.matmul(h[rows], layer.gate_up[e]), act)  # (n_e, F)
+        out[rows] += ops.matmul(a, layer.down[e]) * pair_w[lo:hi, None]  # (n_e, D)
+    return out

@@ -1,0 +1,173 @@
+"""Mixtures of experts at load: what a config.json says about its experts, and a checkpoint's
+expert tensors stacked per layer.
+
+``MoeSpec`` is read once from config.json (``moe_spec``) and kept in ``ModelConfig.moe``: how
+many experts, how many each token runs (top-k), their hidden width, whether the top-k routing
+weights are renormalized to sum to one, and which layers are sparse (the others keep the dense
+MLP of ``intermediate_size``).
+
+  family     experts key                          renormalized   sparse layers
+  qwen3_moe  num_experts (transformers 5 writes   norm_topk_prob  not in mlp_only_layers, and
+             num_local_experts)                                   (i + 1) % decoder_sparse_step == 0
+  mixtral    num_local_experts                    always          every layer
+
+Checkpoints store each expert's matrices apart (what transformers 5's ``save_pretrained``
+writes, converting back from the fused 3-D tensors it holds in memory):
+``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and the router ``mlp.gate`` (Qwen3-MoE);
+``block_sparse_moe.experts.{e}.w1/w3/w2`` and ``block_sparse_moe.gate`` (Mixtral). The fused
+form (``mlp.experts.gate_up_proj`` (E, 2F, D), gate rows first, ``mlp.experts.down_proj``
+(E, D, F)) is read as well. ``stack_experts`` turns either into one (E, ...) array per matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+# config.json keys of the MoE families besides COMMON_KEYS (harmless ones: families.py)
+QWEN3_MOE_KEYS = {
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+}
+MIXTRAL_KEYS = {"num_local_experts", "num_experts_per_tok"}
+
+# LayerWeights field -> the stacked array's name, for a sparse layer ({i}: the layer)
+STACKED = {
+    "router": "model.layers.{i}.moe.router",  # (E, D)
+    "e_gate": "model.layers.{i}.moe.gate",  # (E, F, D)
+    "e_up": "model.layers.{i}.moe.up",  # (E, F, D)
+    "e_down": "model.layers.{i}.moe.down",  # (E, D, F)
+}
+DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+# per family: the router's name, and each stacked matrix's per-expert name ({e}: the expert)
+PER_EXPERT = {
+    "qwen3_moe": (
+        "model.layers.{i}.mlp.gate.weight",
+        {
+            "e_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+            "e_up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+            "e_down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        },
+    ),
+    "mixtral": (
+        "model.layers.{i}.block_sparse_moe.gate.weight",
+        {
+            "e_gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+            "e_up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+            "e_down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+        },
+    ),
+}
+FUSED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"  # (E, 2F, D)
+FUSED_DOWN = "model.layers.{i}.mlp.experts.down_proj"  # (E, D, F)
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int  # E
+    top_k: int  # experts each token runs
+    intermediate_size: int  # F of each expert's gated MLP
+    renormalize: bool  # the top-k weights divided by their sum
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok ({self.top_k}) must be in "
+                f"[1, num_experts ({self.num_experts})]"
+            )
+        if self.intermediate_size <= 0:
+            raise ValueError(
+                f"config.json: the experts' intermediate size must be positive, got "
+                f"{self.intermediate_size}"
+            )
+
+
+def _positive(d: dict, key: str, where: str, default=None) -> int:
+    value = d.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def moe_spec(d: dict, family: str, num_layers: int, where: str = "config.json") -> MoeSpec:
+    """The experts a qwen3_moe or mixtral config.json describes."""
+    top_k = _positive(d, "num_experts_per_tok", where)
+    if family == "mixtral":
+        n = _positive(d, "num_local_experts", where)
+        return MoeSpec(
+            n, top_k, _positive(d, "intermediate_size", where), True, (True,) * num_layers
+        )
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    n = _positive(d, key, where)
+    step = _positive(d, "decoder_sparse_step", where, 1)
+    dense = d.get("mlp_only_layers") or []
+    if not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ValueError(f"{where}: mlp_only_layers {dense!r} names a layer out of range")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    renorm = d.get("norm_topk_prob", False)
+    if not isinstance(renorm, bool):
+        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {renorm!r}")
+    return MoeSpec(n, top_k, _positive(d, "moe_intermediate_size", where), renorm, sparse)
+
+
+def moe_layer_names(names: Mapping[str, str]) -> dict[str, str]:
+    """A sparse layer's name table: the dense one without its MLP, with the stacked experts."""
+    return {k: v for k, v in names.items() if k not in DENSE_MLP} | STACKED
+
+
+def moe_shapes(spec: MoeSpec, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The stacked fields' shapes."""
+    e, f, d = spec.num_experts, spec.intermediate_size, hidden
+    return {"router": (e, d), "e_gate": (e, f, d), "e_up": (e, f, d), "e_down": (e, d, f)}
+
+
+def stack_experts(
+    tensors: Mapping[str, np.ndarray], family: str, spec: MoeSpec, hidden: int
+) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors with each sparse layer's router and experts under STACKED's
+    names, one (E, ...) array per matrix (a copy: the experts' matrices side by side)."""
+    out, (router, per_expert) = dict(tensors), PER_EXPERT[family]
+    shapes = moe_shapes(spec, hidden)
+    for i, sparse in enumerate(spec.sparse):
+        if not sparse:
+            continue
+        if router.format(i=i) in out:
+            out[STACKED["router"].format(i=i)] = out.pop(router.format(i=i))
+        if FUSED_GATE_UP.format(i=i) in out:
+            _split_fused(out, i, spec)
+            continue
+        for field, name in per_expert.items():
+            names = [name.format(i=i, e=e) for e in range(spec.num_experts)]
+            for n in names:
+                if n not in out:
+                    raise ValueError(f"checkpoint: missing tensor {n!r} (expected shape "
+                                     f"{shapes[field][1:]})")  # fmt: skip
+                if tuple(out[n].shape) != shapes[field][1:]:
+                    raise ValueError(f"checkpoint: tensor {n!r} has shape {tuple(out[n].shape)}, "
+                                     f"config implies {shapes[field][1:]}")  # fmt: skip
+            out[STACKED[field].format(i=i)] = np.stack([out.pop(n) for n in names])
+    return out
+
+
+def _split_fused(out: dict, i: int, spec: MoeSpec) -> None:
+    """transformers 5's in-memory form: gate_up_proj (E, 2F, D) -> gate, up; down_proj."""
+    gate_up, f = out.pop(FUSED_GATE_UP.format(i=i)), spec.intermediate_size
+    if gate_up.ndim != 3 or gate_up.shape[1] != 2 * f:
+        name, shape = FUSED_GATE_UP.format(i=i), tuple(gate_up.shape)
+        raise ValueError(f"checkpoint: tensor {name!r} has shape {shape}, config implies "
+                         f"(E, {2 * f}, hidden)")  # fmt: skip
+    out[STACKED["e_gate"].format(i=i)] = gate_up[:, :f]
+    out[STACKED["e_up"].format(i=i)] = gate_up[:, f:]
+    down = out.pop(FUSED_DOWN.format(i=i), None)
+    if down is None:
+        raise ValueError(f"checkpoint: missing tensor {FUSED_DOWN.format(i=i)!r}")
+    out[STACKED["e_down"].format(i=i)] = down

@@ -1,0 +1,36 @@
+"""A mixture of experts' MLP in NumPy, token by token: the plain statement of the routing the
+engine's grouped products (engine/backends/moe.py) must reproduce.
+
+Per token x (D,): router logits l = W_r x in float32 (E,); p = softmax(l); the top k experts by
+p, ties to the lower index (torch.topk's order); their weights p_e, divided by their sum where
+the family renormalizes (Mixtral always, Qwen3-MoE when norm_topk_prob); the output is
+sum_e w_e * down_e(act(gate_e x) * up_e x).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from model_loader.moe import MoeSpec
+from model_loader.weights import LayerWeights
+
+
+def route_token(logits: np.ndarray, top_k: int, renormalize: bool) -> list[tuple[int, float]]:
+    """One token's (E,) float32 router logits -> [(expert, weight)] of its top_k experts, the
+    largest probability first, equal ones by expert index."""
+    p = np.exp(logits - logits.max())
+    p = p / p.sum()  # (E,) float32
+    chosen = sorted(range(len(p)), key=lambda e: (-p[e], e))[:top_k]
+    total = sum(p[e] for e in chosen) if renormalize else 1.0
+    return [(e, p[e] / total) for e in chosen]
+
+
+def moe_mlp(x: np.ndarray, lw: LayerWeights, spec: MoeSpec, act) -> np.ndarray:
+    """x (T, D) normalized -> (T, D): each token through its chosen experts, weighted."""
+    logits = x.astype(np.float32) @ lw.router.astype(np.float32).T  # (T, E) float32
+    out = np.zeros_like(x)  # (T, D)
+    for t in range(x.shape[0]):
+        for e, weight in route_token(logits[t], spec.top_k, spec.renormalize):
+            h = act(lw.e_gate[e] @ x[t]) * (lw.e_up[e] @ x[t])  # (F,)
+            out[t] += x.dtype.type(weight) * (lw.e_down[e] @ h)
+    return out
