@@ -29,8 +29,9 @@ from model_loader.kquant_mix import BASE
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m engine.tools.quantize",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog=__doc__.split("\n\n", 2)[2],
+        description="A model -> a GGUF file in one of llama.cpp's quantization mixes, block "
+        "for block what llama-quantize writes (no importance matrix) for the same float32 values.",
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="IN", help="a float .gguf file or a safetensors directory")
