@@ -30,6 +30,7 @@ from engine.backends.quant import HEAD_FORMAT, QuantWeight, quantize
 from model_loader.config import ModelConfig
 from model_loader.gguf_blocks import BlockMatrix, stack_rows
 from model_loader.hf_weights import drop_pages
+from model_loader.quantize_weights import MIXES, quantize_weights
 from model_loader.weights import ModelWeights, release_layer
 
 log = logging.getLogger("engine.backend")
@@ -157,15 +158,21 @@ class NumpyBackend(Backend):
         self.np_kv_dtype = numpy_dtype(self.kv_dtype)
         cache = getattr(engine_config, "kv_cache_dtype", "auto")
         self._cache_dtype = self.kv_dtype if cache == "auto" else cache
-        self.quantization = self._quantization(getattr(engine_config, "quantization", None))
+        asked = getattr(engine_config, "quantization", None)
+        if asked in MIXES:  # a k-quant mix: the matrices in GGUF blocks, kept as a file's are
+            if self.np_kv_dtype != F32:
+                raise ValueError(f"--quantization {asked} runs with --dtype float32 or auto")
+            weights = quantize_weights(weights, model_config, asked)
+        kind = self._quantization(None if asked in MIXES else asked)
         self.layers, rest = pack_weights(
             weights,
             self.np_kv_dtype,
             model_config.norm_offset,
-            self._matrix_store(self.quantization),
-            self._matrix_store(self.quantization, head=True),
+            self._matrix_store(kind),
+            self._matrix_store(kind, head=True),
             model_config.moe,
         )
+        self.quantization = asked if asked in MIXES else kind
         # Gemma's sqrt(D), rounded to the weights' dtype as Hugging Face rounds it
         self.embed_scale = float(self.np_kv_dtype.type(model_config.embed_scale))
         self.embed, self.final_norm, self.lm_head = (

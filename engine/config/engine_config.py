@@ -96,8 +96,10 @@ class EngineConfig:
         "block formats, float16 scales per 32 inputs of an output channel (the LM head Q8_0 "
         "under the 4-bit ones); the cpu backend quantizes activations to 8 bits per 32 and "
         "multiplies with integer dot products; a GGUF already in the format keeps its own "
-        "blocks, and one whose layers are all Q8_0 runs q8_0 without the flag. cpu and numpy "
-        "backends, one rank",
+        "blocks, and one whose layers are all Q8_0 runs q8_0 without the flag. q4_k_m, q5_k_m, "
+        "q6_k, q5_0: llama.cpp's k-quant mixes, a float checkpoint quantized at load into the "
+        "blocks llama-quantize writes (as engine.tools.quantize does to a file), kept as a "
+        "GGUF's are. cpu and numpy backends, one rank",
         choices=QUANTIZATIONS,
         default_help="none: the weights in --dtype (on the cpu backend, bfloat16 keeps them in "
         "bf16, half the bytes)",
