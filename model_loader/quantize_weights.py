@@ -54,6 +54,11 @@ def _to_type(name: str, a, type_name: str | None):
 def quantize_weights(w: ModelWeights, cfg: ModelConfig, mix: str) -> ModelWeights:
     """``w`` with every layer matrix, the embedding table and the LM head in the type the
     mix gives it (an untied LM head its own; a tied one the table's, Q6_K)."""
+    if cfg.moe is not None:
+        raise ValueError(
+            f"--quantization {mix}: a mixture of experts' experts have no k-quant mix here; "
+            "use --quantization q8_0 or int8"
+        )
     t0, tied = time.perf_counter(), w.lm_head is w.embed
     shapes = {"token_embd.weight": tuple(w.embed.shape)}
     if not tied:

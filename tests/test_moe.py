@@ -246,6 +246,8 @@ def test_refused_by_name():
         make_engine(m, backend="numpy", tensor_parallel_size=2, distributed_executor_backend="mp")
     with pytest.raises(ValueError, match=r"the cuda backend has no expert products"):
         make_engine(m, backend="cuda")
+    with pytest.raises(ValueError, match=r"q4_k_m: a mixture of experts' experts have no k-q"):
+        make_engine(m, backend="cpu", quantization="q4_k_m")
 
 
 def rewritten(tmp_path, name, edit):
