@@ -31,6 +31,7 @@
 
 #include "blas.h"
 #include "common.h"
+#include "dequant_tiles.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -329,24 +330,12 @@ template <int F> void dequant_row(float* out, const uint8_t* w, long K) {
   }
 }
 
-// out (M, N) = x~ (M, K) @ W^T through float32 tiles of NB W rows and sgemm.
 template <int F>
 void gemm_tiles(float* out, const int8_t* qx, const float* dx, const uint8_t* w, long M, long K,
                 long N, int nt) {
   const long row = K / QK * BLOCK_BYTES[F];
-  std::unique_ptr<float[]> xf(new float[M * K]);  // (M, K): x's quantized values
-  for (long i = 0; i < M * K; i++) xf[i] = qx[i] * dx[i / QK];
-  const long per = ((N + nt - 1) / nt + 7) / 8 * 8;
-  on_threads(nt, [&](int t) {
-    const long n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
-    std::unique_ptr<float[]> tile(new float[NB * K]);  // (NB, K)
-    for (long r0 = n0; r0 < n1; r0 += NB) {
-      const long rows = std::min(NB, n1 - r0);
-      for (long r = 0; r < rows; r++) dequant_row<F>(tile.get() + r * K, w + (r0 + r) * row, K);
-      sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, rows, K, 1.0f, xf.get(), K, tile.get(), K, 0.0f,
-            out + r0, N);
-    }
-  });
+  gemm_dequant_tiles<QK>(out, qx, dx, M, K, N, nt,
+                         [&](float* r, long n) { dequant_row<F>(r, w + n * row, K); });
 }
 
 template <int F>
