@@ -62,8 +62,11 @@ VISION_PREFIXES = (
 
 
 def is_multimodal(d: dict) -> bool:
-    return d.get("model_type") == "gemma3" or MULTIMODAL_ARCHITECTURE in (
-        d.get("architectures") or []
+    """A Gemma3ForConditionalGeneration config: model_type gemma3, or that architecture with
+    a text_config."""
+    archs = d.get("architectures") or []
+    return d.get("model_type") == "gemma3" or (
+        "text_config" in d and MULTIMODAL_ARCHITECTURE in archs
     )
 
 

@@ -11,7 +11,8 @@ transformers and torch are NOT project dependencies: this script runs in a throw
 wheel pulls CUDA libraries you don't want.) No network access is needed: every config is built from
 transformers' own config classes, never fetched from the Hub.
 
-It writes, for each family in FAMILIES, a directory tests/data/families/<name>/ holding
+It writes, for each family in FAMILIES (Gemma 2 and 3's entries and variants are in
+scripts/family_golden_gemma.py), a directory tests/data/families/<name>/ holding
 
     config.json, generation_config.json, model.safetensors   model.save_pretrained(), float32
     tokenizer.json, tokenizer_config.json                     model_loader/synthetic.py's tiny BPE
@@ -66,10 +67,6 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -87,11 +84,12 @@ from transformers import (
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from model_loader.synthetic import TINY_SHAPE, save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
+from scripts.family_golden_gemma import GEMMA_FAMILIES, GEMMA_MODELS, GEMMA_VARIANTS  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "families"
 VOCAB = TINY_SHAPE["vocab_size"]
 N_TOKENS = 12
-PROMPT_LENGTHS = (5, 40, 70)  # 40, 70 > the sliding windows (8, 12) and llama3's original 32
+PROMPT_LENGTHS = (5, 40, 70)  # 40, 70 > the sliding windows (8-24) and llama3's original 32
 PROMPT_SEED = 1234
 MARGIN_REL = 1e-3  # every greedy step: top1 - top2 >= MARGIN_REL * std(logits)
 MIN_DISTINCT = 5  # every case: at least this many distinct greedy tokens (not a fixed point)
@@ -216,48 +214,8 @@ FAMILIES = {
         "head_dim 32, GeGLU with gelu_pytorch_tanh (config key hidden_act), RMSNorm uses (1 + w), "
         "embeddings scaled by sqrt(hidden_size) = 8 in float32, tied",
     ),
-    "gemma2": (
-        Gemma2Config,
-        Gemma2ForCausalLM,
-        dict(
-            rope_parameters=rope(10000.0),
-            head_dim=32,
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=24,
-            sliding_window=16,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=10.0,
-            pad_token_id=PAD,
-            tie_word_embeddings=False,
-        ),
-        1000,
-        "sandwich norms (post-attention and post-feedforward RMSNorm, all 1 + w), attention "
-        "scale query_pre_attn_scalar^-1/2 = 24^-1/2, attention scores soft-capped at 5 and "
-        "logits at 10 (tanh(x / cap) * cap), sliding window 16 on the even layers "
-        "(Gemma2Config's default layer_types), untied",
-    ),
-    "gemma3": (
-        Gemma3TextConfig,
-        Gemma3ForCausalLM,
-        dict(
-            num_hidden_layers=6,
-            rope_parameters={
-                "full_attention": rope(1e6, rope_type="linear", factor=4.0),
-                "sliding_attention": rope(10000.0),
-            },
-            head_dim=32,
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=24,
-            sliding_window=24,
-            pad_token_id=PAD,
-            tie_word_embeddings=False,
-        ),
-        1100,
-        "Gemma 3 text: 6 layers, five sliding (window 24) then one full (Gemma3TextConfig's "
-        "default layer_types), per-kind RoPE (sliding: theta 1e4; full: theta 1e6, linear x4), "
-        "q_norm/k_norm RMSNorm (1 + w) per head, sandwich norms, scale 24^-1/2, untied",
-    ),
 }
+FAMILIES |= GEMMA_FAMILIES  # Gemma 2 and 3 (scripts/family_golden_gemma.py)
 
 
 # name -> {description: (config overrides, model edit or None, smallest max |logit diff| allowed)}.
@@ -274,18 +232,6 @@ def _gemma_norm_w_not_1_plus_w(model) -> None:
     for pname, p in model.named_parameters():
         if "norm" in pname:
             p.sub_(1.0)  # GemmaRMSNorm then multiplies by w, as a Llama-style norm would
-
-
-def _no_post_norms(model) -> None:
-    for layer in model.model.layers:
-        layer.post_attention_layernorm = torch.nn.Identity()
-        layer.post_feedforward_layernorm = torch.nn.Identity()
-
-
-def _no_qk_norm(model) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.q_norm = torch.nn.Identity()
-        layer.self_attn.k_norm = torch.nn.Identity()
 
 
 VARIANTS = {
@@ -313,41 +259,8 @@ VARIANTS = {
         # small by nature: a float32 test needs a tolerance under this to tell erf from tanh gelu
         "exact (erf) gelu instead of gelu_pytorch_tanh": (dict(hidden_act="gelu"), None, 1e-4),
     },
-    "gemma2": {
-        "no attention soft-capping": (dict(attn_logit_softcapping=None), None, 0.01),
-        "no final soft-capping": (dict(final_logit_softcapping=None), None, 0.1),
-        "attention scale head_dim^-1/2": (dict(query_pre_attn_scalar=32), None, 0.01),
-        "no post-attention / post-feedforward norms": ({}, _no_post_norms, 0.1),
-        "every layer full attention": (dict(layer_types=["full_attention"] * 3), None, 0.01),
-        "sliding_window 17": (dict(sliding_window=17), None, 0.01),
-    },
-    "gemma3": {
-        "sliding layers with the full layers' RoPE": (
-            dict(
-                rope_parameters={
-                    "full_attention": rope(1e6, rope_type="linear", factor=4.0),
-                    "sliding_attention": rope(1e6, rope_type="linear", factor=4.0),
-                }
-            ),
-            None,
-            0.01,
-        ),
-        "full layers without linear RoPE scaling": (
-            dict(
-                rope_parameters={
-                    "full_attention": rope(1e6),
-                    "sliding_attention": rope(10000.0),
-                }
-            ),
-            None,
-            0.01,
-        ),
-        "no q_norm / k_norm": ({}, _no_qk_norm, 0.1),
-        "attention scale head_dim^-1/2": (dict(query_pre_attn_scalar=32), None, 0.01),
-        "every layer full attention": (dict(layer_types=["full_attention"] * 6), None, 0.01),
-        "sliding_window 25": (dict(sliding_window=25), None, 0.01),
-    },
 }
+VARIANTS |= GEMMA_VARIANTS
 
 
 def b64_float32(x: np.ndarray) -> str:
@@ -471,7 +384,7 @@ def init_note(model) -> str:
     )
     if isinstance(model, Qwen3ForCausalLM):
         note += ", q_norm/k_norm 1 + 0.2 N(0, 1)"
-    if isinstance(model, GemmaForCausalLM | Gemma2ForCausalLM | Gemma3ForCausalLM):
+    if isinstance(model, GemmaForCausalLM | GEMMA_MODELS):
         note += "; Gemma: RMSNorm weights 0.1 N(0, 1) (used as 1 + w), embedding N(0, 1/hidden)"
     if model.config.tie_word_embeddings:
         note += f"; tied: o_proj and down_proj x{TIED_BRANCH_GAIN:g}"

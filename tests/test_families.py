@@ -1,9 +1,9 @@
 """Every supported family against Hugging Face transformers 5, on every path.
 
 The checkpoints in tests/data/families/ are tiny random models of each family as transformers
-5.24 saves them, with golden greedy tokens and logits from transformers in float32
-(scripts/make_family_golden.py). Prompts are token ids: 5, 40 and 70 tokens, shorter and longer
-than the sliding windows (8, 12) and than llama3's original context (32).
+5.24 (gemma2, gemma3: 5.25) saves them, with golden greedy tokens and logits from transformers
+in float32 (scripts/make_family_golden.py). Prompts are token ids: 5, 40 and 70 tokens, shorter
+and longer than the sliding windows (8, 12, 16, 24) and than llama3's original context (32).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_cuda_cpu_backend_matches_transformers(name):
     check_outputs(name, *engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128))
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2_swa", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2_swa", "qwen3", "gemma2", "gemma3"])
 def test_cuda_cpu_backend_chunked_prefill_eager(name):
     outs = engine_outputs(
         name,
@@ -120,5 +120,21 @@ def test_cuda_cpu_backend_chunked_prefill_eager(name):
         max_num_batched_tokens=24,
         max_num_seqs=4,
         enforce_eager=True,
+    )
+    check_outputs(name, *outs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cpu_backend_matches_transformers(name):
+    """The native kernels (cpu_src/): chunked prefill over 4-token blocks, then decodes (a
+    SiLU family's through decode_layers)."""
+    outs = engine_outputs(
+        name,
+        "cpu",
+        block_size=4,
+        num_gpu_blocks=128,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
     )
     check_outputs(name, *outs)

@@ -282,11 +282,11 @@ class CpuBackend(NumpyBackend):
         native pass over the logits."""
         return cpu_ops.argmax_rows(self._logits(batch))
 
-    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
+    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch, rope):
         # qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k, v rotated and cached, one pass
         c = self.cfg
         return self.ops.rotary_cache(
-            qkv, b.positions, c.rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
+            qkv, b.positions, rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
             lw.b_qkv, lw.q_norm, lw.k_norm, c.rms_norm_eps,
         )  # fmt: skip
 
@@ -297,7 +297,9 @@ class CpuBackend(NumpyBackend):
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
         rows' updates after each product. Anything else takes the NumPy backend's loop."""
-        fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
+        c = self.cfg  # decode_layers: neither sandwich norms nor soft-capping (Gemma 2, 3)
+        plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
+        fused = self.fuse_decode and residual is None and plain
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
@@ -310,7 +312,7 @@ class CpuBackend(NumpyBackend):
             return super()._attend(q, k_cache, v_cache, b, window)
         tables, lens = self._token_tables(b)  # (T, max_blocks), (T,)
         return self.ops.paged_attention_decode(
-            q, k_cache, v_cache, tables, lens, self.scale, window
+            q, k_cache, v_cache, tables, lens, self.scale, window, self.softcap
         )  # (T, H, hd)
 
     @staticmethod
