@@ -306,12 +306,19 @@ void party_values(float* acc, const float* corr, const float* p, long stride,
 
 // One party (G query heads of one KV head) over one chunk of keys: scores, softmax, values.
 // q, acc: (G, hd) in lane order; m, l: the party's running max and sum.
+// softcap > 0: each score s becomes tanh(s / softcap) * softcap (Gemma 2).
 template <typename V, int HD, int G, typename T>
 void party_chunk(float* acc, float* m, float* l, const float* q, const Keys<T>& k,
-                 const Keys<T>& v, float scale, int hd, float* s) {
+                 const Keys<T>& v, float scale, float softcap, int hd, float* s) {
   const long stride = CHUNK;
   float corr[G];
   party_scores<V, HD, G>(s, stride, q, k, scale, hd);
+  if (softcap > 0.0f)
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < k.n; j++) {
+        float& x = s[g * stride + j];
+        x = std::tanh(x / softcap) * softcap;
+      }
   for (int j = 0; j < AHEAD; j++) v.ask(j);  // the first values' rows
   for (int g = 0; g < G; g++) corr[g] = softmax_tile<V>(s + g * stride, k.n, m[g], l[g]);
   party_values<V, HD, G>(acc, corr, s, stride, v, hd);
@@ -355,7 +362,7 @@ void end_task(const State& st, int nh, int hd, float* out) {
 
 template <typename V, int HD, typename T>
 void work_chunk(State& st, const T* k_cache, const T* v_cache, const Task& t, const long* at,
-                int len, int hd, int group, float scale, Ahead& ahead, float* s) {
+                int len, int hd, int group, float scale, float softcap, Ahead& ahead, float* s) {
   const int parties = (group + PARTY - 1) / PARTY, bytes = (t.h1 - t.h0) * hd * sizeof(T);
   const T* k0 = k_cache + (long)t.h0 * hd;
   const T* v0 = v_cache + (long)t.h0 * hd;
@@ -370,10 +377,10 @@ void work_chunk(State& st, const T* k_cache, const T* v_cache, const Task& t, co
       const float* q = st.q.data() + (size_t)r * hd;
       float *m = st.m.data() + r, *l = st.l.data() + r;
       switch (size) {
-        case 4: party_chunk<V, HD, 4>(acc, m, l, q, k, v, scale, hd, s); break;
-        case 3: party_chunk<V, HD, 3>(acc, m, l, q, k, v, scale, hd, s); break;
-        case 2: party_chunk<V, HD, 2>(acc, m, l, q, k, v, scale, hd, s); break;
-        default: party_chunk<V, HD, 1>(acc, m, l, q, k, v, scale, hd, s); break;
+        case 4: party_chunk<V, HD, 4>(acc, m, l, q, k, v, scale, softcap, hd, s); break;
+        case 3: party_chunk<V, HD, 3>(acc, m, l, q, k, v, scale, softcap, hd, s); break;
+        case 2: party_chunk<V, HD, 2>(acc, m, l, q, k, v, scale, softcap, hd, s); break;
+        default: party_chunk<V, HD, 1>(acc, m, l, q, k, v, scale, softcap, hd, s); break;
       }
       g0 += size;
     }
@@ -383,7 +390,8 @@ void work_chunk(State& st, const T* k_cache, const T* v_cache, const Task& t, co
 template <typename V, int HD, typename T>
 void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, const int32_t* context_lens, int B, int max_blocks,
-            int H, int hkv, int hd, int bs, float scale, int window, int threads) {
+            int H, int hkv, int hd, int bs, float scale, int window, float softcap,
+            int threads) {
   const int group = H / hkv, parties = (group + PARTY - 1) / PARTY;
   long work = 0;
   for (int b = 0; b < B; b++) work += (long)context_lens[b] * H * hd * 4;
@@ -437,7 +445,7 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
           ahead.per_step = (lines + steps - 1) / steps;
         }
         work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group,
-                          scale * Row<V, T>::gain, ahead, s);
+                          scale * Row<V, T>::gain, softcap, ahead, s);
         if (c1 >= t.n) {
           end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + o);
           if (u0 < 0) break;
@@ -452,41 +460,41 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
 template <typename V, typename T>
 void decode_hd(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
                const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
-               int window, int threads) {
+               int window, float cap, int threads) {
   if (hd == 64)
-    decode<V, 64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+    decode<V, 64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
   else if (hd == 128)
-    decode<V, 128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+    decode<V, 128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
   else
-    decode<V, 0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+    decode<V, 0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
 }
 
 template <typename T>
 void decode_any(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
                 const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
-                int window, int threads) {
+                int window, float cap, int threads) {
 #if defined(__AVX512F__)
   if (hd % 32 == 0)
-    return decode_hd<v16>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window,
+    return decode_hd<v16>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap,
                           threads);
 #endif
-  decode_hd<v8>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, threads);
+  decode_hd<v8>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
 }
 
 }  // namespace
 
 // out, q: (B, H, hd) float32; k_cache, v_cache: (N, bs, Hkv, hd) of `dtype`;
-// block_tables: (B, max_blocks) int32; context_lens: (B,) int32, each >= 1.
-// Returns 0, or 1 for shapes beyond the kernel's limits (the caller checks them first).
+// block_tables: (B, max_blocks) int32; context_lens: (B,) int32, each >= 1; softcap > 0:
+// scores soft-capped, tanh(s / softcap) * softcap. Returns 0, or 1 for shapes beyond the kernel's limits (the caller checks them first).
 extern "C" int paged_attention_decode(float* out, const float* q, const void* k_cache,
                                       const void* v_cache, int dtype,
                                       const int32_t* block_tables,
                                       const int32_t* context_lens, int B, int max_blocks, int H,
                                       int hkv, int hd, int bs, float scale, int window,
-                                      int threads) {
+                                      float softcap, int threads) {
   if (H % hkv || hd > MAX_HD || hd % 16) return 1;
   DISPATCH_CACHE(dtype, decode_any<T>(out, q, (const T*)k_cache, (const T*)v_cache,
                                       block_tables, context_lens, B, max_blocks, H, hkv, hd, bs,
-                                      scale, window, threads));
+                                      scale, window, softcap, threads));
   return 0;
 }

@@ -7,7 +7,8 @@
 // K/V row converted to float32 once per task, K transposed), and does the tile as two small
 // matrix products in registers: the scores S = Q K^T (R, KTILE), then, after an online softmax
 // of each row (the keys a row may not see, later keys and with a window W those at or before
-// p - W, are -inf: weight 0), O = O * corr + P V (R, hd). A product's micro-tile is MR rows x
+// p - W, are -inf: weight 0; with softcap > 0 the scores first become tanh(s / softcap) *
+// softcap, Gemma 2's soft-capping), O = O * corr + P V (R, hd). A product's micro-tile is MR rows x
 // 16 columns whose sums stay in registers over the whole inner dimension (as the panel
 // products do, matmul_panels.cpp): each step loads one row of 16 columns and broadcasts one
 // value per row into it. A micro-tile of rows computes only the keys one of its rows sees.
@@ -118,7 +119,7 @@ inline void with_rows(int rows, F f) {
 template <typename T>
 void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
                   int p0, int nq, int bs, int H, int hkv, int hd, float scale, int window,
-                  int kvh, float* out) {
+                  float softcap, int kvh, float* out) {
   // q, out: rows p0..p0+nq-1 (positions), row i's heads at q + i*H*hd; block row r = i*group+g
   const int group = H / hkv, R = nq * group, hdp = (hd + CW - 1) / CW * CW;
   const long row_stride = (long)hkv * hd;
@@ -159,6 +160,8 @@ void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int3
     }
     for (int r = 0; r < R; r++) {
       float* sr = s.data() + (size_t)r * KTILE;
+      if (softcap > 0.0f)
+        for (int j = lo[r]; j < hi[r]; j++) sr[j] = std::tanh(sr[j] / softcap) * softcap;
       std::fill(sr, sr + lo[r], -INFINITY);
       std::fill(sr + hi[r], sr + nt, -INFINITY);
       corr[r] = softmax_tile<vs>(sr, nt, m[r], l[r]);  // P, and the factor O is rescaled by
@@ -188,7 +191,7 @@ template <typename T>
 void prefill(float* out, const float* q, const T* k_cache, const T* v_cache,
              const int32_t* block_tables, const int32_t* query_start_loc,
              const int32_t* context_lens, int B, int max_blocks, int H, int hkv, int hd, int bs,
-             float scale, int window, int threads) {
+             float scale, int window, float softcap, int threads) {
   std::vector<int> task_seq, task_row;  // (sequence, first row of the tile) per task
   long work = 0;
   for (int b = 0; b < B; b++) {
@@ -205,7 +208,7 @@ void prefill(float* out, const float* q, const T* k_cache, const T* v_cache,
     const int p0 = context_lens[b] - (hi - lo) + (r0 - lo);  // position of row r0
     const long at = (long)r0 * H * hd;
     prefill_task(q + at, k_cache, v_cache, block_tables + (long)b * max_blocks, p0, nq, bs, H,
-                 hkv, hd, scale, window, kvh, out + at);
+                 hkv, hd, scale, window, softcap, kvh, out + at);
   }
 }
 
@@ -220,10 +223,10 @@ extern "C" int paged_attention_prefill(float* out, const float* q, const void* k
                                        const int32_t* query_start_loc,
                                        const int32_t* context_lens, int B, int max_blocks, int H,
                                        int hkv, int hd, int bs, float scale, int window,
-                                       int threads) {
+                                       float softcap, int threads) {
   if (H % hkv || hd > MAX_HD || hd % 8) return 1;
   DISPATCH_CACHE(dtype, prefill<T>(out, q, (const T*)k_cache, (const T*)v_cache, block_tables,
                                    query_start_loc, context_lens, B, max_blocks, H, hkv, hd, bs,
-                                   scale, window, threads));
+                                   scale, window, softcap, threads));
   return 0;
 }

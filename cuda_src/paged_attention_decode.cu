@@ -2,7 +2,8 @@
 // sits at position context_lens[b] - 1, so no causal mask is needed): every key, or with a
 // sliding window W > 0 the last W, keys max(0, ctx - W) .. ctx - 1 (Hugging Face's
 // kv_idx > q_idx - W). The partitions split that visible span, starting at its first key, so
-// keys below the window are never read.
+// keys below the window are never read. With softcap > 0 each score s becomes
+// tanh(s / softcap) * softcap before the softmax (Gemma 2's attention soft-capping).
 //
 // One thread block per (KV head, up to kMaxGroup of the query heads that share it, sequence,
 // partition): every K and V row of the partition is read from global memory once and used for
@@ -82,11 +83,12 @@ __device__ __forceinline__ size_t row_offset(const Shared& s, int first, int j, 
   return (slot * num_kv_heads + kv_head) * kHeadDim;
 }
 
-// Scores of the chunk's n keys against every head's query -> s.p[g][j].
+// Scores of the chunk's n keys against every head's query -> s.p[g][j] (soft-capped when
+// softcap > 0).
 template <typename T>
 __device__ __forceinline__ void score_chunk(Shared& s, const T* __restrict__ k_cache,
                                             int num_kv_heads, int kv_head, int heads, int first,
-                                            int n) {
+                                            int n, float softcap) {
   using R = RowSplit<T>;
   const int lane = threadIdx.x % kWarpSize, li = lane % R::kLanes;
   const int rg = (threadIdx.x / kWarpSize) * R::kRowsPerWarp + lane / R::kLanes;
@@ -117,7 +119,9 @@ __device__ __forceinline__ void score_chunk(Shared& s, const T* __restrict__ k_c
       for (int m = R::kLanes / 2; m > 0; m /= 2) dot[g] += __shfl_xor_sync(kFullMask, dot[g], m);
     }
     if (j < n && li == 0) {
-      for (int g = 0; g < heads; ++g) s.p[g][j] = dot[g];
+      for (int g = 0; g < heads; ++g) {
+        s.p[g][j] = softcap > 0.0f ? tanhf(dot[g] / softcap) * softcap : dot[g];
+      }
     }
   }
 }
@@ -218,7 +222,8 @@ __device__ __forceinline__ void paged_attention_decode(
     const T* __restrict__ v_cache,        // (N, bs, Hkv, hd)
     const int* __restrict__ block_tables, // (B, max_blocks)
     const int* __restrict__ context_lens, // (B,)
-    int num_kv_heads, int group, int max_blocks, float scale, int partition_size, int window) {
+    int num_kv_heads, int group, int max_blocks, float scale, int partition_size, int window,
+    float softcap) {
   using namespace decode;
   using R = RowSplit<T>;
   __shared__ Shared s;
@@ -248,7 +253,7 @@ __device__ __forceinline__ void paged_attention_decode(
     __syncthreads();  // the previous chunk's block ids and probabilities are used up
     load_block_ids(s, table, first, n);
     __syncthreads();
-    score_chunk(s, k_cache, num_kv_heads, kv_head, heads, first, n);
+    score_chunk(s, k_cache, num_kv_heads, kv_head, heads, first, n, softcap);
     __syncthreads();
     softmax_chunk(s, heads, n);
     __syncthreads();
@@ -276,4 +281,4 @@ __device__ __forceinline__ void paged_attention_decode(
   }
 }
 
-DTYPE_ENTRY_POINTS(paged_attention_decode, 15)
+DTYPE_ENTRY_POINTS(paged_attention_decode, 16)

@@ -3,7 +3,8 @@
 // Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1]-1, the LAST q_len of
 // its context_lens[b] tokens, so the first context_lens[b] - q_len keys may come from earlier
 // steps (chunked prefill, prefix caching). Query row r at position p sees keys 0..p, or with a
-// sliding window W > 0 keys p - W + 1 .. p (Hugging Face's kv_idx > q_idx - W).
+// sliding window W > 0 keys p - W + 1 .. p (Hugging Face's kv_idx > q_idx - W). With
+// softcap > 0 each score s becomes tanh(s / softcap) * softcap before the mask (Gemma 2).
 //
 // A block serves a tile of 32 query rows of one sequence for one query head; each of its four
 // warps owns 8 rows. The keys go by in chunks of 32: the block stages the chunk's K (then V)
@@ -158,7 +159,7 @@ __device__ __forceinline__ void prefill_attention(
     const int* __restrict__ query_start_loc,  // (B + 1,)
     const int* __restrict__ context_lens,     // (B,)
     int num_seqs, int num_tokens, int num_kv_heads, int head_dim, int block_size,
-    int max_blocks, float scale, int window) {
+    int max_blocks, float scale, int window, float softcap) {
   DYNAMIC_SHARED(float, q_tile);                    // (32, hd) queries * scale
   __shared__ __align__(16) float kv[kTileKeys * kKvStride];     // (32, 68) a K or V slice
   __shared__ __align__(16) float probs[kTileKeys * kProbStride];  // (32 keys, 36) per row
@@ -211,6 +212,10 @@ __device__ __forceinline__ void prefill_attention(
       __syncthreads();
       score_slice(s, q_tile, kv, head_dim, d0, width);
     }
+    if (softcap > 0.0f) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) s[r] = tanhf(s[r] / softcap) * softcap;
+    }
     const int row_pos0 = pos0 + warp * kRowsPerWarp;
     const bool masked = first + kTileKeys - 1 > pos0 || (window > 0 && first <= last_pos - window);
     softmax_chunk(st, s, probs, masked, first + lane, row_pos0, last_pos, window);
@@ -240,4 +245,4 @@ __device__ __forceinline__ void prefill_attention(
   }
 }
 
-DTYPE_ENTRY_POINTS(prefill_attention, 15)
+DTYPE_ENTRY_POINTS(prefill_attention, 16)

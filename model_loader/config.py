@@ -21,6 +21,7 @@ from model_loader.families import (
     is_classifier,
     layer_windows,
 )
+from model_loader.gemma import attention_params, kind_ropes, text_config
 from model_loader.moe import MoeSpec, moe_spec
 from model_loader.rope import RopeParams, parse_rope
 
@@ -61,6 +62,13 @@ class ModelConfig:
     labels: tuple[str, ...] = ()  # a sequence classifier's labels, in id order (): a causal LM)
     problem_type: str | None = None  # a classifier's: how its logits become probabilities
     moe: MoeSpec | None = None  # a mixture of experts' experts and routing (None: dense)
+    # Gemma 2 / 3 (model_loader.gemma): scores scaled by query_pre_attn_scalar ** -0.5 (None:
+    # head_dim's), soft-capped tanh(s / cap) * cap (0: not), logits likewise, and the sliding
+    # layers' own RoPE (None: ``rope`` for every layer)
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    local_rope: RopeParams | None = None
 
     def __post_init__(self):
         if self.rope is None:
@@ -105,6 +113,20 @@ class ModelConfig:
     def norm_offset(self) -> float:
         """RMSNorms scale by (norm_offset + w): 1.0 for Gemma, else 0.0."""
         return self.spec.norm_offset
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """The attention's and the MLP's outputs are RMS-normalised too (Gemma 2 and 3)."""
+        return self.spec.sandwich_norms
+
+    @property
+    def attn_scale(self) -> float:
+        """What q.k is multiplied by: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeParams:
+        """Layer ``layer``'s RoPE: Gemma 3's sliding layers have their own."""
+        return self.local_rope if self.local_rope and self.window(layer) else self.rope
 
     @property
     def embed_scale(self) -> float:
@@ -158,13 +180,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
+        d = text_config(d)  # a Gemma 3 multimodal config: its language model's
         fam = family_of(d)
         check_keys(d, fam)
         missing = [k for k in REQUIRED_HF_FIELDS if k not in d]
         if missing:
             raise ValueError(f"config.json: missing required field {missing[0]!r}")
         n_heads, max_pos = d["num_attention_heads"], d.get("max_position_embeddings", 2048)
-        rope = parse_rope(d, max_pos)
+        rope, local = kind_ropes(d, max_pos) if fam.kind_rope else (parse_rope(d, max_pos), None)
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -174,7 +198,7 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=n_heads,
             num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope.theta,
             max_position_embeddings=max_pos,
@@ -189,6 +213,8 @@ class ModelConfig:
             labels=classifier_labels(d),
             problem_type=d.get("problem_type") if is_classifier(d) else None,
             moe=moe_spec(d, fam.name, d["num_hidden_layers"]) if fam.moe else None,
+            local_rope=local,
+            **attention_params(d, fam),
         )
 
     @classmethod

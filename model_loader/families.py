@@ -15,9 +15,14 @@ backend and the CUDA kernels:
   qwen3    -           per head  w        SiLU         x            layer_types
   phi3     -           -         w        SiLU         x            sliding_window
   gemma    -           -         (1 + w)  GELU (tanh)  x sqrt(D)    -
+  gemma2   -           -         sandw.   GELU (tanh)  x sqrt(D)    layer_types (2)
+  gemma3   -           per head  sandw.   GELU (tanh)  x sqrt(D)    layer_types (6)
   qwen3_moe  as qwen3, with experts in place of the MLP (use_sliding_window: every layer)
   mixtral    as mistral, with experts in place of the MLP
 
+Gemma 2 and 3 ("sandw.": (1 + w) RMSNorm before and after attention and the MLP) also scale
+attention by ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps attention scores and logits,
+Gemma 3 gives its sliding layers their own RoPE (``model_loader.gemma``).
 A mixture of experts' own keys are read by ``model_loader.moe`` (``MoeSpec``).
 
 Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``; the loader splits
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_loader.gemma import layer_types as gemma_layer_types
 from model_loader.moe import MIXTRAL_KEYS, QWEN3_MOE_KEYS
 
 # Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
@@ -139,12 +145,15 @@ UNSUPPORTED_KEYS = {
     "final_logit_softcapping": "logit soft-capping",
     "attn_logit_softcapping": "attention soft-capping",
     "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
-}
+}  # a family that reads one of these (its keys) takes it
+
 
 # hidden_act value -> the activation's name in this code (reference.model.ACTIVATIONS).
 SILU = {"silu": "silu"}
 # transformers 5's GemmaConfig rewrites "gelu" to "gelu_pytorch_tanh": Gemma's GELU is tanh's
 GEMMA_GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
+# Gemma 2 and 3 read hidden_activation as it is: "gelu" is the exact one there
+GEMMA2_GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -157,13 +166,35 @@ class Family:
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
     activations: dict = None  # hidden_act value -> activation (None: SILU)
-    window: str = "none"  # none | global (sliding_window) | layer_types | flag (when
-    #   use_sliding_window: every layer)
+    window: str = "none"  # none | global (sliding_window) | layer_types | pattern | flag
+    #   (flag: when use_sliding_window, every layer)
     fused_projections: bool = False  # qkv_proj, gate_up_proj in the checkpoint
+    sandwich_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs too
+    act_key: str = "hidden_act"  # the config key naming the activation
+    window_pattern: int = 0  # window "pattern": every n-th layer full without layer_types
+    kind_rope: bool = False  # sliding layers have their own RoPE (model_loader.gemma)
     moe: bool = False  # experts in place of the MLP (model_loader.moe)
     example: str = ""  # a checkpoint of the family
     differs: str = ""  # what differs from Llama, for the docs
 
+
+GEMMA2_KEYS = {
+    "attention_bias",
+    "hidden_activation",
+    "use_bidirectional_attention",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+}
+GEMMA3_KEYS = {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
+GEMMA2_FLAGS = dict(
+    norm_offset=1.0,
+    scale_embeddings=True,
+    activations=GEMMA2_GELU,
+    act_key="hidden_activation",
+    sandwich_norms=True,
+    window="pattern",
+)
 
 QWEN_WINDOW_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 
@@ -230,6 +261,28 @@ FAMILIES = {
             differs="(1 + w) norms, GELU-tanh gated MLP, embeddings times sqrt(hidden_size)",
         ),
         Family(
+            "gemma2",
+            ("Gemma2ForCausalLM",),
+            frozenset(GEMMA2_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}),
+            **GEMMA2_FLAGS,
+            window_pattern=2,
+            example="google/gemma-2-2b-it",
+            differs="Gemma's, plus sandwich norms, query_pre_attn_scalar, attention and logit "
+            "soft-capping, sliding window on alternate layers",
+        ),
+        Family(
+            "gemma3_text",
+            ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+            frozenset(GEMMA2_KEYS | GEMMA3_KEYS),
+            **GEMMA2_FLAGS,
+            qk_norm=True,
+            window_pattern=6,
+            kind_rope=True,
+            example="google/gemma-3-1b-it, google/gemma-3-4b-it (its language model)",
+            differs="Gemma 2's without soft-capping, plus (1 + w) RMSNorm of q and k heads, "
+            "five sliding layers per full one, the sliding layers' own RoPE",
+        ),
+        Family(
             "qwen3_moe",
             ("Qwen3MoeForCausalLM",),
             frozenset(
@@ -264,6 +317,7 @@ CLASSIFIERS = {
     a.replace("ForCausalLM", "ForSequenceClassification"): f
     for f in FAMILIES.values()
     for a in f.architectures
+    if a.endswith("ForCausalLM")
 }
 ARCHITECTURES |= CLASSIFIERS
 
@@ -302,7 +356,7 @@ def family_of(d: dict, where: str = "config.json") -> Family:
 def check_keys(d: dict, fam: Family, where: str = "config.json") -> None:
     """Every key is read, harmless, or holds its one implemented value; else ValueError."""
     for key, value in d.items():
-        if key in UNSUPPORTED_KEYS and value is not None:
+        if key in UNSUPPORTED_KEYS and value is not None and key not in fam.keys:
             raise ValueError(f"{where}: {key!r} ({UNSUPPORTED_KEYS[key]}) is not supported")
         if key in FIXED_VALUES and value not in FIXED_VALUES[key][0]:
             raise ValueError(f"{where}: {key}={value!r} ({FIXED_VALUES[key][1]}) is not supported")
@@ -313,17 +367,18 @@ def check_keys(d: dict, fam: Family, where: str = "config.json") -> None:
             f"{where}: key {unknown[0]!r} is not read for model_type {fam.name!r} (it may "
             f"change the computation, so the checkpoint is refused)"
         )
-    acts = activations(fam)
-    act = d.get("hidden_act", next(iter(acts)))
+    acts, key = activations(fam), fam.act_key
+    act = d.get(key, next(iter(acts)))
     if act not in acts:
         raise ValueError(
-            f"{where}: hidden_act {act!r} is not supported for {fam.name} "
-            f"(supported: {', '.join(acts)})"
+            f"{where}: {key} {act!r} is not supported for {fam.name} (supported: {', '.join(acts)})"
         )
-    legacy = d.get("hidden_activation")  # transformers 4's Gemma read it; 5 reads hidden_act
+    # transformers 4's Gemma read hidden_activation; 5 reads hidden_act (Gemma 2 and 3 the other)
+    other = "hidden_activation" if key == "hidden_act" else "hidden_act"
+    legacy = d.get(other)
     if legacy is not None and acts.get(legacy) != acts[act]:
         raise ValueError(
-            f"{where}: hidden_activation {legacy!r} and hidden_act {act!r} disagree; "
+            f"{where}: {other} {legacy!r} and {key} {act!r} disagree; "
             f"set both to the activation the checkpoint was trained with"
         )
 
@@ -335,7 +390,7 @@ def activations(fam: Family) -> dict:
 
 def activation(d: dict, fam: Family) -> str:
     acts = activations(fam)
-    return acts[d.get("hidden_act", next(iter(acts)))]
+    return acts[d.get(fam.act_key, next(iter(acts)))]
 
 
 def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.json") -> tuple:
@@ -350,6 +405,10 @@ def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.js
     if fam.window in ("global", "flag"):  # flag: transformers 5's Qwen3-MoE, every layer
         return (window or 0,) * num_layers
     types = d.get("layer_types")
+    if fam.window == "pattern":
+        if window is None:
+            raise ValueError(f"{where}: {fam.name} needs sliding_window (its sliding layers')")
+        types = gemma_layer_types(d, num_layers, fam.window_pattern)
     if types is None:
         first = d.get("max_window_layers", num_layers)
         types = [

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from model_loader.config import ModelConfig
+from model_loader.gemma import language_model_tensors
 from model_loader.moe import moe_layer_names, moe_shapes, stack_experts
 from model_loader.weights import LayerWeights, LazyLayers, ModelWeights
 
@@ -51,6 +52,13 @@ HF_QK_NORM_NAMES = {
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
+# Gemma 2 and 3's sandwich norms: their post_attention_layernorm normalises the attention's
+# output, pre_feedforward_layernorm is the MLP's input norm.
+HF_SANDWICH_NAMES = {
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 # Phi-3's fused projections, split at load into the names above: fused -> its parts.
 HF_FUSED = {
     "model.layers.{i}.self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
@@ -83,14 +91,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "bv": (cfg.kv_dim,),
         "q_norm": (cfg.head_dim,),
         "k_norm": (cfg.head_dim,),
+        "post_attn_norm": (d,),
+        "post_mlp_norm": (d,),
     } | (moe_shapes(cfg.moe, d) if cfg.moe is not None else {})
 
 
-def family_layer_names(cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm) -> dict[str, str]:
+def family_layer_names(
+    cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm, sandwich=HF_SANDWICH_NAMES
+) -> dict[str, str]:
     """The name table of one layer for the config's family: the Llama table plus its extras."""
     names = dict(base)
     names.update(bias if cfg.qkv_bias else {})
     names.update(qk_norm if cfg.qk_norm else {})
+    names.update(sandwich if cfg.sandwich_norms else {})
     return names
 
 
@@ -273,7 +286,7 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
 
 def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept)."""
-    tensors = read_safetensors(model_dir)
+    tensors = language_model_tensors(read_safetensors(model_dir))  # Gemma 3 multimodal: its LM
     if cfg.spec.fused_projections:
         tensors = split_fused(tensors, cfg)
     if cfg.moe is not None:

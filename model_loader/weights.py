@@ -30,6 +30,8 @@ class LayerWeights:
     bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: np.ndarray | None = None  # (head_dim,)
+    post_attn_norm: np.ndarray | None = None  # (dim,) RMSNorm of the attention's output (Gemma 2)
+    post_mlp_norm: np.ndarray | None = None  # (dim,) RMSNorm of the MLP's output
     # a layer of experts (model_loader.moe) in place of w_gate, w_up, w_down
     router: np.ndarray | None = None  # (n_experts, dim)
     e_gate: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)

@@ -35,11 +35,19 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def causal_attention(q, k, v, q_start: int, window: int = 0) -> np.ndarray:
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Gemma 2's soft-capping: tanh(x / cap) * cap (cap 0: x as it is)."""
+    return np.tanh(x / x.dtype.type(cap)) * x.dtype.type(cap) if cap else x
+
+
+def causal_attention(
+    q, k, v, q_start: int, window: int = 0, scale: float | None = None, cap: float = 0.0
+) -> np.ndarray:
     """Grouped-query causal attention.
 
     q: (T, H, hd) for positions q_start .. q_start+T-1; k, v: (S, Hkv, hd) for positions 0 .. S-1.
     Query at position p sees keys 0..p, or with a sliding window W > 0 keys p-W+1..p.
+    Scores are q.k * scale (None: / sqrt(hd)), soft-capped at ``cap`` when > 0 before the mask.
     Returns (T, H, hd).
     """
     n_q, n_heads, hd = q.shape
@@ -47,7 +55,12 @@ def causal_attention(q, k, v, q_start: int, window: int = 0) -> np.ndarray:
     group = n_heads // n_kv_heads
     k = np.repeat(k, group, axis=1)  # (S, H, hd): each K/V head serves `group` query heads
     v = np.repeat(v, group, axis=1)
-    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd).astype(q.dtype)  # (H, T, S)
+    scores = np.einsum("thd,shd->hts", q, k)  # (H, T, S)
+    if scale is None:
+        scores = scores / np.sqrt(hd).astype(q.dtype)
+    else:
+        scores = scores * q.dtype.type(scale)
+    scores = softcap(scores, cap)
     q_pos = q_start + np.arange(n_q)[:, None]  # (T, 1)
     k_pos = np.arange(k.shape[0])[None, :]  # (1, S)
     visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # (T, S)
@@ -101,9 +114,9 @@ def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
     q = _project(x, lw.wq, lw.bq).reshape(n, cfg.num_attention_heads, cfg.head_dim)  # (T, H, hd)
     k = _project(x, lw.wk, lw.bk).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
     v = _project(x, lw.wv, lw.bv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
-    if lw.q_norm is not None:  # Qwen3: each head RMS-normalised before RoPE
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    if lw.q_norm is not None:  # Qwen3, Gemma 3: each head RMS-normalised before RoPE
+        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:  # past K and V never change: read them, append the new rows
         if layer < len(cache.k):
@@ -113,7 +126,9 @@ def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
         else:
             cache.k.append(k)
             cache.v.append(v)
-    out = causal_attention(q, k, v, q_start=start, window=cfg.window(layer))  # (T, H, hd)
+    scale = cfg.attn_scale if cfg.query_pre_attn_scalar else None
+    window = cfg.window(layer)
+    out = causal_attention(q, k, v, start, window, scale, cfg.attn_softcap)  # (T, H, hd)
     return out.reshape(n, cfg.q_dim) @ lw.wo.T
 
 
@@ -132,13 +147,21 @@ def forward(
     x = w.embed[np.asarray(token_ids)]  # (T, D)
     if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activations' dtype first
         x = x * x.dtype.type(cfg.embed_scale)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope, x.dtype)  # (T, hd)
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     for layer, lw in enumerate(w.layers):
-        h = rms_norm(x, lw.attn_norm, eps, off)
-        x = x + attention_block(h, lw, cfg, cos, sin, layer, cache, start)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.layer_rope(layer), x.dtype)  # (T, hd)
+        h = attention_block(
+            rms_norm(x, lw.attn_norm, eps, off), lw, cfg, cos, sin, layer, cache, start
+        )
+        x = x + _post_norm(h, lw.post_attn_norm, eps, off)
         h = rms_norm(x, lw.mlp_norm, eps, off)
-        x = x + (moe_mlp(h, lw, cfg.moe, ACTIVATIONS[cfg.hidden_act]) if lw.router is not None
-                 else mlp(h, lw, cfg.hidden_act))  # fmt: skip
+        h = (moe_mlp(h, lw, cfg.moe, ACTIVATIONS[cfg.hidden_act]) if lw.router is not None
+             else mlp(h, lw, cfg.hidden_act))  # fmt: skip
+        x = x + _post_norm(h, lw.post_mlp_norm, eps, off)
     last = rms_norm(x[-1:], w.final_norm, eps, off)  # (1, D): only the last row matters
-    return (last @ w.lm_head.T)[0]  # (V,)
+    return softcap((last @ w.lm_head.T)[0], cfg.final_softcap)  # (V,)
+
+
+def _post_norm(h: np.ndarray, weight: np.ndarray | None, eps: float, off: float) -> np.ndarray:
+    """Gemma 2 and 3's sandwich: a branch's output normalised before the residual add."""
+    return h if weight is None else rms_norm(h, weight, eps, off)

@@ -11,7 +11,8 @@ transformers and torch are NOT project dependencies: this script runs in a throw
 wheel pulls CUDA libraries you don't want.) No network access is needed: every config is built from
 transformers' own config classes, never fetched from the Hub.
 
-It writes, for each family in FAMILIES, a directory tests/data/families/<name>/ holding
+It writes, for each family in FAMILIES (Gemma 2 and 3's entries and variants are in
+scripts/family_golden_gemma.py), a directory tests/data/families/<name>/ holding
 
     config.json, generation_config.json, model.safetensors   model.save_pretrained(), float32
     tokenizer.json, tokenizer_config.json                     model_loader/synthetic.py's tiny BPE
@@ -85,11 +86,12 @@ sys.path.insert(0, str(ROOT))
 from family_golden_moe import MOE_FAMILIES, MOE_VARIANTS  # noqa: E402  (scripts/)
 
 from model_loader.synthetic import TINY_SHAPE, save_tokenizer, train_tokenizer  # noqa: E402  (numpy, tokenizers)
+from scripts.family_golden_gemma import GEMMA_FAMILIES, GEMMA_MODELS, GEMMA_VARIANTS  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "families"
 VOCAB = TINY_SHAPE["vocab_size"]
 N_TOKENS = 12
-PROMPT_LENGTHS = (5, 40, 70)  # 40, 70 > the sliding windows (8, 12) and llama3's original 32
+PROMPT_LENGTHS = (5, 40, 70)  # 40, 70 > the sliding windows (8-24) and llama3's original 32
 PROMPT_SEED = 1234
 MARGIN_REL = 1e-3  # every greedy step: top1 - top2 >= MARGIN_REL * std(logits)
 MIN_DISTINCT = 5  # every case: at least this many distinct greedy tokens (not a fixed point)
@@ -215,6 +217,7 @@ FAMILIES = {
         "embeddings scaled by sqrt(hidden_size) = 8 in float32, tied",
     ),
 }
+FAMILIES |= GEMMA_FAMILIES  # Gemma 2 and 3 (scripts/family_golden_gemma.py)
 
 
 # name -> {description: (config overrides, model edit or None, smallest max |logit diff| allowed)}.
@@ -260,6 +263,7 @@ VARIANTS = {
         "exact (erf) gelu instead of gelu_pytorch_tanh": (dict(hidden_act="gelu"), None, 1e-4),
     },
 }
+VARIANTS |= GEMMA_VARIANTS
 
 
 VARIANTS |= MOE_VARIANTS
@@ -289,13 +293,13 @@ def randomise(model, family: str, rng: np.random.Generator) -> None:
         shape = tuple(p.shape)
         z = rng.standard_normal(shape)
         if pname.endswith("embed_tokens.weight"):
-            w = z / np.sqrt(cfg.hidden_size) if family == "gemma" else z
+            w = z / np.sqrt(cfg.hidden_size) if family.startswith("gemma") else z
         elif pname == "lm_head.weight":
             w = 4.0 * z / np.sqrt(shape[1])
         elif pname.endswith("bias"):
             w = 0.1 * z
         elif "norm" in pname:
-            if family == "gemma":
+            if family.startswith("gemma"):
                 w = 0.1 * z  # GemmaRMSNorm multiplies by (1 + weight)
             elif pname.endswith(("q_norm.weight", "k_norm.weight")):
                 w = 1.0 + 0.2 * z
@@ -386,7 +390,7 @@ def init_note(model) -> str:
     )
     if isinstance(model, Qwen3ForCausalLM):
         note += ", q_norm/k_norm 1 + 0.2 N(0, 1)"
-    if isinstance(model, GemmaForCausalLM):
+    if isinstance(model, GemmaForCausalLM | GEMMA_MODELS):
         note += "; Gemma: RMSNorm weights 0.1 N(0, 1) (used as 1 + w), embedding N(0, 1/hidden)"
     if model.config.tie_word_embeddings:
         note += f"; tied: o_proj and down_proj x{TIED_BRANCH_GAIN:g}"

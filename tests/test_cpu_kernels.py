@@ -161,6 +161,30 @@ def test_prefill_attention(threads, shape, dtype):
     close(got, want, v)
 
 
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
+def test_softcapped_attention(threads, window, dtype):
+    """Gemma 2's soft-capping, tanh(s / cap) * cap of every score, in both kernels, against
+    the reference's einsum; a scale large enough that the cap changes the output."""
+    rng = np.random.default_rng()
+    lens = rng.permutation(LENS)
+    k, v, tables = paged(rng, lens, 2, 64, DT[dtype])
+    q = rng.standard_normal((len(lens), 8, 64), dtype=np.float32)
+    args = (tables, lens, 0.5, window)
+    want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), *args, 3.0)
+    close(cpu_ops.paged_attention_decode(q, k, v, *args, 3.0), want, v)
+    uncapped = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), *args)
+    assert np.abs(want - uncapped).max() > 1e-2
+    q_lens = np.array([1, 15, 3, 17, 130])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(LENS, np.int32)
+    k, v, tables = paged(rng, lens, 2, 64, DT[dtype])
+    q = rng.standard_normal((int(qsl[-1]), 8, 64), dtype=np.float32)
+    args = (tables, qsl, lens, 0.5, window)
+    want = numpy_ops.paged_attention_prefill(f64(q), f64(k), f64(v), *args, 3.0)
+    close(cpu_ops.paged_attention_prefill(q, k, v, *args, 3.0), want, v)
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_every_8_bit_value_is_read_exactly(threads, dtype):
     """Sequences of one key: the attention's output is that key's V row, so rows holding all

@@ -1,9 +1,9 @@
 """Every supported family against Hugging Face transformers 5, on every path.
 
 The checkpoints in tests/data/families/ are tiny random models of each family as transformers
-5.24 saves them, with golden greedy tokens and logits from transformers in float32
-(scripts/make_family_golden.py). Prompts are token ids: 5, 40 and 70 tokens, shorter and longer
-than the sliding windows (8, 12) and than llama3's original context (32).
+5.24 (gemma2, gemma3: 5.25) saves them, with golden greedy tokens and logits from transformers
+in float32 (scripts/make_family_golden.py). Prompts are token ids: 5, 40 and 70 tokens, shorter
+and longer than the sliding windows (8, 12, 16, 24) and than llama3's original context (32).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def step_logits(case: dict) -> np.ndarray:
 
 def test_every_family_has_golden_data():
     want = {"llama", "llama3", "qwen2", "qwen2_swa", "qwen2_yarn", "qwen3", "mistral", "phi3"}
-    want.add("gemma")
-    want |= {"qwen3_moe", "mixtral"}
+    want |= {"gemma", "gemma2", "gemma3", "qwen3_moe", "mixtral"}
     assert want <= set(FAMILIES)
     for name in FAMILIES:
         arch = golden(name)["meta"]["architecture"]
@@ -110,20 +109,6 @@ def test_numpy_backend_chunked_prefill_small_blocks(name):
 
 
 @pytest.mark.parametrize("name", MOE)
-def test_cpu_backend_matches_transformers(name):
-    check_outputs(name, *engine_outputs(name, "cpu", block_size=4, num_gpu_blocks=128))
-
-
-@pytest.mark.parametrize("name", MOE)
-def test_cpu_backend_chunked_prefill(name):
-    outs = engine_outputs(
-        name, "cpu", num_gpu_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=24,
-        max_num_seqs=4,
-    )  # fmt: skip
-    check_outputs(name, *outs)
-
-
-@pytest.mark.parametrize("name", MOE)
 def test_cuda_refuses_a_mixture_of_experts(name):
     with pytest.raises(ValueError, match="cuda-cpu backend has no expert products"):
         engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128)
@@ -134,7 +119,7 @@ def test_cuda_cpu_backend_matches_transformers(name):
     check_outputs(name, *engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128))
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2_swa", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2_swa", "qwen3", "gemma2", "gemma3"])
 def test_cuda_cpu_backend_chunked_prefill_eager(name):
     outs = engine_outputs(
         name,
@@ -144,5 +129,21 @@ def test_cuda_cpu_backend_chunked_prefill_eager(name):
         max_num_batched_tokens=24,
         max_num_seqs=4,
         enforce_eager=True,
+    )
+    check_outputs(name, *outs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cpu_backend_matches_transformers(name):
+    """The native kernels (cpu_src/): chunked prefill over 4-token blocks, then decodes (a
+    SiLU family's through decode_layers)."""
+    outs = engine_outputs(
+        name,
+        "cpu",
+        block_size=4,
+        num_gpu_blocks=128,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
     )
     check_outputs(name, *outs)

@@ -124,3 +124,51 @@ def test_norm_offset_and_embedding_scale_match_numpy(rng):
     emb = np.empty((7, 64), np.float32)
     E.cpu_kernels().embedding(emb, ids, table, 8.0)
     np.testing.assert_allclose(emb, F.embedding(ids, table, 8.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("softcap, window", [(2.0, 0), (5.0, 0), (5.0, 16)])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_softcapped_decode_and_prefill_match_the_reference(softcap, window, dtype, rng):
+    """Gemma 2's attention soft-capping, tanh(s / cap) * cap of every score, in both kernels:
+    held to reference/kernel_ops (an independent einsum) and to the NumPy backend's ops, with
+    a scale large enough that the cap changes the result."""
+    from reference import kernel_ops as N
+
+    scale, H, Hkv, hd, bs = 0.5, 4, 2, 64, 16
+    q, k_cache, v_cache, tables, lens = decode_case(rng, [1, 30, 90], (H, Hkv), hd, dtype)
+    out = poisoned(q.shape, dtype)
+    E.cpu_kernels().paged_attention_decode(
+        out, q, k_cache, v_cache, tables, lens, scale, 90, window=window, softcap=softcap
+    )
+    args = (q, k_cache, v_cache, tables, lens, scale, window)
+    want = N.paged_attention_decode(*args, softcap)
+    assert_close(out, want, dtype)
+    assert_close(F.paged_attention_decode(*args, softcap), want, dtype)
+    uncapped = N.paged_attention_decode(*args)
+    assert np.abs(want.astype(np.float32) - uncapped.astype(np.float32)).max() > 1e-2
+
+    q_lens, ctx_lens = [40, 1, 25], [40, 50, 70]
+    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
+    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(ctx_lens, np.int32)
+    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    out = poisoned(q.shape, dtype)
+    E.cpu_kernels().paged_attention_prefill(
+        out, q, k_cache, v_cache, tables, qsl, lens, scale, window=window, softcap=softcap
+    )
+    args = (q, k_cache, v_cache, tables, qsl, lens, scale, window)
+    want = N.paged_attention_prefill(*args, softcap)
+    assert_close(out, want, dtype)
+    assert_close(F.paged_attention_prefill(*args, softcap), want, dtype)
+    uncapped = N.paged_attention_prefill(*args)
+    assert np.abs(want.astype(np.float32) - uncapped.astype(np.float32)).max() > 1e-2
+
+
+def test_softcap_must_be_a_number_at_least_zero(rng):
+    q, k_cache, v_cache, tables, lens = decode_case(rng, [5], (4, 2), 64, np.float32)
+    with pytest.raises(ValueError, match="softcap must be a number >= 0"):
+        E.cpu_kernels().paged_attention_decode(
+            poisoned(q.shape, np.float32), q, k_cache, v_cache, tables, lens, 0.1, 5, softcap=-1.0
+        )

@@ -94,7 +94,7 @@ def test_linear_and_yarn_rope():
     "overrides, words",
     [
         ({"model_type": "gpt2", "architectures": None}, "model_type 'gpt2'"),
-        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
+        ({"model_type": "gemma3n", "architectures": None}, "model_type 'gemma3n'"),
         ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "does not match model_type 'llama'"),
         ({"my_new_knob": 3}, "key 'my_new_knob'"),

@@ -282,11 +282,11 @@ class CpuBackend(NumpyBackend):
         native pass over the logits."""
         return cpu_ops.argmax_rows(self._logits(batch))
 
-    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
+    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch, rope):
         # qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k, v rotated and cached, one pass
         c = self.cfg
         return self.ops.rotary_cache(
-            qkv, b.positions, c.rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
+            qkv, b.positions, rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
             lw.b_qkv, lw.q_norm, lw.k_norm, c.rms_norm_eps,
         )  # fmt: skip
 
@@ -296,10 +296,11 @@ class CpuBackend(NumpyBackend):
         verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
-        rows' updates after each product. Anything else (a mixture of experts too) takes the
-        NumPy backend's loop."""
-        fused = self.fuse_decode and residual is None and self.cfg.hidden_act == "silu"
-        fused = fused and self.cfg.moe is None  # decode_layers has no experts
+        rows' updates after each product. Anything else (a mixture of experts, Gemma 2 and 3's
+        sandwich norms and soft-capping) takes the NumPy backend's loop."""
+        c = self.cfg  # decode_layers has no experts, sandwich norms or soft-capping
+        plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
+        fused = self.fuse_decode and residual is None and plain and c.moe is None
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
@@ -312,7 +313,7 @@ class CpuBackend(NumpyBackend):
             return super()._attend(q, k_cache, v_cache, b, window)
         tables, lens = self._token_tables(b)  # (T, max_blocks), (T,)
         return self.ops.paged_attention_decode(
-            q, k_cache, v_cache, tables, lens, self.scale, window
+            q, k_cache, v_cache, tables, lens, self.scale, window, self.softcap
         )  # (T, H, hd)
 
     @staticmethod

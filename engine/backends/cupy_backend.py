@@ -78,7 +78,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         limit = self.device.graph_batch_limit  # None on a GPU: every batch size up to the max
         self.max_graph_batch = min(self.max_num_seqs, limit or self.max_num_seqs)
         self.use_graphs = not engine_config.enforce_eager
-        self.scale = 1.0 / float(np.sqrt(c.head_dim))
+        self.scale = c.attn_scale  # q.k's factor
+        self.softcap = c.attn_softcap  # scores soft-capped at it (0: not)
         # Gemma's sqrt(D) rounded to the activations' dtype, as Hugging Face rounds it
         self.embed_scale = float(self.dtype.type(c.embed_scale))
         windows = [c.window(i) for i in range(c.num_hidden_layers)]
@@ -106,7 +107,13 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         self._allocate_lora()
 
         rows = max(self.max_model_len, 1)
-        self.cos_sin = self.device.upload(rope_table(rows, self.cfg.head_dim, self.cfg.rope))
+        c = self.cfg
+        self.cos_sin = self.device.upload(rope_table(rows, c.head_dim, c.rope))
+        # Gemma 3's sliding layers' own table, else the same
+        local = c.local_rope
+        self.cos_sin_local = (
+            self.device.upload(rope_table(rows, c.head_dim, local)) if local else self.cos_sin
+        )
         self.device.synchronize()
         log.info(
             "weights on %s: %s as %s in %.2f s",
@@ -125,6 +132,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         return None if arrays[0] is None else self._put(*arrays)
 
     def _upload_weights(self, w: ModelWeights) -> None:
+        off = self.cfg.norm_offset  # Gemma 3's q and k norms are (1 + w) too
         self.layers = [
             DeviceLayer(
                 attn_norm=self._put(lw.attn_norm),
@@ -134,8 +142,10 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 w_gate_up=self._put(lw.w_gate, lw.w_up),
                 w_down=self._put(lw.w_down),
                 b_qkv=self._put_opt(lw.bq, lw.bk, lw.bv),
-                q_norm=self._put_opt(lw.q_norm),
-                k_norm=self._put_opt(lw.k_norm),
+                q_norm=self._put_opt(_offset(lw.q_norm, off)),  # the kernel scales by w
+                k_norm=self._put_opt(_offset(lw.k_norm, off)),
+                post_attn_norm=self._put_opt(lw.post_attn_norm),
+                post_mlp_norm=self._put_opt(lw.post_mlp_norm),
             )
             for lw in w.layers
         ]
@@ -290,6 +300,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             last_res=empty(B, D),
             last_h=empty(B, D),
             logits=empty(B, self.logits_cols, dtype=np.float32),
+            branch=empty(T, D) if c.sandwich_norms else None,
         )
 
     def _step(self, inp: StepInputs, T: int, R: int, nd: int, max_ctx: int):
@@ -305,7 +316,16 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             self.xp.take(raw_view(ws.residual), inp.rows, axis=0, out=raw_view(ws.last_res))
             x, res = ws.last_x, ws.last_res  # (B, D)
         k.fused_add_rms_norm(ws.last_h, res, x, self.final_norm, eps, off)  # (B, D)
-        return self._lm_head(ws)  # (B, V) float32
+        return self._final_softcap(self._lm_head(ws))  # (B, V) float32
+
+    def _final_softcap(self, logits):
+        """(R, V) float32 logits soft-capped in place where the model says so (Gemma 2)."""
+        cap, xp = self.cfg.final_softcap, self.xp
+        if cap:
+            xp.divide(logits, np.float32(cap), out=logits)
+            xp.tanh(logits, out=logits)
+            xp.multiply(logits, np.float32(cap), out=logits)
+        return logits
 
     def _layers(self, inp: StepInputs, T: int, R: int, nd: int, max_ctx: int) -> Workspace:
         """Every layer over a step's inputs: the workspace, its ``x`` the last layer's output
@@ -318,11 +338,19 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             if i:  # residual += previous MLP output; h = norm(residual)
                 k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.attn_norm, eps, off)
             self._attention(ws, lw, i, inp, nd, max_ctx)  # -> ws.x (T, D)
-            k.fused_add_rms_norm(ws.h, ws.residual, ws.x, lw.mlp_norm, eps, off)
+            x = ws.x
+            if lw.post_attn_norm is not None:  # sandwich: the attention's output normalised
+                k.rms_norm(ws.branch, ws.x, lw.post_attn_norm, eps, off)
+                x = ws.branch
+            k.fused_add_rms_norm(ws.h, ws.residual, x, lw.mlp_norm, eps, off)
             self._gemm(ws.h, lw, i, "w_gate_up", ws.gate_up, inp)  # (T, 2F)
             k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
-            self._gemm(ws.act, lw, i, "w_down", ws.x, inp)  # (T, D)
-            self._reduce(ws.x)
+            post = lw.post_mlp_norm
+            out = ws.x if post is None else ws.branch
+            self._gemm(ws.act, lw, i, "w_down", out, inp)  # (T, D)
+            self._reduce(out)
+            if post is not None:  # the MLP's output normalised, into ws.x
+                k.rms_norm(ws.x, ws.branch, post, eps, off)
         return ws
 
     @on_device
@@ -345,7 +373,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         x = self.device.upload(np.ascontiguousarray(h, dtype=self.dtype))
         out = self.device.empty((h.shape[0], self.logits_cols), np.float32)
         self.gemm(x, self.lm_head, out)
-        return self.device.download(out)
+        return self.device.download(self._final_softcap(out))
 
     # What a tensor-parallel rank (``engine.executor.rank_cupy``) does across its ranks.
     def _embed(self, out, token_ids) -> None:
@@ -370,7 +398,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             ws.qkv,
             inp.positions,
             inp.slot_mapping,
-            self.cos_sin,
+            self.cos_sin_local if self.cfg.window(layer) else self.cos_sin,  # Gemma 3's kinds
             bias=lw.b_qkv,
             q_norm=lw.q_norm,
             k_norm=lw.k_norm,
@@ -388,6 +416,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 self.scale,
                 max_ctx,
                 window=window,
+                softcap=self.softcap,
             )
         if nd < B:  # prefills: the rows after the decodes
             k.paged_attention_prefill(
@@ -400,6 +429,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 inp.context_lens[nd:],
                 self.scale,
                 window=window,
+                softcap=self.softcap,
             )
         self._gemm(ws.attn.reshape(T, qd), lw, layer, "w_o", ws.x, inp)  # (T, D)
         self._reduce(ws.x)
@@ -433,3 +463,8 @@ def cuda_backend(model_config, weights, engine_config, emulate: bool = False) ->
     if n == 0:
         raise ValueError(f"backend 'cuda' needs a GPU that CuPy can see; none was found ({why})")
     return CupyBackend(model_config, weights, engine_config)
+
+
+def _offset(a: np.ndarray | None, offset: float) -> np.ndarray | None:
+    """A norm's scale as offset + w, added in float32 (Gemma's 1 + w); None stays None."""
+    return a if a is None or not offset else np.asarray(a, np.float32) + np.float32(offset)

@@ -23,6 +23,8 @@ class DeviceLayer:
     b_qkv: object = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2), added by rotary_cache
     q_norm: object = None  # (hd,) per-head norms of q and k (Qwen3), in rotary_cache
     k_norm: object = None  # (hd,)
+    post_attn_norm: object = None  # (D,) norms of the attention's and the MLP's outputs
+    post_mlp_norm: object = None  # (D,) (Gemma 2 and 3)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Workspace:
     last_res: object  # (B, D)
     last_h: object  # (B, D)
     logits: object  # (B, V) float32
+    branch: object = None  # (T, D) a branch's output before its norm (sandwich norms only)
 
 
 def pack_inputs(b: ForwardBatch, lora: tuple | None = None) -> np.ndarray:

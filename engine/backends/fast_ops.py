@@ -106,15 +106,19 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache.reshape(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
-_rope_memo: list = [None, None, None]  # [positions array, key, (cos, sin)]
+_rope_memo: dict = {}  # (head_dim, rope, dtype) -> (positions array, (cos, sin))
 
 
 def _cos_sin(positions: np.ndarray, head_dim: int, rope, dtype):
-    """cos/sin (T, hd) for ``positions``, computed once per forward (the array is shared)."""
+    """cos/sin (T, hd) for ``positions``, computed once per forward (the array is shared) for
+    each RoPE the layers use (Gemma 3's sliding and full layers: two)."""
     key = (head_dim, rope, np.dtype(dtype))
-    if _rope_memo[0] is not positions or _rope_memo[1] != key:
-        _rope_memo[:] = [positions, key, rope_cos_sin(positions, head_dim, rope, dtype)]
-    return _rope_memo[2]
+    memo = _rope_memo.get(key)
+    if memo is None or memo[0] is not positions:
+        if len(_rope_memo) >= 4:
+            _rope_memo.clear()
+        _rope_memo[key] = memo = (positions, rope_cos_sin(positions, head_dim, rope, dtype))
+    return memo[1]
 
 
 def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope):
@@ -157,9 +161,19 @@ def _window_bias(tq: int, q_start: int, k_start: int, n_keys: int, window: int) 
     return np.where(visible, np.float32(0), np.float32(-np.inf))
 
 
-def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0):
+def _softcap_(s: np.ndarray, cap: float) -> np.ndarray:
+    """In place: tanh(s / cap) * cap (Gemma 2's attention soft-capping); cap 0: s as it is."""
+    if cap:
+        s /= np.float32(cap)
+        np.tanh(s, out=s)
+        s *= np.float32(cap)
+    return s
+
+
+def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0, softcap=0.0):
     """q: (Tq, H, hd) at positions q_start..; k, v: (q_start+Tq-k_start, Hkv, hd), the keys
-    from position k_start on -> (Tq, H, hd). window > 0: a query at p sees keys > p - window."""
+    from position k_start on -> (Tq, H, hd). window > 0: a query at p sees keys > p - window;
+    softcap > 0: scores soft-capped at it before the mask."""
     tq, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -167,6 +181,7 @@ def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0):
     qg = _f(q).reshape(tq, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * tq, hd)
     s = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group*Tq, S)
     s *= np.float32(scale)
+    _softcap_(s, softcap)
     if window:
         s.reshape(n_kv, group, tq, -1)[...] += _window_bias(
             tq, q_start, k_start, k.shape[0], window
@@ -177,10 +192,12 @@ def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0):
     return out.reshape(n_kv, group, tq, hd).transpose(2, 0, 1, 3).reshape(tq, n_heads, hd)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
+def paged_attention_decode(
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
     Query b sits at position context_lens[b]-1 and sees every cached token, or with window > 0
-    the last ``window`` of them. -> (B, H, hd)
+    the last ``window`` of them; softcap > 0: scores soft-capped at it. -> (B, H, hd)
 
     NOTE: a per-sequence loop with as few NumPy calls as possible. The gathers of K and V are
     most of its time (memory bound); gathering many sequences at once, or one padded batch
@@ -198,16 +215,17 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
             k, v = k[n - lo - window :], v[n - lo - window :]  # (window, Hkv, hd)
         s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, S)
         s *= np.float32(scale)
-        np.matmul(_softmax_(s), v.transpose(1, 0, 2), out=out[b])  # (Hkv, group, hd)
+        np.matmul(_softmax_(_softcap_(s, softcap)), v.transpose(1, 0, 2), out=out[b])
     return out.reshape(q.shape).astype(q.dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
 ):
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
-    context_lens[b] tokens; window > 0: a query at p sees keys > p - window. -> (T, H, hd)"""
+    context_lens[b] tokens; window > 0: a query at p sees keys > p - window; softcap > 0:
+    scores soft-capped at it. -> (T, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     bs = k_cache.shape[1]
     qsl = query_start_loc.tolist()
@@ -221,5 +239,7 @@ def paged_attention_prefill(
             # keys past the chunk's last query are masked anyway: slice them off
             kv_len, q0 = start + (e - lo), start + (c - lo)
             k0 = max(0, q0 - window + 1) if window else 0  # keys below every row's window: off
-            out[c:e] = _attend_causal(q[c:e], k[k0:kv_len], v[k0:kv_len], q0, scale, window, k0)
+            out[c:e] = _attend_causal(
+                q[c:e], k[k0:kv_len], v[k0:kv_len], q0, scale, window, k0, softcap
+            )
     return out

@@ -55,6 +55,8 @@ class PackedLayer:
     b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
     q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
     k_norm: np.ndarray | None = None  # (hd,)
+    post_attn_norm: np.ndarray | None = None  # (D,) norms of the attention's and the MLP's
+    post_mlp_norm: np.ndarray | None = None  # (D,) outputs (Gemma 2 and 3), offset + w
     experts: PackedExperts | None = None  # a layer of experts' router and matrices
 
     def arrays(self):
@@ -127,8 +129,10 @@ def pack_weights(
                 w_gate_up=None if sparse else keep(_t(r(lw.w_gate), r(lw.w_up))),
                 w_down=None if sparse else keep(_t(r(lw.w_down))),
                 b_qkv=bias,
-                q_norm=_f32(r(lw.q_norm)),
-                k_norm=_f32(r(lw.k_norm)),
+                q_norm=_f32(r(lw.q_norm), norm_offset),
+                k_norm=_f32(r(lw.k_norm), norm_offset),
+                post_attn_norm=_f32(r(lw.post_attn_norm), norm_offset),
+                post_mlp_norm=_f32(r(lw.post_mlp_norm), norm_offset),
                 experts=pack_experts(lw, moe, r, keep) if sparse else None,
             )
         )
@@ -182,7 +186,8 @@ class NumpyBackend(Backend):
         )
         self._stored()
         retain_freed_memory()
-        self.scale = 1.0 / float(np.sqrt(model_config.head_dim))
+        self.scale = model_config.attn_scale  # q.k's factor
+        self.softcap = model_config.attn_softcap  # scores soft-capped at it (0: not)
         self.kv_cache: np.ndarray | None = None  # (L, 2, N, bs, Hkv, hd)
         self.loras: dict = {}  # LoRA slot -> its adapter's LoRAWeights (enable_lora)
         self._lora_kept: dict = {}  # (active slots, layer, matrix) -> their pairs as multiplied
@@ -275,9 +280,9 @@ class NumpyBackend(Backend):
                 residual, h = x, ops.rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # (T, D)
             else:
                 h, residual = ops.fused_add_rms_norm(x, residual, lw.attn_norm, c.rms_norm_eps)
-            x = self._attention(h, lw, layer, batch)  # (T, D)
+            x = self._post_norm(self._attention(h, lw, layer, batch), lw.post_attn_norm)
             h, residual = ops.fused_add_rms_norm(x, residual, lw.mlp_norm, c.rms_norm_eps)
-            x = self._mlp(h, lw, layer, batch)  # (T, D)
+            x = self._post_norm(self._mlp(h, lw, layer, batch), lw.post_mlp_norm)  # (T, D)
         return x, residual
 
     def _mlp(self, h: np.ndarray, lw: PackedLayer, layer: int, batch: ForwardBatch):
@@ -287,6 +292,17 @@ class NumpyBackend(Backend):
         gate_up = self._mm(h, lw, layer, "w_gate_up", batch)  # (T, 2F)
         act = self.ops.act_and_mul(gate_up, self.cfg.hidden_act)  # (T, F)
         return self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)
+
+    def _post_norm(self, x: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+        """(T, D) a branch's output, RMS-normalised where the model has sandwich norms."""
+        return x if weight is None else self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _final_softcap(self, logits: np.ndarray) -> np.ndarray:
+        """(R, V) logits soft-capped where the model says so (Gemma 2): tanh(x / cap) * cap."""
+        cap = self.cfg.final_softcap
+        if cap:
+            logits = np.tanh(logits / F32.type(cap)) * F32.type(cap)
+        return logits
 
     def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
         """One step -> (T, D) float32: every row's last hidden state after the final norm
@@ -301,7 +317,8 @@ class NumpyBackend(Backend):
 
     def head_logits(self, h: np.ndarray) -> np.ndarray:
         """(R, D) final-normed hidden states -> (R, V) float32 logits (a reranker's rows)."""
-        return np.asarray(self._lm_head(np.ascontiguousarray(h, dtype=F32)), dtype=F32)
+        logits = self._lm_head(np.ascontiguousarray(h, dtype=F32))  # (R, V)
+        return self._final_softcap(np.asarray(logits, dtype=F32))
 
     def _head(self, x: np.ndarray, residual: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         rows = batch.output_rows  # (R,): each sequence's last token (all of a speculated run)
@@ -309,7 +326,7 @@ class NumpyBackend(Backend):
         h, _ = self.ops.fused_add_rms_norm(
             x[rows], residual[rows], self.final_norm, c.rms_norm_eps
         )  # (R, D)
-        return self._lm_head(h)  # (R, V)
+        return self._final_softcap(self._lm_head(h))  # (R, V)
 
     # the three places a tensor-parallel rank differs (engine/executor/rank_numpy.py)
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
@@ -327,7 +344,7 @@ class NumpyBackend(Backend):
         c, n = self.cfg, h.shape[0]
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
         qkv = self._mm(h, lw, layer, "w_qkv", b)  # (T, H*hd + 2*Hkv*hd)
-        q = self._rotary_cache(qkv, lw, k_cache, v_cache, b)  # (T, H, hd)
+        q = self._rotary_cache(qkv, lw, k_cache, v_cache, b, c.layer_rope(layer))  # (T, H, hd)
         out = self._attend(q, k_cache, v_cache, b, c.window(layer))  # (T, H, hd)
         return self._reduce(self._mm(out.reshape(n, c.q_dim), lw, layer, "w_o", b))
 
@@ -425,6 +442,7 @@ class NumpyBackend(Backend):
                 b.context_lens[:nd],
                 self.scale,
                 window,
+                self.softcap,
             )
         if nd < b.num_seqs:  # prefills: the remaining rows
             qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
@@ -437,12 +455,14 @@ class NumpyBackend(Backend):
                 b.context_lens[nd:],
                 self.scale,
                 window,
+                self.softcap,
             )
         return out
 
-    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch):
-        """qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k and v rotated and written into
-        their cache slots (the native CPU backend does all of it in one kernel)."""
+    def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch, rope):
+        """qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k and v rotated (``rope``: the
+        layer's RopeParams) and written into their cache slots (the native CPU backend does
+        all of it in one kernel)."""
         c, ops, n = self.cfg, self.ops, qkv.shape[0]
         if lw.b_qkv is not None:
             qkv += lw.b_qkv
@@ -452,7 +472,7 @@ class NumpyBackend(Backend):
         if lw.q_norm is not None:  # each head RMS-normalised before RoPE
             q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
             k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
-        q, k = ops.rotary(q, k, b.positions, c.rope)
+        q, k = ops.rotary(q, k, b.positions, rope)
         ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
         return q
 

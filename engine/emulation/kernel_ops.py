@@ -107,24 +107,35 @@ def _as(a: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
+def paged_attention_decode(
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+):
     """One query row per sequence, q: (B, H, hd), over its paged context (the last ``window``
-    tokens of it with a window > 0) -> (B, H, hd). A q of another dtype than the cache is
-    rounded to the cache's (the kernels take one dtype)."""
+    tokens of it with a window > 0; scores soft-capped with softcap > 0) -> (B, H, hd). A q
+    of another dtype than the cache is rounded to the cache's (the kernels take one dtype)."""
     q_dtype, q, lens = q.dtype, _as(q, k_cache.dtype), _i32(context_lens)
     out = np.empty_like(q)  # (B, H, hd)
     max_len = int(lens.max()) if lens.size else 0
     cpu_kernels().paged_attention_decode(
-        out, q, k_cache, v_cache, _i32(block_tables), lens, scale, max_len, window=window
+        out,
+        q,
+        k_cache,
+        v_cache,
+        _i32(block_tables),
+        lens,
+        scale,
+        max_len,
+        window=window,
+        softcap=softcap,
     )
     return out.astype(q_dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
 ):
     """Causal attention for variable-length query runs over paged K/V (a sliding window with
-    window > 0) -> (T, H, hd)."""
+    window > 0, scores soft-capped with softcap > 0) -> (T, H, hd)."""
     q_dtype, q = q.dtype, _as(q, k_cache.dtype)
     out = np.empty_like(q)  # (T, H, hd)
     cpu_kernels().paged_attention_prefill(
@@ -137,6 +148,7 @@ def paged_attention_prefill(
         _i32(context_lens),
         scale,
         window,
+        softcap,
     )
     return out.astype(q_dtype, copy=False)
 

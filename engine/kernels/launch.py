@@ -124,6 +124,13 @@ def _window(op: str, window) -> int:
     return int(window)
 
 
+def _softcap(op: str, softcap) -> float:
+    """An attention soft-capping value: a float >= 0 (0: none)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap >= 0:
+        raise ValueError(f"{op}: softcap must be a number >= 0 (0: none), got {softcap!r}")
+    return float(softcap)
+
+
 def _span(max_context_len: int, window: int) -> int:
     """The keys a query can see at most: the longest context, or the window when shorter."""
     return min(int(max_context_len), window) if window > 0 else int(max_context_len)
@@ -335,13 +342,15 @@ class Kernels:
         max_context_len: int,
         partition_size: int | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         """One query per sequence, q: (B, H, hd), at position context_lens[b] - 1: it sees
         every cached key, or with a sliding window > 0 the last ``window``. The visible span
         is split into partitions (by default as ``decode_split`` picks from
         ``max_context_len``, the window and the SM count), combined by the reduce kernel when
         there are several. ``max_context_len`` must be at least every context length (longer
-        is fine: the extra partitions' blocks exit at once)."""
+        is fine: the extra partitions' blocks exit at once). ``softcap`` > 0: every score s
+        is tanh(s / softcap) * softcap (Gemma 2)."""
         op = "paged_attention_decode"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B = context_lens.shape[0]
@@ -365,7 +374,8 @@ class Kernels:
         args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
         args += (i32(Hkv), i32(G), i32(block_tables.shape[1]), f32(scale), i32(partition_size))
         fn = self._fn(op, f"{op}_{sfx}", {"HEAD_DIM": hd, "BLOCK_SIZE": bs})
-        fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args + (i32(window),))
+        args += (i32(window), f32(_softcap(op, softcap)))
+        fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args)
         if P > 1:
             red = "paged_attention_reduce"
             args = (out, parts, stats[0], stats[1], context_lens, i32(hd), i32(P))
@@ -383,9 +393,11 @@ class Kernels:
         context_lens,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         """Causal attention of query runs q: (T, H, hd), split by query_start_loc (B+1,): a
-        row at position p sees keys 0..p, or with a sliding window > 0 keys p - window + 1..p."""
+        row at position p sees keys 0..p, or with a sliding window > 0 keys p - window + 1..p;
+        ``softcap`` > 0 soft-caps the scores, tanh(s / softcap) * softcap."""
         op = "paged_attention_prefill"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B, T = context_lens.shape[0], q.shape[0]
@@ -399,7 +411,7 @@ class Kernels:
         fn = self._fn("prefill_attention", f"prefill_attention_{_suffix(op, q)}")
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
         args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
-        args += (f32(scale), i32(window))
+        args += (f32(scale), i32(window), f32(_softcap(op, softcap)))
         grid = (H, B + cdiv(T, PREFILL_TILE) - 1)  # spare slots between sequences exit at once
         fn(grid, (ATTN_THREADS,), args, shared_mem=PREFILL_TILE * hd * 4)
 
