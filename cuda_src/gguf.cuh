@@ -26,7 +26,7 @@ __device__ __forceinline__ float half_bits_to_float(unsigned h) {
 }
 
 // Two bytes at an even address (every format's float16 factors and Q5_0's qh halves are: the
-// blocks' sizes are even and rows start 16-byte aligned), in one 16-bit load.
+// blocks' sizes are even and the matrix starts on an even address), in one 16-bit load.
 __device__ __forceinline__ unsigned load_u16(const unsigned char* p) {
   return *reinterpret_cast<const unsigned short*>(p);
 }
@@ -84,7 +84,7 @@ struct GgufQ5_0 {  // d, qh (uint32: bit i the fifth bit of q_i), nibbles as Q4_
 struct GgufQ4_K {
   static constexpr int kValues = 256, kBytes = 144, kUnits = 4, kWords = 4;
   __device__ static GgufHeader header(const unsigned char* b) {
-    const unsigned* w = reinterpret_cast<const unsigned*>(b);  // blocks start 16-byte aligned
+    const unsigned* w = reinterpret_cast<const unsigned*>(b);  // blocks 4-byte aligned (144 B)
     return {{w[0], w[1], w[2], w[3]}};
   }
   __device__ static void scale_min(const GgufHeader& h, int j, int& sc, int& m) {

@@ -41,6 +41,7 @@ import numpy as np
 
 from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
 from engine.backends.cuda_graphs import DecodeGraphs
+from engine.backends.cupy_blocks import BlockGemm, keep_blocks
 from engine.backends.cupy_lora import LoRASlots
 from engine.backends.cupy_memory import DeviceMemory
 from engine.backends.cupy_step import (
@@ -55,6 +56,7 @@ from engine.backends.forward_batch import ForwardBatch
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
 from engine.kernels.launch import lora_tiles
 from engine.utils import MiB
+from model_loader.gguf_blocks import stack_rows
 from model_loader.rope import rope_table
 from model_loader.weights import ModelWeights
 
@@ -68,7 +70,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     def __init__(self, model_config, weights: ModelWeights, engine_config, device=None):
         self.device = device if device is not None else CupyDevice()
         self.name = "cuda" if self.device.is_gpu else "cuda-cpu"
-        self.xp, self.k, self.gemm = self.device.xp, self.device.kernels, self.device.gemm
+        self.xp, self.k = self.device.xp, self.device.kernels
+        self.gemm = BlockGemm(self.device.gemm, self.k, self.device.empty)  # GGUF blocks too
         self.cfg = c = model_config
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, self.device.is_gpu)
@@ -124,15 +127,21 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     def _put_opt(self, *arrays):
         return None if arrays[0] is None else self._put(*arrays)
 
+    def _put_matrix(self, *mats):
+        """(out, in) matrices stacked along rows: a GGUF's kept in their blocks where the
+        kernels read every part's format (engine/backends/cupy_blocks.py), else ``_put``."""
+        kept = keep_blocks(stack_rows(list(mats)), self.device.upload)
+        return kept if kept is not None else self._put(*mats)
+
     def _upload_weights(self, w: ModelWeights) -> None:
         self.layers = [
             DeviceLayer(
                 attn_norm=self._put(lw.attn_norm),
-                w_qkv=self._put(lw.wq, lw.wk, lw.wv),
-                w_o=self._put(lw.wo),
+                w_qkv=self._put_matrix(lw.wq, lw.wk, lw.wv),
+                w_o=self._put_matrix(lw.wo),
                 mlp_norm=self._put(lw.mlp_norm),
-                w_gate_up=self._put(lw.w_gate, lw.w_up),
-                w_down=self._put(lw.w_down),
+                w_gate_up=self._put_matrix(lw.w_gate, lw.w_up),
+                w_down=self._put_matrix(lw.w_down),
                 b_qkv=self._put_opt(lw.bq, lw.bk, lw.bv),
                 q_norm=self._put_opt(lw.q_norm),
                 k_norm=self._put_opt(lw.k_norm),
@@ -141,7 +150,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         ]
         self.embed = self._put(w.embed)  # (V, D)
         self.final_norm = self._put(w.final_norm)  # (D,)
-        self.lm_head = self.embed if w.lm_head is w.embed else self._put(w.lm_head)  # (V, D)
+        self.lm_head = self.embed if w.lm_head is w.embed else self._put_matrix(w.lm_head)
+        self._log_formats()
 
     # ---- cache ----
     @on_device

@@ -2,9 +2,11 @@
 ``GgufLaunches`` is a part of ``Kernels`` (its ``_fn`` loader and ``_empty``).
 
 A weight is a GGUF matrix W (N, K) kept as the file stores it: ``w`` (N, bytes of a row) uint8
-on the device, 16-byte aligned, ``kind`` one of GGUF_KINDS. ``gguf_matvec`` multiplies a batch
-of up to GGUF_MATVEC_MAX_BATCH rows of x by it directly; ``gguf_dequantize`` widens it into a
-(N, K) tile in x's dtype for the cuBLAS product of a larger batch.
+on the device, ``kind`` one of GGUF_KINDS, aligned as the kernels load it (GGUF_ALIGN: Q4_K's
+header in 4-byte words, every other format's float16 factors in 2-byte ones).
+``gguf_matvec`` multiplies a batch of up to GGUF_MATVEC_MAX_BATCH rows of x by it directly;
+``gguf_dequantize`` widens it into a (N, K) tile in x's dtype for the cuBLAS product of a
+larger batch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ GGUF_KINDS = {
     "q4_k": (3, 256, 144, 4),
     "q6_k": (4, 256, 210, 4),
 }
+GGUF_ALIGN = {kind: 4 if kind == "q4_k" else 2 for kind in GGUF_KINDS}
 GGUF_MATVEC_ROWS = 4  # gguf_matvec.cu kMatvecWarps: one warp per output row
 GGUF_MATVEC_MAX_BATCH = 8  # gguf_matvec.cu kMaxBatch
 GGUF_DEQUANT_THREADS = 256
@@ -54,10 +57,10 @@ def _check_array(op: str, name: str, a, shape: tuple, dtype=None) -> None:
 
 
 def _check_blocks(op: str, w, kind: str, N: int, K: int) -> int:
-    """w must be (N, row bytes) uint8, 16-byte aligned; the format id."""
+    """w must be (N, row bytes) uint8, aligned as GGUF_ALIGN says; the format id."""
     _check_array(op, "w", w, (N, gguf_row_bytes(kind, K)), np.uint8)
-    if _address(w) % 16:
-        raise ValueError(f"{op}: w must start on a 16-byte boundary")
+    if _address(w) % GGUF_ALIGN[kind]:
+        raise ValueError(f"{op}: {kind} blocks must start on a {GGUF_ALIGN[kind]}-byte boundary")
     return GGUF_KINDS[kind][0]
 
 
