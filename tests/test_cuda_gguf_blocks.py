@@ -89,3 +89,31 @@ def test_greedy_tokens_and_logits_equal_numpys(kquant_files, monkeypatch):
     for (tg, g), (tw, w) in zip(got, want, strict=True):
         assert tg == tw
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 20])
+def test_block_gemm_of_a_fused_matrix_is_its_parts_products(M, monkeypatch):
+    """q | k | v of three formats: each part writes its columns, through the matvec kernel up to
+    eight rows and through tiles of a few rows (TILE_BYTES made small) and cuBLAS above."""
+    from engine.backends import cupy_blocks
+    from engine.emulation.device import EmulatedDevice
+    from tests.test_kernels_gguf import random_blocks, values
+
+    monkeypatch.setattr(cupy_blocks, "TILE_BYTES", 7 * 512 * 4)  # 7 rows of a tile at a time
+    rng = np.random.default_rng()
+    dev = EmulatedDevice()
+    parts = [("q4_k", 24), ("q6_k", 17), ("q8_0", 9)]
+    raws = [random_blocks(rng, kind, n, 512) for kind, n in parts]
+    w = np.concatenate([values(kind, r) for (kind, _), r in zip(parts, raws, strict=True)])
+    with dev.active():
+        blocks = DeviceBlocks(
+            [(k, dev.upload(r)) for (k, _), r in zip(parts, raws, strict=True)], 512
+        )
+        x = rng.standard_normal((M, 512)).astype(np.float32)
+        out = dev.upload(np.full((M, 50), np.nan, np.float32))
+        cupy_blocks.BlockGemm(dev.gemm, dev.kernels, dev.empty)(dev.upload(x), blocks, out)
+        got = dev.download(out)
+    want = x.astype(np.float64) @ w.astype(np.float64).T  # (M, 50)
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+    assert (np.abs(got - want) <= bound).all()
+    assert blocks.tile_bytes(4) == 7 * 512 * 4
