@@ -1,7 +1,8 @@
 """Matrix products for the device backend: ``out = x @ w.T`` with weights kept as (out, in).
 
-Every product, in every dtype, is one cuBLAS ``GemmEx`` with float32 accumulation
-(CUBLAS_COMPUTE_32F: plain float32 math for float32, no TF32) on the device's own handle
+Every product over a plain weight (a GGUF matrix kept in blocks: engine/backends/cupy_blocks.py),
+in every dtype, is one cuBLAS ``GemmEx`` with float32 accumulation (CUBLAS_COMPUTE_32F: plain
+float32 math for float32, no TF32) on the device's own handle
 (``engine.kernels.cublas.Cublas``), so a CUDA graph can capture it. Operands are CUDA_R_32F,
 CUDA_R_16F or CUDA_R_16BF; a bfloat16 array may be an ``ml_dtypes.bfloat16`` array or 16-bit storage
 (``uint16``); ``out`` may be float32 (the logits) while the operands are 16-bit.
@@ -9,8 +10,9 @@ CUDA_R_16F or CUDA_R_16BF; a bfloat16 array may be an ``ml_dtypes.bfloat16`` arr
 cuBLAS is column-major. A row-major (M, N) ``out`` is the column-major (N, M) ``out.T``, and
 ``out.T = w @ x.T``: with ``w`` (N, K) row-major read as the column-major (K, N) matrix, that is
 ``gemm(op(A)=T, op(B)=N, m=N, n=M, k=K, A=w, lda=K, B=x, ldb=K, C=out, ldc=N)``. ``GemmPlan``
-holds those numbers; the emulated cuBLAS (``engine.emulation.runtime``) carries a plan out on
-raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
+holds those numbers (``columns_plan``: the same with ldc a wider out's width, for a product
+that writes some of its columns); the emulated cuBLAS (``engine.emulation.runtime``) carries a
+plan out on raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
 """
 
 from __future__ import annotations
