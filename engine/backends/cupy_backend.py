@@ -23,7 +23,8 @@ the last one's copy may still be queued.
 
 Its parts, one job each: cupy_step.py (a layer's weights, a step's inputs and workspace),
 cupy_lora.py (the LoRA slots), cupy_memory.py (the memory accounting the pool is sized from),
-cuda_graphs.py (the decode graphs).
+cuda_graphs.py (the decode graphs), cupy_blocks.py (a GGUF's matrices kept in their blocks on
+the device, and ``BlockGemm``, the products over every weight).
 
 Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
 the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
