@@ -3,7 +3,8 @@
 // as engine/backends/quant.py). A row of a matrix is a run of blocks of kValues values and
 // kBytes bytes; a block is cut into kUnits units of kValues / kUnits values, one lane's share:
 //   header(block)        the words every unit of the block needs (the float16 factors; Q4_K's
-//                        packed scales), loaded once per block
+//                        packed scales and mins, Q6_K's scales, Q5_0's fifth bits), loaded
+//                        once per block
 //   unit(block, u, h, f) f(i, w) for each value i of unit u (i: the index within the block),
 //                        w its float32 value, as the NumPy dequantizers compute it; each byte
 //                        of the block outside the header is read by exactly one unit
@@ -31,58 +32,67 @@ __device__ __forceinline__ unsigned load_u16(const unsigned char* p) {
   return *reinterpret_cast<const unsigned short*>(p);
 }
 
+// Four bytes at an even address, as two 16-bit loads. The CPU build's g++ would merge the two
+// into one 4-byte load and still count one of them in the traffic counting builds; a compiler
+// barrier between them (the emulator's only) keeps them apart.
+__device__ __forceinline__ unsigned load_u32_halves(const unsigned char* p) {
+  const unsigned lo = load_u16(p);
+#if defined(CUDA_EMU)
+  asm volatile("" ::: "memory");
+#endif
+  return lo | load_u16(p + 2) << 16;
+}
+
 struct GgufHeader {
-  unsigned w[4];  // a format's words (unused ones 0)
+  unsigned w[5];  // a format's words (unused ones 0)
 };
 
-struct GgufQ8_0 {  // d (float16), 32 int8: w = d q
-  static constexpr int kValues = 32, kBytes = 34, kUnits = 1, kWords = 1;
-  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b), 0, 0, 0}}; }
+// Units are strided through a block, so that the lanes of a warp, one unit each, read
+// neighbouring bytes of the block and neighbouring values of x at every step.
+
+struct GgufQ8_0 {  // d (float16), 32 int8: w = d q. Unit u: value u.
+  static constexpr int kValues = 32, kBytes = 34, kUnits = 32, kWords = 1;
+  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b)}}; }
   template <typename F>
-  __device__ static void unit(const unsigned char* b, int, const GgufHeader& h, F&& f) {
-    const float d = half_bits_to_float(h.w[0]);
-#pragma unroll 8
-    for (int i = 0; i < 32; ++i) f(i, d * float(static_cast<signed char>(b[2 + i])));
+  __device__ static void unit(const unsigned char* b, int u, const GgufHeader& h, F&& f) {
+    f(u, half_bits_to_float(h.w[0]) * float(static_cast<signed char>(b[2 + u])));
   }
 };
 
-struct GgufQ4_0 {  // d, 16 bytes: byte j holds q_j (low nibble), q_{j+16} (high): w = d (q - 8)
-  static constexpr int kValues = 32, kBytes = 18, kUnits = 1, kWords = 1;
-  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b), 0, 0, 0}}; }
+// d, 16 bytes: byte j holds q_j (low nibble), q_{j+16} (high): w = d (q - 8). Unit u: byte u.
+struct GgufQ4_0 {
+  static constexpr int kValues = 32, kBytes = 18, kUnits = 16, kWords = 1;
+  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b)}}; }
   template <typename F>
-  __device__ static void unit(const unsigned char* b, int, const GgufHeader& h, F&& f) {
+  __device__ static void unit(const unsigned char* b, int u, const GgufHeader& h, F&& f) {
     const float d = half_bits_to_float(h.w[0]);
-#pragma unroll 4
-    for (int j = 0; j < 16; ++j) {
-      const int q = b[2 + j];
-      f(j, d * float((q & 15) - 8));
-      f(j + 16, d * float((q >> 4) - 8));
-    }
+    const int q = b[2 + u];
+    f(u, d * float((q & 15) - 8));
+    f(u + 16, d * float((q >> 4) - 8));
   }
 };
 
-struct GgufQ5_0 {  // d, qh (uint32: bit i the fifth bit of q_i), nibbles as Q4_0: w = d (q - 16)
-  static constexpr int kValues = 32, kBytes = 22, kUnits = 1, kWords = 1;
-  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b), 0, 0, 0}}; }
+// d, qh (uint32: bit i the fifth bit of q_i), nibbles as Q4_0: w = d (q - 16). Unit u: byte u.
+struct GgufQ5_0 {
+  static constexpr int kValues = 32, kBytes = 22, kUnits = 16, kWords = 2;
+  __device__ static GgufHeader header(const unsigned char* b) {
+    return {{load_u16(b), load_u32_halves(b + 2)}};
+  }
   template <typename F>
-  __device__ static void unit(const unsigned char* b, int, const GgufHeader& h, F&& f) {
+  __device__ static void unit(const unsigned char* b, int u, const GgufHeader& h, F&& f) {
     const float d = half_bits_to_float(h.w[0]);
-    const unsigned qh = load_u16(b + 2) | load_u16(b + 4) << 16;
-#pragma unroll 4
-    for (int j = 0; j < 16; ++j) {
-      const int q = b[6 + j];
-      const int lo = (q & 15) | int((qh >> j) & 1u) << 4, hi = (q >> 4) | int((qh >> (j + 16)) & 1u) << 4;
-      f(j, d * float(lo - 16));
-      f(j + 16, d * float(hi - 16));
-    }
+    const unsigned qh = h.w[1];
+    const int q = b[6 + u];
+    f(u, d * float(((q & 15) | int((qh >> u) & 1u) << 4) - 16));
+    f(u + 16, d * float(((q >> 4) | int((qh >> (u + 16)) & 1u) << 4) - 16));
   }
 };
 
-// Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles. Unit c
-// (0..3) reads nibble bytes 32c..32c+31: groups 2c (low nibbles) and 2c + 1 (high), values
-// 64c + l and 64c + 32 + l: w = (d sc_g) q - (dmin m_g).
+// Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles; values in
+// 8 groups of 32, w = (d sc_g) q - (dmin m_g). Unit l (0..31): nibble bytes 32c + l (c 0..3),
+// whose low nibble is value 64c + l (group 2c), high nibble value 64c + 32 + l (group 2c + 1).
 struct GgufQ4_K {
-  static constexpr int kValues = 256, kBytes = 144, kUnits = 4, kWords = 4;
+  static constexpr int kValues = 256, kBytes = 144, kUnits = 32, kWords = 4;
   __device__ static GgufHeader header(const unsigned char* b) {
     const unsigned* w = reinterpret_cast<const unsigned*>(b);  // blocks 4-byte aligned (144 B)
     return {{w[0], w[1], w[2], w[3]}};
@@ -96,46 +106,48 @@ struct GgufQ4_K {
     }
   }
   template <typename F>
-  __device__ static void unit(const unsigned char* b, int c, const GgufHeader& h, F&& f) {
+  __device__ static void unit(const unsigned char* b, int l, const GgufHeader& h, F&& f) {
     const float d = half_bits_to_float(h.w[0] & 0xFFFFu), dmin = half_bits_to_float(h.w[0] >> 16);
-    int sc0, m0, sc1, m1;
-    scale_min(h, 2 * c, sc0, m0);
-    scale_min(h, 2 * c + 1, sc1, m1);
-    const float d0 = d * float(sc0), n0 = dmin * float(m0), d1 = d * float(sc1), n1 = dmin * float(m1);
-    const unsigned char* qs = b + 16 + 32 * c;
-#pragma unroll 4
-    for (int l = 0; l < 32; ++l) {
-      const int q = qs[l];
-      f(64 * c + l, d0 * float(q & 15) - n0);
-      f(64 * c + 32 + l, d1 * float(q >> 4) - n1);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      scale_min(h, 2 * c, sc0, m0);
+      scale_min(h, 2 * c + 1, sc1, m1);
+      const int q = b[16 + 32 * c + l];
+      f(64 * c + l, d * float(sc0) * float(q & 15) - dmin * float(m0));
+      f(64 * c + 32 + l, d * float(sc1) * float(q >> 4) - dmin * float(m1));
     }
   }
 };
 
-// Q6_K: ql (128 bytes of nibbles), qh (64 bytes of 2-bit pairs), 16 int8 scales, d. Unit
-// u = 2h + e (0..3) takes half h, l in 16e..16e+15: values 128h + 32j + l (j = 0..3) from
-// ql[64h + l] (j 0, 2: low, high nibble), ql[64h + 32 + l] (j 1, 3), bits 2j of qh[32h + l],
-// scale 8h + 2j + e: w = (d sc) (q - 32).
+// Q6_K: ql (128 bytes of nibbles), qh (64 bytes of 2-bit pairs), 16 int8 scales, d; the header
+// holds d and the scales. Value 128h + 32j + l (half h, j 0..3) takes ql[64h + l] (j 0, 2: low,
+// high nibble) or ql[64h + 32 + l] (j 1, 3) and bits 2j of qh[32h + l]: w = (d sc) (q - 32),
+// sc = scales[8h + 2j + l / 16]. Unit l (0..31): the eight values of its l.
 struct GgufQ6_K {
-  static constexpr int kValues = 256, kBytes = 210, kUnits = 4, kWords = 1;
-  __device__ static GgufHeader header(const unsigned char* b) { return {{load_u16(b + 208), 0, 0, 0}}; }
-  template <typename F>
-  __device__ static void unit(const unsigned char* b, int u, const GgufHeader& h, F&& f) {
-    const float d = half_bits_to_float(h.w[0]);
-    const int hh = u >> 1, e = u & 1;
-    float ds[4];
+  static constexpr int kValues = 256, kBytes = 210, kUnits = 32, kWords = 5;
+  __device__ static GgufHeader header(const unsigned char* b) {
+    GgufHeader h;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) ds[j] = d * float(static_cast<signed char>(b[192 + 8 * hh + 2 * j + e]));
-    const unsigned char* ql = b + 64 * hh + 16 * e;
-    const unsigned char* qh = b + 128 + 32 * hh + 16 * e;
-    const int base = 128 * hh + 16 * e;
-#pragma unroll 2
-    for (int l = 0; l < 16; ++l) {
-      const int a = ql[l], c = ql[32 + l], hq = qh[l];
-      f(base + l, ds[0] * float(((a & 15) | (hq & 3) << 4) - 32));
-      f(base + 32 + l, ds[1] * float(((c & 15) | ((hq >> 2) & 3) << 4) - 32));
-      f(base + 64 + l, ds[2] * float(((a >> 4) | ((hq >> 4) & 3) << 4) - 32));
-      f(base + 96 + l, ds[3] * float(((c >> 4) | ((hq >> 6) & 3) << 4) - 32));
+    for (int i = 0; i < 4; ++i) h.w[i] = load_u32_halves(b + 192 + 4 * i);
+    h.w[4] = load_u16(b + 208);
+    return h;
+  }
+  template <typename F>
+  __device__ static void unit(const unsigned char* b, int l, const GgufHeader& h, F&& f) {
+    const float d = half_bits_to_float(h.w[4]);
+    const int e = l / 16;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int a = b[64 * hh + l], c = b[64 * hh + 32 + l], hq = b[128 + 32 * hh + l];
+      const int q[4] = {(a & 15) | (hq & 3) << 4, (c & 15) | ((hq >> 2) & 3) << 4,
+                        (a >> 4) | ((hq >> 4) & 3) << 4, (c >> 4) | ((hq >> 6) & 3) << 4};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int at = 8 * hh + 2 * j + e;  // the scale's byte
+        const int sc = static_cast<signed char>((h.w[at / 4] >> (8 * (at % 4))) & 255u);
+        f(128 * hh + 32 * j + l, d * float(sc) * float(q[j] - 32));
+      }
     }
   }
 };

@@ -1,8 +1,9 @@
 // gguf_dequantize.cu: a GGUF matrix W (N, K) kept in its blocks (gguf.cuh; `kind` picks the
 // format) widened into out (N, K), the tile a larger batch's product hands to cuBLAS (engine/
-// kernels/launch.py Kernels.gguf_matmul). One thread per unit (gguf.cuh), units numbered
-// through the whole matrix (the rows' blocks are contiguous), so a block's units are
-// neighbouring lanes of one warp: its first loads the header and shuffles it to the others.
+// backends/cupy_blocks.py BlockGemm). One thread per unit (gguf.cuh), units numbered through
+// the whole matrix (the rows' blocks are contiguous), so a block's units are neighbouring
+// lanes of one warp: its first loads the header and shuffles it to the others; the units'
+// stride through the block makes the warp's loads and stores runs of neighbours.
 // Every weight byte is loaded once and every out element stored once, rounded to T.
 #include "gguf.cuh"
 
@@ -20,7 +21,7 @@ __device__ __forceinline__ void gguf_dequantize(T* __restrict__ out,            
     const int part = int(u % Fmt::kUnits);
     const bool valid = u < units;
     const unsigned char* b = w + size_t(blk) * Fmt::kBytes;
-    GgufHeader h = valid && part == 0 ? Fmt::header(b) : GgufHeader{{0, 0, 0, 0}};
+    GgufHeader h = valid && part == 0 ? Fmt::header(b) : GgufHeader{};
     if constexpr (Fmt::kUnits > 1) {
 #pragma unroll
       for (int i = 0; i < Fmt::kWords; ++i) h.w[i] = __shfl_sync(kFullMask, h.w[i], lane - part);

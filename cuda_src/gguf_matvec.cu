@@ -1,13 +1,15 @@
 // gguf_matvec.cu: out (M, N) = x (M, K) @ W^T for a small batch (M <= 8) and a GGUF matrix W
 // (N, K) kept in its blocks (gguf.cuh: Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; `kind` picks the format
-// for the whole launch). One warp per output row: lane l takes units l, l + 32, ... of the row
-// (a unit: a 32-value block, or a quarter of a 256-value super-block), so every weight byte is
-// loaded once per product, by one lane, and multiplied into all M rows of x while it is in
-// registers. A k-quant super-block's header is loaded by its first unit's lane and shuffled to
-// the other three. x stays in its dtype, widened to float32; sums are float32 per lane, then a
-// warp sum per batch row; out is written once per element, rounded to T, or float32 when
-// out_f32 (the logits): row m's columns col..col+N of an out whose rows are ldo elements apart
-// (a fused matrix's part writes its own columns of the whole output).
+// for the whole launch). One warp per output row: lane l takes units l, l + 32, ... of the row.
+// Units are strided through their block (gguf.cuh), so at each step the warp reads one or two
+// runs of neighbouring weight bytes and of neighbouring x values (a warp covers one 256-value
+// super-block, or one or two 32-value blocks, per step). Every weight byte is loaded once per
+// product, by one lane, and multiplied into all M rows of x while it is in registers; a
+// block's header is loaded by its first unit's lane and shuffled to the others. x stays in its
+// dtype, widened to float32; sums are float32 per lane, then a warp sum per batch row; out is
+// written once per element, rounded to T, or float32 when out_f32 (the logits): row m's
+// columns col..col+N of an out whose rows are ldo elements apart (a fused matrix's part writes
+// its own columns of the whole output).
 #include "gguf.cuh"
 
 constexpr int kMatvecWarps = 4;  // rows per block (engine/kernels/launch.py GGUF_MATVEC_ROWS)
@@ -23,7 +25,7 @@ __device__ __forceinline__ void matvec_row(void* out, const T* x, const unsigned
     const int u = base + lane, blk = u / Fmt::kUnits, part = u % Fmt::kUnits;
     const bool valid = u < units;
     const unsigned char* b = row + size_t(blk) * Fmt::kBytes;
-    GgufHeader h = valid && part == 0 ? Fmt::header(b) : GgufHeader{{0, 0, 0, 0}};
+    GgufHeader h = valid && part == 0 ? Fmt::header(b) : GgufHeader{};
     if constexpr (Fmt::kUnits > 1) {
       const int first = lane - part;  // the block's first unit's lane
 #pragma unroll

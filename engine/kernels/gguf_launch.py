@@ -15,13 +15,13 @@ import numpy as np
 
 from engine.utils import cdiv
 
-# kind -> (gguf.cuh format id, values per block, bytes per block, units per block)
+# kind -> (gguf.cuh format id, values per block, bytes per block, units per block: kUnits)
 GGUF_KINDS = {
-    "q8_0": (0, 32, 34, 1),
-    "q4_0": (1, 32, 18, 1),
-    "q5_0": (2, 32, 22, 1),
-    "q4_k": (3, 256, 144, 4),
-    "q6_k": (4, 256, 210, 4),
+    "q8_0": (0, 32, 34, 32),
+    "q4_0": (1, 32, 18, 16),
+    "q5_0": (2, 32, 22, 16),
+    "q4_k": (3, 256, 144, 32),
+    "q6_k": (4, 256, 210, 32),
 }
 GGUF_ALIGN = {kind: 4 if kind == "q4_k" else 2 for kind in GGUF_KINDS}
 GGUF_MATVEC_ROWS = 4  # gguf_matvec.cu kMatvecWarps: one warp per output row
