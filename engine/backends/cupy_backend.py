@@ -57,7 +57,6 @@ from engine.backends.forward_batch import ForwardBatch
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
 from engine.kernels.launch import lora_tiles
 from engine.utils import MiB
-from model_loader.gguf_blocks import stack_rows
 from model_loader.rope import rope_table
 from model_loader.weights import ModelWeights
 
@@ -131,7 +130,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     def _put_matrix(self, *mats):
         """(out, in) matrices stacked along rows: a GGUF's kept in their blocks where the
         kernels read every part's format (engine/backends/cupy_blocks.py), else ``_put``."""
-        kept = keep_blocks(stack_rows(list(mats)), self.device.upload)
+        kept = keep_blocks(mats, self.device.upload)
         return kept if kept is not None else self._put(*mats)
 
     def _upload_weights(self, w: ModelWeights) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.kernels.gguf_launch import GGUF_KINDS, GGUF_MATVEC_MAX_BATCH
 from engine.utils import MiB
-from model_loader.gguf_blocks import BlockMatrix
+from model_loader.gguf_blocks import BlockMatrix, stack_rows
 
 TILE_BYTES = 32 * MiB  # the widened tile of a larger batch's product, at most
 
@@ -52,14 +52,15 @@ def tile_rows(K: int, itemsize: int) -> int:
     return max(1, TILE_BYTES // (K * itemsize))
 
 
-def keep_blocks(w, upload) -> DeviceBlocks | None:
-    """``w`` (a BlockMatrix or BlockStack, (N, K)) on the device in its blocks, through
-    ``upload``; None when it is not one, is kept only to be read by row, or has a part in a
-    format the kernels do not read."""
-    parts = getattr(w, "parts", [w])
-    for p in parts:
-        if not (isinstance(p, BlockMatrix) and p.as_stored and p.kind in GGUF_KINDS):
+def keep_blocks(mats, upload) -> DeviceBlocks | None:
+    """(out, in) matrices stacked along rows (Q, K, V), on the device in their blocks through
+    ``upload`` (neighbours of one format joined, as ``stack_rows`` joins them); None, before
+    any copy, unless every one is a BlockMatrix kept to be multiplied in a format the kernels
+    read."""
+    for m in mats:
+        if not (isinstance(m, BlockMatrix) and m.as_stored and m.kind in GGUF_KINDS):
             return None
+    parts = getattr(stack_rows(list(mats)), "parts", list(mats[:1]))
     kept = [(p.kind, upload(np.ascontiguousarray(p.raw))) for p in parts]
     return DeviceBlocks(kept, int(parts[0].shape[1]))
 
