@@ -15,6 +15,8 @@
 #           ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), NCCL's
 #           version                                                       -> tp.log, tp.json
 #   bench   python -m engine.tools.bench_gpu, graphs and eager                  -> bench.log, bench.json
+#   gguf    the GGUF block products (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) at 1..64
+#           rows against NumPy, timed beside bf16 cuBLAS                  -> gguf.log, gguf.json
 # summary.md: each stage's exit status and seconds, then the tests' and the benchmark's ends.
 # --emulate: backend cuda-cpu, the tiny model, PAGEDLLM_EMULATE_GPU=1 for the gpu tests, a small
 # benchmark workload. CI runs it (tests/test_gpu_check_script.py); the files are the same.
@@ -81,6 +83,7 @@ stage tp 40 tp.log env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" scripts/gpu_tp_check.p
   --model "$MODELS/tiny" --json "$OUT/tp.json" $EMULATE
 stage bench 90 bench.log "$PY" -m engine.tools.bench_gpu --model "$BENCH_MODEL" \
   --json "$OUT/bench.json" $EMULATE
+stage gguf 30 gguf.log "$PY" scripts/gpu_gguf_check.py --json "$OUT/gguf.json" $EMULATE
 
 {
   echo
@@ -97,6 +100,11 @@ stage bench 90 bench.log "$PY" -m engine.tools.bench_gpu --model "$BENCH_MODEL" 
   echo "## bench"
   echo '```'
   grep -v '^INFO\|^WARNING' "$OUT/bench.log" 2>/dev/null | tail -n 20
+  echo '```'
+  echo
+  echo "## gguf"
+  echo '```'
+  grep -v '^INFO\|^WARNING' "$OUT/gguf.log" 2>/dev/null | tail -n 20
   echo '```'
 } >> "$SUMMARY"
 cat "$SUMMARY"

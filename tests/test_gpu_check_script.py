@@ -13,8 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = ["summary.md", "env.log", "models.log", "smoke.log", "smoke.json", "pytest.log"]
-FILES += ["tp.log", "tp.json", "bench.log", "bench.json"]
-STAGES = ["env", "models", "smoke", "tests", "tp", "bench"]
+FILES += ["tp.log", "tp.json", "bench.log", "bench.json", "gguf.log", "gguf.json"]
+STAGES = ["env", "models", "smoke", "tests", "tp", "bench", "gguf"]
 FIGURES = ["device", "copy", "gemm", "load", "itl_graphs", "throughput_graphs"]
 FIGURES += ["itl_eager", "throughput_eager"]
 
@@ -52,6 +52,9 @@ def test_gpu_check_passes_on_the_emulated_device(tmp_path):
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["tokens_equal"] == [True] * 3 and tp["max_logit_diff"] < 1e-4
     assert tp["nccl_version"] == "2.30.1" and len(set(tp["collectives_per_rank"])) == 1
+    gguf = json.loads((tmp_path / "gguf.json").read_text())
+    assert list(gguf["formats"]) == ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]
+    assert gguf["worst_error"] <= 2e-2
 
 
 def test_gpu_check_reports_stages_it_could_not_run(tmp_path):

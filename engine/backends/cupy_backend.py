@@ -23,7 +23,8 @@ the last one's copy may still be queued.
 
 Its parts, one job each: cupy_step.py (a layer's weights, a step's inputs and workspace),
 cupy_lora.py (the LoRA slots), cupy_memory.py (the memory accounting the pool is sized from),
-cuda_graphs.py (the decode graphs).
+cuda_graphs.py (the decode graphs), cupy_blocks.py (a GGUF's matrices kept in their blocks on
+the device, and ``BlockGemm``, the products over every weight).
 
 Per layer: one QKV product into (T, q_dim + 2 kv_dim) rows, ``rotary_cache`` (q rotated into
 the attention's (T, H, hd) buffer, k rotated and v written into the paged cache), attention,
@@ -41,6 +42,7 @@ import numpy as np
 
 from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
 from engine.backends.cuda_graphs import DecodeGraphs
+from engine.backends.cupy_blocks import BlockGemm, keep_blocks
 from engine.backends.cupy_lora import LoRASlots
 from engine.backends.cupy_memory import DeviceMemory
 from engine.backends.cupy_step import (
@@ -68,7 +70,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     def __init__(self, model_config, weights: ModelWeights, engine_config, device=None):
         self.device = device if device is not None else CupyDevice()
         self.name = "cuda" if self.device.is_gpu else "cuda-cpu"
-        self.xp, self.k, self.gemm = self.device.xp, self.device.kernels, self.device.gemm
+        self.xp, self.k = self.device.xp, self.device.kernels
+        self.gemm = BlockGemm(self.device.gemm, self.k, self.device.empty)  # GGUF blocks too
         self.cfg = c = model_config
         self.block_size = engine_config.block_size
         self.kv_dtype = resolve_kv_dtype(engine_config.dtype, model_config, self.device.is_gpu)
@@ -131,16 +134,22 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     def _put_opt(self, *arrays):
         return None if arrays[0] is None else self._put(*arrays)
 
+    def _put_matrix(self, *mats):
+        """(out, in) matrices stacked along rows: a GGUF's kept in their blocks where the
+        kernels read every part's format (engine/backends/cupy_blocks.py), else ``_put``."""
+        kept = keep_blocks(mats, self.device.upload)
+        return kept if kept is not None else self._put(*mats)
+
     def _upload_weights(self, w: ModelWeights) -> None:
         off = self.cfg.norm_offset  # Gemma 3's q and k norms are (1 + w) too
         self.layers = [
             DeviceLayer(
                 attn_norm=self._put(lw.attn_norm),
-                w_qkv=self._put(lw.wq, lw.wk, lw.wv),
-                w_o=self._put(lw.wo),
+                w_qkv=self._put_matrix(lw.wq, lw.wk, lw.wv),
+                w_o=self._put_matrix(lw.wo),
                 mlp_norm=self._put(lw.mlp_norm),
-                w_gate_up=self._put(lw.w_gate, lw.w_up),
-                w_down=self._put(lw.w_down),
+                w_gate_up=self._put_matrix(lw.w_gate, lw.w_up),
+                w_down=self._put_matrix(lw.w_down),
                 b_qkv=self._put_opt(lw.bq, lw.bk, lw.bv),
                 q_norm=self._put_opt(_offset(lw.q_norm, off)),  # the kernel scales by w
                 k_norm=self._put_opt(_offset(lw.k_norm, off)),
@@ -151,7 +160,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         ]
         self.embed = self._put(w.embed)  # (V, D)
         self.final_norm = self._put(w.final_norm)  # (D,)
-        self.lm_head = self.embed if w.lm_head is w.embed else self._put(w.lm_head)  # (V, D)
+        self.lm_head = self.embed if w.lm_head is w.embed else self._put_matrix(w.lm_head)
+        self._log_formats()
 
     # ---- cache ----
     @on_device

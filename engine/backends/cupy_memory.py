@@ -1,5 +1,7 @@
-"""The GPU backend's memory accounting: the weights' bytes, a step's activation bytes (computed,
-and on a GPU measured by a profile forward), the CUDA graphs' pool; what ``plan_kv_cache``
+"""The GPU backend's memory accounting: the weights' bytes (GGUF blocks as stored, logged by
+format at startup), a step's activation bytes (computed, with the tile that a batch of more
+than eight rows widens a kept matrix into, and on a GPU measured by a profile forward), the
+CUDA graphs' pool; what ``plan_kv_cache``
 (engine/core/memory.py) sizes the pool from. ``DeviceMemory`` is a part of ``CupyBackend``
 (its device, config, kernels and ``_run_eager``).
 """
@@ -10,8 +12,10 @@ import logging
 
 import numpy as np
 
+from engine.backends.cupy_blocks import DeviceBlocks, bytes_by_format
 from engine.backends.cupy_step import on_device
 from engine.backends.forward_batch import ForwardBatch
+from engine.kernels.gguf_launch import GGUF_MATVEC_MAX_BATCH
 from engine.kernels.launch import LORA_MAX_SPLITS, lora_max_tiles
 from engine.utils import MiB, cdiv
 
@@ -19,14 +23,34 @@ log = logging.getLogger("engine.backend")
 
 
 class DeviceMemory:
-    @property
-    def weights_bytes(self) -> int:
-        """The weights' bytes on the device, the LoRA slots' included."""
+    def _weight_arrays(self) -> list:
+        """Every weight on the device once: arrays, and matrices kept in GGUF blocks."""
         arrays = [self.embed, self.final_norm]
         arrays += [a for lw in self.layers for a in vars(lw).values() if a is not None]
-        arrays += [] if self.lm_head is self.embed else [self.lm_head]
+        return arrays + ([] if self.lm_head is self.embed else [self.lm_head])
+
+    @property
+    def weights_bytes(self) -> int:
+        """The weights' bytes on the device (GGUF blocks as stored), the LoRA slots' included."""
+        arrays = self._weight_arrays()
         arrays += [a for layer in self.lora_layers for pair in layer.values() for a in pair]
         return sum(int(a.nbytes) for a in arrays)
+
+    def _log_formats(self) -> None:
+        kinds = sorted(bytes_by_format(self._weight_arrays()).items(), key=lambda kv: -kv[1])
+        log.info(
+            "weights resident, by format: %s",
+            ", ".join(f"{kind} {n / MiB:.1f} MiB" for kind, n in kinds),
+        )
+
+    def _tile_bytes(self, T: int) -> int:
+        """The widest tile a product of T rows widens a matrix kept in blocks into (none for
+        up to GGUF_MATVEC_MAX_BATCH rows: the kernel reads the blocks as they are)."""
+        if T <= GGUF_MATVEC_MAX_BATCH:
+            return 0
+        e = self.dtype.itemsize
+        kept = [a for a in self._weight_arrays() if isinstance(a, DeviceBlocks)]
+        return max((a.tile_bytes(e) for a in kept), default=0)
 
     def total_memory_bytes(self) -> int:
         """The device's memory (the budget is this times gpu_memory_utilization)."""
@@ -65,7 +89,7 @@ class DeviceMemory:
         partials = partials if partitions > 1 else 0
         pool_rounding = 512 * (16 + 2 * layers_with_partials)  # CuPy rounds each block
         step = inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
-        return step + extra
+        return step + extra + self._tile_bytes(T)
 
     def graph_pool_estimate(self) -> int:
         """The graphs share one pool sized by the largest capture (every layer's partials live)."""

@@ -12,6 +12,7 @@ attention's head dim and block size) gets them as ``-D`` options, one build per 
 
   build.py     sources, entry points, the NVRTC and g++ builds
   launch.py    ``Kernels``: one checked launch per operation over a module loader; block sizes
+  gguf_launch.py  the GGUF block products' launches (``Kernels.gguf_matvec``, ``gguf_dequantize``)
   cublas.py    cuBLAS through the engine's own handle (graph capture)
   gemm.py      ``out = x @ w.T`` for the GPU backend, one cuBLAS GemmEx per product
 """

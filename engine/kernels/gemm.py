@@ -1,7 +1,8 @@
 """Matrix products for the device backend: ``out = x @ w.T`` with weights kept as (out, in).
 
-Every product, in every dtype, is one cuBLAS ``GemmEx`` with float32 accumulation
-(CUBLAS_COMPUTE_32F: plain float32 math for float32, no TF32) on the device's own handle
+Every product over a plain weight (a GGUF matrix kept in blocks: engine/backends/cupy_blocks.py),
+in every dtype, is one cuBLAS ``GemmEx`` with float32 accumulation (CUBLAS_COMPUTE_32F: plain
+float32 math for float32, no TF32) on the device's own handle
 (``engine.kernels.cublas.Cublas``), so a CUDA graph can capture it. Operands are CUDA_R_32F,
 CUDA_R_16F or CUDA_R_16BF; a bfloat16 array may be an ``ml_dtypes.bfloat16`` array or 16-bit storage
 (``uint16``); ``out`` may be float32 (the logits) while the operands are 16-bit.
@@ -9,12 +10,15 @@ CUDA_R_16F or CUDA_R_16BF; a bfloat16 array may be an ``ml_dtypes.bfloat16`` arr
 cuBLAS is column-major. A row-major (M, N) ``out`` is the column-major (N, M) ``out.T``, and
 ``out.T = w @ x.T``: with ``w`` (N, K) row-major read as the column-major (K, N) matrix, that is
 ``gemm(op(A)=T, op(B)=N, m=N, n=M, k=K, A=w, lda=K, B=x, ldb=K, C=out, ldc=N)``. ``GemmPlan``
-holds those numbers; the emulated cuBLAS (``engine.emulation.runtime``) carries a plan out on
-raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
+holds those numbers (``columns_plan``: the same with ldc a wider out's width, for a product
+that writes some of its columns); the emulated cuBLAS (``engine.emulation.runtime``) carries a
+plan out on raw host memory exactly as cuBLAS reads it, so every CPU run checks them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -132,8 +136,36 @@ def gemm_plan(x, w, out) -> GemmPlan:
     return GemmPlan(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, K, K, N, t_in, t_in, t_out)
 
 
+def columns_plan(x, w, out, col: int) -> GemmPlan:
+    """The cuBLAS arguments for ``out[:, col:col + N] = x @ w.T``, w (N, K), into a wider
+    C-contiguous out (M, ldo): the same call as ``gemm_plan``'s with ldc the full width (the
+    caller offsets C's address by ``col`` elements)."""
+    if getattr(out, "ndim", 0) != 2 or getattr(w, "ndim", 0) != 2 or x.ndim != 2:
+        raise ValueError("gemm: x, w, out must be 2-D")
+    (M, ldo), N = out.shape, w.shape[0]
+    if out.shape[0] != x.shape[0] or not 0 <= col <= ldo - N:
+        raise ValueError(
+            f"gemm: columns {col}..{col + N} of out {tuple(out.shape)} for x {tuple(x.shape)}"
+        )
+    if not out.flags.c_contiguous:
+        raise ValueError(f"gemm: out must be C-contiguous, got strides {out.strides}")
+    head = gemm_plan(x, w, _Shape((M, N), out.dtype))
+    return dataclasses.replace(head, ldc=ldo)
+
+
+class _Shape:
+    """A C-contiguous stand-in of an array's shape and dtype (what ``gemm_plan`` reads)."""
+
+    ndim = 2
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+        self.flags = types.SimpleNamespace(c_contiguous=True)
+
+
 class Gemm:
-    """``gemm(x, w, out)``: out = x @ w.T on a device, through its cuBLAS handle.
+    """``gemm(x, w, out)``: out = x @ w.T on a device, through its cuBLAS handle;
+    ``gemm.columns(x, w, out, col)``: w's rows give columns col.. of a wider out.
 
     ``ptr(a)`` is the device address of an array (CuPy's ``a.data.ptr``; a host address on the
     emulated device). No temporaries, no host synchronisation: a graph can capture it."""
@@ -145,3 +177,9 @@ class Gemm:
         plan = gemm_plan(x, w, out)
         if plan.m and plan.n:  # an empty out: nothing to do (and ldc=0 would be invalid)
             self.cublas.gemm(plan, self.ptr(w), self.ptr(x), self.ptr(out))
+
+    def columns(self, x, w, out, col: int) -> None:
+        plan = columns_plan(x, w, out, col)
+        if plan.m and plan.n:
+            at = self.ptr(out) + col * np.dtype(out.dtype).itemsize
+            self.cublas.gemm(plan, self.ptr(w), self.ptr(x), at)

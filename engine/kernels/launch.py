@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.kernels.build import normalize_defines
+from engine.kernels.gguf_launch import GgufLaunches
 from engine.utils import cdiv
 
 DTYPE_SUFFIX = {
@@ -166,7 +167,7 @@ def _suffix(op: str, a) -> str:
 i32, f32 = np.int32, np.float32
 
 
-class Kernels:
+class Kernels(GgufLaunches):
     """Every kernel behind a method that checks its arguments first.
 
     ``load(name, defines)`` returns a module for cuda_src/<name>.cu built with ``defines``
@@ -176,6 +177,7 @@ class Kernels:
     ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
     allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
     ``sm_count``: the device's multiprocessors, which the decode split fills.
+    The GGUF block products (``gguf_matvec``, ``gguf_dequantize``): engine/kernels/gguf_launch.py.
     """
 
     def __init__(self, load, empty=np.empty, sm_count: int = EMULATED_SM_COUNT):
