@@ -81,8 +81,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "bq": (cfg.q_dim,),
         "bk": (cfg.kv_dim,),
         "bv": (cfg.kv_dim,),
-        "q_norm": (cfg.head_dim,),
-        "k_norm": (cfg.head_dim,),
+        "q_norm": (cfg.q_dim,) if cfg.qk_norm_whole else (cfg.head_dim,),
+        "k_norm": (cfg.kv_dim,) if cfg.qk_norm_whole else (cfg.head_dim,),
     } | (moe_shapes(cfg.moe, d) if cfg.moe is not None else {})
 
 
@@ -153,7 +153,7 @@ def weights_from_tensors(
         layer_names = family_layer_names(cfg, HF_LAYER_NAMES, HF_BIAS_NAMES, HF_QK_NORM_NAMES)
     shapes, used = expected_shapes(cfg), set()
     sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_hidden_layers
-    tables = [moe_layer_names(layer_names) if s else layer_names for s in sparse]
+    tables = [moe_layer_names(layer_names, cfg.moe) if s else layer_names for s in sparse]
     embed = _take(tensors, global_names["embed"], shapes["embed"], used)
     for i in range(cfg.num_hidden_layers):  # every layer's names and shapes, now
         for field, name in tables[i].items():

@@ -222,6 +222,7 @@ class NumpyBackend(Backend):
         ffn = c.intermediate_size
         if c.moe is not None:  # each token's k pairs: gathered rows, gate|up, act, down
             ffn = max(ffn, c.moe.top_k * (c.moe.intermediate_size + c.hidden_size))
+            ffn = max(ffn, c.moe.shared_intermediate_size + c.hidden_size)  # Qwen2-MoE's
         per_token = 3 * c.hidden_size + 2 * qkv + 2 * c.q_dim + 4 * ffn
         seq_kv = 4 * s * c.kv_dim  # one sequence's gathered K and V (+ transposed copies)
         rows = min(s, fast_ops.QUERY_CHUNK)
@@ -439,15 +440,31 @@ class NumpyBackend(Backend):
         c, ops, n = self.cfg, self.ops, qkv.shape[0]
         if lw.b_qkv is not None:
             qkv += lw.b_qkv
+        qkv = self._olmoe_qkv(qkv, lw)
         q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
         k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
-        if lw.q_norm is not None:  # each head RMS-normalised before RoPE
+        if lw.q_norm is not None and not c.qk_norm_whole:  # each head normalised before RoPE
             q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
             k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
         q, k = ops.rotary(q, k, b.positions, c.rope)
         ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
         return q
+
+    def _olmoe_qkv(self, qkv: np.ndarray, lw: PackedLayer) -> np.ndarray:
+        """qkv (T, H*hd + 2*Hkv*hd) biased -> the same, OLMoE's way where the config says so:
+        each row's q and k columns RMS-normalised as a whole, then every value clamped to
+        +-clip_qkv."""
+        c, q, kv = self.cfg, self.cfg.q_dim, self.cfg.kv_dim
+        if c.qk_norm_whole:
+            qkv[:, :q] = self.ops.rms_norm(
+                np.ascontiguousarray(qkv[:, :q]), lw.q_norm, c.rms_norm_eps
+            )
+            k = np.ascontiguousarray(qkv[:, q : q + kv])  # (T, Hkv*hd)
+            qkv[:, q : q + kv] = self.ops.rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            np.clip(qkv, -c.clip_qkv, c.clip_qkv, out=qkv)
+        return qkv
 
 
 def _arrays(value):
