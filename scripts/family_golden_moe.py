@@ -73,13 +73,13 @@ MOE_FAMILIES = {
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
+            shared_expert_intermediate_size=96,
             decoder_sparse_step=1,
             mlp_only_layers=[2],
         ),
         1200,
         "8 experts, top-2, not renormalized (norm_topk_prob false, the default), expert width "
-        "32; a shared expert of width 48 scaled by sigmoid(shared_expert_gate . x); q/k/v "
+        "32; a shared expert of width 96 scaled by sigmoid(shared_expert_gate . x); q/k/v "
         "biases; layer 2 dense (mlp_only_layers [2], width 160); untied",
     ),
     "olmoe": (
