@@ -152,10 +152,13 @@ def _flag(d: dict, key: str, where: str) -> bool:
     return value
 
 
-def moe_layer_names(names: Mapping[str, str], spec: MoeSpec, shared=SHARED) -> dict[str, str]:
-    """A sparse layer's name table: the dense one without its MLP, with the stacked experts
-    (and the shared expert's names, ``shared``, where the spec has one)."""
-    out = {k: v for k, v in names.items() if k not in DENSE_MLP} | STACKED
+def moe_layer_names(
+    names: Mapping[str, str], spec: MoeSpec, stacked=STACKED, shared=SHARED
+) -> dict[str, str]:
+    """A sparse layer's name table: the dense one without its MLP, with the stacked experts'
+    names (``stacked``; a GGUF's are its own) and the shared expert's (``shared``) where the
+    spec has one."""
+    out = {k: v for k, v in names.items() if k not in DENSE_MLP} | dict(stacked)
     return out | (dict(shared) if spec.shared_intermediate_size else {})
 
 

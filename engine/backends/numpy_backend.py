@@ -198,10 +198,14 @@ class NumpyBackend(Backend):
         return lambda w: quantize(w, kind).dequantize()
 
     def _matrix_shapes(self) -> list[tuple[int, int]]:
-        """The (K, N) of a layer's four matrices and of the LM head, from the config."""
+        """The (K, N) of a layer's four matrices and of the LM head, from the config (and of a
+        mixture's experts, the shared one's too)."""
         c = self.cfg
         d, f = c.hidden_size, c.intermediate_size
-        return [(d, c.q_dim + 2 * c.kv_dim), (c.q_dim, d), (d, 2 * f), (f, d), (d, c.vocab_size)]
+        shapes = [(d, c.q_dim + 2 * c.kv_dim), (c.q_dim, d), (d, 2 * f), (f, d), (d, c.vocab_size)]
+        for width in (c.moe.intermediate_size, c.moe.shared_intermediate_size) if c.moe else ():
+            shapes += [(d, 2 * width), (width, d)] if width else []
+        return shapes
 
     def _stored(self) -> None:
         """Called once the matrices are packed and stored (the cpu backend logs its choice)."""
