@@ -69,6 +69,7 @@ class ModelConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     local_rope: RopeParams | None = None
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
 
     def __post_init__(self):
         if self.rope is None:
@@ -107,7 +108,12 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.spec.qk_norm
+        return bool(self.spec.qk_norm)
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """q and k RMS-normalised over the whole projection (OLMoE), not per head."""
+        return self.spec.qk_norm == "projection"
 
     @property
     def norm_offset(self) -> float:
@@ -215,12 +221,23 @@ class ModelConfig:
             moe=moe_spec(d, fam.name, d["num_hidden_layers"]) if fam.moe else None,
             local_rope=local,
             **attention_params(d, fam),
+            clip_qkv=clip_qkv(d),
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def clip_qkv(d: dict) -> float | None:
+    """OLMoE's clip_qkv: a positive bound, or None (no clamp)."""
+    value = d.get("clip_qkv")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"config.json: clip_qkv must be a positive number or null, got {value!r}")
+    return float(value)
 
 
 PROBLEM_TYPES = (None, "single_label_classification", "multi_label_classification", "regression")

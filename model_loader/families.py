@@ -18,7 +18,10 @@ backend and the CUDA kernels:
   gemma2   -           -         sandw.   GELU (tanh)  x sqrt(D)    layer_types (2)
   gemma3   -           per head  sandw.   GELU (tanh)  x sqrt(D)    layer_types (6)
   qwen3_moe  as qwen3, with experts in place of the MLP (use_sliding_window: every layer)
+  qwen2_moe  as qwen2, with experts and a sigmoid-gated shared expert in place of the MLP
   mixtral    as mistral, with experts in place of the MLP
+  olmoe      RMSNorm of the whole q and k projections (not per head) before RoPE, then q, k
+             and v clamped to +-clip_qkv when set; experts in place of the MLP
 
 Gemma 2 and 3 ("sandw.": (1 + w) RMSNorm before and after attention and the MLP) also scale
 attention by ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps attention scores and logits,
@@ -34,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_loader.gemma import layer_types as gemma_layer_types
-from model_loader.moe import MIXTRAL_KEYS, QWEN3_MOE_KEYS
+from model_loader.moe import MIXTRAL_KEYS, OLMOE_KEYS, QWEN2_MOE_KEYS, QWEN3_MOE_KEYS
 
 # Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
 COMMON_KEYS = {
@@ -136,6 +139,7 @@ FIXED_VALUES = {
     "is_encoder_decoder": ((False, None), "an encoder-decoder model"),
     "use_bidirectional_attention": ((False, None), "bidirectional attention"),
     "partial_rotary_factor": ((1.0, 1, None), "rotary embeddings on part of each head"),
+    "qkv_bias": ((True, None), "q, k and v projections without biases"),  # Qwen2-MoE's
 }
 
 # Keys that name a feature no family here implements: refused by name whatever their value
@@ -162,12 +166,14 @@ class Family:
     architectures: tuple[str, ...]
     keys: frozenset[str] = frozenset()  # read besides COMMON_KEYS
     qkv_bias: bool = False  # q/k/v projections carry biases (no config key says so)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    qk_norm: bool | str = False  # True: per-head RMSNorm of q and k before RoPE;
+    #   "projection": over each token's whole q and k projections (OLMoE)
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
     activations: dict = None  # hidden_act value -> activation (None: SILU)
     window: str = "none"  # none | global (sliding_window) | layer_types | pattern | flag
-    #   (flag: when use_sliding_window, every layer)
+    #   (when use_sliding_window: every layer) | layer_types_odd (qwen2_moe: layer_types,
+    #   else when use_sliding_window the even-indexed layers below max_window_layers)
     fused_projections: bool = False  # qkv_proj, gate_up_proj in the checkpoint
     sandwich_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs too
     act_key: str = "hidden_act"  # the config key naming the activation
@@ -307,6 +313,27 @@ FAMILIES = {
             differs="as mistral, experts in place of the MLP (top-k of num_local_experts, "
             "renormalized)",
         ),
+        Family(
+            "qwen2_moe",
+            ("Qwen2MoeForCausalLM",),
+            frozenset(QWEN2_MOE_KEYS | QWEN_WINDOW_KEYS | {"qkv_bias"}),
+            qkv_bias=True,
+            window="layer_types_odd",
+            moe=True,
+            example="Qwen/Qwen1.5-MoE-A2.7B",
+            differs="as qwen2, experts (top-k of num_experts) and a shared expert scaled by "
+            "sigmoid(shared_expert_gate) in place of the MLP",
+        ),
+        Family(
+            "olmoe",
+            ("OlmoeForCausalLM",),
+            frozenset(OLMOE_KEYS | {"clip_qkv", "attention_bias"}),
+            qk_norm="projection",
+            moe=True,
+            example="allenai/OLMoE-1B-7B-0924",
+            differs="RMSNorm of the whole q and k projections, clip_qkv, experts (top-k of "
+            "num_experts) in place of the MLP",
+        ),
     )
 }
 
@@ -398,7 +425,8 @@ def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.js
     if fam.window == "none":
         return (0,) * num_layers
     window = d.get("sliding_window")
-    if fam.window in ("layer_types", "flag") and not d.get("use_sliding_window", False):
+    gated = fam.window in ("layer_types", "layer_types_odd", "flag")  # by use_sliding_window
+    if gated and not d.get("use_sliding_window", False):
         window = None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
@@ -411,9 +439,11 @@ def layer_windows(d: dict, fam: Family, num_layers: int, where: str = "config.js
         types = gemma_layer_types(d, num_layers, fam.window_pattern)
     if types is None:
         first = d.get("max_window_layers", num_layers)
+        odd = fam.window == "layer_types_odd"  # Qwen2MoeConfig's rule, else Qwen2Config's
         types = [
-            "sliding_attention" if window and i >= first else "full" for i in range(num_layers)
-        ]
+            "sliding_attention" if window and (i < first and i % 2 == 0 if odd else i >= first)
+            else "full" for i in range(num_layers)
+        ]  # fmt: skip
     if len(types) != num_layers:
         raise ValueError(f"{where}: layer_types has {len(types)} entries for {num_layers} layers")
     bad = sorted(set(types) - {"full_attention", "sliding_attention", "full"})

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format) -> config, metadata and float32 tensors.
 
 Three things differ from a Hugging Face checkpoint:
-  * the config is read from ``llama.*`` metadata keys instead of ``config.json``;
+  * the config is read from ``llama.*`` metadata keys instead of ``config.json`` (a mixture
+    of experts' keys and tensor names: ``model_loader.gguf_moe``);
   * tensors may be quantized (Q4_0, Q4_1, Q8_0, Q4_K, ...). Matrices in a k-quant or 5-bit type
     (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), with, in a file that has them, its Q8_0/Q4_0/Q4_1 ones,
     and an embedding table or LM head in Q8_0, Q4_0 or Q4_1, stay in their blocks
@@ -27,11 +28,22 @@ import gguf
 import numpy as np
 
 from model_loader.config import ModelConfig
+from model_loader.families import FAMILIES
 from model_loader.gguf_blocks import (  # noqa: F401  (BLOCK_KINDS, TransposedBlocks: re-exported)
     BLOCK_KINDS,
     KQUANT_TYPES,
     BlockMatrix,
     TransposedBlocks,
+)
+from model_loader.gguf_moe import (
+    GGUF_SHARED,
+    GGUF_STACKED,
+    MOE_ARCHITECTURES,
+    ROUTER,
+    ROUTERS,
+    clamp_kqv,
+    gguf_moe_spec,
+    moe_family,
 )
 from model_loader.hf_weights import (
     drop_pages,
@@ -68,6 +80,7 @@ GGUF_LAYER_NAMES = {
 # general.architecture -> the family (model_loader.families) it is.
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
 SUPPORTED_ARCHITECTURES["phi3"] = "phi3"
+SUPPORTED_ARCHITECTURES |= MOE_ARCHITECTURES  # and llama with experts: Mixtral (gguf_moe)
 # llama.cpp's converter permutes Q/K rows for these only (the others rotate as HF does).
 PERMUTED_QK = ("llama",)
 # Family extras: LayerWeights field -> GGUF tensor name.
@@ -139,6 +152,11 @@ class LazyTensors(Mapping):
             self._shape[part] = (rows, d)
             self._make[part] = lambda a=start, b=start + rows: _rows(make(), a, b)
             start += rows
+
+    def reshape(self, name: str, shape: tuple[int, ...]) -> None:
+        """tensors[name] becomes its values in ``shape`` (as many)."""
+        self._shape[name] = shape
+        self.derive(name, lambda a: a.reshape(shape))
 
     def pop(self, name: str, default=None):
         if name not in self._make:
@@ -228,18 +246,20 @@ def _rope(md: dict[str, Any], arch: str, freq_factors) -> RopeParams:
 
 
 def config_from_metadata(
-    md: dict[str, Any], tied: bool, freq_factors=(), matrix_type: str | None = None
+    md: dict[str, Any], tied: bool, freq_factors=(), matrix_type: str | None = None, sparse=()
 ) -> ModelConfig:
     """ModelConfig from ``{arch}.*`` keys; ``tied`` when the file has no ``output.weight``;
     ``freq_factors``: the ``rope_freqs.weight`` tensor's values, if the file has one;
-    ``matrix_type``: the type every layer matrix is stored in, when they share one."""
+    ``matrix_type``: the type every layer matrix is stored in, when they share one;
+    ``sparse``: per layer, whether it has a router (a mixture of experts: model_loader.gguf_moe)."""
     arch = _require(md, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"gguf: general.architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    family = SUPPORTED_ARCHITECTURES[arch]
+    family = moe_family(md, arch, SUPPORTED_ARCHITECTURES[arch])
+    moe = gguf_moe_spec(md, arch, family, tuple(sparse)) if FAMILIES[family].moe else None
     n_heads = int(_require(md, f"{arch}.attention.head_count"))
     dim = int(_require(md, f"{arch}.embedding_length"))
     head_dim = int(md.get(f"{arch}.attention.key_length", dim // n_heads))
@@ -272,6 +292,8 @@ def config_from_metadata(
         rope=rope,
         hidden_act="gelu_tanh" if family == "gemma" else "silu",
         layer_windows=(window,) * int(_require(md, f"{arch}.block_count")) if window else (),
+        moe=moe,
+        clip_qkv=clamp_kqv(md, arch),
     )
 
 
@@ -279,8 +301,10 @@ def matrix_type(reader: gguf.GGUFReader) -> str | None:
     """The type name ("Q8_0", "Q4_1", "F32", ...) every layer matrix of the file is stored in,
     or None when they differ: the engine's cpu backend can keep block formats as they are."""
     types = {
-        t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and t.name[:4] == "blk."
-    }
+        t.tensor_type.name
+        for t in reader.tensors
+        if len(t.shape) in (2, 3) and t.name[:4] == "blk." and not t.name.endswith(ROUTERS)
+    }  # a mixture's experts (3-D) too; its routers are read as float32 whatever their type
     return types.pop() if len(types) == 1 else None
 
 
@@ -356,7 +380,12 @@ def read_gguf(path: str | Path) -> GGUFFile:
     factors = tensors.pop("rope_freqs.weight", None)  # (hd/2,) Llama 3's RoPE scaling
     tied = GGUF_GLOBAL_NAMES["lm_head"] not in tensors
     factors = () if factors is None else tuple(map(float, factors))
-    cfg = config_from_metadata(md, tied, factors, matrix_type(reader))
+    arch = md.get("general.architecture")
+    n = int(md.get(f"{arch}.block_count", 0) or 0)
+    sparse = [ROUTER.format(i=i) in tensors for i in range(n)]
+    cfg = config_from_metadata(md, tied, factors, matrix_type(reader), sparse)
+    if cfg.moe is not None:
+        _shared_gates_as_rows(tensors, cfg)
     if md["general.architecture"] in PERMUTED_QK:
         _restore_qk(tensors, cfg)
     if cfg.spec.fused_projections:
@@ -376,7 +405,16 @@ def _unoffset_norms(tensors: LazyTensors, cfg: ModelConfig) -> None:
             tensors.derive(name, lambda w: w - np.float32(cfg.norm_offset))
 
 
+def _shared_gates_as_rows(tensors: LazyTensors, cfg: ModelConfig) -> None:
+    """llama.cpp's (D,) shared-expert gates -> (1, D), the checkpoints' shape."""
+    for i in range(cfg.num_hidden_layers):
+        name = GGUF_SHARED["s_logit"].format(i=i)
+        if name in tensors and tensors.shape(name) == (cfg.hidden_size,):
+            tensors.reshape(name, (1, cfg.hidden_size))
+
+
 def gguf_weights(gf: GGUFFile) -> ModelWeights:
     """ModelWeights from a read GGUF file, through the GGUF name tables (shapes checked)."""
     names = family_layer_names(gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES)
-    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names)
+    moe_names = (GGUF_STACKED, GGUF_SHARED)
+    return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names, moe_names)

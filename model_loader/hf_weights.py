@@ -18,7 +18,7 @@ import numpy as np
 
 from model_loader.config import ModelConfig
 from model_loader.gemma import language_model_tensors
-from model_loader.moe import moe_layer_names, moe_shapes, stack_experts
+from model_loader.moe import SHARED, STACKED, moe_layer_names, moe_shapes, stack_experts
 from model_loader.weights import LayerWeights, LazyLayers, ModelWeights
 
 # ModelWeights field -> Hugging Face tensor name.
@@ -89,8 +89,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "bq": (cfg.q_dim,),
         "bk": (cfg.kv_dim,),
         "bv": (cfg.kv_dim,),
-        "q_norm": (cfg.head_dim,),
-        "k_norm": (cfg.head_dim,),
+        "q_norm": (cfg.q_dim,) if cfg.qk_norm_whole else (cfg.head_dim,),
+        "k_norm": (cfg.kv_dim,) if cfg.qk_norm_whole else (cfg.head_dim,),
         "post_attn_norm": (d,),
         "post_mlp_norm": (d,),
     } | (moe_shapes(cfg.moe, d) if cfg.moe is not None else {})
@@ -154,19 +154,23 @@ def weights_from_tensors(
     cfg: ModelConfig,
     global_names: Mapping[str, str] = HF_GLOBAL_NAMES,
     layer_names: Mapping[str, str] | None = None,
+    moe_names: tuple = (STACKED, SHARED),
 ) -> ModelWeights:
     """Assemble ModelWeights from named tensors through a name table (HF's by default).
 
     Every tensor is shape-checked; with tied embeddings ``lm_head`` is the embedding array itself.
     A sequence classifier (``cfg.num_labels``) brings ``score`` (its head) and no LM head.
-    A tensor the table does not know is an error: the forward would silently ignore it. From a
-    mapping that makes its arrays on demand (a GGUF's), the layers are LazyLayers.
+    A sparse layer's experts are named by ``moe_names`` (stacked, shared: model_loader.moe's,
+    or a GGUF's). A tensor the table does not know is an error: the forward would silently
+    ignore it. From a mapping that makes its arrays on demand (a GGUF's), the layers are
+    LazyLayers.
     """
     if layer_names is None:
         layer_names = family_layer_names(cfg, HF_LAYER_NAMES, HF_BIAS_NAMES, HF_QK_NORM_NAMES)
     shapes, used = expected_shapes(cfg), set()
     sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_hidden_layers
-    tables = [moe_layer_names(layer_names) if s else layer_names for s in sparse]
+    tables = [moe_layer_names(layer_names, cfg.moe, *moe_names) if s else layer_names
+              for s in sparse]  # fmt: skip
     embed = _take(tensors, global_names["embed"], shapes["embed"], used)
     for i in range(cfg.num_hidden_layers):  # every layer's names and shapes, now
         for field, name in tables[i].items():

@@ -9,7 +9,15 @@ MLP of ``intermediate_size``).
   family     experts key                          renormalized   sparse layers
   qwen3_moe  num_experts (transformers 5 writes   norm_topk_prob  not in mlp_only_layers, and
              num_local_experts)                                   (i + 1) % decoder_sparse_step == 0
+  qwen2_moe  num_experts (or num_local_experts)   norm_topk_prob  as qwen3_moe
   mixtral    num_local_experts                    always          every layer
+  olmoe      num_experts (or num_local_experts)   norm_topk_prob  every layer
+
+Each family's default for norm_topk_prob is false. The experts' width is moe_intermediate_size
+(qwen3_moe, qwen2_moe) or intermediate_size (mixtral, olmoe). Qwen2-MoE adds a shared expert
+to every sparse layer: a gated MLP of shared_expert_intermediate_size that every token runs,
+its output scaled by sigmoid(w_s . x), w_s the (1, D) ``mlp.shared_expert_gate``; it is added
+to the routed experts' sum.
 
 Checkpoints store each expert's matrices apart (what transformers 5's ``save_pretrained``
 writes, converting back from the fused 3-D tensors it holds in memory):
@@ -37,6 +45,8 @@ QWEN3_MOE_KEYS = {
     "mlp_only_layers",
 }
 MIXTRAL_KEYS = {"num_local_experts", "num_experts_per_tok"}
+QWEN2_MOE_KEYS = QWEN3_MOE_KEYS | {"shared_expert_intermediate_size"}
+OLMOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob"}
 
 # LayerWeights field -> the stacked array's name, for a sparse layer ({i}: the layer)
 STACKED = {
@@ -46,10 +56,25 @@ STACKED = {
     "e_down": "model.layers.{i}.moe.down",  # (E, D, F)
 }
 DENSE_MLP = ("w_gate", "w_up", "w_down")
+# Qwen2-MoE's shared expert: LayerWeights field -> checkpoint name (kept per layer, not stacked)
+SHARED = {
+    "s_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",  # (Fs, D)
+    "s_up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",  # (Fs, D)
+    "s_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",  # (D, Fs)
+    "s_logit": "model.layers.{i}.mlp.shared_expert_gate.weight",  # (1, D)
+}
 
 # per family: the router's name, and each stacked matrix's per-expert name ({e}: the expert)
 PER_EXPERT = {
     "qwen3_moe": (
+        "model.layers.{i}.mlp.gate.weight",
+        {
+            "e_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+            "e_up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+            "e_down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        },
+    ),
+    "qwen2_moe": (
         "model.layers.{i}.mlp.gate.weight",
         {
             "e_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
@@ -66,6 +91,7 @@ PER_EXPERT = {
         },
     ),
 }
+PER_EXPERT["olmoe"] = PER_EXPERT["qwen3_moe"]
 FUSED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"  # (E, 2F, D)
 FUSED_DOWN = "model.layers.{i}.mlp.experts.down_proj"  # (E, D, F)
 
@@ -77,6 +103,7 @@ class MoeSpec:
     intermediate_size: int  # F of each expert's gated MLP
     renormalize: bool  # the top-k weights divided by their sum
     sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+    shared_intermediate_size: int = 0  # Fs of the sigmoid-gated shared expert (0: none)
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -99,35 +126,49 @@ def _positive(d: dict, key: str, where: str, default=None) -> int:
 
 
 def moe_spec(d: dict, family: str, num_layers: int, where: str = "config.json") -> MoeSpec:
-    """The experts a qwen3_moe or mixtral config.json describes."""
+    """The experts a qwen3_moe, qwen2_moe, mixtral or olmoe config.json describes."""
     top_k = _positive(d, "num_experts_per_tok", where)
-    if family == "mixtral":
-        n = _positive(d, "num_local_experts", where)
-        return MoeSpec(
-            n, top_k, _positive(d, "intermediate_size", where), True, (True,) * num_layers
-        )
-    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    key = "num_experts" if "num_experts" in d and family != "mixtral" else "num_local_experts"
     n = _positive(d, key, where)
+    if family in ("mixtral", "olmoe"):
+        renorm = True if family == "mixtral" else _flag(d, "norm_topk_prob", where)
+        width = _positive(d, "intermediate_size", where)
+        return MoeSpec(n, top_k, width, renorm, (True,) * num_layers)
     step = _positive(d, "decoder_sparse_step", where, 1)
     dense = d.get("mlp_only_layers") or []
     if not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
         raise ValueError(f"{where}: mlp_only_layers {dense!r} names a layer out of range")
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    renorm = d.get("norm_topk_prob", False)
-    if not isinstance(renorm, bool):
-        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {renorm!r}")
-    return MoeSpec(n, top_k, _positive(d, "moe_intermediate_size", where), renorm, sparse)
+    renorm = _flag(d, "norm_topk_prob", where)
+    shared = _positive(d, "shared_expert_intermediate_size", where) if family == "qwen2_moe" else 0
+    width = _positive(d, "moe_intermediate_size", where)
+    return MoeSpec(n, top_k, width, renorm, sparse, shared)
 
 
-def moe_layer_names(names: Mapping[str, str]) -> dict[str, str]:
-    """A sparse layer's name table: the dense one without its MLP, with the stacked experts."""
-    return {k: v for k, v in names.items() if k not in DENSE_MLP} | STACKED
+def _flag(d: dict, key: str, where: str) -> bool:
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def moe_layer_names(
+    names: Mapping[str, str], spec: MoeSpec, stacked=STACKED, shared=SHARED
+) -> dict[str, str]:
+    """A sparse layer's name table: the dense one without its MLP, with the stacked experts'
+    names (``stacked``; a GGUF's are its own) and the shared expert's (``shared``) where the
+    spec has one."""
+    out = {k: v for k, v in names.items() if k not in DENSE_MLP} | dict(stacked)
+    return out | (dict(shared) if spec.shared_intermediate_size else {})
 
 
 def moe_shapes(spec: MoeSpec, hidden: int) -> dict[str, tuple[int, ...]]:
     """The stacked fields' shapes."""
-    e, f, d = spec.num_experts, spec.intermediate_size, hidden
-    return {"router": (e, d), "e_gate": (e, f, d), "e_up": (e, f, d), "e_down": (e, d, f)}
+    e, f, d, fs = spec.num_experts, spec.intermediate_size, hidden, spec.shared_intermediate_size
+    shapes = {"router": (e, d), "e_gate": (e, f, d), "e_up": (e, f, d), "e_down": (e, d, f)}
+    if fs:
+        shapes |= {"s_gate": (fs, d), "s_up": (fs, d), "s_down": (d, fs), "s_logit": (1, d)}
+    return shapes
 
 
 def stack_experts(

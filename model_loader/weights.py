@@ -28,8 +28,9 @@ class LayerWeights:
     bq: np.ndarray | None = None  # (n_heads * head_dim,) q projection bias (Qwen2)
     bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
-    q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3)
-    k_norm: np.ndarray | None = None  # (head_dim,)
+    q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3);
+    #   OLMoE's over the whole projection: (n_heads * head_dim,)
+    k_norm: np.ndarray | None = None  # (head_dim,); OLMoE's (n_kv_heads * head_dim,)
     post_attn_norm: np.ndarray | None = None  # (dim,) RMSNorm of the attention's output (Gemma 2)
     post_mlp_norm: np.ndarray | None = None  # (dim,) RMSNorm of the MLP's output
     # a layer of experts (model_loader.moe) in place of w_gate, w_up, w_down
@@ -37,6 +38,11 @@ class LayerWeights:
     e_gate: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
     e_up: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
     e_down: np.ndarray | None = None  # (n_experts, dim, expert_ffn_dim)
+    # Qwen2-MoE's shared expert, beside the routed ones: a gated MLP scaled by sigmoid(s_logit x)
+    s_gate: np.ndarray | None = None  # (shared_ffn_dim, dim)
+    s_up: np.ndarray | None = None  # (shared_ffn_dim, dim)
+    s_down: np.ndarray | None = None  # (dim, shared_ffn_dim)
+    s_logit: np.ndarray | None = None  # (1, dim) the shared expert's gate
 
 
 class LazyLayers(Sequence):

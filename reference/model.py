@@ -111,10 +111,15 @@ class KVCache:
 def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
     # x: (T, D) already normalized -> (T, D)
     n = x.shape[0]
-    q = _project(x, lw.wq, lw.bq).reshape(n, cfg.num_attention_heads, cfg.head_dim)  # (T, H, hd)
-    k = _project(x, lw.wk, lw.bk).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
-    v = _project(x, lw.wv, lw.bv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
-    if lw.q_norm is not None:  # Qwen3, Gemma 3: each head RMS-normalised before RoPE
+    q, k, v = _project(x, lw.wq, lw.bq), _project(x, lw.wk, lw.bk), _project(x, lw.wv, lw.bv)
+    if cfg.qk_norm_whole:  # OLMoE: each token's whole q (T, H*hd) and k (T, Hkv*hd) normalised
+        q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:  # OLMoE: after the norms
+        q, k, v = (np.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+    q = q.reshape(n, cfg.num_attention_heads, cfg.head_dim)  # (T, H, hd)
+    k = k.reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
+    v = v.reshape(n, cfg.num_key_value_heads, cfg.head_dim)  # (T, Hkv, hd)
+    if lw.q_norm is not None and not cfg.qk_norm_whole:  # Qwen3, Gemma 3: each head before RoPE
         q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

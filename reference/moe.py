@@ -4,7 +4,8 @@ engine's grouped products (engine/backends/moe.py) must reproduce.
 Per token x (D,): router logits l = W_r x in float32 (E,); p = softmax(l); the top k experts by
 p, ties to the lower index (torch.topk's order); their weights p_e, divided by their sum where
 the family renormalizes (Mixtral always, Qwen3-MoE when norm_topk_prob); the output is
-sum_e w_e * down_e(act(gate_e x) * up_e x).
+sum_e w_e * down_e(act(gate_e x) * up_e x). Qwen2-MoE adds its shared expert to that sum,
+sigmoid(w_s . x) * down_s(act(gate_s x) * up_s x), for every token.
 """
 
 from __future__ import annotations
@@ -33,4 +34,8 @@ def moe_mlp(x: np.ndarray, lw: LayerWeights, spec: MoeSpec, act) -> np.ndarray:
         for e, weight in route_token(logits[t], spec.top_k, spec.renormalize):
             h = act(lw.e_gate[e] @ x[t]) * (lw.e_up[e] @ x[t])  # (F,)
             out[t] += x.dtype.type(weight) * (lw.e_down[e] @ h)
+        if lw.s_logit is not None:
+            h = act(lw.s_gate @ x[t]) * (lw.s_up @ x[t])  # (Fs,)
+            gate = 1.0 / (1.0 + np.exp(-(lw.s_logit[0] @ x[t])))
+            out[t] += x.dtype.type(gate) * (lw.s_down @ h)
     return out

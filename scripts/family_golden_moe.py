@@ -1,5 +1,5 @@
 """The mixture-of-experts entries of make_family_golden.py's FAMILIES and VARIANTS (kept apart so
-that file stays small): tiny Qwen3-MoE and Mixtral checkpoints.
+that file stays small): tiny Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE checkpoints.
 
 In memory transformers 5 holds each layer's experts as fused 3-D parameters
 (experts.gate_up_proj (E, 2F, D), experts.down_proj (E, D, F)); save_pretrained writes them
@@ -11,7 +11,16 @@ randomise draws the 3-D ones N(0, 1/fan_in) like the matrices, the router (mlp.g
 from __future__ import annotations
 
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 
 def _rope(theta: float) -> dict:
@@ -54,6 +63,41 @@ MOE_FAMILIES = {
         "4 experts, top-2, always renormalized, expert width intermediate_size 64; sliding "
         "window 8 on every layer; untied",
     ),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            rope_parameters=_rope(1e6),
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2],
+        ),
+        1200,
+        "8 experts, top-2, not renormalized (norm_topk_prob false, the default), expert width "
+        "32; a shared expert of width 96 scaled by sigmoid(shared_expert_gate . x); q/k/v "
+        "biases; layer 2 dense (mlp_only_layers [2], width 160); untied",
+    ),
+    "olmoe": (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        dict(
+            rope_parameters=_rope(10000.0),
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            clip_qkv=1.5,
+        ),
+        1300,
+        "8 experts, top-2, not renormalized (norm_topk_prob false), expert width "
+        "intermediate_size 32; q_norm (64,) and k_norm (32,) over the whole q and k "
+        "projections; q, k, v clamped to +-1.5 after the norms (clip_qkv); untied",
+    ),
 }
 
 
@@ -77,6 +121,37 @@ def _mixtral_not_renormalized(model) -> None:
         router.forward = forward
 
 
+def _no_shared_expert(model) -> None:
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "shared_expert"):
+            layer.mlp.shared_expert.down_proj.weight.zero_()
+
+
+def _shared_expert_ungated(model) -> None:
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "shared_expert_gate"):  # sigmoid(40) == 1 in float32
+            layer.mlp.shared_expert_gate.forward = lambda h: torch.full_like(h[..., :1], 40.0)
+
+
+def _no_qkv_bias(model) -> None:
+    for pname, p in model.named_parameters():
+        if pname.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            p.zero_()
+
+
+def _qk_norm_per_head(model) -> None:
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+
+            def forward(x, norm=norm):  # each head's head_dim values normalised apart
+                h = x.reshape(*x.shape[:-1], -1, head_dim)
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+                return norm.weight * h.reshape(x.shape)
+
+            norm.forward = forward
+
+
 MOE_VARIANTS = {
     "qwen3_moe": {
         "top-k weights not renormalized": (dict(norm_topk_prob=False), None, 0.1),
@@ -86,5 +161,16 @@ MOE_VARIANTS = {
         "top-k weights not renormalized": ({}, _mixtral_not_renormalized, 0.1),
         "no sliding window": (dict(sliding_window=None), None, 0.1),
         "top-1 routing": ({}, _top1, 0.1),
+    },
+    "qwen2_moe": {
+        "no shared expert": ({}, _no_shared_expert, 0.1),
+        "shared expert not gated": ({}, _shared_expert_ungated, 0.1),
+        "top-k weights renormalized": (dict(norm_topk_prob=True), None, 0.1),
+        "q/k/v without biases": ({}, _no_qkv_bias, 0.1),
+    },
+    "olmoe": {
+        "q/k norm per head, not over the projection": ({}, _qk_norm_per_head, 0.1),
+        "no clip_qkv": (dict(clip_qkv=None), None, 0.1),
+        "top-k weights renormalized": (dict(norm_topk_prob=True), None, 0.1),
     },
 }

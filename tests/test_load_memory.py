@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.backends import quant
-from engine.backends.numpy_backend import pack_weights
+from engine.backends.packed_weights import pack_weights
 from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
 from model_loader.load import load_model

@@ -28,10 +28,13 @@ from tests.utils import make_engine
 F32 = np.float32
 
 
-def random_layer(rng, d=32, e=6, f=24):
-    """A sparse layer's router and experts, fresh random values."""
+def random_layer(rng, d=32, e=6, f=24, fs=0):
+    """A sparse layer's router and experts (and a shared expert of width fs), fresh values."""
     mats = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(F32)  # noqa: E731
     experts = dict(e_gate=mats(e, f, d), e_up=mats(e, f, d), e_down=mats(e, d, f))
+    if fs:
+        experts |= dict(s_gate=mats(fs, d), s_up=mats(fs, d), s_down=mats(d, fs))
+        experts |= dict(s_logit=3 * mats(1, d))  # gates spread over (0, 1)
     return LayerWeights(*(None,) * 6, router=mats(e, d), **experts)
 
 
@@ -106,20 +109,25 @@ class CountingOps:
 
 @pytest.mark.parametrize("ops", [fast_ops, cpu_ops], ids=["numpy", "cpu"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_grouped_products_match_the_reference(ops, renormalize):
+@pytest.mark.parametrize("shared", [0, 40], ids=["routed", "shared-expert"])
+def test_grouped_products_match_the_reference(ops, renormalize, shared):
     """Many tokens, few experts: each chosen expert's matrices read once, the sums as the
-    reference's token-by-token loop."""
+    reference's token-by-token loop (Qwen2-MoE's gated shared expert added, read once)."""
     rng = np.random.default_rng()
-    lw, t = random_layer(rng), 40
-    spec = MoeSpec(6, 2, 24, renormalize, (True,))
+    lw, t = random_layer(rng, fs=shared), 40
+    spec = MoeSpec(6, 2, 24, renormalize, (True,), shared)
     packed = moe.pack_experts(lw, spec, lambda a: a, lambda m: np.ascontiguousarray(m, F32))
     x = rng.standard_normal((t, 32)).astype(F32)  # (T, D)
     counting = CountingOps(ops)
     got = moe.experts_forward(x, packed, counting, "silu")  # (T, D)
-    np.testing.assert_allclose(got, moe_mlp(x, lw, spec, silu), atol=2e-5, rtol=1e-4)
-    for m in (*packed.gate_up, *packed.down):
+    want = moe_mlp(x, lw, spec, silu)  # (T, D)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    for m in (*packed.gate_up, *packed.down, *(packed.shared or ())[1:]):
         assert counting.reads.get(id(m), 0) <= 1
     assert sum(counting.reads.values()) >= 2 * 3  # several experts did run
+    if shared:  # the shared expert counts: without it the sums differ
+        lw.s_down = np.zeros_like(lw.s_down)
+        assert np.abs(moe_mlp(x, lw, spec, silu) - want).max() > 1e-2
 
 
 # ---- config.json ----
@@ -188,6 +196,61 @@ def test_qwen3_moe_config_refusals(change, message):
         ModelConfig.from_hf_dict(d)
 
 
+QWEN2_MOE = {k: v for k, v in QWEN3_MOE.items() if k not in ("head_dim", "norm_topk_prob")}
+QWEN2_MOE |= {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
+QWEN2_MOE |= {"shared_expert_intermediate_size": 48, "qkv_bias": True}
+
+
+def test_qwen2_moe_config():
+    """Qwen2-MoE: a shared expert, norm_topk_prob false unless set, q/k/v biases; without
+    layer_types, use_sliding_window windows the even layers below max_window_layers."""
+    c = ModelConfig.from_hf_dict(QWEN2_MOE)
+    assert c.moe == MoeSpec(8, 2, 32, False, (False, True, False, False, False, True), 48)
+    assert c.qkv_bias and not c.qk_norm and c.layer_windows == (0,) * 6
+    windowed = QWEN2_MOE | {"use_sliding_window": True, "sliding_window": 8}
+    got = ModelConfig.from_hf_dict(windowed | {"max_window_layers": 3}).layer_windows
+    assert got == (8, 0, 8, 0, 0, 0)  # Qwen2MoeConfig's layer_types rule
+    given = ["full_attention", "sliding_attention"] * 3
+    got = ModelConfig.from_hf_dict(windowed | {"layer_types": given}).layer_windows
+    assert got == (0, 8) * 3
+    assert ModelConfig.from_hf_dict(QWEN2_MOE | {"norm_topk_prob": True}).moe.renormalize
+
+
+OLMOE = {k: v for k, v in QWEN3_MOE.items() if k in ("vocab_size", "num_experts_per_tok")}
+OLMOE |= {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "num_experts": 8}
+OLMOE |= {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 3}
+OLMOE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "clip_qkv": 8.0}
+OLMOE |= {"attention_bias": False, "norm_topk_prob": False}
+
+
+def test_olmoe_config():
+    c = ModelConfig.from_hf_dict(OLMOE)
+    assert c.moe == MoeSpec(8, 2, 32, False, (True,) * 3)
+    assert c.qk_norm_whole and c.clip_qkv == 8.0 and not c.qkv_bias
+    assert ModelConfig.from_hf_dict(OLMOE | {"clip_qkv": None}).clip_qkv is None
+    assert ModelConfig.from_hf_dict(OLMOE | {"norm_topk_prob": True}).moe.renormalize
+    d = {k: v for k, v in OLMOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert ModelConfig.from_hf_dict(d).moe.num_experts == 4  # OlmoeConfig's attribute_map
+
+
+@pytest.mark.parametrize(
+    "base, change, message",
+    [
+        (QWEN2_MOE, {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size "
+         "must be a positive integer"),
+        (QWEN2_MOE, {"qkv_bias": False}, "qkv_bias=False .* is not supported"),
+        (OLMOE, {"clip_qkv": -1}, "clip_qkv must be a positive number or null, got -1"),
+        (OLMOE, {"clip_qkv": "8"}, "clip_qkv must be a positive number"),
+        (OLMOE, {"attention_bias": True}, "attention_bias=True .* is not supported"),
+        (OLMOE, {"num_experts": 0}, "num_experts must be a positive integer, got 0"),
+    ],
+)  # fmt: skip
+def test_qwen2_moe_and_olmoe_config_refusals(base, change, message):
+    d = {k: v for k, v in (base | change).items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
 # ---- the engine ----
 @cache
 def loaded(name: str):
@@ -201,7 +264,7 @@ def greedy(name, backend, prompts, n=8):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_batched_prompts_route_apart(name, backend, monkeypatch):
     """Prompts batched together give each one's tokens as run alone, though the batch's rows
     choose different experts."""
@@ -222,20 +285,25 @@ def test_batched_prompts_route_apart(name, backend, monkeypatch):
     assert len(np.unique(first[:, 0])) > 1  # rows of the batch went to different experts
 
 
-def test_router_never_quantized():
-    """--quantization int8 on the cpu backend: the experts' matrices int8, the router the
-    checkpoint's float32 values."""
-    m = loaded("qwen3_moe")
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_router_never_quantized(name):
+    """--quantization int8 on the cpu backend: the experts' matrices int8 (the shared
+    expert's too), the router and the shared expert's gate the checkpoint's float32 values."""
+    m = loaded(name)
     backend = make_engine(m, backend="cpu", quantization="int8").backend
     for lw, packed in zip(m.weights.layers, backend.layers, strict=True):
         if lw.router is None:
             assert packed.experts is None
             continue
-        assert packed.experts.router.dtype == F32
-        np.testing.assert_array_equal(packed.experts.router, lw.router.T)
-        assert all(
-            w.kind.startswith("int8") for w in (*packed.experts.gate_up, *packed.experts.down)
-        )
+        ex = packed.experts
+        assert ex.router.dtype == F32
+        np.testing.assert_array_equal(ex.router, lw.router.T)
+        matrices = [*ex.gate_up, *ex.down]
+        if name == "qwen2_moe":
+            assert ex.shared[0].dtype == F32
+            np.testing.assert_array_equal(ex.shared[0], lw.s_logit.T)
+            matrices += ex.shared[1:]
+        assert all(w.kind.startswith("int8") for w in matrices)
 
 
 def test_refused_by_name():
@@ -289,5 +357,12 @@ def test_fused_3d_expert_tensors_load_as_the_per_expert_ones(tmp_path):
 def test_a_missing_expert_is_named(tmp_path):
     gone = "model.layers.2.block_sparse_moe.experts.3.w3.weight"
     path = rewritten(tmp_path, "mixtral", lambda t: t.pop(gone))
+    with pytest.raises(ValueError, match=f"missing tensor '{gone}'"):
+        load_model(str(path))
+
+
+def test_a_missing_shared_expert_is_named(tmp_path):
+    gone = "model.layers.1.mlp.shared_expert_gate.weight"
+    path = rewritten(tmp_path, "qwen2_moe", lambda t: t.pop(gone))
     with pytest.raises(ValueError, match=f"missing tensor '{gone}'"):
         load_model(str(path))

@@ -11,7 +11,7 @@ import pytest
 from engine.backends import cpu_ops, cpu_tuning, get_backend
 from engine.backends.base import numpy_dtype
 from engine.backends.cpu_backend import CpuBackend
-from engine.backends.numpy_backend import MATRICES
+from engine.backends.packed_weights import MATRICES
 from engine.backends.quant import QuantWeight, dequantize_int8, quantize_int8, to_bf16, to_int8
 from engine.config import EngineConfig
 from engine.frontend.llm import run_to_completion

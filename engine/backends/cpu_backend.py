@@ -28,7 +28,8 @@ import numpy as np
 from engine.backends import cpu_ops, cpu_tuning, fast_ops
 from engine.backends.cpu_native import NativeBuildError, library, threads
 from engine.backends.forward_batch import ForwardBatch
-from engine.backends.numpy_backend import NumpyBackend, PackedLayer, _arrays
+from engine.backends.numpy_backend import NumpyBackend, _arrays
+from engine.backends.packed_weights import PackedLayer
 from engine.backends.quant import (
     HEAD_FORMAT,
     PANEL,
@@ -284,10 +285,13 @@ class CpuBackend(NumpyBackend):
 
     def _rotary_cache(self, qkv, lw: PackedLayer, k_cache, v_cache, b: ForwardBatch, rope):
         # qkv (T, H*hd + 2*Hkv*hd) -> rotated q (T, H, hd); k, v rotated and cached, one pass
-        c = self.cfg
+        c, bias, q_norm, k_norm = self.cfg, lw.b_qkv, lw.q_norm, lw.k_norm
+        if c.qk_norm_whole or c.clip_qkv is not None:  # OLMoE's steps first, here
+            qkv = self._olmoe_qkv(qkv if bias is None else qkv + bias, lw)
+            bias, q_norm, k_norm = None, None, None
         return self.ops.rotary_cache(
             qkv, b.positions, rope, k_cache, v_cache, b.slot_mapping, c.num_attention_heads,
-            lw.b_qkv, lw.q_norm, lw.k_norm, c.rms_norm_eps,
+            bias, q_norm, k_norm, c.rms_norm_eps,
         )  # fmt: skip
 
     # ---- every layer of a decode step in one native call ----

@@ -13,6 +13,8 @@ Per step and layer:
   experts  each expert with rows: its tokens' rows gathered (n_e, D), one gate|up product,
            act(gate) * up, one down product, scaled by each pair's weight and added into its
            token's row (a token picks an expert at most once, so a bucket's rows are distinct)
+  shared   Qwen2-MoE's shared expert over every row: gate|up product, act(gate) * up, down
+           product, scaled by sigmoid(h @ w_s) per row (w_s float32, as the router), added
 Each chosen expert's matrices are read once per step, whatever its number of tokens. The router
 stays float32 whatever ``--quantization`` or ``--dtype`` does to the experts' matrices.
 """
@@ -37,12 +39,14 @@ class PackedExperts:
     down: list  # E kept (F, D) matrices
     top_k: int
     renormalize: bool
+    shared: tuple | None = None  # (D, 1) float32 gate, kept (D, 2Fs) gate|up, kept (Fs, D) down
 
     def arrays(self):
         """Every kept array once (for byte counts)."""
         yield self.router
         yield from self.gate_up
         yield from self.down
+        yield from self.shared or ()
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +63,14 @@ def pack_experts(lw, spec: MoeSpec, rounded, keep) -> PackedExperts:
     ]
     down = [keep(rounded(lw.e_down[e]).T) for e in range(n)]
     router = np.ascontiguousarray(np.asarray(rounded(lw.router), dtype=F32).T)  # (D, E)
-    return PackedExperts(router, gate_up, down, spec.top_k, spec.renormalize)
+    shared = None
+    if lw.s_logit is not None:
+        shared = (
+            np.ascontiguousarray(np.asarray(rounded(lw.s_logit), dtype=F32).T),  # (D, 1)
+            keep(np.concatenate([rounded(lw.s_gate), rounded(lw.s_up)]).T),  # (D, 2Fs)
+            keep(rounded(lw.s_down).T),  # (Fs, D)
+        )
+    return PackedExperts(router, gate_up, down, spec.top_k, spec.renormalize, shared)
 
 
 def route(h: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool):
@@ -97,4 +108,8 @@ def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.nd
         rows = tokens[lo:hi]  # (n_e,) distinct tokens
         a = ops.act_and_mul(ops.matmul(h[rows], layer.gate_up[e]), act)  # (n_e, F)
         out[rows] += ops.matmul(a, layer.down[e]) * pair_w[lo:hi, None]  # (n_e, D)
+    if layer.shared is not None:
+        logit, gate_up, down = layer.shared
+        gate = 1.0 / (1.0 + np.exp(-(np.asarray(h, dtype=F32) @ logit)))  # (T, 1)
+        out += ops.matmul(ops.act_and_mul(ops.matmul(h, gate_up), act), down) * gate
     return out

@@ -10,7 +10,6 @@ underneath.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -25,127 +24,14 @@ from engine.backends.base import (
 )
 from engine.backends.fast_ops import matmul  # noqa: F401  (the tensor-parallel ranks' too)
 from engine.backends.forward_batch import ForwardBatch
-from engine.backends.moe import PackedExperts, experts_forward, pack_experts
-from engine.backends.quant import HEAD_FORMAT, QuantWeight, quantize
+from engine.backends.moe import experts_forward
+from engine.backends.packed_weights import F32, PackedLayer, pack_weights
+from engine.backends.quant import HEAD_FORMAT, quantize
 from model_loader.config import ModelConfig
-from model_loader.gguf_blocks import BlockMatrix, stack_rows
-from model_loader.hf_weights import drop_pages
 from model_loader.quantize_weights import MIXES, quantize_weights
-from model_loader.weights import ModelWeights, release_layer
+from model_loader.weights import ModelWeights
 
 log = logging.getLogger("engine.backend")
-
-F32 = np.dtype(np.float32)
-HALVES = (np.dtype(np.float16), numpy_dtype("bfloat16"))
-MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a PackedLayer's (K, N) matrices
-
-
-@dataclass
-class PackedLayer:
-    """A layer's weights. The four (K, N) matrices are float32, or on the cpu backend bf16 or
-    int8 (``quant.QuantWeight``), multiplied through ``ops.matmul`` either way. A layer of
-    experts has ``experts`` (engine/backends/moe.py) in place of w_gate_up and w_down."""
-
-    attn_norm: np.ndarray  # (D,) the norm's scale, offset + w (Gemma's 1 + w)
-    w_qkv: np.ndarray | QuantWeight  # (D, H*hd + 2*Hkv*hd): q | k | v columns
-    w_o: np.ndarray | QuantWeight  # (H*hd, D)
-    mlp_norm: np.ndarray  # (D,)
-    w_gate_up: np.ndarray | QuantWeight | None  # (D, 2F): gate | up columns
-    w_down: np.ndarray | QuantWeight | None  # (F, D)
-    b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
-    q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
-    k_norm: np.ndarray | None = None  # (hd,)
-    post_attn_norm: np.ndarray | None = None  # (D,) norms of the attention's and the MLP's
-    post_mlp_norm: np.ndarray | None = None  # (D,) outputs (Gemma 2 and 3), offset + w
-    experts: PackedExperts | None = None  # a layer of experts' router and matrices
-
-    def arrays(self):
-        """Every kept array once (a layer of experts': its router's and experts')."""
-        for a in vars(self).values():
-            if isinstance(a, PackedExperts):
-                yield from a.arrays()
-            elif a is not None:
-                yield a
-
-
-def _t(*mats: np.ndarray) -> np.ndarray:
-    """Stack (out, in) matrices along out and transpose: (in, sum(out)), a view in their dtype
-    (of the file's map for one matrix; a GGUF's blocks: model_loader.gguf_blocks, still in
-    blocks): the store widens it as it converts, or keeps the blocks."""
-    return stack_rows(mats).T
-
-
-def _table(a: np.ndarray) -> np.ndarray:
-    """The (V, D) embedding table as kept: a 16-bit float one as it is (its rows widen to float32
-    exactly when gathered; half a float32 copy's bytes), a GGUF's Q8_0 / Q4 blocks as they are
-    (a BlockMatrix: its gathered rows dequantized), any other float32. Read by row only."""
-    if isinstance(a, BlockMatrix):
-        return a
-    dtype = a.dtype if a.dtype in HALVES else F32
-    if a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous:
-        return a  # the loader's own array (a GGUF's dequantized table)
-    return np.array(a, dtype=dtype)  # a copy of a mapped file's: its pages go
-
-
-def _head(lm_head):
-    """The (V, D) LM head's (D, V) transpose, a view: of an array, or of a GGUF's blocks."""
-    return lm_head.T if isinstance(lm_head, BlockMatrix) else np.asarray(lm_head).T
-
-
-def _f32(a: np.ndarray | None, offset: float = 0.0) -> np.ndarray | None:
-    return None if a is None else a.astype(F32) + F32.type(offset)
-
-
-def pack_weights(
-    w: ModelWeights,
-    round_to: np.dtype,
-    norm_offset: float = 0.0,
-    store=None,
-    head_store=None,
-    moe=None,
-) -> tuple[list[PackedLayer], dict]:
-    """Fused, transposed float32 weights (values first rounded through ``round_to``); norm
-    scales as ``norm_offset + w``, added in float32 as Hugging Face's Gemma does. ``store``
-    (and ``head_store`` for the LM head), given, turn each packed (K, N) matrix into the form
-    it is kept in right after it is packed: a matrix reaches its store as a (K, N) view in the
-    checkpoint's dtype (the fused ones as one copy of it), and the store widens it slice by
-    slice or as a whole, so one layer's matrices at a time exist beside the kept ones.
-    A layer of experts (``moe``: the config's MoeSpec) packs them through the same store."""
-
-    def r(a: np.ndarray | None) -> np.ndarray | None:  # rounded through round_to
-        return a if a is None or round_to == F32 else a.astype(round_to, copy=False)
-
-    keep = store or (lambda m: np.ascontiguousarray(m, dtype=F32))
-    layers = []
-    for i, lw in enumerate(w.layers):
-        bias = None if lw.bq is None else _f32(np.concatenate([r(lw.bq), r(lw.bk), r(lw.bv)]))
-        sparse = lw.router is not None
-        layers.append(
-            PackedLayer(
-                attn_norm=_f32(r(lw.attn_norm), norm_offset),
-                w_qkv=keep(_t(r(lw.wq), r(lw.wk), r(lw.wv))),
-                w_o=keep(_t(r(lw.wo))),
-                mlp_norm=_f32(r(lw.mlp_norm), norm_offset),
-                w_gate_up=None if sparse else keep(_t(r(lw.w_gate), r(lw.w_up))),
-                w_down=None if sparse else keep(_t(r(lw.w_down))),
-                b_qkv=bias,
-                q_norm=_f32(r(lw.q_norm), norm_offset),
-                k_norm=_f32(r(lw.k_norm), norm_offset),
-                post_attn_norm=_f32(r(lw.post_attn_norm), norm_offset),
-                post_mlp_norm=_f32(r(lw.post_mlp_norm), norm_offset),
-                experts=pack_experts(lw, moe, r, keep) if sparse else None,
-            )
-        )
-        drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
-        release_layer(w.layers, i)  # a GGUF's dequantized layer: made again if asked
-    embed = _table(r(w.embed))  # (V, D)
-    drop_pages(w.embed)
-    head = embed.T if w.lm_head is w.embed else _head(r(w.lm_head))  # (D, V) views
-    # head_store takes the view (in any float dtype, or a GGUF's blocks) and widens it as it
-    # converts, or keeps the blocks where they are its format
-    lm_head = head_store(head) if head_store else np.ascontiguousarray(head, dtype=F32)
-    drop_pages(getattr(w.lm_head, "raw", w.lm_head))
-    return layers, dict(embed=embed, final_norm=_f32(r(w.final_norm), norm_offset), lm_head=lm_head)
 
 
 class NumpyBackend(Backend):
@@ -210,10 +96,14 @@ class NumpyBackend(Backend):
         return lambda w: quantize(w, kind).dequantize()
 
     def _matrix_shapes(self) -> list[tuple[int, int]]:
-        """The (K, N) of a layer's four matrices and of the LM head, from the config."""
+        """The (K, N) of a layer's four matrices and of the LM head, from the config (and of a
+        mixture's experts, the shared one's too)."""
         c = self.cfg
         d, f = c.hidden_size, c.intermediate_size
-        return [(d, c.q_dim + 2 * c.kv_dim), (c.q_dim, d), (d, 2 * f), (f, d), (d, c.vocab_size)]
+        shapes = [(d, c.q_dim + 2 * c.kv_dim), (c.q_dim, d), (d, 2 * f), (f, d), (d, c.vocab_size)]
+        for width in (c.moe.intermediate_size, c.moe.shared_intermediate_size) if c.moe else ():
+            shapes += [(d, 2 * width), (width, d)] if width else []
+        return shapes
 
     def _stored(self) -> None:
         """Called once the matrices are packed and stored (the cpu backend logs its choice)."""
@@ -234,6 +124,7 @@ class NumpyBackend(Backend):
         ffn = c.intermediate_size
         if c.moe is not None:  # each token's k pairs: gathered rows, gate|up, act, down
             ffn = max(ffn, c.moe.top_k * (c.moe.intermediate_size + c.hidden_size))
+            ffn = max(ffn, c.moe.shared_intermediate_size + c.hidden_size)  # Qwen2-MoE's
         per_token = 3 * c.hidden_size + 2 * qkv + 2 * c.q_dim + 4 * ffn
         seq_kv = 4 * s * c.kv_dim  # one sequence's gathered K and V (+ transposed copies)
         rows = min(s, fast_ops.QUERY_CHUNK)
@@ -466,15 +357,31 @@ class NumpyBackend(Backend):
         c, ops, n = self.cfg, self.ops, qkv.shape[0]
         if lw.b_qkv is not None:
             qkv += lw.b_qkv
+        qkv = self._olmoe_qkv(qkv, lw)
         q = qkv[:, : c.q_dim].reshape(n, c.num_attention_heads, c.head_dim)  # (T, H, hd)
         k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.num_key_value_heads, c.head_dim)
-        if lw.q_norm is not None:  # each head RMS-normalised before RoPE
+        if lw.q_norm is not None and not c.qk_norm_whole:  # each head normalised before RoPE
             q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, c.rms_norm_eps).reshape(q.shape)
             k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, c.rms_norm_eps).reshape(k.shape)
         q, k = ops.rotary(q, k, b.positions, rope)
         ops.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
         return q
+
+    def _olmoe_qkv(self, qkv: np.ndarray, lw: PackedLayer) -> np.ndarray:
+        """qkv (T, H*hd + 2*Hkv*hd) biased -> the same, OLMoE's way where the config says so:
+        each row's q and k columns RMS-normalised as a whole, then every value clamped to
+        +-clip_qkv."""
+        c, q, kv = self.cfg, self.cfg.q_dim, self.cfg.kv_dim
+        if c.qk_norm_whole:
+            qkv[:, :q] = self.ops.rms_norm(
+                np.ascontiguousarray(qkv[:, :q]), lw.q_norm, c.rms_norm_eps
+            )
+            k = np.ascontiguousarray(qkv[:, q : q + kv])  # (T, Hkv*hd)
+            qkv[:, q : q + kv] = self.ops.rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            np.clip(qkv, -c.clip_qkv, c.clip_qkv, out=qkv)
+        return qkv
 
 
 def _arrays(value):
