@@ -232,6 +232,11 @@ class IncrementalDetokenizer:
     their characters).
     """
 
+    __slots__ = (
+        *("tokenizer", "prompt_ids", "skip_special_tokens", "output_ids", "emitted"),
+        *("_prefix", "_read", "_stream"),
+    )
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens=True):
         self.tokenizer = tokenizer
         self.prompt_ids = list(prompt_ids)  # kept for callers; the stream is the output's text

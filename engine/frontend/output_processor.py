@@ -33,6 +33,12 @@ FEW_STOPS = 8  # up to this many stop strings, str.find each; more: one automato
 class SampleState:
     """One of a request's n samples: its tokens, its text and what was streamed."""
 
+    __slots__ = (
+        *("index", "token_ids", "finish_reason", "detok", "text", "detokenized", "emitted"),
+        *("logprobs", "step_logits", "error", "truncated", "stop_reason", "stops", "stop_node"),
+        "stop_hit",
+    )
+
     def __init__(self, index, detok, stops: StopStrings | None = None):
         self.index = index  # CompletionOutput.index
         self.token_ids: list[int] = []
@@ -102,6 +108,8 @@ class SampleState:
 class RequestTimes:
     """A request's moments on ``time.monotonic()``'s clock; reported on the wall clock."""
 
+    __slots__ = ("arrival", "wall_offset", "first_token", "last_token", "finish", "itl")
+
     def __init__(self, arrival: float, wall_offset: float):
         self.arrival = arrival
         self.wall_offset = wall_offset  # time.time() - time.monotonic(), fixed per engine
@@ -118,6 +126,11 @@ class RequestTimes:
 
 class RequestState:
     """One request: its samples, prompt and latency metrics."""
+
+    __slots__ = (
+        *("request_id", "plain", "final_only", "core_id", "prompt", "prompt_ids", "params"),
+        *("samples", "times", "hold_back", "num_cached_tokens", "prompt_logprobs", "embedding"),
+    )
 
     def __init__(
         self,
@@ -170,12 +183,9 @@ class RequestState:
     def plain_output(self) -> RequestOutput:
         """``output`` for a plain request that runs: the same output, built directly."""
         sample, times = self.samples[0], self.times
-        ids = sample.token_ids
-        n, done = len(ids), sample.detokenized
-        if done == n - 1:  # a decode step's one new id: the common case
-            delta = sample.detok.add(ids[done])
-        else:
-            delta = "".join(map(sample.detok.add, ids[done:]))
+        ids, done = sample.token_ids, sample.detokenized
+        n, add = len(ids), sample.detok.add
+        delta = add(ids[done]) if done == n - 1 else "".join(map(add, ids[done:]))
         sample.detokenized, text = n, sample.text
         if delta:  # no stop strings: nothing is held back, the new text is the delta
             text = sample.text = text + delta
