@@ -12,6 +12,11 @@ looked for in the text added, by ``str.find`` for a few, an automaton for more:
 engine/frontend/stop_strings.py), otherwise when an output is built. Either way the detokenizer
 sees the same ids in the same order, so the text and the streamed deltas are the same; a caller
 that does not stream pays for detokenizing once per request, not once per step.
+
+A "plain" request (one sample, no stop strings, no logprobs of either kind, no logits rows) takes
+short paths while it runs, the common case of a streaming step: ``_take_plain`` appends a delta
+of one token and its latency, ``RequestState.plain_output`` builds its output directly (the same
+output ``output`` builds: with nothing held back, the new text is the delta).
 """
 
 from __future__ import annotations
@@ -252,6 +257,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, record_logits: bool = False):
         self.tokenizer = tokenizer
+        getattr(tokenizer, "byte_tables", None)  # built now (once per tokenizer), not per request
         self.record_logits = record_logits
         self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
