@@ -22,6 +22,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from model_loader.byte_level import ByteLevelStream, ByteTable, byte_tables
+
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
 except ImportError:
@@ -168,6 +170,12 @@ class Tokenizer:
         ids = map(self.backend.token_to_id, names)
         return frozenset(i for i in ids if i is not None)
 
+    @functools.cached_property
+    def byte_tables(self) -> tuple[ByteTable, ByteTable] | None:
+        """Each id's bytes, special tokens kept and skipped, for a byte-level vocabulary (None
+        for any other): model_loader/byte_level.py."""
+        return byte_tables(self.backend)
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -214,23 +222,31 @@ class IncrementalDetokenizer:
     byte-fallback token (``<0xNN>``): tokenizers' ByteFallback decoder turns a whole run of them
     into U+FFFDs when any byte of the run is invalid, so a run's text is final once it ends.
 
-    A tokenizer without byte-fallback tokens (byte-level BPE: SmolLM2, Qwen, Llama 3) streams
-    through tokenizers' own ``DecodeStream`` instead, the same two decodes of the same window in
-    Rust (0.7 us a token against 4.9 on SmolLM2's vocabulary); its end (``finish``) is the whole
-    decode's tail past the text emitted.
+    A tokenizer without byte-fallback tokens streams as tokenizers' own ``DecodeStream`` does
+    (the same pieces): a byte-level BPE (SmolLM2, Qwen, Llama 3) over a table of each id's bytes
+    (model_loader/byte_level.py: a list lookup a token in the common case), any other through
+    ``DecodeStream`` itself (two decodes of the window in Rust); its end (``finish``) is the
+    whole decode's tail past the text emitted.
+
+    The detokenizer keeps the ids, not the text: its caller joins the pieces (``emitted`` counts
+    their characters).
     """
+
+    __slots__ = (
+        *("tokenizer", "prompt_ids", "skip_special_tokens", "output_ids", "emitted"),
+        *("_prefix", "_read", "_stream"),
+    )
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens=True):
         self.tokenizer = tokenizer
         self.prompt_ids = list(prompt_ids)  # kept for callers; the stream is the output's text
         self.skip_special_tokens = skip_special_tokens
         self.output_ids: list[int] = []
-        self.text = ""  # everything emitted so far
+        self.emitted = 0  # characters of text returned so far (the caller keeps the text)
         self._prefix = 0  # output_ids[_prefix:_read] produced the last emitted piece
         self._read = 0  # output_ids[_read:] have not been emitted yet
-        self._stream = None  # tokenizers' DecodeStream, where it streams this vocabulary right
-        if DecodeStream is not None and not tokenizer.byte_token_ids:
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # token id -> its new text or None: where a stream decodes this vocabulary right
+        self._stream = None if tokenizer.byte_token_ids else _stream(tokenizer, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         if len(ids) == 1:
@@ -241,10 +257,13 @@ class IncrementalDetokenizer:
         """Append one generated id; return the newly completed text ("" while holding back)."""
         token_id = int(token_id)
         self.output_ids.append(token_id)
-        if self._stream is None:
+        stream = self._stream
+        if stream is None:
             return self._emit(final=False)
-        piece = self._stream.step(self.tokenizer.backend, token_id) or ""
-        self.text += piece
+        piece = stream(token_id)
+        if piece is None:
+            return ""
+        self.emitted += len(piece)
         return piece
 
     def add_last(self, token_ids: list[int]) -> str:
@@ -255,7 +274,7 @@ class IncrementalDetokenizer:
         self.output_ids = [int(t) for t in token_ids]
         self._prefix = self._read = len(self.output_ids)
         piece = self._decode(self.output_ids)
-        self.text += piece
+        self.emitted += len(piece)
         return piece
 
     def finish(self) -> str:
@@ -263,9 +282,9 @@ class IncrementalDetokenizer:
         if self._stream is None:
             return self._emit(final=True)
         whole = self.tokenizer.decode(self.output_ids, self.skip_special_tokens)
-        assert whole.startswith(self.text), "the streamed text is not the decode's beginning"
-        piece = whole[len(self.text) :]
-        self.text = whole
+        assert len(whole) >= self.emitted, "the streamed text is longer than the decode"
+        piece = whole[self.emitted :]
+        self.emitted = len(whole)
         return piece
 
     def _in_byte_run(self) -> bool:
@@ -284,11 +303,24 @@ class IncrementalDetokenizer:
             return ""
         piece = window[len(before) :]
         self._prefix, self._read = self._read, len(self.output_ids)
-        self.text += piece
+        self.emitted += len(piece)
         return piece
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def _stream(tokenizer: Tokenizer, skip_special_tokens: bool):
+    """A stream's step (token id -> new text or None) for a vocabulary without byte-fallback
+    tokens: over the byte table of a byte-level one, else tokenizers' DecodeStream; None if
+    neither is there."""
+    tables = tokenizer.byte_tables
+    if tables is not None:
+        return ByteLevelStream(tables[skip_special_tokens]).step
+    if DecodeStream is None:
+        return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    return functools.partial(stream.step, tokenizer.backend)
 
 
 def _quiet_parallelism() -> None:

@@ -127,3 +127,46 @@ def test_keyword_construction_eq_repr_and_pickle_as_dataclasses():
     assert "CompletionOutput(index=0, text='ab', token_ids=[" in repr(a)
     b.outputs[0].token_ids = [7]
     assert b.token_ids == [7] and a != b
+
+
+def _plain_or_not(tok, logprobs, chunks, nows, streams) -> tuple[bool, list[tuple]]:
+    """One request through a processor, the chunks as its deltas (the first with its cached
+    tokens, the last ending it), outputs(stream) after each; whether it ran plain, and what
+    each output read (logprobs left out: only one of the two asks for them)."""
+    op = OutputProcessor(tok)
+    op.add_request("r", "p", [7, 8, 9], SamplingParams(max_tokens=99, logprobs=logprobs), ARRIVAL)
+    plain, read = op.requests["r"].plain, []
+    for k, (ids, now, stream) in enumerate(zip(chunks, nows, streams, strict=True)):
+        kw = dict(num_cached_tokens=0) if k == 0 else {}
+        kw["finish_reason"] = "length" if k == len(chunks) - 1 else None
+        if logprobs is not None:
+            kw["logprobs"] = [{t: -1.0} for t in ids]
+        op.process([SampleDelta("r", 0, ids, **kw)], now)
+        for o in op.outputs(stream):
+            c, m = o.outputs[0], o.metrics  # its clock offsets are the processor's own
+            read.append((k, o.finished, c.text, c.text_delta, c.token_ids, c.finish_reason,
+                         o.prompt_token_ids, o.num_cached_tokens, m.ttft, m.itl,
+                         m.finish_time is None))  # fmt: skip
+    return plain, read
+
+
+def test_a_plain_request_reads_as_the_general_path_does(smollm2):
+    """A plain request (one sample, no stop strings, no logprobs) takes the short paths; its
+    outputs equal those of the same request asking for logprobs (the general path), steps
+    of one token and of several, streamed or not, lone UTF-8 bytes and special tokens among
+    the ids; its text is the decode of its ids, the deltas its pieces."""
+    tok, rng = smollm2.tokenizer, np.random.default_rng()
+    lone = [i for i, t in enumerate(tok.byte_tables[1].texts) if t is None]
+    ids = rng.integers(0, tok.vocab_size, 60)
+    odd = rng.random(60) < 0.3
+    ids[odd] = rng.choice(lone, int(odd.sum()))
+    ids[:3] = [0, 1, 2]  # special tokens, skipped
+    cuts = np.sort(rng.choice(np.arange(1, 60), 30, replace=False))
+    chunks = [c.tolist() for c in np.split(ids, cuts)]
+    nows = (ARRIVAL + np.cumsum(rng.uniform(0.01, 0.1, len(chunks)))).tolist()
+    streams = (rng.random(len(chunks)) < 0.8).tolist()
+    plain, got = _plain_or_not(tok, None, chunks, nows, streams)
+    general, want = _plain_or_not(tok, 1, chunks, nows, streams)
+    assert plain and not general
+    assert got == want and len(got) == sum(streams[:-1]) + 1
+    assert got[-1][2] == tok.decode(ids.tolist()) == "".join(r[3] for r in got)

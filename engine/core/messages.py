@@ -94,8 +94,9 @@ def deltas(seqs, vectors: dict | None = None) -> list[SampleDelta]:
     for seq in seqs:
         sent = seq.num_sent
         if sent and seq.always_plain and not seq.new_logits and seq.finish_reason is None:
-            seq.num_sent = seq.num_output_tokens  # a running plain decode: the common case
-            out.append(SampleDelta(seq.request_id, seq.index, seq.output_token_ids[sent:]))
+            ids = seq.output_token_ids  # a running plain decode: the common case
+            seq.num_sent = len(ids)
+            out.append(SampleDelta(seq.request_id, seq.index, ids[sent:]))
         else:
             out.append(delta(seq, vectors.get(seq.seq_id)))
     return out

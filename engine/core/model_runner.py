@@ -52,6 +52,14 @@ def needs_rows(output: SchedulerOutput) -> bool:
     return output.needs_rows
 
 
+def plain_decodes(output: SchedulerOutput) -> bool:
+    """Whether every scheduled row is a decode of an always plain greedy sequence: each one
+    samples, an argmax of the raw logits, and no other row comes back."""
+    if output.num_decodes != len(output.scheduled) or output.drafts:
+        return False
+    return all(seq.always_plain for seq, _ in output.scheduled)
+
+
 class BlockTables:
     """Page tables as rows of one (rows, max_blocks) int32 array, -1 padded. A sequence keeps its
     row while it runs; a row is rewritten only where its sequence's table grew (blocks are only
@@ -68,7 +76,13 @@ class BlockTables:
         """(B,) the row of each sequence, its page table synced into it."""
         if len(self.row_of) + len(seqs) > len(self.src):
             self._drop_all_but(seqs)
-        rows = [self._sync(seq) for seq in seqs]
+        row_of, src, lens, rows = self.row_of, self.src, self.lens, []
+        for seq in seqs:
+            row, table = row_of.get(seq.seq_id), seq.block_table
+            if row is not None and src[row] is table and lens[row] == len(table):
+                rows.append(row)  # in sync: the common case (a decode in its last block)
+            else:
+                rows.append(self._sync(seq))
         return np.asarray(rows, dtype=np.intp)
 
     def _sync(self, seq) -> int:
@@ -172,6 +186,9 @@ class ModelRunner:
             return self._execute_speculated(output)
         if output.is_empty:
             return RunnerOutput()
+        if not self.record_logits and plain_decodes(output):  # the common case, in one pass
+            seqs = [seq for seq, _ in output.scheduled]
+            return RunnerOutput(seqs, self.forward(output, greedy=True).tolist())  # (B,) ids
         rows, seqs = rows_to_sample(output.scheduled)
         prompt = []
         if needs_rows(output):  # prompt chunks whose logprobs are asked: all their rows come back

@@ -230,7 +230,8 @@ class Scheduler:
         """``_plain_decode`` for the running seqs from the oldest on, as long as each is one (no
         drafts either): the index of the first that is not. The same decisions, in one loop."""
         bm, limit, bs = self.block_manager, self.config.max_model_len, self.block_manager.block_size
-        cache, decodes, budget, i = bm.cache_full_blocks, step.decodes, step.budget, 0
+        cache = bm.cache_full_blocks if bm.enable_caching else None  # a no-op without caching
+        decodes, budget, i = step.decodes, step.budget, 0
         drafts = self._drafts
         for seq in self.running:
             n = seq.num_tokens
@@ -242,7 +243,8 @@ class Scheduler:
                 or len(seq.block_table) * bs < n
             ):
                 break
-            cache(seq, n)
+            if cache is not None:
+                cache(seq, n)
             decodes.append((seq, 1))
             budget -= 1
             i += 1

@@ -12,6 +12,11 @@ looked for in the text added, by ``str.find`` for a few, an automaton for more:
 engine/frontend/stop_strings.py), otherwise when an output is built. Either way the detokenizer
 sees the same ids in the same order, so the text and the streamed deltas are the same; a caller
 that does not stream pays for detokenizing once per request, not once per step.
+
+A "plain" request (one sample, no stop strings, no logprobs of either kind, no logits rows) takes
+short paths while it runs, the common case of a streaming step: ``_take_plain`` appends a delta
+of one token and its latency, ``RequestState.plain_output`` builds its output directly (the same
+output ``output`` builds: with nothing held back, the new text is the delta).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ FEW_STOPS = 8  # up to this many stop strings, str.find each; more: one automato
 
 class SampleState:
     """One of a request's n samples: its tokens, its text and what was streamed."""
+
+    __slots__ = (
+        *("index", "token_ids", "finish_reason", "detok", "text", "detokenized", "emitted"),
+        *("logprobs", "step_logits", "error", "truncated", "stop_reason", "stops", "stop_node"),
+        "stop_hit",
+    )
 
     def __init__(self, index, detok, stops: StopStrings | None = None):
         self.index = index  # CompletionOutput.index
@@ -102,6 +113,8 @@ class SampleState:
 class RequestTimes:
     """A request's moments on ``time.monotonic()``'s clock; reported on the wall clock."""
 
+    __slots__ = ("arrival", "wall_offset", "first_token", "last_token", "finish", "itl")
+
     def __init__(self, arrival: float, wall_offset: float):
         self.arrival = arrival
         self.wall_offset = wall_offset  # time.time() - time.monotonic(), fixed per engine
@@ -119,10 +132,28 @@ class RequestTimes:
 class RequestState:
     """One request: its samples, prompt and latency metrics."""
 
+    __slots__ = (
+        *("request_id", "plain", "final_only", "core_id", "prompt", "prompt_ids", "params"),
+        *("samples", "times", "hold_back", "num_cached_tokens", "prompt_logprobs", "embedding"),
+    )
+
     def __init__(
-        self, request_id, prompt, prompt_ids, params, samples, times, core_id=None, final_only=False
+        self,
+        request_id,
+        prompt,
+        prompt_ids,
+        params,
+        samples,
+        times,
+        core_id=None,
+        final_only=False,
+        plain=False,
     ):
         self.request_id = request_id
+        # one sample that needs only its tokens and text (no stop strings, logprobs or logits
+        # rows): its running steps take the short paths (``OutputProcessor._take_plain``,
+        # ``plain_output``)
+        self.plain = plain
         self.final_only = final_only  # no output until it finishes (its caller reads that alone)
         self.core_id = request_id if core_id is None else core_id  # its id in the core
         self.prompt: str | None = prompt
@@ -153,6 +184,24 @@ class RequestState:
             times.itl.append(now - times.last_token)
         times.last_token = now
         return first
+
+    def plain_output(self) -> RequestOutput:
+        """``output`` for a plain request that runs: the same output, built directly."""
+        sample, times = self.samples[0], self.times
+        ids, done = sample.token_ids, sample.detokenized
+        n, add = len(ids), sample.detok.add
+        delta = add(ids[done]) if done == n - 1 else "".join(map(add, ids[done:]))
+        sample.detokenized, text = n, sample.text
+        if delta:  # no stop strings: nothing is held back, the new text is the delta
+            text = sample.text = text + delta
+            sample.emitted = len(text)
+        itl = times.itl
+        moments = (times.arrival, times.first_token, None, itl, len(itl), times.wall_offset)
+        comp = CompletionOutput.snapshot(0, text, delta, None, None, None, (ids, None, None, n))
+        extras = (self.num_cached_tokens, self.prompt_logprobs, self.embedding)
+        return RequestOutput.snapshot(
+            self.request_id, self.prompt, self.prompt_ids, [comp], False, moments, extras
+        )
 
     def output(self, record_logits: bool, finished: bool) -> RequestOutput:
         want_logprobs, hold_back = self.params.logprobs is not None, self.hold_back
@@ -190,12 +239,25 @@ def _stop_hit(sample: SampleState, stops: list[str], before: int) -> tuple[int, 
     return at, stops[index]
 
 
+def _is_plain(params: SamplingParams, record_logits: bool) -> bool:
+    """Whether a request's steps can take the short paths: one sample, no stop strings (no
+    text held back), no logprobs of either kind, no logits rows."""
+    return (
+        params.n == 1
+        and not params.stop
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and not record_logits
+    )
+
+
 class OutputProcessor:
     """Every live request's state; turns the core's token-id deltas into text, stop-string
     decisions and outputs."""
 
     def __init__(self, tokenizer, record_logits: bool = False):
         self.tokenizer = tokenizer
+        getattr(tokenizer, "byte_tables", None)  # built now (once per tokenizer), not per request
         self.record_logits = record_logits
         self.wall_offset = time.time() - time.monotonic()  # reported times are wall clock
         self.requests: dict[str, RequestState] = {}
@@ -236,8 +298,9 @@ class OutputProcessor:
             SampleState(i, self._detokenizer(prompt_ids, params), stops) for i in range(params.n)
         ]
         times = RequestTimes(arrival, self.wall_offset)
+        plain = _is_plain(params, self.record_logits)
         req = RequestState(
-            request_id, prompt, prompt_ids, params, samples, times, core_id, final_only
+            request_id, prompt, prompt_ids, params, samples, times, core_id, final_only, plain
         )
         self.requests[request_id] = self.by_core_id[req.core_id] = req
 
@@ -260,15 +323,36 @@ class OutputProcessor:
         sample a stop string ended that the core still runs (it must finish them). A delta
         whose core id is not a live request's (aborted, or an earlier request of the same id
         that a core process ran on) is dropped."""
-        stopped = []
+        stopped, get, take_plain = [], self.by_core_id.get, self._take_plain
         for d in deltas:
-            req = self.by_core_id.get(d.request_id)
-            if req is None or req.samples[d.index].finished:
-                continue  # aborted, or ended by a stop string since the core sent it
+            req = get(d.request_id)
+            if req is None:
+                continue  # aborted
+            if req.plain and take_plain(req, d, now):
+                continue  # a running plain sample's next token(s): the common case
             sample = req.samples[d.index]
+            if sample.finished:
+                continue  # ended by a stop string since the core sent it
             if self._process_delta(req, sample, d, now) and d.finish_reason is None:
                 stopped.append((d.request_id, d.index, len(sample.token_ids)))
         return stopped
+
+    def _take_plain(self, req: RequestState, d: SampleDelta, now: float) -> bool:
+        """A running plain request's delta of one token alone, after its first: append it and
+        its latency (what ``_process_delta`` does for it). False for any other delta."""
+        times, ids = req.times, d.token_ids
+        last = times.last_token
+        if len(ids) != 1 or last is None or d.finish_reason is not None:
+            return False
+        sample = req.samples[0]
+        if d.num_cached_tokens is not None or sample.finish_reason is not None:
+            return False
+        sample.token_ids.append(ids[0])
+        times.itl.append(now - last)
+        times.last_token = now
+        self.new_tokens += 1
+        self._touched[req.request_id] = req
+        return True
 
     def _process_delta(self, req: RequestState, sample: SampleState, d: SampleDelta, now):
         """Add the delta's tokens one by one, each through the stop strings; True if one ended
@@ -331,6 +415,9 @@ class OutputProcessor:
         ended, self._ended = self._ended, {}
         outputs = []
         for req in (touched if stream else ended).values():
+            if req.plain and stream and not req.final_only and req.samples[0].finish_reason is None:
+                outputs.append(req.plain_output())  # a running plain request: the common case
+                continue
             finished = req.finished
             if finished:
                 if req.times.finish is None:
