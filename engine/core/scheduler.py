@@ -14,6 +14,10 @@ is preempted only inside ``schedule()``, before any prompt is admitted and never
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
 
+Sliding window (a model whose every layer slides with one window): each step starts by giving
+back the running sequences' blocks that no later query can see (``BlockManager.slide``), so a
+sequence holds about window / block_size + 1 blocks plus those of the tokens it computes next.
+
 Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
 tables included, are on the device). It leaves each sampling sequence a pending last token, so
 ``schedule()`` plans the next step before the last one's ids are known; from then on the launched
@@ -119,6 +123,9 @@ class Scheduler:
         out = SchedulerOutput()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._drafts = {} if drafts is None else drafts
+        if self.block_manager.window:  # sliding window: blocks no later query sees go back
+            for seq in self.running:
+                self.block_manager.slide(seq)
         self._schedule_running(step, out)
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
@@ -402,7 +409,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and seq.num_uncomputed_tokens > budget:
             return f"{seq.num_uncomputed_tokens} tokens exceed max_num_batched_tokens={budget}"
-        need = self.block_manager.blocks_for_tokens(seq.num_tokens)
+        step = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            step = min(step, budget)
+        need = self.block_manager.peak_blocks(seq.num_tokens, step)
         if need > self.block_manager.num_blocks:
             return (
                 f"{seq.num_tokens} tokens need {need} KV blocks but the pool has only "
