@@ -54,19 +54,23 @@ def check_table(seq, before: int | None, spec: bool) -> int:
     return len(table) - gone
 
 
-def drive(backend: str, prompts, params, keep_all=False, poison=True, spec=False, **args):
-    """Run prompts to the end, checking every table after every step; -> (outputs, engine,
-    the most blocks one sequence held)."""
+def drive(
+    backend: str, prompts, params, keep_all=False, poison=True, spec=False, staggered=False, **args
+):
+    """Run prompts to the end (``staggered``: each once the one before has finished), checking
+    every table after every step; -> (outputs, engine, the most blocks one sequence held)."""
     args = {"record_logits": True, **args}  # (recording logits turns speculation off)
     engine = make_engine(loaded("mistral"), backend=backend, block_size=BS, **args)
     bm, sched = engine.block_manager, engine.scheduler
     assert bm.window == WINDOW
     if keep_all:  # the same engine, every block kept
         bm.window = 0
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    waiting = list(enumerate(prompts))
     done, peak = {}, 0
-    while engine.has_unfinished_requests():
+    while waiting or engine.has_unfinished_requests():
+        while waiting and not (staggered and engine.has_unfinished_requests()):
+            i, p = waiting.pop(0)
+            engine.add_request(str(i), p, params)
         before = {s.seq_id: s.num_computed_tokens for s in sched.running}
         done.update({o.request_id: o for o in engine.step(stream=False)})
         engine.check_invariants()
@@ -217,3 +221,20 @@ def test_memory_plan_counts_the_window(caplog):
     assert line and "at most 6 blocks at once" in line[0], line
     assert loaded("gemma2").config.uniform_window == 0  # some layers full: every block kept
     assert loaded("llama").config.uniform_window == 0
+
+
+def test_kv_tiers_under_a_sliding_window():
+    """Two 70-token prompts, then each again with more tokens, one after the other, in a pool of
+    12 blocks with a host tier: a prompt comes back after its blocks were evicted (stored) or
+    slid; its hit (the pool's window blocks, or the tiers' blocks, of which those before the
+    window are not loaded) gives the tokens of full computation."""
+    rng = np.random.default_rng()
+    a, b = ([int(t) for t in rng.integers(1, 320, 70)] for _ in range(2))
+    prompts = [a, b, a + [5, 6, 7, 8, 9, 10], b + [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cache = dict(enable_prefix_caching=True, num_gpu_blocks=12, kv_offload_bytes=1 << 22)
+    outs, engine, _ = drive("numpy", prompts, params, staggered=True, **cache, **CHUNKED)
+    sched = engine.scheduler
+    assert sched.prefix_cache_hits > 0 and sched.tier_hits > 0
+    plain, _, _ = drive("numpy", prompts, params, num_gpu_blocks=64, keep_all=True, **CHUNKED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

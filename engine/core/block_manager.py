@@ -35,13 +35,19 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.core.window_blocks import (
+    NO_BLOCK,
+    first_visible_block,
+    hidden_loads,
+    peak_blocks,
+    window_prefix,
+)
 from engine.utils import cdiv
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
 
 NO_PARENT = -1  # the first block's parent in the hash: no hash is -1 (Python reserves it)
-NO_BLOCK = -1  # a page-table entry whose block was given back (sliding window): never read
 
 
 def hash_block(parent_hash: int | None, tokens: Iterable[int]) -> int:
@@ -191,17 +197,17 @@ class BlockManager:
     # -- sliding window -------------------------------------------------------------------------
 
     def first_visible_block(self, pos: int) -> int:
-        """The first block a query at ``pos`` (or later) can see: 0 without a window."""
-        return max(0, pos - self.window + 1) // self.block_size if self.window else 0
+        return first_visible_block(pos, self.window, self.block_size)
 
     def peak_blocks(self, num_tokens: int, step_tokens: int) -> int:
-        """The most blocks a sequence of num_tokens tokens holds at once when a step computes
-        at most step_tokens of them: all of them, or with a window those of the window before
-        a step (block-aligned: one more) and the step's."""
-        full = self.blocks_for_tokens(num_tokens)
-        if not self.window:
-            return full
-        return min(full, self.blocks_for_tokens(self.window - 1 + step_tokens) + 1)
+        return peak_blocks(num_tokens, step_tokens, self.window, self.block_size)
+
+    def skip_hidden_loads(self, hits: list[int], num_loads: int) -> tuple[list[int], int]:
+        """Sliding window: (the prefix hits as taken, how many of the KV tiers' ``num_loads``
+        blocks after them lead before the window of the first token after them). Those are
+        not loaded; when there are any, no hit block is taken either (all NO_BLOCK)."""
+        skip = hidden_loads(len(hits), num_loads, self.window, self.block_size)
+        return ([NO_BLOCK] * (len(hits) + skip) if skip else hits), skip
 
     def held_blocks(self, seq: Sequence) -> int:
         """The pool blocks seq's page table holds (NO_BLOCK entries are not)."""
@@ -266,7 +272,8 @@ class BlockManager:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         if self.window:
-            return self._window_prefix(self.block_hashes(seq)[:limit])
+            blocks = [self.cached.get(h) for h in self.block_hashes(seq)[:limit]]
+            return window_prefix(blocks, self.window, self.block_size)
         hits = []
         for h in self.block_hashes(seq)[:limit]:
             block = self.cached.get(h)
@@ -274,20 +281,6 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
-
-    def _window_prefix(self, hashes: list[int]) -> list[int]:
-        """Sliding window: the longest prefix of ``hashes`` whose blocks the first token after
-        it can see are all cached, as block ids with NO_BLOCK for the blocks before that window
-        (they need not be cached: nothing reads them)."""
-        blocks = [self.cached.get(h) for h in hashes]
-        best, run = 0, 0  # the longest valid prefix; where the current run of cached blocks began
-        for i, block in enumerate(blocks):
-            if block is None:
-                run = i + 1
-            elif run <= self.first_visible_block((i + 1) * self.block_size):
-                best = i + 1
-        first = self.first_visible_block(best * self.block_size)
-        return [NO_BLOCK] * first + blocks[first:best]
 
     def tier_prefix(self, seq: Sequence, start: int) -> list:
         """The blocks of seq's prompt after its first ``start`` full blocks (those the pool

@@ -14,9 +14,8 @@ is preempted only inside ``schedule()``, before any prompt is admitted and never
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
 
-Sliding window (a model whose every layer slides with one window): each step starts by giving
-back the running sequences' blocks that no later query can see (``BlockManager.slide``), so a
-sequence holds about window / block_size + 1 blocks plus those of the tokens it computes next.
+Sliding window (every layer slides with one window): each step starts by giving back the running
+sequences' blocks no later query sees (``BlockManager.slide``).
 
 Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
 tables included, are on the device). It leaves each sampling sequence a pending last token, so
@@ -321,12 +320,13 @@ class Scheduler:
             loads = self._tier_blocks(seq, len(hits)) if bm.connector and not whole else []
             loaded = len(loads) * bm.block_size  # tokens the tiers hold after the pool's
             n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size + loaded)
-            if n == 0 or not bm.can_allocate(seq, loaded + n, hits):
+            taken, hidden = bm.skip_hidden_loads(hits, len(loads))  # sliding window: not read
+            if n == 0 or not bm.can_allocate(seq, loaded - hidden * bm.block_size + n, taken):
                 return
             self.waiting.popleft()
-            self._take_prefix(seq, hits, out, loaded)
+            self._take_prefix(seq, hits, out, loaded, taken)
             if loads:
-                self._load(seq, loads, out)
+                self._load(seq, loads[hidden:], out)
             self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
@@ -366,11 +366,11 @@ class Scheduler:
         bm.cache_full_blocks(seq, seq.num_computed_tokens)
         out.tier_loads.append((seq, new, loads))
 
-    def _take_prefix(
-        self, seq: Sequence, hits: list[int], out: SchedulerOutput, loaded: int = 0
-    ) -> None:
+    def _take_prefix(self, seq, hits: list[int], out, loaded: int = 0, taken=None) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed.
-        ``loaded``: tokens after them that come from the KV tiers (counted as cached)."""
+        ``loaded``: tokens after them that come from the KV tiers (counted as cached);
+        ``taken``: the blocks it takes (sliding window: NO_BLOCK before the window, which may
+        reach into the tiers' blocks), ``hits`` by default."""
         self._tier_fetch.pop(seq.seq_id, None)
         if not self.config.enable_prefix_caching:
             return
@@ -382,10 +382,11 @@ class Scheduler:
             if self.block_manager.connector is not None:
                 self.tier_queries += seq.num_prompt_tokens
                 self.tier_hits += loaded
-        if hits:
-            self.block_manager.take_cached(seq, hits)
-            seq.num_computed_tokens = hit_tokens
-            out.prefix_hits.append((seq, list(hits)))
+        taken = hits if taken is None else taken
+        if taken:
+            self.block_manager.take_cached(seq, taken)
+            seq.num_computed_tokens = len(taken) * self.block_manager.block_size
+            out.prefix_hits.append((seq, list(taken)))
 
     # -- helpers --------------------------------------------------------------------------------
 
