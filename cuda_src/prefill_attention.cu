@@ -193,11 +193,15 @@ __device__ __forceinline__ void prefill_attention(
   const int* table = block_tables + size_t(b) * max_blocks;
   // With a window: start at the chunk holding the first row's first visible key, and mask the
   // chunks that hold keys below the last row's window (key <= last_pos - window).
-  const int first0 = window > 0 ? max(0, pos0 - window + 1) / kTileKeys * kTileKeys : 0;
+  // A key of the first chunk below the first row's window is masked; its lane reads the first
+  // visible key instead: the page-table entries before it may name blocks given back (a
+  // sliding-window model's), which must not be read.
+  const int lo_key = window > 0 ? max(0, pos0 - window + 1) : 0;
+  const int first0 = lo_key / kTileKeys * kTileKeys;
   for (int first = first0; first <= last_pos; first += kTileKeys) {
     const int count = min(kTileKeys, last_pos + 1 - first);
     if (int(threadIdx.x) < count) {  // one table read per key per chunk, for every K and V slice
-      const int t = first + threadIdx.x;
+      const int t = max(first + int(threadIdx.x), lo_key);
       rows[threadIdx.x] =
           ((size_t(table[t / block_size]) * block_size + t % block_size) * num_kv_heads +
            kv_head) * head_dim;

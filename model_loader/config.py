@@ -152,6 +152,13 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
+    def uniform_window(self) -> int:
+        """The sliding window every layer has; 0 when some layer sees every key (Gemma 2/3's
+        full layers) or the windows differ."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and len(self.layer_windows) else 0
+
+    @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -231,15 +231,25 @@ def paged_attention_prefill(
     qsl = query_start_loc.tolist()
     for b, n in enumerate(context_lens.tolist()):
         lo, hi = qsl[b], qsl[b + 1]
-        blocks = block_tables[b, : cdiv(n, bs)]
-        k, v = _gather(k_cache, blocks, n), _gather(v_cache, blocks, n)  # (n, Hkv, hd)
         start = n - (hi - lo)  # position of row lo
-        for c in range(lo, hi, QUERY_CHUNK):
+        # the first block read: the one of row lo's first visible key (blocks before it may
+        # be given back: their table entries are never read)
+        first = max(0, start - window + 1) // bs * bs if window else 0
+        blocks = block_tables[b, first // bs : cdiv(n, bs)]
+        k, v = _gather(k_cache, blocks, n - first), _gather(v_cache, blocks, n - first)
+        for c in range(lo, hi, QUERY_CHUNK):  # k, v: (n - first, Hkv, hd), keys first..n-1
             e = min(c + QUERY_CHUNK, hi)
             # keys past the chunk's last query are masked anyway: slice them off
             kv_len, q0 = start + (e - lo), start + (c - lo)
             k0 = max(0, q0 - window + 1) if window else 0  # keys below every row's window: off
             out[c:e] = _attend_causal(
-                q[c:e], k[k0:kv_len], v[k0:kv_len], q0, scale, window, k0, softcap
+                q[c:e],
+                k[k0 - first : kv_len - first],
+                v[k0 - first : kv_len - first],
+                q0,
+                scale,
+                window,
+                k0,
+                softcap,
             )
     return out

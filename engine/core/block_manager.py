@@ -16,6 +16,17 @@ backend writes a step's new K/V into the cache before attention reads it, in eve
 freed block then goes to the tail instead (LRU): it keeps its hash while it waits in the free
 queue, so it can be revived until allocation takes it from the head, the least recently freed
 first, a sequence's tail blocks before its head.
+
+Sliding window (``window`` > 0: every layer of the model slides with that window): a query at
+position p sees keys p - window + 1 .. p only, and every later query of a sequence starts at or
+after its ``num_computed_tokens`` (a chunk from its first token, a speculative run from its first
+row), so ``slide`` gives back each block whose last token lies before the window of that
+position. Its page-table entry becomes NO_BLOCK (the padding of the backends' tables, which no
+attention kernel reads); the table keeps its length, so block i still holds tokens i*bs.. and a
+table is a run of NO_BLOCK followed by held blocks. A slid block goes back like a finished
+sequence's: with prefix caching it keeps its hash in the free queue. A prefix hit is then valid
+only where every block its first new token can see is cached (``cached_prefix``); the blocks
+before that window are not taken at all.
 """
 
 from __future__ import annotations
@@ -24,6 +35,13 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.core.window_blocks import (
+    NO_BLOCK,
+    first_visible_block,
+    hidden_loads,
+    peak_blocks,
+    window_prefix,
+)
 from engine.utils import cdiv
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
@@ -80,7 +98,9 @@ class FreeBlockQueue:
 
 class BlockManager:
     """``connector``: the KV tiers under the prefix cache (engine/kv_offload), or None: an
-    evicted cached block some tier lacks is then kept for the step's forward to store."""
+    evicted cached block some tier lacks is then kept for the step's forward to store.
+    ``window``: the sliding window every layer has (0: none, or not every layer slides the
+    same), whose hidden blocks ``slide`` gives back."""
 
     def __init__(
         self,
@@ -89,11 +109,12 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_caching=False,
         connector=None,
+        window: int = 0,
     ):
-        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0 or window < 0:
             raise ValueError(
-                f"BlockManager: need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0, got "
-                f"{num_blocks}, {block_size}, {num_cpu_blocks}"
+                f"BlockManager: need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0, "
+                f"window >= 0, got {num_blocks}, {block_size}, {num_cpu_blocks}, {window}"
             )
         if enable_caching and num_cpu_blocks:
             raise ValueError("BlockManager: prefix caching does not support swap (CPU) blocks")
@@ -101,6 +122,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_caching = enable_caching
+        self.window = window
         self.free_blocks = FreeBlockQueue(range(num_blocks), lifo=not enable_caching)
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))
         self.ref_counts = [0] * num_blocks  # live sequences whose table holds the block
@@ -137,7 +159,7 @@ class BlockManager:
             return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
         assert not seq.block_table, "cache hits only for a sequence that holds no blocks"
         total = self.blocks_for_tokens(len(hits) * self.block_size + num_new_tokens)
-        revived = sum(self.ref_counts[b] == 0 for b in hits)
+        revived = sum(b != NO_BLOCK and self.ref_counts[b] == 0 for b in hits)
         return total - len(hits) + revived <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
@@ -152,8 +174,9 @@ class BlockManager:
         """Every block of seq (GPU and CPU) back to its free queue once no other sequence holds
         it, in reverse table order: reused in table order (LIFO), or evicted tail first (LRU)."""
         for block in reversed(seq.block_table):
-            self._release(block)
-        self.free_cpu_blocks.extend(seq.cpu_block_table)
+            if block != NO_BLOCK:
+                self._release(block)
+        self.free_cpu_blocks.extend(b for b in seq.cpu_block_table if b != NO_BLOCK)
         seq.block_table = []
         seq.cpu_block_table = []
         seq.num_cached_blocks = 0
@@ -170,6 +193,41 @@ class BlockManager:
         for block in reversed(extra):
             assert block not in self.block_hash, f"lookahead block {block} is cached"
             self._release(block)
+
+    # -- sliding window -------------------------------------------------------------------------
+
+    def first_visible_block(self, pos: int) -> int:
+        return first_visible_block(pos, self.window, self.block_size)
+
+    def peak_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        return peak_blocks(num_tokens, step_tokens, self.window, self.block_size)
+
+    def skip_hidden_loads(self, hits: list[int], num_loads: int) -> tuple[list[int], int]:
+        """Sliding window: (the prefix hits as taken, how many of the KV tiers' ``num_loads``
+        blocks after them lead before the window of the first token after them). Those are
+        not loaded; when there are any, no hit block is taken either (all NO_BLOCK)."""
+        skip = hidden_loads(len(hits), num_loads, self.window, self.block_size)
+        return ([NO_BLOCK] * (len(hits) + skip) if skip else hits), skip
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """The pool blocks seq's page table holds (NO_BLOCK entries are not)."""
+        return sum(b != NO_BLOCK for b in seq.block_table)
+
+    def slide(self, seq: Sequence) -> None:
+        """Sliding window: seq's blocks that no query from its ``num_computed_tokens`` on can
+        see back to the free queue (tail first, as ``free``); their entries become NO_BLOCK in
+        a new table list (ModelRunner's page-table copies see it was replaced)."""
+        table = seq.block_table
+        n = min(self.first_visible_block(seq.num_computed_tokens), len(table))
+        if n == 0 or table[n - 1] == NO_BLOCK:
+            return
+        table = list(table)
+        for i in range(n - 1, -1, -1):
+            if table[i] == NO_BLOCK:
+                break
+            self._release(table[i])
+            table[i] = NO_BLOCK
+        seq.block_table = table
 
     def _take_free(self) -> int:
         """The head of the free queue, its cache entry (if any) evicted; ref 1."""
@@ -213,6 +271,9 @@ class BlockManager:
         if not self.enable_caching or seq.block_table:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
+        if self.window:
+            blocks = [self.cached.get(h) for h in self.block_hashes(seq)[:limit]]
+            return window_prefix(blocks, self.window, self.block_size)
         hits = []
         for h in self.block_hashes(seq)[:limit]:
             block = self.cached.get(h)
@@ -241,6 +302,8 @@ class BlockManager:
         """Start seq's table with the cached blocks ``hits`` (ref += 1; revived if free)."""
         assert not seq.block_table, f"{seq} already holds blocks"
         for block in hits:
+            if block == NO_BLOCK:  # before the window of the first new token: not taken
+                continue
             if self.ref_counts[block] == 0:
                 self.free_blocks.remove(block)
             self.ref_counts[block] += 1
@@ -261,7 +324,7 @@ class BlockManager:
         full = min(full, len(hashes))  # a block that ends in a pending token waits for its id
         for i in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[i], hashes[i]
-            if h not in self.cached and block not in self.block_hash:
+            if block != NO_BLOCK and h not in self.cached and block not in self.block_hash:
                 self._register(block, h, self.block_key(seq, i))
         seq.num_cached_blocks = full
 
@@ -273,31 +336,38 @@ class BlockManager:
     # -- swapping -------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self.free_cpu_blocks)
+        return self.held_blocks(seq) <= len(self.free_cpu_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move seq's blocks to CPU blocks; returns (gpu_block, cpu_block) copy pairs."""
+        """Move seq's blocks to CPU blocks (a NO_BLOCK entry stays one); returns
+        (gpu_block, cpu_block) copy pairs."""
         assert self.can_swap_out(seq), "swap_out: not enough free CPU blocks"
-        pairs = [(gpu, self.free_cpu_blocks.popleft()) for gpu in seq.block_table]
-        for gpu in reversed(seq.block_table):
-            self._release(gpu)
-        seq.cpu_block_table = [cpu for _, cpu in pairs]
+        table = seq.block_table
+        cpu = [NO_BLOCK if b == NO_BLOCK else self.free_cpu_blocks.popleft() for b in table]
+        for gpu in reversed(table):
+            if gpu != NO_BLOCK:
+                self._release(gpu)
+        seq.cpu_block_table = cpu
         seq.block_table = []
-        return pairs
+        return [(g, c) for g, c in zip(table, cpu, strict=True) if g != NO_BLOCK]
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
         """Room for seq's swapped blocks plus any new ones its next num_new_tokens need."""
+        cpu = seq.cpu_block_table
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        return max(total, len(seq.cpu_block_table)) <= len(self.free_blocks)
+        held = sum(b != NO_BLOCK for b in cpu)
+        return held + max(0, total - len(cpu)) <= len(self.free_blocks)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move seq's blocks back to GPU blocks; returns (cpu_block, gpu_block) copy pairs."""
-        assert len(seq.cpu_block_table) <= len(self.free_blocks), "swap_in: not enough free blocks"
-        pairs = [(cpu, self._take_free()) for cpu in seq.cpu_block_table]
-        self.free_cpu_blocks.extend(seq.cpu_block_table)
-        seq.block_table = [gpu for _, gpu in pairs]
+        cpu = seq.cpu_block_table
+        held = [b for b in cpu if b != NO_BLOCK]
+        assert len(held) <= len(self.free_blocks), "swap_in: not enough free blocks"
+        gpu = [NO_BLOCK if b == NO_BLOCK else self._take_free() for b in cpu]
+        self.free_cpu_blocks.extend(held)
+        seq.block_table = gpu
         seq.cpu_block_table = []
-        return pairs
+        return [(c, g) for c, g in zip(cpu, gpu, strict=True) if c != NO_BLOCK]
 
     # -- invariants -----------------------------------------------------------------------------
 
@@ -318,8 +388,8 @@ class BlockManager:
         Raises AssertionError (kept under ``python -O``) naming the first broken rule.
         """
         holders = list(seqs) + list(releasing)
-        gpu_tables = [s.block_table for s in holders]
-        cpu_tables = [s.cpu_block_table for s in holders]
+        gpu_tables = [[b for b in s.block_table if b != NO_BLOCK] for s in holders]
+        cpu_tables = [[b for b in s.cpu_block_table if b != NO_BLOCK] for s in holders]
         if not self.enable_caching:
             _check_pool("GPU", self.num_blocks, self.free_blocks, gpu_tables)
         _check_pool("CPU", self.num_cpu_blocks, self.free_cpu_blocks, cpu_tables)
@@ -363,6 +433,8 @@ class BlockManager:
                 f"{seq}: registered blocks that are not computed",
             )
             for i, block in enumerate(seq.block_table):
+                if block == NO_BLOCK:
+                    continue
                 if i < seq.num_cached_blocks and block in self.block_hash:
                     _require(self.block_hash[block] == chain[i], f"{seq}: block {block} hash")
                 else:  # this seq still writes the block: nobody else may hold it
@@ -374,6 +446,16 @@ class BlockManager:
         if seq.is_finished:
             _require(held == 0, f"{seq} is finished but holds blocks")
             return
+        table = seq.block_table or seq.cpu_block_table
+        gone = table.count(NO_BLOCK)
+        _require(
+            table[:gone] == [NO_BLOCK] * gone,
+            f"{seq}: a NO_BLOCK entry after a held block",
+        )
+        _require(
+            gone <= self.first_visible_block(seq.num_computed_tokens),
+            f"{seq}: gave back a block that a query from token {seq.num_computed_tokens} sees",
+        )
         _require(not (seq.block_table and seq.cpu_block_table), f"{seq} holds GPU and CPU blocks")
         _require(held <= self.blocks_for_tokens(seq.num_tokens), f"{seq} holds too many blocks")
         _require(

@@ -95,7 +95,7 @@ class EngineCore:
         # the backends hold their own packed copies: the loaded arrays go (unless the caller
         # keeps them), so a run's memory is its packed weights, not those plus the file's
         self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
-        self.kv_plan = plan_kv_cache(cfg, self.backend, draft)
+        self.kv_plan = plan_kv_cache(cfg, self.backend, draft, mc.uniform_window)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.spec = Speculator(cfg, draft, self.kv_plan.num_draft_blocks)
@@ -108,6 +108,7 @@ class EngineCore:
             num_cpu_blocks,
             enable_caching=cfg.enable_prefix_caching,
             connector=self.connector,
+            window=mc.uniform_window,
         )
         self.scheduler = Scheduler(cfg, self.block_manager, lora=self.lora)
         self.eos_token_ids = model_eos_ids(self.loaded)
@@ -131,7 +132,9 @@ class EngineCore:
         self._apply = self.updater.update_pooled if pooling else self.updater.update
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
-        self._longest_ok = min(cfg.max_model_len, num_blocks * cfg.block_size)
+        # (with a sliding window every layer has, a sequence holds only its window's blocks)
+        longest = num_blocks * cfg.block_size if not mc.uniform_window else cfg.max_model_len
+        self._longest_ok = min(cfg.max_model_len, longest)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
 
     def _make_runner(self, score) -> ModelRunner:

@@ -101,9 +101,21 @@ def _draft_sizes(cfg: EngineConfig, draft) -> _DraftSizes:
     return sizes
 
 
-def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
+def seq_blocks(cfg: EngineConfig, window: int = 0) -> int:
+    """The most blocks one sequence holds at once: those of max_model_len tokens, or with a
+    sliding window every layer has (``window`` > 0) those of the window before a step (one
+    more, block-aligned) and of the step's tokens (the engine gives back the blocks before)."""
+    full = cdiv(cfg.max_model_len, cfg.block_size)
+    if not window:
+        return full
+    step = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    return min(full, cdiv(window - 1 + step, cfg.block_size) + 1)
+
+
+def plan_kv_cache(cfg: EngineConfig, backend, draft=None, window: int = 0) -> KVPlan:
     """The pools (GPU blocks, CPU swap blocks, and with a ``draft`` backend its blocks),
-    checked to fit; logs the arithmetic.
+    checked to fit; logs the arithmetic. ``window``: the sliding window every layer of the
+    model has (0: none), which bounds the blocks a sequence holds (``seq_blocks``).
 
     A pool too small for one ``max_model_len`` sequence, or a plan larger than the memory there
     is, is a ValueError naming the field to change."""
@@ -121,7 +133,7 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
     peak = _activation_peak(cfg, backend)
     both = per_block + d.per_block, peak + d.fixed, backend.weights_bytes + d.weights
     if backend.name in HOST_BACKENDS:
-        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, host, ram)
+        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, host, ram, window)
     else:
         num_blocks, room_bytes, room, why = _device_pool(cfg, backend, *both)
     log.info(
@@ -133,7 +145,8 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None) -> KVPlan:
         backend.name,
         cfg.swap_gib,
     )
-    _check_fits(cfg, num_blocks, per_block)
+    _log_window(cfg, num_blocks, window)
+    _check_fits(cfg, num_blocks, per_block, window)
     sizes = (cfg.block_size, per_block, num_blocks, num_cpu_blocks, backend.weights_bytes, peak)
     num_draft = num_blocks + d.lookahead_blocks if draft is not None else 0
     if draft is not None:
@@ -155,7 +168,9 @@ def _activation_peak(cfg: EngineConfig, backend) -> int:
         ) from None
 
 
-def _host_pool(cfg: EngineConfig, per_block: int, peak: int, weights: int, swap: int, ram: int):
+def _host_pool(
+    cfg: EngineConfig, per_block: int, peak: int, weights: int, swap: int, ram: int, window: int
+):
     """(blocks, room bytes, room, why) of a pool in host RAM, such that KV pool + swap pool +
     activation peak fit."""
     limit, limit_name = _host_limit(cfg, weights, ram)
@@ -170,9 +185,10 @@ def _host_pool(cfg: EngineConfig, per_block: int, peak: int, weights: int, swap:
     elif cfg.memory_budget_bytes:
         num_blocks, why = fit, limit_name
     else:
-        want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size)
+        want = cfg.max_num_seqs * seq_blocks(cfg, window)
         num_blocks = min(want, fit)
         why = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {cfg.max_model_len} tokens"
+        why += f" (sliding window {window}: {seq_blocks(cfg, window)} blocks)" if window else ""
         why += f", capped at {limit_name}" if fit < want else ""
     _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why, weights)
     room = f"{limit_name} less the swap pool and the activation peak"
@@ -258,8 +274,28 @@ def _check_below(need: int, have: int, what: str, where: str, fix: str = "lower 
         raise ValueError(f"{what} needs {mib(need)}, more than {where} ({mib(have)}); {fix}")
 
 
-def _check_fits(cfg: EngineConfig, num_blocks: int, per_block: int) -> None:
-    need = cdiv(cfg.max_model_len, cfg.block_size)
+def _log_window(cfg: EngineConfig, num_blocks: int, window: int) -> None:
+    """With a sliding window every layer has: what a sequence holds at once, and how many of
+    max_model_len tokens the pool holds together."""
+    if not window:
+        return
+    per_seq, full = seq_blocks(cfg, window), cdiv(cfg.max_model_len, cfg.block_size)
+    log.info(
+        "sliding window %d on every layer: a sequence holds at most %d blocks at once "
+        "(max_num_batched_tokens=%d per step), not %d for max_model_len=%d: the pool holds "
+        "%d such sequences, not %d",
+        window,
+        per_seq,
+        cfg.max_num_batched_tokens,
+        full,
+        cfg.max_model_len,
+        num_blocks // per_seq,
+        num_blocks // full,
+    )
+
+
+def _check_fits(cfg: EngineConfig, num_blocks: int, per_block: int, window: int = 0) -> None:
+    need = seq_blocks(cfg, window)
     if num_blocks < need:
         raise ValueError(
             f"KV cache too small: one sequence of max_model_len={cfg.max_model_len} tokens "

@@ -14,6 +14,9 @@ is preempted only inside ``schedule()``, before any prompt is admitted and never
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
 
+Sliding window (every layer slides with one window): each step starts by giving back the running
+sequences' blocks no later query sees (``BlockManager.slide``).
+
 Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
 tables included, are on the device). It leaves each sampling sequence a pending last token, so
 ``schedule()`` plans the next step before the last one's ids are known; from then on the launched
@@ -119,6 +122,9 @@ class Scheduler:
         out = SchedulerOutput()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._drafts = {} if drafts is None else drafts
+        if self.block_manager.window:  # sliding window: blocks no later query sees go back
+            for seq in self.running:
+                self.block_manager.slide(seq)
         self._schedule_running(step, out)
         if not out.preempted:  # no room was found for running seqs: admit nobody new
             self._schedule_swapped(step, out)
@@ -316,12 +322,13 @@ class Scheduler:
             loads = self._tier_blocks(seq, len(hits)) if bm.connector and not whole else []
             loaded = len(loads) * bm.block_size  # tokens the tiers hold after the pool's
             n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size + loaded)
-            if n == 0 or not bm.can_allocate(seq, loaded + n, hits):
+            taken, hidden = bm.skip_hidden_loads(hits, len(loads))  # sliding window: not read
+            if n == 0 or not bm.can_allocate(seq, loaded - hidden * bm.block_size + n, taken):
                 return
             self.waiting.popleft()
-            self._take_prefix(seq, hits, out, loaded)
+            self._take_prefix(seq, hits, out, loaded, taken)
             if loads:
-                self._load(seq, loads, out)
+                self._load(seq, loads[hidden:], out)
             self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
@@ -361,11 +368,11 @@ class Scheduler:
         bm.cache_full_blocks(seq, seq.num_computed_tokens)
         out.tier_loads.append((seq, new, loads))
 
-    def _take_prefix(
-        self, seq: Sequence, hits: list[int], out: SchedulerOutput, loaded: int = 0
-    ) -> None:
+    def _take_prefix(self, seq, hits: list[int], out, loaded: int = 0, taken=None) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed.
-        ``loaded``: tokens after them that come from the KV tiers (counted as cached)."""
+        ``loaded``: tokens after them that come from the KV tiers (counted as cached);
+        ``taken``: the blocks it takes (sliding window: NO_BLOCK before the window, which may
+        reach into the tiers' blocks), ``hits`` by default."""
         self._tier_fetch.pop(seq.seq_id, None)
         if not self.config.enable_prefix_caching:
             return
@@ -377,10 +384,11 @@ class Scheduler:
             if self.block_manager.connector is not None:
                 self.tier_queries += seq.num_prompt_tokens
                 self.tier_hits += loaded
-        if hits:
-            self.block_manager.take_cached(seq, hits)
-            seq.num_computed_tokens = hit_tokens
-            out.prefix_hits.append((seq, list(hits)))
+        taken = hits if taken is None else taken
+        if taken:
+            self.block_manager.take_cached(seq, taken)
+            seq.num_computed_tokens = len(taken) * self.block_manager.block_size
+            out.prefix_hits.append((seq, list(taken)))
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -404,7 +412,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and seq.num_uncomputed_tokens > budget:
             return f"{seq.num_uncomputed_tokens} tokens exceed max_num_batched_tokens={budget}"
-        need = self.block_manager.blocks_for_tokens(seq.num_tokens)
+        step = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            step = min(step, budget)
+        need = self.block_manager.peak_blocks(seq.num_tokens, step)
         if need > self.block_manager.num_blocks:
             return (
                 f"{seq.num_tokens} tokens need {need} KV blocks but the pool has only "
