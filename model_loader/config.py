@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from model_loader.checkpoint_quant import CheckpointQuant, parse_quantization
 from model_loader.families import (
     FAMILIES,
     activation,
@@ -61,6 +62,7 @@ class ModelConfig:
     labels: tuple[str, ...] = ()  # a sequence classifier's labels, in id order (): a causal LM)
     problem_type: str | None = None  # a classifier's: how its logits become probabilities
     moe: MoeSpec | None = None  # a mixture of experts' experts and routing (None: dense)
+    quantization: CheckpointQuant | None = None  # a quantized checkpoint's (AWQ, GPTQ, FP8)
 
     def __post_init__(self):
         if self.rope is None:
@@ -189,6 +191,7 @@ class ModelConfig:
             labels=classifier_labels(d),
             problem_type=d.get("problem_type") if is_classifier(d) else None,
             moe=moe_spec(d, fam.name, d["num_hidden_layers"]) if fam.moe else None,
+            quantization=parse_quantization(d.get("quantization_config")),
         )
 
     @classmethod
