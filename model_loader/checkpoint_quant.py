@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from model_loader import int4_checkpoint as int4
-
 log = logging.getLogger("model_loader")
 
 SUPPORTED = "AWQ gemm and GPTQ (4 bits, groups a multiple of 32, no act-order), FP8 e4m3"
@@ -125,6 +123,8 @@ class QuantizedTensors(Mapping):
             self._find_int4()
 
     def _find_int4(self) -> None:
+        from model_loader import int4_checkpoint as int4  # (imports gguf: only when needed)
+
         for name in self._tensors:
             if name.endswith(".qweight"):
                 prefix = name[: -len(".qweight")]
@@ -163,6 +163,8 @@ class QuantizedTensors(Mapping):
         return self._tensors[name]
 
     def _make(self, prefix: str):
+        from model_loader import int4_checkpoint as int4
+
         spec, t = self.spec, self._tensors
         if spec.method == "awq":
             return int4.awq_matrix(prefix, t, spec.group_size)

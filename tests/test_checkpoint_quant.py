@@ -149,6 +149,9 @@ def test_kept_blocks_hold_the_checkpoint_values_exactly(tmp_path, method, group,
             m = getattr(lw, field)
             assert m.kind == "q4_z", field
             np.testing.assert_array_equal(np.asarray(m), getattr(lf, field))
+            part = m.take_rows(slice(3, 9))  # rows cut out (a fused projection's), in blocks
+            assert part.kind == "q4_z"
+            np.testing.assert_array_equal(np.asarray(part), getattr(lf, field)[3:9])
     cpu = make_engine(got, backend="cpu")
     f32 = make_engine(load_model(str(base)), backend="numpy")
     kept = matrices(cpu.backend)[1:]
@@ -191,13 +194,10 @@ def test_a_whole_model_against_its_float32_values(which, request):
     assert np.mean(steps < 1e-4) >= 0.9 and steps.max() < 0.1, steps
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 64, 65, 100])
-def test_q4_z_products_equal_q4_1_where_q4_1_holds_the_values(rows):
+def assert_q4_z_products(rng, rows: int, n: int, k: int) -> None:
     """Where m = -s z is a float16 (z 0, 1, 2, 4, 8), q4_z and Q4_1 blocks are the same
     values, and every path of the kernel (GEMV, integer chunks, VNNI or float32 tiles) gives
     the same bits; for any z in 0..16 the product is the twin's (x quantized, then exact)."""
-    rng = np.random.default_rng()
-    n, k = 48, 256
     nib = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     d = (rng.uniform(0.5, 2.0, (n, k // 32)) / 64).astype(np.float16)
     z = rng.choice([0, 1, 2, 4, 8], (n, k // 32)).astype(np.float16)
@@ -207,9 +207,19 @@ def test_q4_z_products_equal_q4_1_where_q4_1_holds_the_values(rows):
     q41 = QuantWeight("q4_1", nib, np.stack([d, m], 2).reshape(n, -1))
     np.testing.assert_array_equal(q4z.dequantize(), q41.dequantize())
     x = rng.standard_normal((rows, k), dtype=np.float32)
+    x[:, 3] *= 40
     np.testing.assert_array_equal(cpu_ops.matmul(x, q4z), cpu_ops.matmul(x, q41))
     z = rng.integers(0, 17, (n, k // 32)).astype(np.float16)
     assert_product(x, QuantWeight("q4_z", nib, np.stack([d, z], 2).reshape(n, -1)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 64, 65, 100])
+def test_q4_z_products_equal_q4_1_where_q4_1_holds_the_values(rows):
+    """This machine's build (tests/test_cpu_kernels.py runs the others): N of 48 and 33
+    (VNNI's runs of 16 cut short), K of 8 and 3 blocks (Q4's pairs leave one)."""
+    rng = np.random.default_rng()
+    for n, k in [(48, 256), (33, 96)]:
+        assert_q4_z_products(rng, rows, n, k)
 
 
 def write_fp8(path, scheme: str):
