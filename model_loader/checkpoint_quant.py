@@ -4,11 +4,10 @@ refused in one line), and its quantized tensors turned into what the engine keep
 - AWQ (``version: gemm``) and GPTQ, 4 bits, groups a multiple of 32 inputs (or one group a
   row): each layer's qweight/qzeros/scales(/g_idx) -> its ``weight`` as q4_z blocks, the
   same values (model_loader.int4_checkpoint);
-- FP8 (``fmt: e4m3``): each float8_e4m3fn ``weight`` times its ``weight_scale`` (a scalar, one
-  per output channel) or ``weight_scale_inv`` (one per ``weight_block_size`` block) ->
-  float32 at load, computed in float32 (q exact, one rounding of the product), one log line
-  naming the tensors and the bytes. Activations stay float32: a static ``input_scale`` is
-  read past.
+- FP8 (``fmt: e4m3``): each float8_e4m3fn ``weight`` with its ``weight_scale`` (a scalar, one
+  per output channel) or ``weight_scale_inv`` (one per ``weight_block_size`` block) -> an
+  ``Fp8Matrix``, kept in 8 bits (model_loader.fp8_checkpoint). Activations stay float32: a
+  static ``input_scale`` is read past.
 Tensors are converted when asked for, so a layer's are made as the backend packs it.
 """
 
@@ -110,7 +109,7 @@ FP8_IGNORED = ("input_scale",)  # static activation scales: activations stay flo
 
 class QuantizedTensors(Mapping):
     """The checkpoint's tensors with each quantized layer's in place of its ``P.weight``:
-    ``P.weight`` made on demand (a ZeroPointBlocks, or FP8's float32 values); ``shape(name)``
+    ``P.weight`` made on demand (a ZeroPointBlocks, an Fp8Matrix); ``shape(name)``
     without making it."""
 
     def __init__(self, tensors: Mapping[str, np.ndarray], spec: CheckpointQuant):
@@ -153,6 +152,8 @@ class QuantizedTensors(Mapping):
                 self._used.update(scales + [prefix + "." + s for s in FP8_IGNORED])
         if not self._made:
             raise ValueError("checkpoint: fp8 config but no float8_e4m3fn weight")
+        from model_loader.fp8_checkpoint import log_fp8
+
         log_fp8(self._tensors, list(self._made))
 
     def __getitem__(self, name: str):
@@ -170,7 +171,9 @@ class QuantizedTensors(Mapping):
             return int4.awq_matrix(prefix, t, spec.group_size)
         if spec.method == "gptq":
             return int4.gptq_matrix(prefix, t, spec.group_size, spec.zero_offset)
-        return fp8_values(prefix, t, spec.weight_block)
+        from model_loader.fp8_checkpoint import fp8_matrix
+
+        return fp8_matrix(prefix, t, spec.weight_block)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._made[name] if name in self._made else tuple(self._tensors[name].shape)
@@ -184,39 +187,3 @@ class QuantizedTensors(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
-
-
-def fp8_values(prefix: str, t, block: tuple[int, int] | None) -> np.ndarray:
-    """P.weight (N, K) float8_e4m3fn times its scale -> (N, K) float32."""
-    w = np.asarray(t[prefix + ".weight"]).astype(np.float32)  # exact
-    n, k = w.shape
-    name = next(prefix + "." + s for s in FP8_SCALES if prefix + "." + s in t)
-    s = np.asarray(t[name]).astype(np.float32)
-    if block is not None:
-        bn, bk = block
-        want = (-(-n // bn), -(-k // bk))
-        if s.shape != want:
-            raise ValueError(f"checkpoint: {name} is {s.shape}, blocks of {block} imply {want}")
-        s = np.repeat(np.repeat(s, bn, axis=0), bk, axis=1)[:n, :k]  # (N, K)
-    elif s.size == 1:
-        s = s.reshape(())
-    elif s.size == n:
-        s = s.reshape(n, 1)  # per output channel
-    else:
-        raise ValueError(f"checkpoint: {name} is {s.shape}: not one scale or one per row of {n}")
-    return w * s  # (N, K) float32
-
-
-def log_fp8(tensors, names: list[str]) -> None:
-    """The one startup line: FP8 weights widened to float32, which, and the bytes."""
-    counts: dict[str, int] = {}
-    for n in names:
-        parts = n.split(".")
-        key = ".".join("*" if p.isdigit() else p for p in parts)
-        counts[key] = counts.get(key, 0) + 1
-    listed = ", ".join(k if c == 1 else f"{k} x {c}" for k, c in counts.items())
-    stored = sum(int(tensors[n].nbytes) for n in names)
-    log.info(
-        "fp8 checkpoint: F8_E4M3 weights are dequantized to float32 at load (%s): %.1f MiB as "
-        "float32, %.1f MiB in the file", listed, 4 * stored / 2**20, stored / 2**20,
-    )  # fmt: skip

@@ -260,9 +260,11 @@ def write_fp8(path, scheme: str):
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-def test_fp8_widens_at_load_to_its_float32_values(tmp_path, scheme, caplog):
-    """FP8 weights load as float32 q * scale (one log line naming them and the bytes); numpy
-    and cpu give the float32 twin's tokens and logits."""
+def test_fp8_is_kept_in_8_bits_with_its_float32_values(tmp_path, scheme, caplog):
+    """FP8 weights load as Fp8Matrix whose values are float32 q * scale (one log line naming
+    them and the bytes); the cpu backend keeps them as kind fp8, the same values; numpy (which
+    widens them) gives the float32 twin's tokens and logits bit for bit, cpu (float32 x, the
+    same values, another order of sums) the same tokens and logits to float rounding."""
     quant, base = write_fp8(tmp_path, scheme)
     with caplog.at_level(logging.INFO, logger="model_loader"):
         q_loaded = load_model(str(quant))
@@ -271,14 +273,57 @@ def test_fp8_widens_at_load_to_its_float32_values(tmp_path, scheme, caplog):
     assert len(lines) == 1 and "model.layers.*.mlp.down_proj.weight x 2" in lines[0], lines
     f_loaded = load_model(str(base))
     for lw, lf in zip(q_loaded.weights.layers, f_loaded.weights.layers, strict=True):
-        np.testing.assert_array_equal(lw.wq, lf.wq)
-        np.testing.assert_array_equal(lw.w_down, lf.w_down)
-    for backend in ("numpy", "cpu"):
-        a = run(make_engine(q_loaded, backend=backend, record_logits=True))
-        b = run(make_engine(f_loaded, backend=backend, record_logits=True))
-        assert a[0] == b[0]
-        for x, y in zip(a[1], b[1], strict=True):
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+        for field in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            assert getattr(lw, field).kind == "fp8"
+            np.testing.assert_array_equal(np.asarray(getattr(lw, field)), getattr(lf, field))
+    numpy_f32 = make_engine(f_loaded, backend="numpy", record_logits=True)
+    cpu = make_engine(q_loaded, backend="cpu", record_logits=True)
+    kept = matrices(cpu.backend)[1:]
+    assert {w.kind for w in kept} == {"fp8"}
+    for q, f in zip(kept, matrices(numpy_f32.backend)[1:], strict=True):
+        np.testing.assert_array_equal(q.dequantize(), f)
+    want = run(numpy_f32)
+    a = run(make_engine(q_loaded, backend="numpy", record_logits=True))
+    assert a[0] == want[0]
+    for x, y in zip(a[1], want[1], strict=True):
+        np.testing.assert_array_equal(x, y)
+    b = run(cpu)
+    assert b[0] == want[0]
+    for x, y in zip(b[1], want[1], strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-4 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 70])
+def test_fp8_products(rows):
+    """cpu_src/matmul_fp8.cpp (the dot up to 4 rows, sgemm over widened tiles past): x @ the
+    float32 values e4m3(q) * s, per-row scales of 1 and 3 runs a row, every byte (NaN aside),
+    N cut short of a tile (70), against float64."""
+    rng = np.random.default_rng()
+    n, k = 70, 192
+    q = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0  # e4m3's NaNs
+    for nbk in (1, 3):
+        s = rng.uniform(0.5, 2, (n, nbk)).astype(np.float32) / 300
+        w = QuantWeight("fp8", q, s)
+        values = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(n, nbk, -1)
+        want_w = (values * s[:, :, None]).reshape(n, k).T  # (K, N), independent of quant.py
+        np.testing.assert_array_equal(w.dequantize(), want_w)
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        want = x.astype(np.float64) @ want_w.astype(np.float64)
+        got = cpu_ops.matmul(x, w)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_fp8_blocks_that_do_not_divide_a_row_widen_it():
+    """A 128-wide scale block over 96 inputs: that matrix is float32 q * s at load."""
+    from model_loader.fp8_checkpoint import fp8_matrix
+
+    rng = np.random.default_rng()
+    q = (rng.standard_normal((40, 96)) * 30).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(0.5, 2, (1, 1)).astype(np.float32)
+    got = fp8_matrix("p", {"p.weight": q, "p.weight_scale_inv": s}, (128, 128))
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, q.astype(np.float32) * s[0, 0])
 
 
 REFUSED = [

@@ -50,7 +50,7 @@ class Matrix(Structure):  # cpu_src/decode_layers.cpp: Matrix, a weight as the s
 KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
 KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
 KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS)} | {"parts": 14}  # W_RAW.., W_PARTS
-KINDS |= {"q4_z": 15}  # W_Q4Z
+KINDS |= {"q4_z": 15, "fp8": 16}  # W_Q4Z, W_FP8
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
@@ -65,7 +65,8 @@ def matrix(w: np.ndarray | QuantWeight) -> Matrix:
             w._native = (parts, widths)
         parts, widths = w._native
         return Matrix(KINDS["parts"], len(w.parts), addressof(parts), _p(widths))
-    return Matrix(KINDS[w.kind], 0, _p(w.data), _p(w.scales))
+    pad = w.scales.shape[1] if w.kind == "fp8" else 0  # FP8: its scales a row
+    return Matrix(KINDS[w.kind], pad, _p(w.data), _p(w.scales))
 
 
 def _c32(a: np.ndarray) -> np.ndarray:
@@ -262,6 +263,10 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5
         _check(kernel(_p(out), _p(x), _p(data), fmt % 3, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind == "fp8":
+        data, scales = _contiguous(w.data, np.dtype(np.uint8)), _contiguous(w.scales, F32)
+        _check(lib.matmul_fp8(_p(out), _p(x), _p(data), _p(scales), scales.shape[1], m, k, n,
+                              threads()), "matmul (fp8)", (m, k, n))  # fmt: skip
     elif w.kind == "parts":
         mat = matrix(w)  # (alive through the call)
         _check(lib.matmul_matrix(_p(out), _p(x), addressof(mat), m, k, n, threads()),

@@ -23,6 +23,10 @@ Q4_Z ("q4_z") is a 4-bit checkpoint's (AWQ, GPTQ) groups as the loader repacks t
 0..16 held exactly in float16, in place of m: w = (q - z) d. (Q4_1's m = -d z would have to
 round in float16.) It is not a ``--quantization``: nothing quantizes to it here.
 
+An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e4m3fn bytes,
+``scales`` (N, nbk) float32, one per row and run of K / nbk inputs; w = float32(q) * s
+(model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
+
 A GGUF file's k-quant and 5-bit matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: RAW_FORMATS) are kept
 as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales (model_loader.kquants lays
 the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp multiplies them). A fused matrix
@@ -130,6 +134,15 @@ def dequantize_blocks(kind: str, data: np.ndarray, scales: np.ndarray) -> np.nda
     return np.ascontiguousarray(v.reshape(n, -1).T)
 
 
+def dequantize_fp8(data: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(N, K) e4m3 bytes, (N, nbk) float32 -> (K, N) float32 e4m3(q) * s."""
+    import ml_dtypes
+
+    n, k = data.shape
+    v = data.view(ml_dtypes.float8_e4m3fn).astype(F32).reshape(n, scales.shape[1], -1)
+    return np.ascontiguousarray((v * scales[:, :, None]).reshape(n, k).T)
+
+
 PANEL = 16  # columns of a float32 panel
 
 
@@ -159,6 +172,8 @@ class QuantWeight:
             from model_loader.kquants import row_values
 
             return row_values(self.kind.upper(), self.data.shape[1]), self.data.shape[0]
+        if self.kind == "fp8":
+            return self.data.shape[::-1]
         if self.kind in KEPT_BLOCKS:
             n, nbytes = self.data.shape
             return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
@@ -186,6 +201,8 @@ class QuantWeight:
             return np.ascontiguousarray(dequantize(self.data, self.kind.upper()).T)
         if self.kind == "int8":
             return dequantize_int8(self.data, self.scales)
+        if self.kind == "fp8":
+            return dequantize_fp8(self.data, self.scales)
         if self.kind in KEPT_BLOCKS:
             return dequantize_blocks(self.kind, self.data, self.scales)
         if self.kind == "panels":
