@@ -2,10 +2,14 @@
 // file stores them: W transposed, (N, K), each output's row cut into blocks of 32 inputs with
 // float16 scales. Q8_0: 32 int8 q and d (w = q * d; 34 bytes a block). Q4_0: 16 bytes of
 // nibbles (byte j: q[j] low, q[j + 16] high) and d (w = (q - 8) * d; 18 bytes). Q4_1: the
-// nibbles, d and m (w = q * d + m; 20 bytes). x is quantized as it comes in, per row, blocks
+// nibbles, d and m (w = q * d + m; 20 bytes). Q4_Z (a 4-bit checkpoint's zero-point groups,
+// model_loader/int4_checkpoint.py): Q4_1's layout with the zero z (an integer 0..16, exact in
+// float16) in m's place (w = (q - z) * d; bias c = d (8 - z), exact in float32, where Q4_1's
+// m = -d z would round in float16). x is quantized as it comes in, per row, blocks
 // of 32, one float32 scale each (dx = absmax / 127, qx = round(x / dx), ties to even), so a
 // block's product is a 32-term integer dot and scales:
 //   Q8_0: d dx sum(q qx)   Q4_0: d dx sum((q - 8) qx)   Q4_1: d dx sum((q - 8) qx) + (m + 8 d) sx
+//   Q4_Z: d dx sum((q - 8) qx) + d (8 - z) sx
 // with sx = dx sum(qx), x's block sum as quantized. (Q4_1 centred on 8 so that the two terms
 // do not nearly cancel: with d sum(q qx) + m sx the float32 sum lost about 1e-5 of the
 // product, enough to flip later roundings of x.) Every batch size computes this same
@@ -64,7 +68,10 @@ const long GEMV_WORK = 1L << 19;
 // 2 threads, both x86 builds: 16 rows 2.2x faster, 64 rows 1.1-1.2x, 96 rows 0.9-1.05x).
 const long INT_MAX_ROWS = 64;
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_Z = 3 };
+
+// The formats with a per-block bias term c sx (Q4_1's m + 8 d, Q4_Z's d (8 - z)).
+template <int F> constexpr bool BIASED = F == Q4_1 || F == Q4_Z;
 
 // Rows from which gemm_vnni takes over, with AVX512-VNNI: past 64, so that up to 64 rows (a
 // batch's decodes) each row has the bits it has alone. (Its per-call copy of W costs about
@@ -77,6 +84,7 @@ template <int F> struct Format;
 template <> struct Format<Q8_0> { static const long QB = 32, NS = 1; };
 template <> struct Format<Q4_0> { static const long QB = 16, NS = 1; };
 template <> struct Format<Q4_1> { static const long QB = 16, NS = 2; };
+template <> struct Format<Q4_Z> { static const long QB = 16, NS = 2; };
 
 // x (M, K) -> qx (M, K) int8, dx, sx (M, K / QK) float32: d = absmax / 127, q = round(x / d)
 // (ties to even), a block of zeros d = 0, q = 0; sx = d * sum(q).
@@ -143,8 +151,10 @@ template <int F> inline const int8_t* signed_q(const uint8_t* qb, int8_t* u) {
   }
 }
 
-// A block's bias factor c (the term c * sx: Q4_1's m + 8 d, none for the others).
+// A block's bias factor c (the term c * sx: Q4_1's m + 8 d, Q4_Z's d (8 - z), none for the
+// others).
 template <int F> inline float bias(const f16* s) {
+  if constexpr (F == Q4_Z) return (float)s[0] * (8.0f - (float)s[1]);
   return F == Q4_1 ? (float)s[1] + 8.0f * (float)s[0] : 0.0f;
 }
 
@@ -185,16 +195,19 @@ template <int F> inline __m256 block_dot(__m256i uq, __m256i sign, const int8_t*
 
 // Eight blocks' d (and Q4_1's c = m + 8 d) of a row, from their float16 scales at s.
 template <int F> inline __m256 scales8(const f16* s, __m256& c) {
-  if constexpr (F != Q4_1) {
+  if constexpr (!BIASED<F>) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
-  } else {  // (d, m) pairs: d0 m0 .. d3 m3 | d4 m4 .. d7 m7, split and put back in order
+  } else {  // (d, m) (Q4_Z: (d, z)) pairs: d0 m0 .. d3 m3 | d4 m4 .. d7 m7, split and put back in order
     const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
     const __m256 e = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)));
     const auto order = [](__m256 v) {  // 64-bit pairs (0, 2, 1, 3)
       return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
     };
     const __m256 d = order(_mm256_shuffle_ps(a, e, 0x88)), m = order(_mm256_shuffle_ps(a, e, 0xDD));
-    c = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), d, m);
+    if constexpr (F == Q4_Z)
+      c = _mm256_mul_ps(d, _mm256_sub_ps(_mm256_set1_ps(8.0f), m));
+    else
+      c = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), d, m);
     return d;
   }
 }
@@ -213,16 +226,16 @@ void row_scales(float* ds, float* tail, const f16* s, const float* dx, const flo
     const __m256 d = scales8<F>(s + b * Format<F>::NS, c);
     for (int m = 0; m < MR; m++) {
       _mm256_storeu_ps(ds + m * nb + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + m * nb + b)));
-      if constexpr (F == Q4_1) tv[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(sx + m * nb + b), tv[m]);
+      if constexpr (BIASED<F>) tv[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(sx + m * nb + b), tv[m]);
     }
   }
-  for (int m = 0; m < MR; m++) tail[m] = F == Q4_1 ? hsum(tv[m]) : 0.0f;
+  for (int m = 0; m < MR; m++) tail[m] = BIASED<F> ? hsum(tv[m]) : 0.0f;
   for (; b < nb; b++) {
     const f16* sb = s + b * Format<F>::NS;
     const float d = (float)sb[0], c = bias<F>(sb);
     for (int m = 0; m < MR; m++) {
       ds[m * nb + b] = d * dx[m * nb + b];
-      if constexpr (F == Q4_1) tail[m] += c * sx[m * nb + b];
+      if constexpr (BIASED<F>) tail[m] += c * sx[m * nb + b];
     }
   }
 }
@@ -329,7 +342,7 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
     const float d = (float)sb[0], c = bias<F>(sb);
     for (int m = 0; m < MR; m++) {
       ds[m * nb + b] = d * dx[m * nb + b];
-      if constexpr (F == Q4_1) tail[m] += c * sx[m * nb + b];
+      if constexpr (BIASED<F>) tail[m] += c * sx[m * nb + b];
     }
   }
   float32x4_t acc[MR];  // one chain of sums per row, whatever MR
@@ -432,7 +445,7 @@ void gemm_int(float* out, const int8_t* qx, const int32_t* xc, const float* dx, 
 struct Chunk16 {
   std::vector<int8_t> q;     // (nb, 8, 16, 4): the rows' q in vpdpbusd's order
   std::vector<int32_t> c;    // (nb, 16): -128 sum(q) per row and block
-  std::vector<float> d, e;   // (nb, 16): d per row and block; Q4_1's m + 8 d (else unused)
+  std::vector<float> d, e;   // (nb, 16): d per row and block; the bias c (Q4_1, Q4_Z)
 };
 
 // W's rows n0 .. n0 + 15 (those past N as zeros: their outputs are not written) into ch.
@@ -485,7 +498,7 @@ void tile16(float* out, long N, const uint8_t* xu, const float* dx, const float*
     for (int r = 0; r < R; r++) {
       const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), ds, acc[r]);
-      if constexpr (F == Q4_1)
+      if constexpr (BIASED<F>)
         acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(&ch.e[b * 16]), _mm512_set1_ps(sx[r * nb + b]),
                                  acc[r]);
     }
@@ -533,8 +546,8 @@ template <int F> void dequant_row(float* out, const uint8_t* q, const f16* s, lo
     if constexpr (F == Q8_0) {
 #pragma omp simd
       for (int i = 0; i < QK; i++) o[i] = (float)(int8_t)qb[i] * d;
-    } else {  // Q4_0: (q - 8) d; Q4_1: q d + m, as the format defines it
-      const float m = F == Q4_1 ? (float)sb[1] : -8.0f * d;
+    } else {  // Q4_0: (q - 8) d; Q4_1: q d + m; Q4_Z: q d - z d (both terms and the sum exact)
+      const float m = F == Q4_1 ? (float)sb[1] : -(F == Q4_Z ? (float)sb[1] : 8.0f) * d;
 #pragma omp simd
       for (int i = 0; i < 16; i++) {
         o[i] = (float)(qb[i] & 15) * d + m;
@@ -602,17 +615,18 @@ void matmul_f(float* out, const float* x, const uint8_t* w, const f16* s, long M
 }  // namespace
 
 // out: (M, N) float32; x: (M, K) float32; w: (N, K / 32, bytes of a block's q) uint8;
-// scales: (N, K / 32, scales of a block) float16 bits; format: 0 Q8_0, 1 Q4_0, 2 Q4_1;
+// scales: (N, K / 32, scales of a block) float16 bits; format: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_Z;
 // K a multiple of 32; all row-major contiguous. Returns 1 (nothing done) for a K that is not,
 // or an unknown format.
 extern "C" int matmul_blocks(float* out, const float* x, const uint8_t* w, const f16* scales,
                              int format, long M, long K, long N, int threads) {
-  if (K % QK || format < Q8_0 || format > Q4_1) return 1;
+  if (K % QK || format < Q8_0 || format > Q4_Z) return 1;
   if (M == 0) return 0;
   switch (format) {
     case Q8_0: matmul_f<Q8_0>(out, x, w, scales, M, K, N, threads); break;
     case Q4_0: matmul_f<Q4_0>(out, x, w, scales, M, K, N, threads); break;
-    default: matmul_f<Q4_1>(out, x, w, scales, M, K, N, threads); break;
+    case Q4_1: matmul_f<Q4_1>(out, x, w, scales, M, K, N, threads); break;
+    default: matmul_f<Q4_Z>(out, x, w, scales, M, K, N, threads); break;
   }
   return 0;
 }

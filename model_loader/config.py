@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from model_loader.checkpoint_quant import CheckpointQuant, parse_quantization
 from model_loader.families import (
     FAMILIES,
     activation,
@@ -70,6 +71,7 @@ class ModelConfig:
     final_softcap: float = 0.0
     local_rope: RopeParams | None = None
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
+    quantization: CheckpointQuant | None = None  # a quantized checkpoint's (AWQ, GPTQ, FP8)
 
     def __post_init__(self):
         if self.rope is None:
@@ -229,6 +231,7 @@ class ModelConfig:
             local_rope=local,
             **attention_params(d, fam),
             clip_qkv=clip_qkv(d),
+            quantization=parse_quantization(d.get("quantization_config")),
         )
 
     @classmethod

@@ -41,6 +41,7 @@ from model_loader.moe import MIXTRAL_KEYS, OLMOE_KEYS, QWEN2_MOE_KEYS, QWEN3_MOE
 
 # Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
 COMMON_KEYS = {
+    "quantization_config",  # model_loader.checkpoint_quant: read, or refused by what it says
     "architectures",
     "model_type",
     "vocab_size",
@@ -145,7 +146,6 @@ FIXED_VALUES = {
 # Keys that name a feature no family here implements: refused by name whatever their value
 # (unless null).
 UNSUPPORTED_KEYS = {
-    "quantization_config": "quantized checkpoints",
     "final_logit_softcapping": "logit soft-capping",
     "attn_logit_softcapping": "attention soft-capping",
     "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",

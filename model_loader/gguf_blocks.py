@@ -6,7 +6,8 @@ Kept so: an embedding table or LM head in Q8_0, Q4_0 or Q4_1 (BLOCK_KINDS: the c
 splits their blocks into q and scales), and every matrix in a k-quant or 5-bit type
 (model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes); in a file that has
 such matrices, its Q8_0/Q4_0/Q4_1 layer matrices too (a Q4_K_M file's fallbacks). Each widens
-to float32 by rows, or whole through ``np.asarray``, for whoever wants values.
+to float32 by rows, or whole through ``np.asarray``, for whoever wants values. A 4-bit Hugging
+Face checkpoint's groups come as a subclass of the same (model_loader.int4_checkpoint).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class BlockMatrix:
     def take_rows(self, rows) -> BlockMatrix:
         """Rows (a slice or an array of indices) of the stored matrix, still in blocks."""
         raw = np.ascontiguousarray(self.raw[rows])  # (n, bytes of a row): copied bytes
-        return BlockMatrix(self.name, self.qtype, raw, (len(raw), self.shape[1]), self.as_stored)
+        return type(self)(self.name, self.qtype, raw, (len(raw), self.shape[1]), self.as_stored)
 
     def blocks(self) -> tuple[np.ndarray, np.ndarray]:
         """BLOCK_KINDS only: (q (N, K/32 * bytes of a block's q): Q8_0's int8, Q4's uint8
@@ -116,7 +117,7 @@ class BlockStack:
             ):
                 raw = np.concatenate([last.raw, m.raw])  # (n1 + n2, bytes of a row)
                 shape, kept = (len(raw), m.shape[1]), m.as_stored and last.as_stored
-                self.parts[-1] = BlockMatrix(last.name, m.qtype, raw, shape, kept)
+                self.parts[-1] = type(last)(last.name, m.qtype, raw, shape, kept)
             else:
                 self.parts.append(m)
         self.shape = (sum(len(p) for p in self.parts), self.parts[0].shape[1])

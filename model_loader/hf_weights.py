@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from model_loader.checkpoint_quant import QuantizedTensors
 from model_loader.config import ModelConfig
 from model_loader.gemma import language_model_tensors
 from model_loader.moe import SHARED, STACKED, moe_layer_names, moe_shapes, stack_experts
@@ -127,8 +128,11 @@ def split_fused(
                     f"{where}: tensor {name!r} is {got}, config implies "
                     f"({sum(rows)}, {cfg.hidden_size})"
                 )
-            for part, chunk in zip(parts, np.split(w, np.cumsum(rows)[:-1]), strict=True):
-                out[layer_names[part].format(i=i)] = np.ascontiguousarray(chunk)
+            ends = np.cumsum([0, *rows])
+            for part, a, b in zip(parts, ends[:-1], ends[1:], strict=True):
+                kept = hasattr(w, "take_rows")  # blocks: cut between rows, still blocks
+                chunk = w.take_rows(slice(a, b)) if kept else np.ascontiguousarray(w[a:b])
+                out[layer_names[part].format(i=i)] = chunk
     return out
 
 
@@ -289,8 +293,11 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
 
 
 def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
-    """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept)."""
+    """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept;
+    a quantized checkpoint's layers as model_loader.checkpoint_quant makes them)."""
     tensors = language_model_tensors(read_safetensors(model_dir))  # Gemma 3 multimodal: its LM
+    if cfg.quantization is not None:
+        tensors = QuantizedTensors(tensors, cfg.quantization)
     if cfg.spec.fused_projections:
         tensors = split_fused(tensors, cfg)
     if cfg.moe is not None:

@@ -27,6 +27,7 @@ from engine.utils import cdiv
 from reference import kernel_ops as numpy_ops
 from tests.native import remote
 from tests.test_blocks import assert_product, random_weight
+from tests.test_checkpoint_quant import assert_fp8_products, assert_q4_z_products
 from tests.test_kquants import assert_kquant_product, kquant_weight
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
@@ -354,6 +355,22 @@ def test_matmul_over_gguf_blocks(threads, kind, rows):
         x = rng.standard_normal((rows, k), dtype=np.float32)
         x[:, 3] *= 40
         assert_product(x, quantize(random_weight(rng, k, n), kind))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 65])
+def test_matmul_over_q4_z_blocks(threads, rows):
+    """A 4-bit checkpoint's q4_z blocks on each build: Q4_1's bits where Q4_1 holds the same
+    values, the twin's product for any zero point (tests/test_checkpoint_quant.py)."""
+    rng = np.random.default_rng()
+    for n, k in [(33, 96), (272, 1536)]:
+        assert_q4_z_products(rng, rows, n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_over_fp8(threads, rows):
+    """An FP8 checkpoint's e4m3 bytes on each build (AVX-512's 16 at a time, F16C's 8, the
+    table): the float64 product of their float32 values (tests/test_checkpoint_quant.py)."""
+    assert_fp8_products(rows)
 
 
 @pytest.mark.parametrize("kind", RAW_FORMATS)

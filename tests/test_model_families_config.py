@@ -107,7 +107,7 @@ def test_linear_and_yarn_rope():
         ({"rope_parameters": {"rope_type": "ntk-magic", "rope_theta": 1e4}}, "'ntk-magic'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}}, "rope key 'beta'"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rot"),
-        ({"quantization_config": {"quant_method": "awq"}}, "'quantization_config'"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes'"),
         ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping'"),
         ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'"),
         ({"query_pre_attn_scalar": 256}, "'query_pre_attn_scalar'"),

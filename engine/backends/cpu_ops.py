@@ -19,7 +19,7 @@ from engine.backends import fast_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.cpu_native import library, threads
 from engine.backends.fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
-from engine.backends.quant import BLOCK_FORMATS, RAW_FORMATS, QuantWeight
+from engine.backends.quant import BLOCK_FORMATS, KEPT_BLOCKS, RAW_FORMATS, QuantWeight
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -50,6 +50,7 @@ class Matrix(Structure):  # cpu_src/decode_layers.cpp: Matrix, a weight as the s
 KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
 KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
 KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS)} | {"parts": 14}  # W_RAW.., W_PARTS
+KINDS |= {"q4_z": 15, "fp8": 16}  # W_Q4Z, W_FP8
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
@@ -64,7 +65,8 @@ def matrix(w: np.ndarray | QuantWeight) -> Matrix:
             w._native = (parts, widths)
         parts, widths = w._native
         return Matrix(KINDS["parts"], len(w.parts), addressof(parts), _p(widths))
-    return Matrix(KINDS[w.kind], 0, _p(w.data), _p(w.scales))
+    pad = w.scales.shape[1] if w.kind == "fp8" else 0  # FP8: its scales a row
+    return Matrix(KINDS[w.kind], pad, _p(w.data), _p(w.scales))
 
 
 def _c32(a: np.ndarray) -> np.ndarray:
@@ -253,10 +255,10 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         data, scales = _contiguous(w.data, np.dtype(np.int8)), _contiguous(w.scales, F32)
         assert scales.shape == (n,), "an int8 weight has one scale per column"
         lib.matmul_int8(_p(out), _p(x), _p(data), _p(scales), m, k, n, threads())
-    elif w.kind in BLOCK_FORMATS:
+    elif w.kind in KEPT_BLOCKS:
         data = _contiguous(w.data, np.dtype(np.int8 if w.kind == "q8_0" else np.uint8))
         scales = _contiguous(w.scales, F16)
-        fmt = BLOCK_FORMATS.index(w.kind)
+        fmt = KEPT_BLOCKS.index(w.kind)
         _check(lib.matmul_blocks(_p(out), _p(x), _p(data), _p(scales), fmt, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
     elif w.kind in RAW_FORMATS:
@@ -264,6 +266,10 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5
         _check(kernel(_p(out), _p(x), _p(data), fmt % 3, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind == "fp8":
+        data, scales = _contiguous(w.data, np.dtype(np.uint8)), _contiguous(w.scales, F32)
+        _check(lib.matmul_fp8(_p(out), _p(x), _p(data), _p(scales), scales.shape[1], m, k, n,
+                              threads()), "matmul (fp8)", (m, k, n))  # fmt: skip
     elif w.kind == "parts":
         mat = matrix(w)  # (alive through the call)
         _check(lib.matmul_matrix(_p(out), _p(x), addressof(mat), m, k, n, threads()),

@@ -18,6 +18,15 @@ Kept transposed as a GGUF file stores them: ``data`` (N, K/32 * bytes of a block
 (N, K/32 * scales of a block) float16 (Q4_1: d, m per block). The cpu backend quantizes x the
 same way as Q8_0 and multiplies with integer dot products (cpu_src/matmul_blocks.cpp).
 
+Q4_Z ("q4_z") is a 4-bit checkpoint's (AWQ, GPTQ) groups as the loader repacks them
+(model_loader/int4_checkpoint.py): Q4_1's layout with the group's zero point z, an integer
+0..16 held exactly in float16, in place of m: w = (q - z) d. (Q4_1's m = -d z would have to
+round in float16.) It is not a ``--quantization``: nothing quantizes to it here.
+
+An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e4m3fn bytes,
+``scales`` (N, nbk) float32, one per row and run of K / nbk inputs; w = float32(q) * s
+(model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
+
 A GGUF file's k-quant and 5-bit matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: RAW_FORMATS) are kept
 as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales (model_loader.kquants lays
 the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp multiplies them). A fused matrix
@@ -51,6 +60,7 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 QK = 32  # weights per block of the GGUF formats
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
+KEPT_BLOCKS = (*BLOCK_FORMATS, "q4_z")  # and the kind only a checkpoint brings (format 3)
 RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")  # in matmul_kquants' format order
 
 
@@ -112,14 +122,25 @@ def quantize_q4_1(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_blocks(kind: str, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """A block format's (data, scales) -> (K, N) float32 values."""
     n = data.shape[0]
-    s = scales.astype(F32).reshape(n, -1, 2 if kind == "q4_1" else 1)  # (N, K/32, scales)
+    s = scales.astype(F32).reshape(n, -1, 1 if kind in ("q8_0", "q4_0") else 2)  # (N, K/32, .)
     if kind == "q8_0":
         v = data.reshape(n, -1, QK).astype(F32) * s
     elif kind == "q4_0":
         v = (_unnibble(data) - np.float32(8)) * s
+    elif kind == "q4_z":  # (q - z) d: both exact in float32
+        v = (_unnibble(data) - s[:, :, 1:]) * s[:, :, :1]
     else:
         v = _unnibble(data) * s[:, :, :1] + s[:, :, 1:]
     return np.ascontiguousarray(v.reshape(n, -1).T)
+
+
+def dequantize_fp8(data: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(N, K) e4m3 bytes, (N, nbk) float32 -> (K, N) float32 e4m3(q) * s."""
+    import ml_dtypes
+
+    n, k = data.shape
+    v = data.view(ml_dtypes.float8_e4m3fn).astype(F32).reshape(n, scales.shape[1], -1)
+    return np.ascontiguousarray((v * scales[:, :, None]).reshape(n, k).T)
 
 
 PANEL = 16  # columns of a float32 panel
@@ -151,7 +172,9 @@ class QuantWeight:
             from model_loader.kquants import row_values
 
             return row_values(self.kind.upper(), self.data.shape[1]), self.data.shape[0]
-        if self.kind in BLOCK_FORMATS:
+        if self.kind == "fp8":
+            return self.data.shape[::-1]
+        if self.kind in KEPT_BLOCKS:
             n, nbytes = self.data.shape
             return (nbytes if self.kind == "q8_0" else 2 * nbytes), n
         if self.kind in ("panels", "int8_panels"):
@@ -178,7 +201,9 @@ class QuantWeight:
             return np.ascontiguousarray(dequantize(self.data, self.kind.upper()).T)
         if self.kind == "int8":
             return dequantize_int8(self.data, self.scales)
-        if self.kind in BLOCK_FORMATS:
+        if self.kind == "fp8":
+            return dequantize_fp8(self.data, self.scales)
+        if self.kind in KEPT_BLOCKS:
             return dequantize_blocks(self.kind, self.data, self.scales)
         if self.kind == "panels":
             return from_panels(self.data)

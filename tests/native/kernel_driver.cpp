@@ -25,6 +25,7 @@ void matmul_bf16(float*, const float*, const uint16_t*, long, long, long, int);
 void matmul_int8(float*, const float*, const int8_t*, const float*, long, long, long, int);
 int matmul_blocks(float*, const float*, const uint8_t*, const f16*, int, long, long, long, int);
 int matmul_kquants(float*, const float*, const uint8_t*, int, long, long, long, int);
+int matmul_fp8(float*, const float*, const uint8_t*, const float*, long, long, long, long, int);
 int matmul_q5(float*, const float*, const uint8_t*, int, long, long, long, int);
 int paged_attention_decode(float*, const float*, const void*, const void*, int, const int32_t*,
                            const int32_t*, int, int, int, int, int, int, float, int, float,
@@ -123,6 +124,9 @@ int64_t run(Call& c) {
   else if (k == "matmul_blocks")
     return matmul_blocks(c.f(0), c.f(1), (uint8_t*)c.p(2), (f16*)c.p(3), c.n(0), c.l(1), c.l(2),
                          c.l(3), c.n(4));
+  else if (k == "matmul_fp8")
+    return matmul_fp8(c.f(0), c.f(1), (uint8_t*)c.p(2), c.f(3), c.l(0), c.l(1), c.l(2), c.l(3),
+                      c.n(4));
   else if (k == "matmul_kquants")
     return matmul_kquants(c.f(0), c.f(1), (uint8_t*)c.p(2), c.n(0), c.l(1), c.l(2), c.l(3), c.n(4));
   else if (k == "matmul_q5")
