@@ -56,6 +56,7 @@ def server(tiny_model_dir, tiny, tmp_path_factory):
     fast = {"upscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1}
     cmd += ["--min-replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2"]
     cmd += ["--autoscaling-config", json.dumps(fast)]
+    cmd += ["--shutdown-timeout", str(patience(60))]  # the drain test's 150 tokens, under load
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -274,9 +275,9 @@ def test_a_stop_signal_lets_running_requests_finish(server):
         futures = [pool.submit(stream, i) for i in range(3)]
         _wait_until("the three requests' first tokens", lambda: all(e.is_set() for e in started))
         proc.send_signal(signal.SIGTERM)
-        results = [f.result(timeout=90) for f in futures]
+        results = [f.result(timeout=patience(90)) for f in futures]
     assert results == [(200, 150)] * 3, results
-    assert proc.wait(60) == 0
+    assert proc.wait(patience(60)) == 0
 
 
 def test_a_serve_config_file_builds_the_application(tiny_model_dir):
