@@ -116,8 +116,9 @@ def test_smollm2_with_three_adapters_and_the_base_model_matches_peft(
     smollm2, smollm2_loras, backend
 ):
     """SmolLM2-135M (its Q4_1 GGUF in float32, as transformers dequantizes it) with random
-    adapters of rank 1, 8 and 64 and the base model in one batch: PEFT's greedy tokens, its last
-    logits (at 512 of the 49,152 ids) within the base model's own golden tolerance."""
+    adapters of rank 1, 8 and 64 and the base model in one batch: PEFT's greedy tokens (8 on cpu,
+    the first 3 on the emulated device), its first-step logits (at 512 of the 49,152 ids) within
+    the base model's own golden tolerance."""
     import dataclasses
 
     from engine.golden import LOGITS_ATOL
@@ -131,11 +132,13 @@ def test_smollm2_with_three_adapters_and_the_base_model_matches_peft(
     seen = slots_seen(engine)
     prompts = [c["prompt_token_ids"] for c in cases]
     loras = [smollm2_loras.get(c["adapter"]) for c in cases]
-    outs = run(engine, prompts, loras, len(cases[0]["token_ids"]))
+    # the emulated device runs every kernel in Python threads: 3 of the 8 tokens there
+    n = len(cases[0]["token_ids"]) if backend == "cpu" else 3
+    outs = run(engine, prompts, loras, n)
     assert seen[0] == {-1, 0, 1, 2}
     for case, out in zip(cases, outs, strict=True):
         where = f"{backend} adapter {case['adapter']}, prompt of {len(case['prompt_token_ids'])}"
-        assert out.outputs[0].token_ids == case["token_ids"], where
+        assert out.outputs[0].token_ids == case["token_ids"][:n], where
         want = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
         got = out.outputs[0].step_logits[0][case["logit_ids"]]
         np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=where)
