@@ -35,6 +35,12 @@ from model_loader.gguf_blocks import (  # noqa: F401  (BLOCK_KINDS, TransposedBl
     BlockMatrix,
     TransposedBlocks,
 )
+from model_loader.gguf_gemma import (
+    GEMMA_ARCHITECTURES,
+    GGUF_SANDWICH_NAMES,
+    OFFSET_NORMS,
+    gemma_fields,
+)
 from model_loader.gguf_moe import (
     GGUF_SHARED,
     GGUF_STACKED,
@@ -80,6 +86,7 @@ GGUF_LAYER_NAMES = {
 # general.architecture -> the family (model_loader.families) it is.
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
 SUPPORTED_ARCHITECTURES["phi3"] = "phi3"
+SUPPORTED_ARCHITECTURES |= GEMMA_ARCHITECTURES  # model_loader.gguf_gemma
 SUPPORTED_ARCHITECTURES |= MOE_ARCHITECTURES  # and llama with experts: Mixtral (gguf_moe)
 # llama.cpp's converter permutes Q/K rows for these only (the others rotate as HF does).
 PERMUTED_QK = ("llama",)
@@ -272,11 +279,14 @@ def config_from_metadata(
     window = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
     vocab = md.get(f"{arch}.vocab_size") or len(_require(md, "tokenizer.ggml.tokens"))
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    n_layers = int(_require(md, f"{arch}.block_count"))
+    windows = (window,) * n_layers if window else ()
+    gemma = gemma_fields(md, arch, (dim, n_heads, n_layers))  # {} for the other families
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=dim,
         intermediate_size=int(_require(md, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_require(md, f"{arch}.block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(md.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
@@ -290,10 +300,10 @@ def config_from_metadata(
         stored_matrix_type=matrix_type,
         family=family,
         rope=rope,
-        hidden_act="gelu_tanh" if family == "gemma" else "silu",
-        layer_windows=(window,) * int(_require(md, f"{arch}.block_count")) if window else (),
+        hidden_act="gelu_tanh" if family.startswith("gemma") else "silu",
         moe=moe,
         clip_qkv=clamp_kqv(md, arch),
+        **({"layer_windows": windows} | gemma),
     )
 
 
@@ -399,7 +409,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 def _unoffset_norms(tensors: LazyTensors, cfg: ModelConfig) -> None:
-    names = [n.format(i=i) for i in range(cfg.num_hidden_layers) for n in GGUF_NORMS]
+    offset = GGUF_NORMS + (OFFSET_NORMS if cfg.sandwich_norms else ())
+    names = [n.format(i=i) for i in range(cfg.num_hidden_layers) for n in offset]
     for name in [*names, GGUF_GLOBAL_NAMES["final_norm"]]:
         if name in tensors:
             tensors.derive(name, lambda w: w - np.float32(cfg.norm_offset))
@@ -415,6 +426,8 @@ def _shared_gates_as_rows(tensors: LazyTensors, cfg: ModelConfig) -> None:
 
 def gguf_weights(gf: GGUFFile) -> ModelWeights:
     """ModelWeights from a read GGUF file, through the GGUF name tables (shapes checked)."""
-    names = family_layer_names(gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES)
+    names = family_layer_names(
+        gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES, GGUF_SANDWICH_NAMES
+    )
     moe_names = (GGUF_STACKED, GGUF_SHARED)
     return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names, moe_names)

@@ -1,10 +1,14 @@
 """GGUF files of the families, written as llama.cpp's converter writes them, load to the same
 model as the Hugging Face checkpoint: qwen2 (q/k/v biases), qwen3 (q/k norms, head_dim 32),
 gemma (norms stored as 1 + w), phi3 (fused attn_qkv and gate|up in ffn_up, sliding window),
-llama3 (RoPE scaling as the rope_freqs.weight factors)."""
+llama3 (RoPE scaling as the rope_freqs.weight factors); gemma2 and gemma3 (sandwich norms,
+soft-caps, sliding layers by period, Gemma 3's two RoPEs) run as llama.cpp runs them: its own
+greedy tokens on files its converter wrote (scripts/make_gguf_gemma_golden.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import gguf
@@ -18,6 +22,7 @@ from model_loader.rope import inv_freq
 from reference.model import forward
 from tests.test_families import FAMILY_DIR, loaded
 from tests.test_loaders import gguf_tokenizer_metadata, llama_cpp_permute
+from tests.utils import make_engine
 
 GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -37,7 +42,14 @@ GGUF_NAMES = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3: gate | up, as llama.cpp keeps it
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the MLP's input norm
+SANDWICH_NAMES = {
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "phi3": "phi3"}
+GEMMA = {"gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 def llama3_freq_factors(cfg) -> np.ndarray:
@@ -46,7 +58,7 @@ def llama3_freq_factors(cfg) -> np.ndarray:
     return (plain / inv_freq(cfg.rope, cfg.head_dim)).astype(np.float32)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, sandwich: bool = False) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -54,12 +66,24 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, i, rest = hf.split(".", 3)  # model.layers.{i}.rest
-    return f"blk.{i}.{GGUF_NAMES[rest]}"
+    return f"blk.{i}.{(SANDWICH_NAMES if sandwich else {}).get(rest) or GGUF_NAMES[rest]}"
+
+
+def gemma_metadata(w: gguf.GGUFWriter, c, arch: str) -> None:
+    """What llama.cpp's Gemma 2/3 converters write beyond the common keys."""
+    if c.attn_softcap:
+        w.add_attn_logit_softcapping(c.attn_softcap)
+    if c.final_softcap:
+        w.add_final_logit_softcapping(c.final_softcap)
+    if arch == "gemma3":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope.factor)
+        w.add_float32("gemma3.rope.freq_base_swa", c.local_rope.theta)
 
 
 def write_family_gguf(name: str, path) -> None:
     m = loaded(name)
-    c, arch = m.config, ARCH[name]
+    c, arch = m.config, {**ARCH, **GEMMA}[name]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -72,8 +96,10 @@ def write_family_gguf(name: str, path) -> None:
     w.add_rope_freq_base(c.rope.theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    if c.window(0):
-        w.add_sliding_window(c.window(0))
+    if max(c.layer_windows, default=0):
+        w.add_sliding_window(max(c.layer_windows))
+    if arch in GEMMA:
+        gemma_metadata(w, c, arch)
     gguf_tokenizer_metadata(w, FAMILY_DIR / name)
     if name == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(c))
@@ -81,9 +107,11 @@ def write_family_gguf(name: str, path) -> None:
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads
             t = llama_cpp_permute(t, heads)
-        if arch == "gemma" and hf.endswith("norm.weight"):
-            t = t + np.float32(1.0)  # llama.cpp's Gemma converter stores 1 + w
-        w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, np.float32))
+        if arch.startswith("gemma") and hf.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # llama.cpp's Gemma converters store 1 + w
+        if arch == "gemma2" and hf == "lm_head.weight":
+            continue  # its converter drops it: Gemma 2's head is the embedding
+        w.add_tensor(gguf_name(hf, arch in GEMMA), np.ascontiguousarray(t, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -122,3 +150,48 @@ def test_llama3_freq_factors_are_the_scaling():
     f = llama3_freq_factors(c)
     assert f.min() == pytest.approx(1.0) and f.max() == pytest.approx(8.0)
     assert math.isclose(float(f[0]), 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_gemma_gguf_is_the_checkpoint_as_llama_cpp_reads_it(name, tmp_path):
+    """The file holds what llama.cpp keeps: attention scaled by head_dim ** -0.5 (the file has
+    no query_pre_attn_scalar), and Gemma 2's head tied to its embedding: the checkpoint with
+    those two changes, exactly."""
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    hf, gg = loaded(name), load_model(str(path))
+    cfg = dataclasses.replace(hf.config, query_pre_attn_scalar=None)
+    weights = hf.weights
+    if name == "gemma2":
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+        weights = dataclasses.replace(weights, lm_head=weights.embed)
+    for field in ("layer_windows", "rope", "local_rope", "attn_softcap", "final_softcap"):
+        assert getattr(gg.config, field) == getattr(cfg, field), field
+    assert hf.config.query_pre_attn_scalar != hf.config.head_dim  # the change is seen
+    ids = list(np.random.default_rng().integers(3, 320, size=70))
+    np.testing.assert_array_equal(forward(gg.weights, gg.config, ids), forward(weights, cfg, ids))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_gemma_gguf_greedy_tokens_are_llama_cpps(name, backend, tmp_path):
+    """llama.cpp's greedy tokens after a 49-token prompt (two to three windows), through the
+    engine with chunks that straddle a window."""
+    from engine import SamplingParams
+
+    case = json.loads((FAMILY_DIR / "gguf_gemma_llama_cpp.json").read_text())["cases"][name]
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    engine = make_engine(
+        load_model(str(path)),
+        backend=backend,
+        max_num_batched_tokens=20,
+        max_num_seqs=4,
+        enable_chunked_prefill=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=len(case["token_ids"]), ignore_eos=True)
+    engine.add_request("0", case["prompt_token_ids"], params)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.outputs[0].token_ids == case["token_ids"]
