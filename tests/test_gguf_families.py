@@ -3,7 +3,7 @@ model as the Hugging Face checkpoint: qwen2 (q/k/v biases), qwen3 (q/k norms, he
 gemma (norms stored as 1 + w), phi3 (fused attn_qkv and gate|up in ffn_up, sliding window),
 llama3 (RoPE scaling as the rope_freqs.weight factors); gemma2 and gemma3 (sandwich norms,
 soft-caps, sliding layers by period, Gemma 3's two RoPEs) run as llama.cpp runs them: its own
-greedy tokens on files its converter wrote (scripts/make_gguf_gemma_golden.py)."""
+greedy tokens on files its converter wrote (scripts/make_llama_cpp_greedy_golden.py)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def test_gemma_gguf_greedy_tokens_are_llama_cpps(name, backend, tmp_path):
     engine with chunks that straddle a window."""
     from engine import SamplingParams
 
-    case = json.loads((FAMILY_DIR / "gguf_gemma_llama_cpp.json").read_text())["cases"][name]
+    case = json.loads((FAMILY_DIR / "llama_cpp_greedy.json").read_text())["cases"][name]["f32"]
     path = tmp_path / f"{name}.gguf"
     write_family_gguf(name, path)
     engine = make_engine(

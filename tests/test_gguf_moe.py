@@ -206,6 +206,27 @@ def test_a_q8_0_moe_gguf_keeps_its_experts_as_stored(name, tmp_path):
             assert {w.kind for w in (*ex.gate_up, *ex.down)} == {"q8_0"}
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
+def test_mixtral_greedy_tokens_are_llama_cpps(qtype, backend, tmp_path):
+    """llama.cpp's own greedy tokens (scripts/make_llama_cpp_greedy_golden.py: its converter's
+    file, and that file through its llama-quantize) after a 49-token prompt, in 20-token
+    prefill chunks. The converter writes no sliding window for Mixtral and llama.cpp attends to
+    every position: so does the file here."""
+    qname = qtype.name.lower()
+    case = json.loads((FAMILY_DIR / "llama_cpp_greedy.json").read_text())["cases"]["mixtral"]
+    case = case[qname]
+    path = tmp_path / f"mixtral-{qname}.gguf"
+    write_moe_gguf("mixtral", path, qtype, edit={"llama.attention.sliding_window": None})
+    params = SamplingParams(temperature=0.0, max_tokens=len(case["token_ids"]), ignore_eos=True)
+    engine = make_engine(
+        load_model(str(path)), backend=backend, max_num_batched_tokens=20, max_num_seqs=4,
+        enable_chunked_prefill=True,
+    )  # fmt: skip
+    out = run_to_completion(engine, [case["prompt_token_ids"]], params)[0]
+    assert out.token_ids == case["token_ids"]
+
+
 def test_a_shared_expert_gate_as_llama_cpp_declares_it(tmp_path):
     """ffn_gate_inp_shexp as a (D,) vector loads as the (1, D) row."""
     path = tmp_path / "qwen2_moe.gguf"

@@ -1,5 +1,10 @@
-"""llama.cpp's own greedy tokens for the tiny Gemma 2 and Gemma 3 checkpoints, as GGUF files
-its converter wrote: tests/data/families/gguf_gemma_llama_cpp.json (development time only).
+"""llama.cpp's own greedy tokens for tiny checkpoints of tests/data/families, as GGUF files its
+converter wrote (float32, and Q8_0 by its llama-quantize where named):
+tests/data/families/llama_cpp_greedy.json (development time only).
+
+The families: Gemma 2 and Gemma 3, and Mixtral (the tiny Qwen2-MoE and Qwen3-MoE have dense
+layers among their sparse ones, and the tiny OLMoE grouped K/V heads with a whole-vector K norm:
+llama.cpp runs neither).
 
 Needs llama.cpp's source (``--llama-cpp``: the ``vendor/llama.cpp`` of PyPI's llama-cpp-python
 sdist), its built ``llama-simple`` (``--bin``) and a Python with the converter's requirements
@@ -8,7 +13,7 @@ to the converter, so it is told to take them as a plain BPE vocabulary ("default
 pre-tokenizer); the tensors and hyperparameters are converted by its own code. llama-simple
 samples greedily and prints the prompt's ids and each new id on stderr.
 
-    python scripts/make_gguf_gemma_golden.py --llama-cpp /tmp/lcp/.../vendor/llama.cpp \\
+    python scripts/make_llama_cpp_greedy_golden.py --llama-cpp /tmp/lcp/.../vendor/llama.cpp \\
         --bin /tmp/lcp/.../build/bin
 """
 
@@ -24,7 +29,8 @@ import tempfile
 from pathlib import Path
 
 FAMILY_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "families"
-OUT = FAMILY_DIR / "gguf_gemma_llama_cpp.json"
+OUT = FAMILY_DIR / "llama_cpp_greedy.json"
+FILES = {"gemma2": ("f32",), "gemma3": ("f32",), "mixtral": ("f32", "q8_0")}
 PROMPT = "the quick brown fox jumps over the lazy dog and then some more words follow here"
 NEW_TOKENS = 24
 
@@ -34,6 +40,8 @@ sys.path.insert(0, {src!r})
 import conversion.base as base
 import conversion.gemma as gemma
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+base.TextModel._set_vocab_sentencepiece = lambda self, *a, **k: self._set_vocab_gpt2()
+base.TextModel._set_vocab_llama_hf = lambda self, *a, **k: self._set_vocab_gpt2()
 gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "f32", "--outfile", {out!r}]
 runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
@@ -43,6 +51,12 @@ runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 def convert(src: str, model: Path, out: Path) -> None:
     code = CONVERT.format(src=src, model=str(model), out=str(out))
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def quantize(bin_dir: str, src: Path, out: Path, qtype: str) -> None:
+    env = {**os.environ, "LD_LIBRARY_PATH": bin_dir}
+    cmd = [f"{bin_dir}/llama-quantize", str(src), str(out), qtype.upper()]
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
 
 
 def greedy(bin_dir: str, gguf: Path) -> tuple[list[int], list[int]]:
@@ -64,12 +78,17 @@ def main() -> None:
     args = ap.parse_args()
     golden = {"llama_cpp": "llama-cpp-python 0.3.36's vendor/llama.cpp", "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("gemma2", "gemma3"):
+        for name, types in FILES.items():
             path = Path(tmp) / f"{name}.gguf"
             convert(args.llama_cpp, FAMILY_DIR / name, path)
-            prompt, ids = greedy(args.bin, path)
-            golden["cases"][name] = {"prompt_token_ids": prompt, "token_ids": ids}
-            print(f"{name}: {len(prompt)} prompt ids, {ids[:8]} ...")
+            for qtype in types:
+                if qtype != "f32":
+                    quantized = Path(tmp) / f"{name}-{qtype}.gguf"
+                    quantize(args.bin, path, quantized, qtype)
+                prompt, ids = greedy(args.bin, path if qtype == "f32" else quantized)
+                case = {"prompt_token_ids": prompt, "token_ids": ids}
+                golden["cases"].setdefault(name, {})[qtype] = case
+                print(f"{name} {qtype}: {len(prompt)} prompt ids, {ids[:8]} ...")
     OUT.write_text(json.dumps(golden, indent=1) + "\n")
     print(f"wrote {OUT}")
 
