@@ -150,6 +150,11 @@ class Backend(ABC):
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return cache_shape(self.cfg, num_blocks, self.block_size)
 
+    def expert_tokens(self) -> list[list[int]] | None:
+        """A mixture of experts: per sparse layer, [its index, then the rows routed to each of
+        its experts so far]; None for a dense model or a backend that does not count."""
+        return None
+
     @abstractmethod
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         """Activation bytes of the largest step (``num_tokens`` tokens in ``num_seqs``

@@ -15,8 +15,10 @@ Per step and layer:
            token's row (a token picks an expert at most once, so a bucket's rows are distinct)
   shared   Qwen2-MoE's shared expert over every row: gate|up product, act(gate) * up, down
            product, scaled by sigmoid(h @ w_s) per row (w_s float32, as the router), added
-Each chosen expert's matrices are read once per step, whatever its number of tokens. The router
-stays float32 whatever ``--quantization`` or ``--dtype`` does to the experts' matrices.
+Each chosen expert's matrices are read once per step, whatever its number of tokens; each
+layer counts the rows routed to each of its experts (``PackedExperts.chosen``, cumulative: the
+backend's ``expert_tokens``, /metrics' pagedllm:moe_expert_tokens). The router stays float32
+whatever ``--quantization`` or ``--dtype`` does to the experts' matrices.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class PackedExperts:
     top_k: int
     renormalize: bool
     shared: tuple | None = None  # (D, 1) float32 gate, kept (D, 2Fs) gate|up, kept (Fs, D) down
+    chosen: np.ndarray | None = None  # (E,) int64: rows routed to each expert so far
+
+    def __post_init__(self):
+        if self.chosen is None:
+            self.chosen = np.zeros(len(self.gate_up), np.int64)
 
     def arrays(self):
         """Every kept array once (for byte counts)."""
@@ -100,6 +107,7 @@ def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.nd
     """h (T, D) normed -> (T, D) float32: each token's top-k experts, weighted and summed."""
     ids, weights = route(h, layer.router, layer.top_k, layer.renormalize)  # (T, k) x 2
     order, counts, offsets = group(ids, len(layer.gate_up))
+    layer.chosen += counts  # what /metrics shows: the router at work
     tokens = order // layer.top_k  # (T*k,) each sorted pair's token
     pair_w = weights.reshape(-1)[order]  # (T*k,) each sorted pair's weight
     out = np.zeros((h.shape[0], layer.router.shape[0]), F32)  # (T, D)

@@ -115,6 +115,10 @@ class NumpyBackend(Backend):
         arrays += [a for lw in self.layers for a in lw.arrays()]
         return sum(a.nbytes for a in arrays)
 
+    def expert_tokens(self) -> list[list[int]] | None:
+        layers = [(i, lw.experts) for i, lw in enumerate(self.layers) if lw.experts is not None]
+        return [[i, *ex.chosen.tolist()] for i, ex in layers] or None
+
     def profile_peak_bytes(self, num_tokens: int, max_seq_len: int, num_seqs: int) -> int:
         """Activation peak of a forward over ``num_tokens`` tokens in ``num_seqs`` sequences, the
         longest ``max_seq_len`` tokens (an analytic count; tests check it against tracemalloc)."""

@@ -243,7 +243,8 @@ class EngineCore:
 
     def stats(self) -> CoreStats:
         spec = spec_counters(self.spec_stats) if self.config.speculative else None
-        return core_stats(self.scheduler, self.num_added_seqs, spec)
+        experts = self.runner.backend.expert_tokens()
+        return core_stats(self.scheduler, self.num_added_seqs, spec, experts)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

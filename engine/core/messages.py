@@ -77,6 +77,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_added_seqs: int = 0  # cumulative: sequences queued
     # speculative decoding: [drafts, draft tokens, accepted tokens, accepted by position]
     spec_decode: list | None = None
+    # a mixture of experts: per sparse layer [layer, rows routed to each expert so far]
+    # (Backend.expert_tokens), None for a dense model
+    expert_tokens: list | None = None
 
 
 class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
@@ -131,7 +134,9 @@ TIER_FIELDS = (
 )  # fmt: skip
 
 
-def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> CoreStats:
+def core_stats(
+    scheduler, num_added_seqs: int, spec_decode: list | None, experts: list | None = None
+) -> CoreStats:
     """The scheduler's queues and counters (and its block manager's use) as a CoreStats."""
     bm = scheduler.block_manager
     tiers, running, waiting, lora = None, None, None, scheduler.lora
@@ -156,4 +161,5 @@ def core_stats(scheduler, num_added_seqs: int, spec_decode: list | None) -> Core
         num_preemptions=scheduler.num_preemptions,
         num_added_seqs=num_added_seqs,
         spec_decode=spec_decode,
+        expert_tokens=experts,
     )

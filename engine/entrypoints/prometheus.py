@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from engine.core.messages import TIER_FIELDS
 from engine.frontend.async_llm import StepStats
@@ -39,6 +40,29 @@ TIER_GAUGES = {
     "usage_bytes": "bytes the tier holds",
     "capacity_bytes": "bytes the tier may hold",
 }
+
+
+class ExpertTokens:
+    """``pagedllm:moe_expert_tokens_total{layer, expert}``: the rows a mixture of experts'
+    router sent to each expert of each sparse layer. The engine's cumulative counts are kept as
+    they come (a reference per step) and turned into series only when /metrics is read."""
+
+    def __init__(self, names: list[str], values: list[str]):
+        self.names, self.values = names, values
+        self.latest: list | None = None  # CoreStats.expert_tokens
+
+    def collect(self):
+        if self.latest is None:
+            return
+        family = CounterMetricFamily(
+            PREFIX + "moe_expert_tokens",
+            "token rows routed to each expert, per sparse layer",
+            labels=[*self.names, "layer", "expert"],
+        )
+        for layer, *counts in self.latest:
+            for expert, n in enumerate(counts):
+                family.add_metric([*self.values, str(layer), str(expert)], n)
+        yield family
 
 
 class PrometheusStatLogger:
@@ -99,6 +123,8 @@ class PrometheusStatLogger:
             labelnames=[*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
             registry=self.registry,
         )
+        self.experts = ExpertTokens(names, self.label_values)
+        self.registry.register(self.experts)
         for metric in [*self.gauges.values(), *self.counters.values(), *self.hists.values()]:
             metric.labels(*self.label_values)  # every series from the start, at 0
         self._seen: dict = {}  # a cumulative engine count's key -> its value at the last step
@@ -123,6 +149,8 @@ class PrometheusStatLogger:
             self._spec(s.spec_decode)
         if s.kv_tiers is not None:
             self._tiers(s.kv_tiers)
+        if s.expert_tokens is not None:
+            self.experts.latest = s.expert_tokens
         if s.lora_running is not None:  # vLLM's shape: the adapters in labels, the time as value
             running, waiting = ",".join(s.lora_running), ",".join(s.lora_waiting)
             labels = [*self.label_values, running, waiting, str(s.max_loras)]

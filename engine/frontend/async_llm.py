@@ -57,6 +57,7 @@ class StepStats:
     lora_running: list[str] | None = None  # adapters of the running sequences (enable_lora)
     lora_waiting: list[str] | None = None
     max_loras: int = 0
+    expert_tokens: list | None = None  # CoreStats.expert_tokens: a mixture's routing counts
 
 
 def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
@@ -81,6 +82,7 @@ def engine_snapshot(engine: LLMEngine, now: float) -> StepStats:
         lora_running=c.lora_running,
         lora_waiting=c.lora_waiting,
         max_loras=c.max_loras,
+        expert_tokens=c.expert_tokens,
     )
 
 
