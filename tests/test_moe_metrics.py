@@ -88,3 +88,28 @@ def test_metrics_show_the_counts_per_layer_and_expert():
     metrics(StepStats(2.0, 1, 0, 0, 0.5, 0, 0, 0, 0, 0, [], expert_tokens=later))
     assert f"{series(3, 1)} {float(later[1][2])}\n" in metrics.render().decode()
     assert "moe_expert_tokens" not in PrometheusStatLogger("dense").render().decode()
+
+
+def test_the_servers_metrics_count_a_requests_rows():
+    """Through the server: a completion of a prompt and 4 tokens on Qwen3-MoE; /metrics' series
+    of each sparse layer sum to top_k times the rows that ran (prompt + 3 fed back)."""
+    import httpx
+
+    from engine.tools.live_server import LiveServer
+
+    m = loaded("qwen3_moe")
+    prompt = np.random.default_rng().integers(3, 320, size=9).tolist()
+    with LiveServer(m) as s:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+        body["temperature"] = 0.0
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = httpx.get(s.url + "/metrics", timeout=60).text
+    sums: Counter = Counter()
+    for line in text.splitlines():
+        if line.startswith("pagedllm:moe_expert_tokens_total{"):
+            layer = int(line.split('layer="')[1].split('"')[0])
+            sums[layer] += float(line.rsplit(" ", 1)[1])
+    sparse = [i for i, lw in enumerate(m.weights.layers) if lw.router is not None]
+    assert sorted(sums) == sparse
+    assert set(sums.values()) == {(9 + 3) * m.config.moe.top_k}
