@@ -1,11 +1,13 @@
 """GGUF matrices kept in their blocks, as the file stores them: ``BlockMatrix`` (N, K), its
-transpose ``TransposedBlocks`` (K, N) as a weight's products take it, and ``BlockStack``, the
-rows of several stacked (Q, K and V; gate and up) without widening any.
+transpose ``TransposedBlocks`` (K, N) as a weight's products take it, ``BlockStack``, the
+rows of several stacked (Q, K and V; gate and up) without widening any, and ``ExpertBlocks``,
+a mixture's (E, N, K) experts, each a BlockMatrix.
 
 Kept so: an embedding table or LM head in Q8_0, Q4_0 or Q4_1 (BLOCK_KINDS: the cpu backend
 splits their blocks into q and scales), and every matrix in a k-quant or 5-bit type
-(model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes); in a file that has
-such matrices, its Q8_0/Q4_0/Q4_1 layer matrices too (a Q4_K_M file's fallbacks). Each widens
+(model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes), a mixture's
+experts in those types likewise; in a file that has such matrices, its Q8_0/Q4_0/Q4_1 layer
+matrices and experts too (a Q4_K_M file's fallbacks). Each widens
 to float32 by rows, or whole through ``np.asarray``, for whoever wants values. A 4-bit Hugging
 Face checkpoint's groups come as a subclass of the same (model_loader.int4_checkpoint).
 """
@@ -135,6 +137,45 @@ class BlockStack:
 
     def __getitem__(self, index) -> np.ndarray:
         return np.asarray(self)[index]
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return np.asarray(self, dtype)
+
+
+class ExpertBlocks:
+    """A (E, N, K) stack of experts' matrices (llama.cpp's ``ffn_*_exps``) kept as the file
+    stores it: ``m[e]`` is expert e's (N, K) BlockMatrix, a view of the mapped file's rows;
+    ``np.asarray`` widens all of them."""
+
+    dtype = np.dtype(np.float32)
+    ndim = 3
+
+    def __init__(self, name: str, qtype, raw: np.ndarray, shape, as_stored: bool = True):
+        self.name, self.qtype, self.shape, self.as_stored = name, qtype, shape, as_stored
+        self.raw = raw.reshape(shape[0] * shape[1], -1)  # (E*N, bytes of a row)
+
+    @classmethod
+    def of(cls, t: gguf.ReaderTensor, as_stored: bool = True) -> ExpertBlocks:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        return cls(t.name, t.tensor_type, t.data, shape, as_stored)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e) -> BlockMatrix:
+        if not isinstance(e, int | np.integer):
+            return np.asarray(self)[e]
+        n = self.shape[1]
+        raw = self.raw[int(e) * n : (int(e) + 1) * n]  # (N, bytes of a row): a view
+        return BlockMatrix(f"{self.name}[{e}]", self.qtype, raw, self.shape[1:], self.as_stored)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = np.stack([np.asarray(self[e]) for e in range(len(self))])  # (E, N, K) float32
+        return a if dtype is None else a.astype(dtype, copy=False)
 
     def astype(self, dtype, copy: bool = True) -> np.ndarray:
         return np.asarray(self, dtype)

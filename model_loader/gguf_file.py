@@ -33,6 +33,7 @@ from model_loader.gguf_blocks import (  # noqa: F401  (BLOCK_KINDS, TransposedBl
     BLOCK_KINDS,
     KQUANT_TYPES,
     BlockMatrix,
+    ExpertBlocks,
     TransposedBlocks,
 )
 from model_loader.gguf_gemma import (
@@ -124,7 +125,8 @@ class LazyTensors(Mapping):
     def _tensor_of(self, t: gguf.ReaderTensor):
         if t.name not in self.kept:
             return _dequantized(t)
-        return BlockMatrix.of(t, as_stored=t.name in self.multiplied)
+        kind = ExpertBlocks if len(t.shape) == 3 else BlockMatrix
+        return kind.of(t, as_stored=t.name in self.multiplied)
 
     def keep_blocks(self, name: str) -> None:
         """tensors[name] becomes its BlockMatrix where the file stores it in a block format
@@ -173,9 +175,9 @@ class LazyTensors(Mapping):
 
 
 def _kept(t: gguf.ReaderTensor, has_k: bool) -> bool:
-    """Whether a tensor stays in its blocks: a matrix in a k-quant or 5-bit type, or in Q8_0,
-    Q4_0 or Q4_1 in a file that has those (``has_k``)."""
-    if len(t.shape) != 2:
+    """Whether a tensor stays in its blocks: a matrix (or a mixture's 3-D experts) in a
+    k-quant or 5-bit type, or in Q8_0, Q4_0 or Q4_1 in a file that has those (``has_k``)."""
+    if len(t.shape) not in (2, 3):
         return False
     return t.tensor_type in KQUANT_TYPES or (has_k and t.tensor_type in BLOCK_KINDS)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from model_loader.gguf_blocks import stack_rows
 from model_loader.moe import MoeSpec
 
 F32 = np.dtype(np.float32)
@@ -65,9 +66,8 @@ def pack_experts(lw, spec: MoeSpec, rounded, keep) -> PackedExperts:
     and transposed to (D, 2F), its down to (F, D), each through ``keep`` (the backend's matrix
     store), values first through ``rounded`` (the backend's dtype)."""
     n = spec.num_experts
-    gate_up = [
-        keep(np.concatenate([rounded(lw.e_gate[e]), rounded(lw.e_up[e])]).T) for e in range(n)
-    ]
+    # gate | up rows of each expert (a GGUF's blocks stay blocks: model_loader.gguf_blocks)
+    gate_up = [keep(stack_rows([rounded(lw.e_gate[e]), rounded(lw.e_up[e])]).T) for e in range(n)]
     down = [keep(rounded(lw.e_down[e]).T) for e in range(n)]
     router = np.ascontiguousarray(np.asarray(rounded(lw.router), dtype=F32).T)  # (D, E)
     shared = None

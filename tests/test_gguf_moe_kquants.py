@@ -1,0 +1,127 @@
+"""A mixture of experts from a GGUF file whose experts are k-quants (as a Q4_K_M Qwen3-MoE or
+Mixtral is): each expert's (N, K) matrix stays in the file's blocks (model_loader.gguf_blocks
+ExpertBlocks), the cpu backend multiplies those bytes, and the logits are the float32 file's
+(numpy: the same dequantized values, exactly; cpu: against a twin that quantizes x the same)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.frontend.llm import run_to_completion
+from engine.sampling_params import SamplingParams
+from model_loader.gguf_blocks import ExpertBlocks
+from model_loader.load import load_model
+from model_loader.synthetic import make_tiny_model
+from tests.test_kquants import kinds, q8_0_raw, random_raw, twin_engine
+from tests.test_loaders import gguf_tokenizer_metadata
+from tests.utils import SEED_PROMPTS, make_engine
+
+Q = gguf.GGMLQuantizationType
+D, F, E, TOP_K, HD, VOCAB = 256, 256, 4, 2, 64, 320
+# per layer: the experts' types (gate, up, down); the attention's matrices are Q8_0
+EXPERT_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q4_K", "Q5_0")]
+
+
+def matrices() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF name -> (type, NumPy shape) of every quantized tensor."""
+    out = {"token_embd.weight": ("Q8_0", (VOCAB, D)), "output.weight": ("Q6_K", (VOCAB, D))}
+    for i, (g, u, d) in enumerate(EXPERT_TYPES):
+        attn = {"attn_q": 4 * HD, "attn_k": 2 * HD, "attn_v": 2 * HD}
+        out |= {f"blk.{i}.{n}.weight": ("Q8_0", (rows, D)) for n, rows in attn.items()}
+        out[f"blk.{i}.attn_output.weight"] = ("Q8_0", (D, 4 * HD))
+        out[f"blk.{i}.ffn_gate_exps.weight"] = (g, (E, F, D))
+        out[f"blk.{i}.ffn_up_exps.weight"] = (u, (E, F, D))
+        out[f"blk.{i}.ffn_down_exps.weight"] = (d, (E, D, F))
+    return out
+
+
+def floats(rng) -> dict[str, np.ndarray]:
+    """The float32 tensors: norms and routers."""
+    out = {"output_norm.weight": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
+    for i in range(len(EXPERT_TYPES)):
+        for n, size in (
+            ("attn_norm", D),
+            ("ffn_norm", D),
+            ("attn_q_norm", HD),
+            ("attn_k_norm", HD),
+        ):
+            out[f"blk.{i}.{n}.weight"] = (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+        out[f"blk.{i}.ffn_gate_inp.weight"] = rng.standard_normal((E, D)).astype(np.float32)
+    return out
+
+
+def write_files(tmp_path, model_dir, rng) -> list:
+    """The same weights twice: a qwen3moe GGUF of random blocks, and a float32 GGUF of their
+    values."""
+    raws = {}
+    for name, (t, shape) in matrices().items():
+        rows, k = int(np.prod(shape[:-1])), shape[-1]
+        raw = q8_0_raw(rng, rows, k) if t == "Q8_0" else random_raw(rng, t, rows, k, 0.004)
+        raws[name] = raw.reshape(*shape[:-1], -1)
+    plain, paths = floats(rng), []
+    for kind in ("blocks", "float32"):
+        path = tmp_path / f"{kind}.gguf"
+        w = gguf.GGUFWriter(str(path), "qwen3moe")
+        w.add_block_count(len(EXPERT_TYPES)), w.add_context_length(512)
+        w.add_embedding_length(D), w.add_feed_forward_length(F), w.add_head_count(4)
+        w.add_head_count_kv(2), w.add_key_length(HD), w.add_value_length(HD)
+        w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-6), w.add_vocab_size(VOCAB)
+        w.add_expert_count(E), w.add_expert_used_count(TOP_K)
+        w.add_expert_feed_forward_length(F)
+        gguf_tokenizer_metadata(w, model_dir)
+        for name, (t, _) in matrices().items():
+            if kind == "blocks":
+                w.add_tensor(name, raws[name], raw_dtype=Q[t])
+            else:
+                w.add_tensor(name, gguf.quants.dequantize(raws[name], Q[t]))
+        for name, a in plain.items():
+            w.add_tensor(name, a)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-kquants")
+    model_dir = make_tiny_model(tmp / "tok", seed=1)
+    return write_files(tmp, model_dir, np.random.default_rng())
+
+
+def test_the_experts_stay_in_the_files_blocks(files):
+    blocks, f32 = (load_model(str(p)) for p in files)
+    assert blocks.config.moe.num_experts == E and blocks.config.family == "qwen3_moe"
+    lw = blocks.weights.layers[1]
+    assert isinstance(lw.e_gate, ExpertBlocks) and isinstance(lw.e_down, ExpertBlocks)
+    # the values are what gguf-py dequantizes from the file's bytes (the float32 file)
+    np.testing.assert_array_equal(np.asarray(lw.e_up), np.asarray(f32.weights.layers[1].e_up))
+    cpu = make_engine(blocks, backend="cpu").backend
+    ex0, ex1 = cpu.layers[0].experts, cpu.layers[1].experts
+    assert {w.kind for w in ex0.gate_up} == {"q4_k"} and {w.kind for w in ex0.down} == {"q6_k"}
+    assert kinds(ex1.gate_up[2]) == ["q5_k", "q4_k"] and ex1.down[3].kind == "q5_0"
+    (raw,) = [t for t in gguf.GGUFReader(str(files[0])).tensors if "1.ffn_down_exps" in t.name]
+    np.testing.assert_array_equal(ex1.down[3].data, raw.data[3])  # expert 3's bytes as stored
+    assert ex0.router.dtype == np.float32
+
+
+def test_the_logits_are_the_float32_files(files, monkeypatch):
+    blocks, f32 = (load_model(str(p)) for p in files)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def run(engine):  # per prompt: (tokens, (steps, V) logits)
+        outs = run_to_completion(engine, SEED_PROMPTS[:3], greedy)
+        return [(o.outputs[0].token_ids, np.stack(o.outputs[0].step_logits)) for o in outs]
+
+    numpy_runs = [run(make_engine(m, backend="numpy", record_logits=True)) for m in (blocks, f32)]
+    for (ta, a), (tb, b) in zip(*numpy_runs, strict=True):
+        assert ta == tb
+        np.testing.assert_array_equal(a, b)
+    cpu = run(make_engine(blocks, backend="cpu", record_logits=True))
+    steps = []  # per step, the largest logit difference over the logits' size
+    for (tc, c), (tt, t) in zip(cpu, run(twin_engine(blocks, monkeypatch)), strict=True):
+        assert tc == tt
+        steps += list(np.abs(c - t).max(axis=1) / np.abs(t).max())
+    assert np.median(steps) < 1e-5 and max(steps) < 0.05, steps
