@@ -206,9 +206,15 @@ def run_engine(
     return outputs, time.perf_counter() - t0
 
 
+def experts_read(ex) -> list:
+    """A layer of experts' (gate_up, down) pairs that one token reads: top_k of them (the
+    first experts, as if the router chose them)."""
+    return list(zip(ex.gate_up[: ex.top_k], ex.down[: ex.top_k], strict=True))
+
+
 def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:
     """Best time of one step's matrix products alone (every layer + LM head) at this batch,
-    through the backend's own product (``ops.matmul``)."""
+    through the backend's own product (``ops.matmul``); a layer of experts: top_k of them."""
     x = np.random.default_rng(0).standard_normal((batch, backend.cfg.hidden_size), np.float32)
     mm, c = backend.ops.matmul, backend.cfg
     best = float("inf")
@@ -217,7 +223,10 @@ def matmul_only_ms(backend, batch: int, repeats: int = 10) -> float:
         for lw in backend.layers:
             qkv = mm(x, lw.w_qkv)
             _ = mm(np.ascontiguousarray(qkv[:, : c.q_dim]), lw.w_o)
-            _ = mm(np.ascontiguousarray(mm(x, lw.w_gate_up)[:, : c.intermediate_size]), lw.w_down)
+            mlps = [(lw.w_gate_up, lw.w_down)] if lw.experts is None else experts_read(lw.experts)
+            for gate_up, down in mlps:
+                a = mm(x, gate_up)  # (batch, 2F)
+                _ = mm(np.ascontiguousarray(a[:, : a.shape[1] // 2]), down)
         _ = mm(x, backend.lm_head)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
