@@ -183,7 +183,7 @@ class NumpyBackend(Backend):
     def _mlp(self, h: np.ndarray, lw: PackedLayer, layer: int, batch: ForwardBatch):
         # h (T, D) normed -> (T, D): the gated MLP, or a layer of experts
         if lw.experts is not None:
-            return experts_forward(h, lw.experts, self.ops, self.cfg.hidden_act)
+            return self._reduce(experts_forward(h, lw.experts, self.ops, self.cfg.hidden_act))
         gate_up = self._mm(h, lw, layer, "w_gate_up", batch)  # (T, 2F)
         act = self.ops.act_and_mul(gate_up, self.cfg.hidden_act)  # (T, F)
         return self._reduce(self._mm(act, lw, layer, "w_down", batch))  # (T, D)

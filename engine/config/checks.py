@@ -266,11 +266,8 @@ def moe_refusal(config, model_config, backend: str) -> str | None:
     if model_config.moe is None:
         return None
     what = f"a mixture of experts ({model_config.family})"
-    world = getattr(config, "world_size", 1)
     if getattr(config, "enable_lora", False):
         return f"enable_lora: LoRA adapters on {what} are not supported"
-    if world > 1:
-        return f"tensor_parallel_size x pipeline_parallel_size is {world}: {what} runs on one rank"
     if backend in ("cuda", "cuda-cpu"):
         return (
             f"the {backend} backend has no expert products for {what}; --backend cpu or numpy "

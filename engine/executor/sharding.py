@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from model_loader.config import ModelConfig
 from model_loader.weights import ModelWeights
 
@@ -65,6 +67,8 @@ class Shard:
     kv_heads: range
     ffn: range
     vocab: range
+    expert_ffn: range = range(0)  # a mixture's: each expert's units, the shared expert's
+    shared_ffn: range = range(0)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> Shard:
@@ -77,16 +81,27 @@ class Shard:
             first = q.start // cfg.gqa_group
             kv = range(first, first + 1)
         ffn = _part(cfg.intermediate_size, rank, world)
-        return cls(rank, world, q, kv, ffn, _part(cfg.vocab_size, rank, world))
+        experts = shared = range(0)
+        if cfg.moe is not None:  # each expert split as a dense MLP is
+            experts = _part(cfg.moe.intermediate_size, rank, world)
+            shared = _part(cfg.moe.shared_intermediate_size, rank, world)
+        vocab = _part(cfg.vocab_size, rank, world)
+        return cls(rank, world, q, kv, ffn, vocab, experts, shared)
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
         """The model as this rank sees it: its heads, its MLP slice, its vocabulary rows."""
+        moe = cfg.moe and dataclasses.replace(
+            cfg.moe,
+            intermediate_size=len(self.expert_ffn),
+            shared_intermediate_size=len(self.shared_ffn),
+        )
         return dataclasses.replace(
             cfg,
             num_attention_heads=len(self.q_heads),
             num_key_value_heads=len(self.kv_heads),
             intermediate_size=len(self.ffn),
             vocab_size=len(self.vocab),
+            moe=moe,
         )
 
     def weights(self, w: ModelWeights, cfg: ModelConfig) -> ModelWeights:
@@ -109,16 +124,38 @@ class Shard:
                 wo=lw.wo[:, q].copy(),
                 w_gate=rows(lw.w_gate, f),
                 w_up=rows(lw.w_up, f),
-                w_down=lw.w_down[:, f].copy(),
+                w_down=None if lw.w_down is None else lw.w_down[:, f].copy(),
                 bq=rows(lw.bq, q),
                 bk=rows(lw.bk, kv),
                 bv=rows(lw.bv, kv),
+                **self._experts(lw),
             )
             for lw in w.layers
         ]
         return dataclasses.replace(
             w, embed=w.embed[v].copy(), layers=layers, lm_head=w.lm_head[v].copy()
         )
+
+    def _experts(self, lw) -> dict:
+        """A sparse layer's cut: each expert's gate and up rows and down columns of this
+        rank's units (a GGUF's kept blocks widened first), the shared expert's likewise; the
+        router and the shared expert's gate whole (every rank routes every token)."""
+        if lw.router is None:
+            return {}
+        e, s = (
+            slice(self.expert_ffn.start, self.expert_ffn.stop),
+            slice(self.shared_ffn.start, self.shared_ffn.stop),
+        )
+        out = {
+            "e_gate": np.asarray(lw.e_gate, np.float32)[:, e].copy(),  # (E, F/n, D)
+            "e_up": np.asarray(lw.e_up, np.float32)[:, e].copy(),
+            "e_down": np.asarray(lw.e_down, np.float32)[:, :, e].copy(),  # (E, D, F/n)
+        }
+        if lw.s_gate is not None:
+            out["s_gate"] = np.asarray(lw.s_gate, np.float32)[s].copy()
+            out["s_up"] = np.asarray(lw.s_up, np.float32)[s].copy()
+            out["s_down"] = np.asarray(lw.s_down, np.float32)[:, s].copy()
+        return out
 
 
 @dataclass(frozen=True)
@@ -146,7 +183,8 @@ class Stage:
         """The model as this stage sees it: its layers (and their sliding windows)."""
         a, b = self.layers.start, self.layers.stop
         windows = cfg.layer_windows[a:b] if cfg.layer_windows else ()
-        return dataclasses.replace(cfg, num_hidden_layers=b - a, layer_windows=windows)
+        moe = cfg.moe and dataclasses.replace(cfg.moe, sparse=cfg.moe.sparse[a:b])
+        return dataclasses.replace(cfg, num_hidden_layers=b - a, layer_windows=windows, moe=moe)
 
     def weights(self, w: ModelWeights) -> ModelWeights:
         """Its layers; the embedding only on the first stage, the LM head only on the last
