@@ -117,7 +117,8 @@ def pack_weights(
                 experts=pack_experts(lw, moe, r, keep) if sparse else None,
             )
         )
-        drop_pages(*(getattr(lw, f.name) for f in fields(lw)))  # the file's pages: packed now
+        # the file's pages: packed now (a GGUF's kept blocks: the pages under their bytes)
+        drop_pages(*(getattr(a, "raw", a) for a in (getattr(lw, f.name) for f in fields(lw))))
         release_layer(w.layers, i)  # a GGUF's dequantized layer: made again if asked
     embed = _table(r(w.embed))  # (V, D)
     drop_pages(w.embed)
