@@ -37,6 +37,7 @@ class LiveServer:
         runtime_lora=False,
         tool_parser=None,
         reasoning_parser=None,
+        web_ui=True,
         **engine_args,
     ):
         self.engine = LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
@@ -44,7 +45,7 @@ class LiveServer:
         limits = limits or ServerLimits()
         self.app = build_app(
             self.llm, MODEL, api_key, (), limits, protect_metrics, lora_modules, runtime_lora,
-            tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+            tool_parser=tool_parser, reasoning_parser=reasoning_parser, web_ui=web_ui,
         )  # fmt: skip
         # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
         # each connection (with proto 0 it does not, and every small answer waits 40 ms)
