@@ -10,6 +10,7 @@ tests/test_replay_browser.py does: without them this test fails, it does not ski
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tempfile
@@ -71,10 +72,10 @@ def open_page(driver, server):
     )
 
 
-def will_write(server, script, tok, prompt: str, text: str) -> None:
-    """The scripted model answers ``prompt`` (the page's first message, no system prompt) with
-    ``text``."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+def will_write(server, script, tok, prompt: str, text: str, **fields) -> None:
+    """The scripted model answers ``prompt`` (the page's first message, no system prompt, these
+    request ``fields``) with ``text``."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], **fields}
     ids = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
     script["start"], script["ids"] = len(ids), tok.encode(text, add_special_tokens=False)
 
@@ -174,6 +175,27 @@ def test_a_reasoning_models_thinking_is_folded_apart(browser, scripted):
     wait(browser, lambda d: (a := answer(d)) and a["done"] and a["text"])
     got = answer(browser)
     assert (got["thinking"], got["text"], got["open"]) == ("\nLet me count.\n", "Five.", False)
+
+
+def test_tool_calls_show_as_they_arrive(browser, scripted):
+    server, script, tok = scripted
+    prompt, city = f"weather {random.randrange(1000)}", random.choice(["Paris", "Oslo", "Lima"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    args = {"city": city}
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(args)}}}\n</tool_call>'
+    will_write(server, script, tok, prompt, call, tools=tools)
+    open_page(browser, server)
+    browser.find_element("id", "tools").send_keys(json.dumps(tools))
+    send(browser, prompt)
+    wait(browser, lambda d: (a := answer(d)) and a["done"])
+    shown = browser.execute_script(
+        """const li = document.querySelector(arguments[0] + ':last-child');
+        return Array.from(li.querySelectorAll('.toolcall'),
+            (c) => [c.querySelector('code').textContent, c.querySelector('pre').textContent]);""",
+        ASSISTANT,
+    )
+    assert [[name, json.loads(a)] for name, a in shown] == [["get_weather", args]]
 
 
 def test_stop_aborts_the_request_in_the_engine(browser, scripted):

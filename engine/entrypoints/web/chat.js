@@ -82,8 +82,11 @@ const Chat = (() => {
     const num = (id) => { const v = $(id).value.trim(); return v === "" ? null : Number(v); };
     const body = { model: $("model").value, stream: true, temperature: num("temperature"),
       top_p: num("top_p"), max_tokens: num("max_tokens") };
-    const seed = num("seed");
+    const seed = num("seed"), tools = $("tools").value.trim();
     if (seed !== null) body.seed = seed;
+    if (tools) {
+      try { body.tools = JSON.parse(tools); } catch (e) { throw new Error(`Tools: not JSON (${e.message})`); }
+    }
     return body;
   }
   function history(conv) {
@@ -122,7 +125,9 @@ const Chat = (() => {
     $("status").textContent = text;
   }
   async function send(text) {
-    const conv = ChatStore.current(), body = settings();
+    let body;
+    try { body = settings(); } catch (e) { $("status").textContent = e.message; return; }
+    const conv = ChatStore.current();
     conv.messages.push({ role: "user", content: text });
     if (conv.title === "New conversation") conv.title = text.slice(0, 40);
     body.messages = history(conv);
