@@ -11,11 +11,12 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from engine.entrypoints.live_events import CLIENT_QUEUE, LiveClient
+from engine.entrypoints.live_events import CLIENT_QUEUE, LiveClient, unavailable
 from engine.entrypoints.serve_args import build_parser
 from engine.tools.live_server import MODEL, LiveServer
 from tests.utils import patience
@@ -215,3 +216,11 @@ def test_no_live_view_with_a_core_process_says_why(tiny, tiny_model_dir):
         assert got == [("hello", {"available": False, "why": config["live_why"]})]
         r = httpx.post(s.url + "/v1/chat/completions", json=chat(3))
         assert r.status_code == 200  # the chat itself works
+
+
+def test_no_live_view_over_replicas_says_why(tiny_model_dir):
+    from engine.entrypoints.replicas.deployment import FrontendView
+
+    view = FrontendView({"model": str(tiny_model_dir)})  # what the ingress holds: no engine
+    why = unavailable(SimpleNamespace(engine=view))
+    assert why is not None and "--data-parallel-size" in why
