@@ -142,6 +142,14 @@ def test_a_message_streams_in_as_markdown(browser, scripted):
         ASSISTANT,
     )
     assert shown == [["bold"] * 3, ["code"] * 3, ["one", "two"] * 3]
+    before = answer(browser)["text"]
+    browser.refresh()  # the conversation is kept in localStorage
+    wait(browser, lambda d: (a := answer(d)) and a["text"] == before)
+    convs = browser.execute_script(
+        "return JSON.parse(localStorage.getItem('pagedllm.conversations'))"
+    )
+    assert [m["role"] for m in convs[0]["messages"]] == ["user", "assistant"]
+    assert convs[0]["messages"][0]["content"] == prompt
     only_this_server(browser, server)
     no_errors(browser)
 
