@@ -140,9 +140,8 @@ def build_app(
     add_embeddings_routes(app, server)
     if runtime_lora:
         add_lora_routes(app, server)
-    if web_ui:
-        add_web_routes(app, server)
-    add_index_routes(app, server.model_name)  # GET / and an offline /docs
+    page = add_web_routes(app, server) if web_ui else None  # the web page and its events
+    add_index_routes(app, server.model_name, page)  # GET / and an offline /docs
     app.openapi = functools.partial(_openapi, app)
     return app
 

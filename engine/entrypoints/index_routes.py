@@ -23,10 +23,11 @@ START_HERE = {
 }
 
 
-def add_index_routes(app: FastAPI, model_name: str) -> None:
+def add_index_routes(app: FastAPI, model_name: str, page=None) -> None:
+    """GET / (``page()`` for a browser, when given) and GET /docs."""
+
     @app.get("/", include_in_schema=False)
     async def index(request: Request):
-        page = getattr(app.state, "web_page", None)
         if page is not None and "text/html" in request.headers.get("accept", ""):
             return page()
         served = {p for r in app.routes for p in [getattr(r, "path", None)] if p}

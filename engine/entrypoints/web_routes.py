@@ -50,9 +50,9 @@ def wants_page(request: Request) -> bool:
     return "text/html" in request.headers.get("accept", "")
 
 
-def add_web_routes(app: FastAPI, server) -> None:
-    """/web/{name}, /web/config.json and /v1/engine/events; GET / answers ``page()`` to a
-    browser (index_routes.py)."""
+def add_web_routes(app: FastAPI, server):
+    """/web/{name}, /web/config.json and /v1/engine/events; returns ``page()``, the answer
+    index_routes.py gives a browser at GET /."""
     files = static_files()
     tap = LiveTap(server.llm)
 
@@ -77,6 +77,9 @@ def add_web_routes(app: FastAPI, server) -> None:
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(tap.events(), media_type="text/event-stream", headers=headers)
 
-    app.state.web_page = lambda: Response(files["index.html"][0], media_type=TYPES[".html"],
-                                          headers=HEADERS)  # fmt: skip
-    app.state.live_tap = tap
+    app.state.live_tap = tap  # the tests watch its hooks
+
+    def page() -> Response:
+        return Response(files["index.html"][0], media_type=TYPES[".html"], headers=HEADERS)
+
+    return page
