@@ -120,17 +120,17 @@ const Live = (() => {
   }
   async function start() {
     if (controller) return;
-    controller = new AbortController();
+    const mine = controller = new AbortController();
     try {
-      const r = await Api.request("/v1/engine/events", { signal: controller.signal });
+      const r = await Api.request("/v1/engine/events", { signal: mine.signal });
       await Api.readEvents(r, (name, data) => (name === "hello" ? hello : onFrame)(JSON.parse(data)));
     } catch (e) {
       if (e.name !== "AbortError") $("live-status").textContent = `The live view stopped: ${e.message}`;
       if (e instanceof Api.AuthError) App.askKey(e.message);
     }
-    controller = null;
+    if (controller === mine) controller = null;
   }
-  function stop() { if (controller) controller.abort(); }
+  function stop() { if (controller) { controller.abort(); controller = null; } }
   function select(req) { selected = req; draw(); if (!frame) drawRequest(); }
   return { start, stop, select };
 })();
