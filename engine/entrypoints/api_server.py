@@ -8,6 +8,7 @@ Beside it:   /v1/messages, /v1/messages/count_tokens         messages_routes.py 
              /score, /rerank                                 embeddings_routes.py (pooling)
              /v1/load_lora_adapter, /v1/unload_lora_adapter  lora_routes.py
              GET /, /docs, /openapi.json                     index_routes.py, here
+             GET / (a browser), /web/*, /v1/engine/events    web_routes.py (the web page)
 The shared state and checks are ``server_state.Server``; ``sse.reply`` ends a route as a stream
 or a body.
 
@@ -79,6 +80,7 @@ from engine.entrypoints.tokenize_routes import (
     tokenizer_info_body,
 )
 from engine.entrypoints.tool_parsers import make_parser
+from engine.entrypoints.web_routes import PAGE_PREFIX, add_web_routes
 from engine.frontend.async_llm import AsyncLLM
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -96,11 +98,13 @@ def build_app(
     runtime_lora: bool = False,
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    web_ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
     route but /health (and /metrics, unless ``protect_metrics``) needs it. ``lora_modules``:
     (name, path) adapters served as models of their own; ``runtime_lora``: the routes that
-    load and unload them while it runs."""
+    load and unload them while it runs; ``web_ui``: the web page at / and its live view's
+    events (engine/entrypoints/web_routes.py)."""
     check_api_key(api_key)
     server = Server(llm, model_name, api_key, aliases, limits)
     if tool_parser is not None:
@@ -125,7 +129,10 @@ def build_app(
     )
     if api_key is not None:
         open_paths = OPEN_PATHS if protect_metrics else (*OPEN_PATHS, "/metrics")
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+        page = (PAGE_PREFIX,) if web_ui else ()
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=api_key, open_paths=open_paths, open_prefixes=page
+        )
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     add_messages_routes(app, server)
@@ -133,7 +140,8 @@ def build_app(
     add_embeddings_routes(app, server)
     if runtime_lora:
         add_lora_routes(app, server)
-    add_index_routes(app, server.model_name)  # GET / and an offline /docs
+    page = add_web_routes(app, server) if web_ui else None  # the web page and its events
+    add_index_routes(app, server.model_name, page)  # GET / and an offline /docs
     app.openapi = functools.partial(_openapi, app)
     return app
 

@@ -1,4 +1,5 @@
-"""What a person finds at the server's root: ``GET /`` names the model and the routes to try,
+"""What a person finds at the server's root: ``GET /`` is the web page for a browser (when the
+server has it: engine/entrypoints/web_routes.py), else names the model and the routes to try,
 and ``GET /docs`` lists every route with the OpenAPI schema beside it, as a page that loads
 nothing from elsewhere (FastAPI's Swagger page fetches its scripts from a CDN, so it is blank on
 a machine without internet). docs/server.md describes each route."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
 START_HERE = {
@@ -22,9 +23,13 @@ START_HERE = {
 }
 
 
-def add_index_routes(app: FastAPI, model_name: str) -> None:
+def add_index_routes(app: FastAPI, model_name: str, page=None) -> None:
+    """GET / (``page()`` for a browser, when given) and GET /docs."""
+
     @app.get("/", include_in_schema=False)
-    async def index():
+    async def index(request: Request):
+        if page is not None and "text/html" in request.headers.get("accept", ""):
+            return page()
         served = {p for r in app.routes for p in [getattr(r, "path", None)] if p}
         routes = {path: what for path, what in START_HERE.items() if path in served}
         return {"server": "pagedllm", "model": model_name, "routes": routes}

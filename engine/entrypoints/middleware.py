@@ -53,16 +53,27 @@ def check_api_key(api_key) -> None:
 
 class ApiKeyMiddleware:
     """Every request without the key answers 401, except on the open paths: OpenAI's
-    ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``. (Plain ASGI:
-    FastAPI's ``@app.middleware`` would hide a client's disconnect from the routes.)"""
+    ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``. ``open_prefixes``:
+    paths under these need no key either, nor ``/`` asked for as HTML (the web page and its
+    files). (Plain ASGI: FastAPI's
+    ``@app.middleware`` would hide a client's disconnect from the routes.)"""
 
-    def __init__(self, app, api_key: str, open_paths=OPEN_PATHS):
+    def __init__(self, app, api_key: str, open_paths=OPEN_PATHS, open_prefixes=()):
         self.app, self.open_paths = app, frozenset(open_paths)
+        self.open_prefixes = tuple(open_prefixes)
         self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
+    def _open(self, path: str, headers: Headers) -> bool:
+        if path in self.open_paths:
+            return True
+        if not self.open_prefixes:
+            return False
+        page = path == "/" and "text/html" in headers.get("accept", "")
+        return page or path.startswith(self.open_prefixes)
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            headers = Headers(scope=scope)
+        headers = Headers(scope=scope) if scope["type"] == "http" else None
+        if headers is not None and not self._open(scope["path"], headers):
             bearer = headers.get("authorization", "").encode("latin-1")
             key = headers.get("x-api-key", "").encode("latin-1")
             ok = hmac.compare_digest(bearer, self.bearer) | hmac.compare_digest(key, self.key)

@@ -86,6 +86,12 @@ def build_parser() -> CliParser:
         action="store_true",
         help="vLLM's switch for tool_choice auto; accepted: auto is always on here",
     )
+    p.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="leave out the web page at / (chat and the engine's live view), its files under "
+        "/web/ and GET /v1/engine/events (all 404)",
+    )
     add_replica_args(p)
     add_limit_args(p)
     return add_engine_args(p)

@@ -281,7 +281,9 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     await server.compile(named)
     streams = await server.start([ids], params, req.stream, req.model)
     model = req.model or server.model_name
-    return streams, ChatFormat(server.tokenizer, model, req, mode, reasoning), ids
+    fmt = ChatFormat(server.tokenizer, model, req, mode, reasoning)
+    fmt.id = streams[0].request_id  # chatcmpl-<the engine's request id>: the live view's id
+    return streams, fmt, ids
 
 
 def chat_request_ids(server: Server, req: ChatCompletionRequest) -> list[int]:

@@ -10,7 +10,8 @@ first ``keep`` blocks, then ``new``), state changes, the step's scheduled sequen
 counts, preemptions, swaps, prefix-cache hits, KV-tier loads and stores, the free queue's
 length, and the step's wall time (the time to the next frame). Output tokens are seen at the
 frame after the step that made them. ``write_html`` first appends an idle frame (the pool once
-the run is over), then fills engine/frontend/replay.html with the frames as JSON.
+the run is over), then fills engine/frontend/replay.html with the frames as JSON and with
+engine/frontend/pool_view.js (the pool drawing the server's live view shares).
 
 Speculative decoding: a step's ``SchedulerOutput.drafts`` are its frame's ``spec`` entries
 ``[seq, draft pieces, accepted, extra piece]``, completed at the next frame from the tokens the
@@ -45,6 +46,7 @@ STATE_LETTER = {
     SequenceStatus.FINISHED: "F",
 }
 DATA_MARK = "__REPLAY_DATA__"  # where replay.html takes the run's JSON
+POOL_MARK = "__POOL_VIEW_JS__"  # where it takes pool_view.js (the drawing the live view shares)
 
 
 @dataclasses.dataclass
@@ -295,10 +297,12 @@ class Recorder:
 
     def write_html(self, path: str) -> int:
         """Write the replay to path; returns its size in bytes."""
-        template = resources.files("engine.frontend").joinpath("replay.html").read_text("utf-8")
+        here = resources.files("engine.frontend")
+        template = here.joinpath("replay.html").read_text("utf-8")
+        pool_js = here.joinpath("pool_view.js").read_text("utf-8")
         blob = json.dumps(self.data(), separators=(",", ":"), ensure_ascii=False)
         blob = blob.replace("</", "<\\/")  # no "</script>" inside the script element
-        html = template.replace(DATA_MARK, blob)
+        html = template.replace(POOL_MARK, pool_js).replace(DATA_MARK, blob)
         with open(path, "w", encoding="utf-8") as f:
             f.write(html)
         return len(html.encode("utf-8"))

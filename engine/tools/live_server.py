@@ -22,8 +22,9 @@ SMALL_POOL = {"model": "test", "num_gpu_blocks": 64, "max_model_len": 256, "swap
 
 class LiveServer:
     """``limits``: a ServerLimits (the app's and uvicorn's bounds); ``protect_metrics`` as for
-    build_app; ``send_buffer``: each connection's socket send buffer in bytes (the kernel's
-    own when None); the other keyword arguments are the engine's."""
+    build_app; ``model_name``: the name it serves the model under; ``send_buffer``: each
+    connection's socket send buffer in bytes (the kernel's own when None); the other keyword
+    arguments are the engine's."""
 
     def __init__(
         self,
@@ -37,14 +38,16 @@ class LiveServer:
         runtime_lora=False,
         tool_parser=None,
         reasoning_parser=None,
+        web_ui=True,
+        model_name=MODEL,
         **engine_args,
     ):
         self.engine = LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
         self.llm = AsyncLLM(self.engine, max_waiting_requests)
         limits = limits or ServerLimits()
         self.app = build_app(
-            self.llm, MODEL, api_key, (), limits, protect_metrics, lora_modules, runtime_lora,
-            tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+            self.llm, model_name, api_key, (), limits, protect_metrics, lora_modules, runtime_lora,
+            tool_parser=tool_parser, reasoning_parser=reasoning_parser, web_ui=web_ui,
         )  # fmt: skip
         # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
         # each connection (with proto 0 it does not, and every small answer waits 40 ms)

@@ -237,6 +237,7 @@ class Ingress:
         return build_app(
             self.llm, o["model_name"], o["api_key"], o["aliases"], o["limits"], o["protect"],
             o.get("lora_modules", ()), o.get("runtime_lora", False),
+            web_ui=o.get("web_ui", True),
         )  # fmt: skip
 
 
@@ -370,6 +371,7 @@ def server_options(args, kwargs: dict, limits) -> dict:
         protect=args.protect_metrics,
         lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
         runtime_lora=getattr(args, "allow_runtime_lora_updating", False),
+        web_ui=not getattr(args, "disable_web_ui", False),
     )
 
 
