@@ -83,6 +83,9 @@ def run(args) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = uvicorn.Server(config)
+    if not args.disable_web_ui and args.port:  # (port 0: uvicorn's line names the port it took)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        log.info("web page: http://%s:%d/ (chat, and the engine live)", host, args.port)
     # uvicorn re-raises the signal it stopped on once it is done; a clean stop exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped)
