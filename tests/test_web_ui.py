@@ -224,3 +224,24 @@ def test_no_live_view_over_replicas_says_why(tiny_model_dir):
     view = FrontendView({"model": str(tiny_model_dir)})  # what the ingress holds: no engine
     why = unavailable(SimpleNamespace(engine=view))
     assert why is not None and "--data-parallel-size" in why
+
+
+def test_a_mixture_of_experts_frames_carry_the_routers_counts():
+    """Qwen3-MoE: hello names the experts; the last frame's router counts are the backend's,
+    and each sparse layer's rows sum to top_k times the rows the completion ran."""
+    from tests.test_families import loaded
+
+    m = loaded("qwen3_moe")
+    with LiveServer(m) as s:
+        frames = []
+        thread = listen(s, frames, lambda f: not f["seqs"] and f["step"] > 0)
+        prompt = [random.randrange(3, 320) for _ in range(7)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        thread.join(patience(20))
+        want = s.engine.backend.expert_tokens()
+    hello = next(f for _, name, f in frames if name == "hello")
+    assert hello["experts"] == {"num": m.config.moe.num_experts, "top_k": m.config.moe.top_k}
+    last = [f for _, name, f in frames if name == "frame"][-1]
+    assert last["experts"] == want
+    assert {sum(row[1:]) for row in last["experts"]} == {(7 + 4) * m.config.moe.top_k}

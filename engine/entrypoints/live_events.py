@@ -86,13 +86,22 @@ def meta(engine) -> dict:
         "speculative": None
         if sc is None
         else {"method": sc.method, "k": sc.num_speculative_tokens},
+        "experts": None
+        if cfg_moe(engine) is None
+        else {"num": cfg_moe(engine).num_experts, "top_k": cfg_moe(engine).top_k},
     }
+
+
+def cfg_moe(engine):
+    """The model's MoeSpec (None: a dense model)."""
+    return engine.backend.cfg.moe
 
 
 def pool_state(engine) -> dict:
     """The pool and the queues now: every live sequence [seq id, request id, state, prompt
     tokens, output tokens, block table, CPU table], the free count and the free blocks that
-    still hold cached prefixes (``cfree``)."""
+    still hold cached prefixes (``cfree``); a mixture of experts' router counts (``experts``:
+    per sparse layer [layer, rows routed to each expert so far])."""
     sched, bm = engine.scheduler, engine.block_manager
     seqs = [
         [s.seq_id, s.request_id, STATE[s.status], s.num_prompt_tokens, s.num_output_tokens,
@@ -111,6 +120,9 @@ def pool_state(engine) -> dict:
     if engine.config.speculative is not None:
         st = engine.spec_stats
         state["spec"] = [st.num_draft_tokens, st.num_accepted_tokens]
+    experts = engine.backend.expert_tokens()  # a mixture: [layer, rows per expert so far]
+    if experts is not None:
+        state["experts"] = experts
     return state
 
 

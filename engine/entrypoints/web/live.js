@@ -1,6 +1,7 @@
 // The live view: GET /v1/engine/events (engine/entrypoints/live_events.py) drawn as it comes,
 // the block pool with pool_view.js (the drawing the run replay shares), the queues, the last
-// steps' batches and the selected request's page table. Frames hold ids and counts only.
+// steps' batches, the selected request's page table and (a mixture of experts) the router's
+// choices since the last frame. Frames hold ids and counts only.
 "use strict";
 const Live = (() => {
   const $ = (id) => document.getElementById(id);
@@ -92,9 +93,32 @@ const Live = (() => {
     info.textContent = `seq ${s[0]}, ${state}: ${s[3]} prompt tokens, ${s[4]} output tokens, ${s[5].length} blocks`;
     PoolView.pageTable($("live-pagetable"), s[5], s[6], meta.block_size);
   }
+  let expertsLast = null;  // the router's counts at the frame before
+  function drawExperts() {
+    const el = $("live-experts");
+    if (!frame.experts) return;
+    const before = {};
+    for (const [layer, ...n] of expertsLast || []) before[layer] = n;
+    const rows = frame.experts.map(([layer, ...n]) => [layer, n, n.map((v, e) => v - ((before[layer] || [])[e] || 0))]);
+    const most = Math.max(1, ...rows.flatMap((r) => r[2]));
+    el.textContent = "";
+    el.className = "experts";
+    for (const [layer, total, step] of rows) {
+      const row = node("div", "row");
+      row.appendChild(node("span", "layer muted", `layer ${layer}`));
+      step.forEach((d, e) => {
+        const c = node("span", "cell");
+        c.style.opacity = (0.06 + 0.94 * d / most).toFixed(3);
+        c.title = `layer ${layer}, expert ${e}: ${d} rows since the last frame, ${total[e]} in all`;
+        row.appendChild(c);
+      });
+      el.appendChild(row);
+    }
+    expertsLast = frame.experts;
+  }
   function draw() {
     if (!meta || !frame) return;
-    drawPool(); drawQueues(); drawSteps(); drawRequest();
+    drawPool(); drawQueues(); drawSteps(); drawRequest(); drawExperts();
     document.body.dataset.liveStep = frame.step;
   }
 
@@ -105,10 +129,12 @@ const Live = (() => {
     $("live-count").textContent = m.num_blocks;
     $("live-status").textContent = `${m.model} on ${m.backend}: ${m.num_blocks} blocks of ${m.block_size} tokens, ` +
       `max ${m.max_num_seqs} sequences and ${m.max_num_batched_tokens} tokens a step` +
-      (m.speculative ? `, speculative decoding (${m.speculative.method})` : "") + ". Waiting for the engine to step…";
+      (m.speculative ? `, speculative decoding (${m.speculative.method})` : "") +
+      (m.experts ? `, ${m.experts.num} experts (top ${m.experts.top_k}) per sparse layer` : "") + ". Waiting for the engine to step…";
     const pick = (own) => select(bySid()[own[0]][1]);
     PoolView.makeGrid($("live-pool"), m.num_blocks, "GPU", pick);
     $("live-cpuwrap").hidden = !m.num_cpu_blocks;
+    $("live-routerwrap").hidden = !m.experts;
     if (m.num_cpu_blocks) PoolView.makeGrid($("live-cpupool"), m.num_cpu_blocks, "CPU", pick);
   }
   function onFrame(f) {
