@@ -283,3 +283,28 @@ def test_trace_html_with_a_core_process_is_refused_by_name(tmp_path, capsys):
     ]
     with pytest.raises(ValueError, match="not with engine_core_process"):
         LLM(trace_html=str(tmp_path / "run.html"), engine_core_process=True)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_a_mixture_of_experts_frames_hold_each_steps_routing(backend):
+    """Qwen3-MoE: each frame's ``ex`` is what its step sent to each expert, so a layer's counts
+    over the run are the backend's totals, and each step's are top_k times its rows."""
+    from tests.test_families import loaded
+
+    m = loaded("qwen3_moe")
+    engine = make_engine(m, backend=backend)
+    recorder = Recorder(engine)
+    prompts = [[random.randrange(3, 320) for _ in range(random.randrange(4, 30))] for _ in range(3)]
+    run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    data, k = recorder.data(), m.config.moe.top_k
+    assert data["meta"]["experts"]["num"] == m.config.moe.num_experts
+    totals = {layer: [0] * m.config.moe.num_experts for layer in data["meta"]["experts"]["layers"]}
+    for f in data["frames"]:
+        if "run" not in f:
+            continue
+        rows = sum(n for _, n, _ in f["run"])
+        for layer, *pairs in f["ex"]:
+            assert sum(pairs[1::2]) == k * rows, f"layer {layer}"
+            for e, n in zip(pairs[0::2], pairs[1::2], strict=True):
+                totals[layer][e] += n
+    assert [[layer, *n] for layer, n in totals.items()] == engine.backend.expert_tokens()

@@ -1,4 +1,5 @@
-// The KV block pool and a sequence's page table, drawn as DOM nodes: shared by the run replay
+// The KV block pool, a sequence's page table and a mixture's router, drawn as DOM nodes: shared
+// by the run replay
 // (engine/frontend/replay.html, which recorder.py fills with this file's text) and the server's
 // live view (engine/entrypoints/web/live.js, which loads it from /web/pool_view.js).
 // Text goes in with textContent only; no innerHTML.
@@ -63,5 +64,25 @@ const PoolView = (() => {
       el.appendChild(none);
     }
   }
-  return { colour, owners, makeGrid, paintGrid, pageTable };
+  // a mixture of experts' router: rows [layer, rows sent to each expert] (this step's, or since
+  // the last frame), a row of cells per layer, each shaded by its count against the largest;
+  // totals (optional): the same shape, counted since the start, for the cells' titles
+  function router(el, rows, totals) {
+    el.textContent = "";
+    el.className = "experts";
+    const most = Math.max(1, ...rows.flatMap(([, ...n]) => n));
+    rows.forEach(([layer, ...n], r) => {
+      const row = document.createElement("div"), name = document.createElement("span");
+      row.className = "row"; name.className = "layer"; name.textContent = `layer ${layer}`;
+      row.appendChild(name);
+      n.forEach((d, e) => {
+        const c = document.createElement("span");
+        c.className = "cell"; c.style.opacity = (0.06 + 0.94 * d / most).toFixed(3);
+        c.title = `layer ${layer}, expert ${e}: ${d} rows` + (totals ? `, ${totals[r][e + 1]} in all` : "");
+        row.appendChild(c);
+      });
+      el.appendChild(row);
+    });
+  }
+  return { colour, owners, makeGrid, paintGrid, pageTable, router };
 })();

@@ -125,6 +125,7 @@ class Recorder:
         self._pieces: dict[int, str] = {}  # token id -> its text
         self._speculated: list[_Speculated] = []  # the last step's drafts, seen at the next frame
         self._num_accepted = engine.spec_stats.num_accepted_tokens  # at the last frame
+        self._experts = engine.backend.expert_tokens()  # a mixture's router counts so far
         engine.recorder = self
 
     # -- recording ------------------------------------------------------------------------------
@@ -183,6 +184,7 @@ class Recorder:
         if self.frames:
             last = self.frames[-1]
             last["dt"] = round(1e3 * (now - self.t0) - last["t"], 3)
+            self._routed(last)
         bm = self.engine.block_manager
         frame = {"t": round(1e3 * (now - self.t0), 3), "free": bm.num_free_blocks}
         if bm.enable_caching:
@@ -190,6 +192,19 @@ class Recorder:
         self.frames.append(frame)
         self._observe(frame, len(self.frames) - 1)
         return frame
+
+    def _routed(self, frame: dict) -> None:
+        """A mixture of experts: the rows the step of ``frame`` sent to each expert, as
+        ``ex``: per sparse layer [layer, expert, rows, expert, rows, ...] (nonzero only)."""
+        now = self.engine.backend.expert_tokens()
+        if now is None:
+            return
+        frame["ex"] = [
+            [layer, *(x for e, (a, b) in enumerate(zip(was, new, strict=True)) if b > a
+                      for x in (e, b - a))]
+            for (layer, *was), (_, *new) in zip(self._experts, now, strict=True)
+        ]  # fmt: skip
+        self._experts = now
 
     def _index(self, seq: Sequence) -> int:
         return self._live[seq.seq_id].index
@@ -274,12 +289,17 @@ class Recorder:
         meta = {f: getattr(cfg, f) for f in fields}
         bm, sc = e.block_manager, cfg.speculative
         spec = None if sc is None else {"method": sc.method, "k": sc.num_speculative_tokens}
+        moe, experts = e.model_config.moe, self._experts
+        routed = None if moe is None or experts is None else {
+            "num": moe.num_experts, "top_k": moe.top_k, "layers": [row[0] for row in experts]
+        }  # fmt: skip
         return meta | {
             "model": f"{cfg.model} ({Path(str(e.loaded.source)).name})",
             "backend": e.backend.name,
             "num_blocks": bm.num_blocks,
             "num_cpu_blocks": bm.num_cpu_blocks,
             "speculative": spec,
+            "experts": routed,
         }
 
     def _plan(self) -> dict:

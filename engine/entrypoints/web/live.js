@@ -95,25 +95,11 @@ const Live = (() => {
   }
   let expertsLast = null;  // the router's counts at the frame before
   function drawExperts() {
-    const el = $("live-experts");
     if (!frame.experts) return;
     const before = {};
     for (const [layer, ...n] of expertsLast || []) before[layer] = n;
-    const rows = frame.experts.map(([layer, ...n]) => [layer, n, n.map((v, e) => v - ((before[layer] || [])[e] || 0))]);
-    const most = Math.max(1, ...rows.flatMap((r) => r[2]));
-    el.textContent = "";
-    el.className = "experts";
-    for (const [layer, total, step] of rows) {
-      const row = node("div", "row");
-      row.appendChild(node("span", "layer muted", `layer ${layer}`));
-      step.forEach((d, e) => {
-        const c = node("span", "cell");
-        c.style.opacity = (0.06 + 0.94 * d / most).toFixed(3);
-        c.title = `layer ${layer}, expert ${e}: ${d} rows since the last frame, ${total[e]} in all`;
-        row.appendChild(c);
-      });
-      el.appendChild(row);
-    }
+    const since = frame.experts.map(([layer, ...n]) => [layer, ...n.map((v, e) => v - ((before[layer] || [])[e] || 0))]);
+    PoolView.router($("live-experts"), since, frame.experts);
     expertsLast = frame.experts;
   }
   function draw() {
