@@ -104,6 +104,7 @@ void dot_rows(float* out, long N, const uint8_t* w, const int8_t* qx, const floa
   for (int m = 0; m < MR; m++) vacc[m] = vmin[m] = _mm256_setzero_ps();
   for (long b = 0; b < nb; b++) {
     const uint8_t* blk = w + b * BLOCK_BYTES[F];
+    prefetch_ahead<F>(blk);
     __m256i s16, mn16;
     block_scales<F>(blk, s16, mn16);
     float d, c;

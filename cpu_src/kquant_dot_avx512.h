@@ -104,7 +104,9 @@ void dot_rows(float* out, long N, const uint8_t* w, const int8_t* qx, const floa
   __m256 vmin[MR];
   for (int m = 0; m < MR; m++) vacc[m] = _mm512_setzero_ps(), vmin[m] = _mm256_setzero_ps();
   for (long b = 0; b < nb; b++) {
-    const Regs512 r = load512<F>(w + b * BLOCK_BYTES[F]);
+    const uint8_t* blk = w + b * BLOCK_BYTES[F];
+    prefetch_ahead<F>(blk);
+    const Regs512 r = load512<F>(blk);
     for (int m = 0; m < MR; m++) {
       const __m512i is = dot512(r, qx + m * K + b * QK);
       const __m256i b16 = _mm256_loadu_si256((const __m256i*)(bs + (m * K + b * QK) / 16));

@@ -100,6 +100,7 @@ void dot_rows(float* out, long N, const uint8_t* w, const int8_t* qx, const floa
   Unpacked u;
   float acc[MR] = {};
   for (long b = 0; b < nb; b++) {
+    prefetch_ahead<F>(w + b * BLOCK_BYTES[F]);
     unpack<F>(w + b * BLOCK_BYTES[F], u);
     for (int m = 0; m < MR; m++) {
       const int32_t is = dot_scaled(u, qx + m * K + b * QK);
