@@ -1,28 +1,17 @@
 // Matrix products with GGUF's k-quant weights as the file stores them: W transposed, (N, K),
-// each row a run of super-blocks of 256 values (model_loader/kquants.py lays them out):
-//   Q4_K (144 bytes): w = (d sc_g) q - dmin m_g, q 4 bits, 8 groups of 32, 6-bit sc and m;
-//   Q5_K (176 bytes): the same with q 5 bits;
-//   Q6_K (210 bytes): w = (d sc_j) (q - 32), q 6 bits, 16 groups of 16, int8 sc.
-// Every format is first unpacked per super-block into one shape (Unpacked): q[256] as unsigned
-// bytes, an int16 scale sc[j] and "min" mn[j] per 16 values, and two float factors d, c, so
-// that w[16 j + i] = d sc[j] q - c mn[j] (Q4_K/Q5_K: sc, mn = the group's sc, m, c = dmin;
-// Q6_K: mn = 32 sc, c = d). x is quantized once per product as llama.cpp's Q8_K: per row and
-// 256 values, dx = absmax / 127, qx = round(x / dx) (ties to even), and bs[j] = the sum of
-// each 16 qx. A super-block's product is then integers and two float terms:
+// each row a run of super-blocks of 256 values (kquant_format.h: the layouts). x is quantized
+// once per product as llama.cpp's Q8_K: per row and 256 values, dx = absmax / 127, qx =
+// round(x / dx) (ties to even), and bs[j] = the sum of each 16 qx. With a super-block's values
+// w[16 j + i] = d sc[j] q - c mn[j] (Q4_K/Q5_K: the group's 6-bit scale and min, c = dmin;
+// Q6_K: mn = 32 sc, c = d) its product is integers and two float terms:
 //   dx (d sum_j sc[j] sum_i q qx - c sum_j mn[j] bs[j])
 // the mins costing one multiply per 16 values. Every batch size computes this same function
 // (of x quantized), in float32.
 // Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once and
-// dotted with every row of x, 16 rows at a time (Q4_K 2048 x 5632 on one thread: 64 rows 18 ms
-// against 28 through the tiles; at 128, 37 against 41). x86 (AVX2): a super-block's scales
-// decoded once (the 6-bit ones four at a time in 32-bit words) into 16 int16 that one byte
-// shuffle per 32 values spreads, its q unpacked in registers for each row of x (from L1),
-// vpmaddubsw (q unsigned <= 63, qx signed: a pair's sum fits int16) then vpmaddwd against the
-// scales (VNNI's vpdpbusd would need a vpmulld by the scales after it: slower); the mins one
-// vpmaddwd of bs; two float32 vector sums per row. Other CPUs: each
-// super-block unpacked once into bytes (Unpacked) for all rows, plain loops (the integer sums
-// are exact either way).
-// More rows (prefill): NB W rows dequantized into a float32 tile, multiplied by the BLAS's
+// dotted with the rows of x ROWS at a time (dot_rows: AVX-512 in kquant_dot_avx512.h, AVX2 in
+// kquant_dot_avx2.h, elsewhere each super-block unpacked into bytes (Unpacked) and plain loops;
+// the integer sums are exact either way, only the float additions' order differs).
+// More rows (prefill): TILE W rows dequantized into a float32 tile, multiplied by the BLAS's
 // sgemm with x's quantized values (the same function again).
 // Threads: one task per run of W's rows. (The unpacking loops carry no `omp simd`: with it GCC
 // 12 at -O3 -fopenmp left the float32 tiles unwritten; GCC vectorizes them as they are.)
@@ -45,8 +34,15 @@ namespace {
 
 using namespace kq;
 
-const long NB = 64;            // W rows per float32 tile
-const long INT_MAX_ROWS = 64;  // rows of x up to which the integer dots run
+const long NB = 64;  // W rows per thread at least, in the tiles' product
+// W rows per float32 tile: each sgemm call packs all of x anew, so fewer, larger calls (Q6_K
+// 2048 x 5632 at 512 rows, one thread: 64 rows 147 ms, 128 132, 256 122)
+const long TILE = 256;
+// Rows of x up to which the integer dots run: they read x's rows again for each W row, from the
+// caches while they fit (Q4_K one thread, integer dots against tiles: 2048 x 5632 at 128 rows
+// 32 against 44 ms, at 256 60 against 69; 5632 x 2048 at 256 75 against 74, at 512 302
+// against 138)
+const long INT_MAX_ROWS = 128;
 const long ROWS = 4;           // rows of x a super-block meets at once (dot_rows' sums in registers)
 const long GEMV_WORK = 1L << 19;
 
@@ -154,8 +150,8 @@ template <int F>
 void gemm_tiles(float* out, const int8_t* qx, const float* dx, const uint8_t* w, long M, long K,
                 long N, int nt) {
   const long row = K / QK * BLOCK_BYTES[F];
-  gemm_dequant_tiles<QK>(out, qx, dx, M, K, N, nt,
-                         [&](float* r, long n) { dequant_row<F>(r, w + n * row, K); });
+  gemm_dequant_tiles<QK>(
+      out, qx, dx, M, K, N, nt, [&](float* r, long n) { dequant_row<F>(r, w + n * row, K); }, TILE);
 }
 
 template <int F>
