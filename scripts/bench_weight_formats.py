@@ -10,6 +10,9 @@ moves them all alike. Prints, per pair, the fastest and the median sweep over al
 and the weights' bytes over that time (at batch 1 the products are bound by it).
 
     .venv/bin/python scripts/bench_weight_formats.py --formats q4_0,q8_0 --isa native,x86-64-v3
+
+Two versions of the kernels (this tree's and another checkout's, each built once by
+``cpu_native.library_path``) compare in one process with ``--isa before=PATH,now=PATH``.
 """
 
 import argparse
@@ -56,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--isa",
         default="native",
         help="comma-separated builds of the kernels, of native, x86-64-v4 (AVX-512), "
-        "x86-64-v3 (AVX2) and generic (the portable code)",
+        "x86-64-v3 (AVX2) and generic (the portable code), or NAME=PATH: a built library "
+        "(another tree's, to compare two versions of the kernels in one process)",
     )
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds per pair (9)")
     return p
@@ -69,8 +73,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--formats: unknown {unknown}; known: {list(PACK)}")
     libs = {}
-    for name in isas:
-        lib = cpu_native.ctypes.CDLL(str(cpu_native.library_path(name)))
+    for entry in isas:
+        name, _, path = entry.partition("=")
+        lib = cpu_native.ctypes.CDLL(path or str(cpu_native.library_path(name)))
         cpu_native._declare(lib)
         libs[name] = lib
     rng = np.random.default_rng(0)
@@ -84,7 +89,7 @@ def main() -> None:
                 mats[f].append(packed)
                 nbytes[f] += packed.nbytes
     xs = {k: rng.standard_normal((args.rows, k), dtype=np.float32) for k, _ in SHAPES}
-    pairs = [(f, name) for f in formats for name in isas]
+    pairs = [(f, name) for f in formats for name in libs]
     times = {p: [] for p in pairs}
     for _ in range(args.rounds):
         for f, name in pairs:

@@ -374,11 +374,13 @@ def test_matmul_over_fp8(threads, rows):
 
 
 @pytest.mark.parametrize("kind", RAW_FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 6, 19, 64, 129])
 def test_matmul_over_gguf_kquants(threads, kind, rows):
-    """matmul_kquants.cpp and matmul_q5.cpp on each build (AVX2's vpmaddubsw, AVX-512 VNNI's
-    vpdpbusd, the plain loops, ARM): the integer dots (up to 64 rows, 16 at a time) and the
-    float32 tiles (more), against the float64 product of the NumPy dequantizer's values,
+    """matmul_kquants.cpp and matmul_q5.cpp on each build (AVX2's vpmaddubsw, AVX-512's
+    vpmaddubsw + vpdpwssd, VNNI's vpdpbusd, the plain loops, ARM): the integer dots (up to 64
+    rows for Q5_0/Q5_1; 128 for the k-quants, 4 at a time (AVX2: 16): 6 and 19 take runs of
+    4, 2 and 3, or 6, 16 and 3)
+    and the float32 tiles (more), against the float64 product of the NumPy dequantizer's values,
     within x's 8-bit quantization; K of 1, 3 and 6 super-blocks (Q5_0/Q5_1 also 9 blocks:
     SmolLM2's 288), N of 5, 33 and 130 (two threads)."""
     rng = np.random.default_rng()
