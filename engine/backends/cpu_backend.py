@@ -301,10 +301,11 @@ class CpuBackend(NumpyBackend):
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
         rows' updates after each product. Anything else (a mixture of experts, Gemma 2 and 3's
-        sandwich norms and soft-capping) takes the NumPy backend's loop."""
+        sandwich norms and soft-capping, a grouped KV cache) takes the NumPy backend's loop."""
         c = self.cfg  # decode_layers has no experts, sandwich norms or soft-capping
         plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
         fused = self.fuse_decode and residual is None and plain and c.moe is None
+        fused = fused and self.kv_groups is None  # a grouped model: the loop, a table a layer
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)

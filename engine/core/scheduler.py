@@ -14,8 +14,9 @@ is preempted only inside ``schedule()``, before any prompt is admitted and never
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
 
-Sliding window (every layer slides with one window): each step starts by giving back the running
-sequences' blocks no later query sees (``BlockManager.slide``).
+Sliding window (every layer slides with one window, or the sliding KV groups of a model whose
+layers attend differently): each step starts by giving back the running sequences' blocks no
+later query sees (``BlockManager.slide``, each group with its window).
 
 Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
 tables included, are on the device). It leaves each sampling sequence a pending last token, so
@@ -122,7 +123,7 @@ class Scheduler:
         out = SchedulerOutput()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._drafts = {} if drafts is None else drafts
-        if self.block_manager.window:  # sliding window: blocks no later query sees go back
+        if self.block_manager.slides:  # sliding windows: blocks no later query sees go back
             for seq in self.running:
                 self.block_manager.slide(seq)
         self._schedule_running(step, out)
