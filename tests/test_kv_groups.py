@@ -212,18 +212,21 @@ def drive(name: str, backend: str, prompts, params, poison: bool = True, **args)
     return [done[str(i)] for i in range(len(prompts))], engine, peak
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu", "cuda-cpu-graphs"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_grouped_engine_matches_transformers(name, backend):
     """Chunks of 16 tokens over 4-token blocks, a pool that makes the sliding groups give
-    back blocks: transformers' tokens and logits, though every free block is NaN."""
+    back blocks: transformers' tokens and logits, though every free block is NaN (cuda-cpu:
+    eager, and with its decode steps through the captured graphs)."""
     cases = golden(name)["cases"]
     n = len(cases[0]["token_ids"])
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     prompts = [c["prompt_token_ids"] for c in cases]
-    args = dict(CHUNKED, enforce_eager=True) if backend == "cuda-cpu" else CHUNKED
-    outs, engine, _ = drive(name, backend, prompts, params, **args)
+    args = dict(CHUNKED, enforce_eager=backend == "cuda-cpu")
+    outs, engine, _ = drive(name, backend.removesuffix("-graphs"), prompts, params, **args)
     assert engine.block_manager.num_groups > 1 and engine.runner.kv_groups is not None
+    if backend == "cuda-cpu-graphs":
+        assert engine.backend.graphs, "no decode graphs were captured"
     check_outputs(name, cases, outs)
 
 
