@@ -20,6 +20,7 @@ from engine.backends import kv_groups
 from engine.backends.kv_groups import layer_groups
 from engine.core.block_manager import NO_BLOCK
 from engine.core.sequence import SequenceStatus
+from engine.tools import kv_groups_count
 from engine.utils import cdiv
 from tests.test_families import check_outputs, golden, loaded
 from tests.utils import make_engine, make_scheduler, make_seq
@@ -265,3 +266,35 @@ def test_single_window_model_is_one_group_as_before():
     assert bm.num_groups == 1 and bm.window == 8 and bm.windows == (8,)
     assert engine.backend.kv_cache.shape[0] == c.num_hidden_layers
     assert engine.runner.kv_groups is None and engine.backend.kv_groups is None
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_grouped_preemption_matches_transformers(mode):
+    """A pool too small for three Gemma 3 sequences at once: one is preempted (its groups'
+    blocks dropped, or swapped out and back), and the tokens and logits stay transformers'."""
+    cases = golden("gemma3")["cases"]
+    n = len(cases[0]["token_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    args = dict(CHUNKED, num_gpu_blocks=18, max_model_len=96, preemption_mode=mode)
+    outs, engine, _ = drive("gemma3", "numpy", prompts, params, **args)
+    assert engine.scheduler.num_preemptions > 0
+    check_outputs("gemma3", cases, outs)
+
+
+def test_count_tool_holds_the_full_blocks_and_each_window():
+    """engine/tools/kv_groups_count.py's drive (docs/benchmarks.md's count), small: at its
+    last token a sequence of T tokens holds every block in the full group and, in each
+    sliding group, those from the block of position T - W on; without groups every block."""
+    T, W, layers, n = 160, 24, 8, 3
+    args = type("Args", (), dict(tokens=T + kv_groups_count.DECODE, block_size=BS, chunk=32))
+    T = args.tokens
+    windows = [0 if i % 4 == 3 else W for i in range(layers)]
+    grouped, plain = layer_groups(windows, enabled=True), layer_groups(windows, enabled=False)
+    full = cdiv(T, BS)
+    sliding = full - (T - W) // BS  # blocks (T - W) // BS .. full - 1
+    held, fit = kv_groups_count.drive(grouped, 10 * full * 4, n, args)
+    assert fit and held == [full + 3 * sliding] * n  # one full group, three sliding of 2 layers
+    held, fit = kv_groups_count.drive(plain, n * full, n, args)
+    assert fit and held == [full] * n
+    assert not kv_groups_count.drive(plain, (n - 1) * full, n, args)[1]  # one waits

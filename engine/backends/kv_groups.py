@@ -54,7 +54,7 @@ class KVGroups:
         for w, ls in zip(self.windows, self.layers, strict=True):
             kinds.setdefault(w, []).append(len(ls))
         parts = [
-            f"{'full' if w == 0 else f'sliding {w}'}: {len(sizes)} x {max(sizes)} layers"
+            f"{'full' if w == 0 else f'sliding {w}'}: {len(sizes)} of {sum(sizes)} layers"
             for w, sizes in kinds.items()
         ]
         return f"{self.num_groups} KV groups of {self.num_slots} slots ({'; '.join(parts)})"
