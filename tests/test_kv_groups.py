@@ -298,3 +298,27 @@ def test_count_tool_holds_the_full_blocks_and_each_window():
     held, fit = kv_groups_count.drive(plain, n * full, n, args)
     assert fit and held == [full] * n
     assert not kv_groups_count.drive(plain, (n - 1) * full, n, args)[1]  # one waits
+
+
+def test_fused_cpu_decode_reads_each_groups_tables(monkeypatch):
+    """Qwen2 with window 8 on layers 1 and 2 (SiLU, no sandwich norms): its decode steps run
+    cpu_src/decode_layers.cpp, each layer through its group's slots and tables; transformers'
+    tokens and logits, though every free block is NaN."""
+    from engine.backends.cpu_backend import CpuBackend
+
+    fused = []
+    run = CpuBackend._decode_layers
+
+    def counted(self, x, b):
+        fused.append(len(b.group_tables))
+        return run(self, x, b)
+
+    monkeypatch.setattr(CpuBackend, "_decode_layers", counted)
+    cases = golden("qwen2_swa")["cases"]
+    n = len(cases[0]["token_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs, engine, _ = drive("qwen2_swa", "cpu", prompts, params, **CHUNKED)
+    assert engine.block_manager.windows == (0, 8, 8)  # one layer a group
+    assert fused and set(fused) == {2}  # fused steps, each with both sliding groups
+    check_outputs("qwen2_swa", cases, outs)
