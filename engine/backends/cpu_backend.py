@@ -354,8 +354,8 @@ class CpuBackend(NumpyBackend):
         return self._table
 
     def _group_arrays(self, b: ForwardBatch):
-        """KV groups: (the arrays, pointer arrays to each later group's (T,) slots and
-        (T, max_blocks) token tables); ([], (None, None)) with one group."""
+        """KV groups: (what must live through the call, (pointers to each later group's (T,)
+        slots, to its (T, max_blocks) token tables)); ([], (None, None)) with one group."""
         if not b.group_tables:
             return [], (None, None)
         views = [
