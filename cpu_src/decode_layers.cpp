@@ -81,6 +81,7 @@ struct Layer {
   void* k_cache;  // (N, bs, Hkv, hd) of the cache dtype
   void* v_cache;
   int64_t window;  // 0: none
+  int64_t group;   // its KV group: 0 the step's slots and block_tables, g > 0 the group's
   Matrix qkv, o, gate_up, down;
 };
 
@@ -132,6 +133,8 @@ struct Step {
   float* lora_x;                // (T, the widest K) scratch: an adapter's rows of x
   float* lora_t;                // (T, the widest R) scratch: their x @ A
   int32_t* lora_rows;           // (T,) scratch: an adapter's rows
+  const int32_t* const* group_slots;   // (G - 1,) each later KV group's (T,) slots, or NULL
+  const int32_t* const* group_tables;  // (G - 1,) each later KV group's (T, max_blocks)
 };
 
 int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads);
@@ -264,6 +267,8 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
   for (int i = 0; i < n_layers; i++) {
     const Layer& L = layers[i];
     const LoraLayer* A = s->lora ? s->lora + i : nullptr;
+    const int32_t* slots = L.group ? s->group_slots[L.group - 1] : s->slots;  // its KV group's
+    const int32_t* tables = L.group ? s->group_tables[L.group - 1] : s->block_tables;
     if (i == 0)  // residual = x; h = rms_norm(x)
       fused_add_rms_norm(s->h, s->residual, nullptr, L.attn_norm, s->eps, T, D, nt);
     else  // residual += x; h = rms_norm(residual)
@@ -271,11 +276,11 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
     int status = product(s->qkv, s->h, L.qkv, A ? &A->qkv : nullptr, s, D, qkv_dim);
     status = status ? status
                     : rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
-                                   s->cos, s->sin, s->slots, L.q_norm, L.k_norm, s->eps, T, s->H,
+                                   s->cos, s->sin, slots, L.q_norm, L.k_norm, s->eps, T, s->H,
                                    s->hkv, s->hd, nt);
     status = status ? status
                     : paged_attention_decode(s->attn, s->q, L.k_cache, L.v_cache,
-                                             s->cache_dtype, s->block_tables, s->context_lens,
+                                             s->cache_dtype, tables, s->context_lens,
                                              T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
                                              s->scale, (int)L.window, 0.0f, nt);
     status = status ? status : product(s->x, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);

@@ -65,11 +65,12 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     max_model_len: int = 64,
     connector=None,
+    windows: tuple[int, ...] = (),
     **config,
 ) -> Scheduler:
     """A scheduler over its own block manager; the token budget is max_model_len unless config
     says otherwise. ``enable_prefix_caching=True`` turns caching on in both; ``connector``: the
-    block manager's KV tiers."""
+    block manager's KV tiers; ``windows``: its KV groups' windows (0: full attention)."""
     fields = dict(block_size=block_size, max_model_len=max_model_len)
     fields = {"max_num_batched_tokens": max_model_len, **fields, **config}
     cfg = EngineConfig(**fields)
@@ -79,6 +80,7 @@ def make_scheduler(
         num_cpu_blocks,
         enable_caching=cfg.enable_prefix_caching,
         connector=connector,
+        windows=windows,
     )
     return Scheduler(cfg, bm)
 

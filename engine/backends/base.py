@@ -6,7 +6,9 @@ blocks (``swap_out``, ``swap_in``, ``copy_blocks``) as the scheduler says, and r
 ``forward`` (logits) or ``forward_greedy`` (argmax ids only), or, with async scheduling, starts
 one with ``launch_greedy`` and reads its ids later from the handle it returns. The KV cache of
 every backend has the shape ``cache_shape``: (L, 2, num_blocks, block_size, Hkv, hd), K and V of
-a layer side by side, so a block id names the same rows in every layer.
+a layer side by side, so a block id names the same rows in every layer. A grouped model
+(``use_kv_groups``, engine/backends/kv_groups.py) has G slots in place of its L layers: layer l
+reads and writes slot ``layer_slot[l]`` through its group's page table.
 """
 
 from __future__ import annotations
@@ -143,12 +145,29 @@ class Backend(ABC):
         """The KV cache's dtype: kv_dtype's, or ``--kv-cache-dtype``'s on the host backends."""
         return self._cache_dtype or self.kv_dtype
 
+    supports_kv_groups = False  # whether ``use_kv_groups`` may give it a grouped layout
+    kv_groups = None  # a grouped model's KVGroups; None: one slot per layer
+
+    def use_kv_groups(self, groups) -> None:
+        """A grouped model's layout (before ``allocate_kv_cache``): ``groups.num_slots`` slots
+        in the pool, not one per layer; the step's ForwardBatch carries each group's tables."""
+        if not self.supports_kv_groups:
+            raise ValueError(f"backend {self.name!r} does not run a grouped KV cache")
+        self.kv_groups = groups
+
+    @property
+    def kv_slots(self) -> int:
+        """Layers' worth of K and V a block holds: the G slots of a grouped model, else L."""
+        groups = self.kv_groups
+        return self.cfg.num_hidden_layers if groups is None else groups.num_slots
+
     @property
     def bytes_per_block(self) -> int:
-        return self.cfg.kv_bytes_per_block(self.block_size, self.cache_dtype)
+        per_block = self.cfg.kv_bytes_per_block(self.block_size, self.cache_dtype)
+        return per_block // self.cfg.num_hidden_layers * self.kv_slots
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return cache_shape(self.cfg, num_blocks, self.block_size)
+        return (self.kv_slots, *cache_shape(self.cfg, num_blocks, self.block_size)[1:])
 
     def expert_tokens(self) -> list[list[int]] | None:
         """A mixture of experts: per sparse layer, [its index, then the rows routed to each of

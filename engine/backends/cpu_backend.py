@@ -63,6 +63,7 @@ class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
         ("k_cache", _ptr),
         ("v_cache", _ptr),
         ("window", ctypes.c_int64),
+        ("group", ctypes.c_int64),
         *((name, cpu_ops.Matrix) for name in ("qkv", "o", "gate_up", "down")),
     ]
 
@@ -79,6 +80,7 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens", *_LORA)),
+        *((name, _ptr) for name in ("group_slots", "group_tables")),
     ]
 
 
@@ -301,7 +303,8 @@ class CpuBackend(NumpyBackend):
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
         rows' updates after each product. Anything else (a mixture of experts, Gemma 2 and 3's
-        sandwich norms and soft-capping) takes the NumPy backend's loop."""
+        sandwich norms and soft-capping) takes the NumPy backend's loop. KV groups: each layer
+        reads its slot through its group's slots and tables (``_group_arrays``)."""
         c = self.cfg  # decode_layers has no experts, sandwich norms or soft-capping
         plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
         fused = self.fuse_decode and residual is None and plain and c.moe is None
@@ -332,19 +335,38 @@ class CpuBackend(NumpyBackend):
         return b.block_tables[seq], b.positions + 1
 
     def _layer_table(self):
-        """The layers' pointers for decode_layers, made once per KV cache."""
-        cache, p = self.kv_cache, cpu_ops._p
+        """The layers' pointers for decode_layers, made once per KV cache (KV groups: each
+        layer's slot and group)."""
+        cache, p, groups = self.kv_cache, cpu_ops._p, self.kv_groups
         if self._table_for is not cache:
             table = (_Layer * len(self.layers))()
             for i, lw in enumerate(self.layers):
+                slot, g = (
+                    (i, 0) if groups is None else (groups.layer_slot[i], groups.layer_group[i])
+                )
                 table[i] = _Layer(
                     p(lw.attn_norm), p(lw.mlp_norm), p(lw.b_qkv), p(lw.q_norm), p(lw.k_norm),
-                    p(cache[i, 0]), p(cache[i, 1]), self.cfg.window(i),
+                    p(cache[slot, 0]), p(cache[slot, 1]), self.cfg.window(i), g,
                     cpu_ops.matrix(lw.w_qkv), cpu_ops.matrix(lw.w_o),
                     cpu_ops.matrix(lw.w_gate_up), cpu_ops.matrix(lw.w_down),
                 )  # fmt: skip
             self._table, self._table_for = table, cache
         return self._table
+
+    def _group_arrays(self, b: ForwardBatch):
+        """KV groups: (what must live through the call, (pointers to each later group's (T,)
+        slots, to its (T, max_blocks) token tables)); ([], (None, None)) with one group."""
+        if not b.group_tables:
+            return [], (None, None)
+        views = [
+            b.for_layer(self.kv_groups.layers[g][0])[1]
+            for g in range(1, len(self.kv_groups.layers))
+        ]
+        slots = [cpu_ops._i32(v.slot_mapping) for v in views]  # (T,) each
+        tables = [cpu_ops._i32(self._token_tables(v)[0]) for v in views]  # (T, max_blocks) each
+        n = len(views)
+        ptrs = ((_ptr * n)(*map(cpu_ops._p, slots)), (_ptr * n)(*map(cpu_ops._p, tables)))
+        return [slots, tables, ptrs], tuple(ctypes.cast(a, _ptr) for a in ptrs)
 
     def _decode_layers(self, x: np.ndarray, b: ForwardBatch):
         c, t = self.cfg, len(b.token_ids)
@@ -378,10 +400,11 @@ class CpuBackend(NumpyBackend):
             table = self._lora_layers(self._lora_active(b.lora_slots))
             scratch = self._lora_scratch(b.lora_slots)
             lora = [ctypes.cast(table, _ptr), *map(cpu_ops._p, (lora_slots, *scratch))]
+        keep, group_ptrs = self._group_arrays(b)  # keep: the arrays behind the pointers
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,
             *(cpu_ops._p(arrays[name]) for name in _ARRAYS), cpu_ops._p(tables),
-            cpu_ops._p(lens), *lora,
+            cpu_ops._p(lens), *lora, *group_ptrs,
         )  # fmt: skip
         table = self._layer_table()
         status = library().decode_layers(table, len(table), ctypes.byref(step))

@@ -28,19 +28,34 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 def fill_padding(fields, lo: int, hi: int) -> None:
     """Rows lo..hi-1 of the graph inputs: token 0 at position 0, no KV write (slot -1), one
-    context token read from block 0, so a padding row is harmless and its logits ignored."""
-    tok, pos, slots, lens, tables = fields
+    context token read from block 0, so a padding row is harmless and its logits ignored
+    (in every KV group: the other groups' slots and tables follow the first five fields)."""
+    tok, pos, slots, lens, tables, *groups = fields
     tok[lo:hi], pos[lo:hi], slots[lo:hi], lens[lo:hi], tables[lo:hi] = 0, 0, -1, 1, 0
+    n = len(groups) // 2
+    for group_slots, group_tables in zip(groups[:n], groups[n:], strict=True):
+        group_slots[lo:hi], group_tables[lo:hi] = -1, 0
 
 
 class DecodeGraphs:
     """Decode steps through captured graphs (a CupyBackend's)."""
 
     def _graph_buffers(self, xp_zeros, Bmax: int, M: int):
-        """(token_ids, positions, slots, context_lens, block_tables) views of one flat buffer."""
-        flat = xp_zeros((4 * Bmax + Bmax * M,), np.int32)
-        f = [flat[i * Bmax : (i + 1) * Bmax] for i in range(4)]
-        return flat, (*f, flat[4 * Bmax :].reshape(Bmax, M))
+        """(token_ids, positions, slots, context_lens, block_tables, then each other KV
+        group's slots, then its block tables) views of one flat buffer."""
+        n = self._other_groups
+        flat = xp_zeros(((4 + n) * Bmax + (1 + n) * Bmax * M,), np.int32)
+        f = [flat[i * Bmax : (i + 1) * Bmax] for i in range(4 + n)]
+        t = (4 + n) * Bmax
+        tables = [
+            flat[t + i * Bmax * M : t + (i + 1) * Bmax * M].reshape(Bmax, M) for i in range(1 + n)
+        ]
+        return flat, (*f[:4], tables[0], *f[4:], *tables[1:])
+
+    @property
+    def _other_groups(self) -> int:
+        """KV groups after the first (0: one group)."""
+        return 0 if self.kv_groups is None else self.kv_groups.num_groups - 1
 
     def _capture_graphs(self) -> None:
         """Capture the decode graphs; if anything fails, log why and run eager instead."""
@@ -67,9 +82,12 @@ class DecodeGraphs:
         fill_padding(self._host, 0, sizes[-1])
         self.device.copy_to(self._dev_flat, self._host_flat)
         t0 = time.perf_counter()
+        n = self._other_groups
         for G in reversed(sizes):  # largest first: it sizes the shared pool
-            tok, pos, slots, lens, tables = (a[:G] for a in dev)
+            tok, pos, slots, lens, tables, *groups = (a[:G] for a in dev)
             inp = StepInputs(tok, pos, slots, lens, tables, None, None)
+            inp.group_slots, inp.group_tables = tuple(groups[:n]), tuple(groups[n:])
+            inp.kv_groups = self.kv_groups
             self.graphs[G] = self.device.capture(lambda inp=inp, G=G: self._graph_step(inp, G))
         self.device.synchronize()
         log.info(
@@ -99,11 +117,14 @@ class DecodeGraphs:
         G = min(g for g in self.graphs if g >= B)
         self._stage ^= 1
         self._host_flat, self._host = self._staging[self._stage]
-        tok, pos, slots, lens, tables = self._host
+        tok, pos, slots, lens, tables, *groups = self._host
         tok[:B], pos[:B], slots[:B] = batch.token_ids, batch.positions, batch.slot_mapping
         lens[:B] = batch.context_lens
         m = batch.block_tables.shape[1]
         tables[:B, :m], tables[:B, m:] = batch.block_tables, -1
+        n = len(groups) // 2
+        for i, (s, t) in enumerate(zip(groups[:n], groups[n:], strict=True)):
+            s[:B], t[:B, :m], t[:B, m:] = batch.group_slots[i], batch.group_tables[i], -1
         fill_padding(self._host, B, G)
         self.device.copy_to(self._dev_flat, self._host_flat)
         if take is not None:

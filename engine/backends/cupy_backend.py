@@ -64,8 +64,11 @@ log = logging.getLogger("engine.backend")
 
 
 class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
-    """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device;
-    ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned host memory."""
+    """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device
+    (a grouped model's: G slots for L); ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned
+    host memory."""
+
+    supports_kv_groups = True
 
     def __init__(self, model_config, weights: ModelWeights, engine_config, device=None):
         self.device = device if device is not None else CupyDevice()
@@ -284,7 +287,9 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         flat = self.device.upload(pack_inputs(batch, lora))
         tiles = None if lora is None else lora[1].shape[0]
         R = len(batch.output_rows)
-        inputs = split_inputs(flat, T, B, nd, batch.block_tables.shape[1], R, tiles)
+        M, groups = batch.block_tables.shape[1], len(batch.group_slots)
+        inputs = split_inputs(flat, T, B, nd, M, R, tiles, groups)
+        inputs.kv_groups = batch.kv_groups
         if lora is not None:  # the slots the step's rows run
             inputs.lora += (set(np.unique(batch.lora_slots[batch.lora_slots >= 0]).tolist()),)
         return inputs
@@ -400,14 +405,15 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         # ws.h (T, D) normalized -> ws.x (T, D)
         k, T, qd = self.k, ws.h.shape[0], self.cfg.q_dim
         self._gemm(ws.h, lw, layer, "w_qkv", ws.qkv, inp)  # (T, H*hd + 2*Hkv*hd)
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
+        slot, slots, tables = inp.for_layer(layer)  # KV groups: its slot, its group's tables
+        k_cache, v_cache = self.kv_cache[slot, 0], self.kv_cache[slot, 1]  # (N, bs, Hkv, hd)
         k.rotary_cache(
             ws.q,
             k_cache,
             v_cache,
             ws.qkv,
             inp.positions,
-            inp.slot_mapping,
+            slots,
             self.cos_sin_local if self.cfg.window(layer) else self.cos_sin,  # Gemma 3's kinds
             bias=lw.b_qkv,
             q_norm=lw.q_norm,
@@ -421,7 +427,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 ws.q[:nd],
                 k_cache,
                 v_cache,
-                inp.block_tables[:nd],
+                tables[:nd],
                 inp.context_lens[:nd],
                 self.scale,
                 max_ctx,
@@ -434,7 +440,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 ws.q[nd:],
                 k_cache,
                 v_cache,
-                inp.block_tables[nd:],
+                tables[nd:],
                 inp.prefill_qsl,
                 inp.context_lens[nd:],
                 self.scale,

@@ -137,6 +137,13 @@ class DeviceMemory:
             query_start_loc=qsl,
             num_decodes=0,
         )
+        if self.kv_groups is not None:  # every group reads the same scratch blocks
+            n = self.kv_groups.num_groups - 1
+            batch.kv_groups = self.kv_groups
+            batch.group_tables, batch.group_slots = (
+                (batch.block_tables,) * n,
+                (batch.slot_mapping,) * n,
+            )
         scratch = self.device.zeros(self.cache_shape(n_blocks), self.dtype)
         saved, self.kv_cache = self.kv_cache, scratch
         try:

@@ -41,6 +41,21 @@ class StepInputs:
     # LoRA rows (enable_lora): (order (T,), tiles (n, 3), the step's slots) as
     # engine/kernels/launch.py lora_tiles makes them; None when every row runs the base model
     lora: tuple | None = None
+    # KV groups: each group's after the first (T,) slots and (B, M) page tables, and the
+    # layer -> (group, slot) map (a KVGroups); None: one group, layer l in slot l
+    group_slots: tuple = ()
+    group_tables: tuple = ()
+    kv_groups: object = None
+
+    def for_layer(self, layer: int) -> tuple[int, object, object]:
+        """(the KV slot layer ``layer`` uses, its group's (T,) slots and (B, M) tables)."""
+        groups = self.kv_groups
+        if groups is None:
+            return layer, self.slot_mapping, self.block_tables
+        g, slot = groups.layer_group[layer], groups.layer_slot[layer]
+        if g == 0:
+            return slot, self.slot_mapping, self.block_tables
+        return slot, self.group_slots[g - 1], self.group_tables[g - 1]
 
 
 @dataclass
@@ -62,26 +77,41 @@ class Workspace:
 
 def pack_inputs(b: ForwardBatch, lora: tuple | None = None) -> np.ndarray:
     """token_ids | positions | slots | context_lens | prefill starts | rows | block_tables,
-    then with ``lora`` (``lora_tiles``' (order, tiles)) order | tiles."""
+    then with ``lora`` (``lora_tiles``' (order, tiles)) order | tiles, then each other KV
+    group's slots, then each one's block tables."""
     nd, qsl = b.num_decodes, b.query_start_loc
     parts = [b.token_ids, b.positions, b.slot_mapping, b.context_lens, qsl[nd:] - qsl[nd]]
     parts += [b.output_rows, b.block_tables.ravel(), *(lora or ())]
+    parts += [*b.group_slots, *(t.ravel() for t in b.group_tables)]
     return np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])  # (n,)
 
 
 def split_inputs(
-    flat, T: int, B: int, nd: int, M: int, R: int | None = None, tiles: int | None = None
+    flat,
+    T: int,
+    B: int,
+    nd: int,
+    M: int,
+    R: int | None = None,
+    tiles: int | None = None,
+    groups: int = 0,
 ) -> StepInputs:
     """The views of ``pack_inputs``'s layout over a device buffer; R output rows (B unless a
-    speculated run wants all of its rows); ``tiles``: the LoRA tiles packed after them."""
+    speculated run wants all of its rows); ``tiles``: the LoRA tiles packed after them;
+    ``groups``: the KV groups after the first, whose slots and tables come last."""
     R = B if R is None else R
     sizes = [T, T, T, B, B - nd + 1, R, B * M] + ([] if tiles is None else [T, 3 * tiles])
+    sizes += [T] * groups + [B * M] * groups
     ends = np.cumsum(sizes)
     v = [flat[e - s : e] for s, e in zip(sizes, ends, strict=True)]
     rows = v[5] if T != R else None  # every row wanted: no gather
     inp = StepInputs(v[0], v[1], v[2], v[3], v[6].reshape(B, M), v[4], rows)
     if tiles is not None:
         inp.lora = (v[7], v[8].reshape(tiles, 3))
+    if groups:
+        rest = v[len(v) - 2 * groups :]
+        inp.group_slots = tuple(rest[:groups])
+        inp.group_tables = tuple(t.reshape(B, M) for t in rest[groups:])
     return inp
 
 

@@ -10,11 +10,16 @@ KV-cache layout (every backend, every kernel):
 Batch layout: B sequences, T tokens in all, no padding. The first ``num_decodes`` sequences are
 decodes (exactly one query token each); the rest are prefills (one or more query tokens, which may
 start part-way through the sequence when some of its tokens are already cached).
+
+KV groups (a model whose layers attend differently, engine/backends/kv_groups.py): the cache is
+(G, 2, num_blocks, ...) and each group has its own page tables and slots; ``block_tables`` and
+``slot_mapping`` are group 0's, ``group_tables`` and ``group_slots`` the others', and
+``for_layer`` gives a layer its slot and the batch as its group's tables see it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -37,6 +42,30 @@ class ForwardBatch:
     # LoRA: (T,) int32 the adapter slot of each token's sequence, -1 for the base model; None:
     # every row is the base model's
     lora_slots: np.ndarray | None = None
+    # KV groups: layer -> (group, slot) (a KVGroups); None: one group, layer l in slot l
+    kv_groups: object = None
+    group_tables: tuple = ()  # per group after the first: (B, max_blocks) int32 page tables
+    group_slots: tuple = ()  # per group after the first: (T,) int32 cache slots
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> tuple[int, ForwardBatch]:
+        """(the KV slot layer ``layer`` reads and writes, the batch with its group's page
+        tables and slots): (layer, self) without groups."""
+        groups = self.kv_groups
+        if groups is None:
+            return layer, self
+        g = groups.layer_group[layer]
+        view = self if g == 0 else self._views.get(g)
+        if view is None:
+            view = self._views[g] = replace(
+                self,
+                block_tables=self.group_tables[g - 1],
+                slot_mapping=self.group_slots[g - 1],
+                kv_groups=None,
+                group_tables=(),
+                group_slots=(),
+            )
+        return groups.layer_slot[layer], view
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +97,9 @@ class ForwardBatch:
         assert self.block_tables.shape[0] == B
         assert np.all(self.block_tables < num_blocks)
         assert np.all(self.slot_mapping < num_blocks * block_size)
+        for tables, slots in zip(self.group_tables, self.group_slots, strict=True):
+            assert tables.shape == self.block_tables.shape and slots.shape == (T,)
+            assert np.all(tables < num_blocks) and np.all(slots < num_blocks * block_size)
 
 
 def token_slots(qsl: np.ndarray, context_lens: np.ndarray, tables: np.ndarray, block_size: int):
@@ -82,6 +114,13 @@ def token_slots(qsl: np.ndarray, context_lens: np.ndarray, tables: np.ndarray, b
     rows = np.repeat(np.arange(len(q_lens)), q_lens)  # (T,) sequence of each token
     slots = tables[rows, positions // block_size] * block_size + positions % block_size  # (T,)
     return positions.astype(np.int32), slots.astype(np.int32)
+
+
+def group_slots(b: ForwardBatch, tables: np.ndarray, block_size: int) -> np.ndarray:
+    """(T,) int32 each token's cache slot in another group's page tables (B, max_blocks)."""
+    rows = np.repeat(np.arange(b.num_seqs), np.diff(b.query_start_loc))  # (T,)
+    pos = b.positions  # (T,)
+    return (tables[rows, pos // block_size] * block_size + pos % block_size).astype(np.int32)
 
 
 def flat_batch(

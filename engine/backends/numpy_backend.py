@@ -35,9 +35,11 @@ log = logging.getLogger("engine.backend")
 
 
 class NumpyBackend(Backend):
-    """Paged-attention forward in NumPy. ``kv_cache``: (L, 2, N, bs, Hkv, hd)."""
+    """Paged-attention forward in NumPy. ``kv_cache``: (L, 2, N, bs, Hkv, hd), or a grouped
+    model's (G, 2, N, bs, Hkv, hd)."""
 
     name = "numpy"
+    supports_kv_groups = True
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, engine_config, ops=None):
         retain_freed_memory(False)  # until the weights are packed
@@ -237,7 +239,8 @@ class NumpyBackend(Backend):
     def _attention(self, h: np.ndarray, lw: PackedLayer, layer: int, b: ForwardBatch):
         # h: (T, D) normalized -> (T, D)
         c, n = self.cfg, h.shape[0]
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # (N, bs, Hkv, hd)
+        slot, b = b.for_layer(layer)  # KV groups: its slot, its group's tables
+        k_cache, v_cache = self.kv_cache[slot, 0], self.kv_cache[slot, 1]  # (N, bs, Hkv, hd)
         qkv = self._mm(h, lw, layer, "w_qkv", b)  # (T, H*hd + 2*Hkv*hd)
         q = self._rotary_cache(qkv, lw, k_cache, v_cache, b, c.layer_rope(layer))  # (T, H, hd)
         out = self._attend(q, k_cache, v_cache, b, c.window(layer))  # (T, H, hd)

@@ -27,39 +27,34 @@ table is a run of NO_BLOCK followed by held blocks. A slid block goes back like 
 sequence's: with prefix caching it keeps its hash in the free queue. A prefix hit is then valid
 only where every block its first new token can see is cached (``cached_prefix``); the blocks
 before that window are not taken at all.
+
+KV groups (``windows``: one window per group, engine/backends/kv_groups.py): a model whose layers
+attend differently keeps one page table per group for each sequence (``Sequence.block_table``
+is group 0's, ``Sequence.group_tables`` the others'), all of one length, drawn from one pool: a
+block id belongs to one group at a time. Each sliding group slides with its own window; the
+full-attention groups keep every block. A prefix hit is then the longest prefix whose blocks
+each group's first new token can see are all cached (``cached_prefix``), every group's own.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
-from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.core.block_checks import check_pool
+from engine.core.block_hash import NO_PARENT, BlockKey, hash_block
+from engine.core.sequence import PENDING_TOKEN, Sequence
 from engine.core.window_blocks import (
     NO_BLOCK,
     first_visible_block,
     hidden_loads,
     peak_blocks,
+    prefix_ok,
     window_prefix,
 )
 from engine.utils import cdiv
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
-
-
-NO_PARENT = -1  # the first block's parent in the hash: no hash is -1 (Python reserves it)
-
-
-def hash_block(parent_hash: int | None, tokens: Iterable[int]) -> int:
-    """A full block's hash: it chains the parent's, so equal hashes mean equal prefixes.
-
-    Python's 64-bit hash of a tuple of ints: the same in every process of one Python version
-    (the KV tiers' files outlive the process), so the first block's missing parent enters as
-    NO_PARENT, not None (whose hash is its address before Python 3.12). A collision would
-    reuse a wrong block, as in vLLM's first versions; the odds are about n^2 / 2^64 for n
-    cached blocks (the tiers check a block's parent and tokens as well).
-    """
-    return hash((NO_PARENT if parent_hash is None else parent_hash, tuple(tokens)))
+__all__ = ["NO_BLOCK", "NO_PARENT", "BlockKey", "BlockManager", "FreeBlockQueue", "hash_block"]
 
 
 class FreeBlockQueue:
@@ -96,11 +91,21 @@ class FreeBlockQueue:
         del self._blocks[block]
 
 
+class GroupHits(list):
+    """A grouped pool's prefix hits: group 0's blocks (a list, as a one-group pool's hits are),
+    every group's in ``tables``."""
+
+    def __init__(self, tables: list[list[int]]):
+        super().__init__(tables[0])
+        self.tables = tables
+
+
 class BlockManager:
     """``connector``: the KV tiers under the prefix cache (engine/kv_offload), or None: an
     evicted cached block some tier lacks is then kept for the step's forward to store.
     ``window``: the sliding window every layer has (0: none, or not every layer slides the
-    same), whose hidden blocks ``slide`` gives back."""
+    same), whose hidden blocks ``slide`` gives back. ``windows``: a grouped model's window of
+    each KV group (0: full attention), instead of ``window``."""
 
     def __init__(
         self,
@@ -110,29 +115,65 @@ class BlockManager:
         enable_caching=False,
         connector=None,
         window: int = 0,
+        windows: tuple[int, ...] = (),
     ):
-        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0 or window < 0:
+        windows = tuple(windows) or (window,)
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0 or min(windows) < 0:
             raise ValueError(
                 f"BlockManager: need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0, "
-                f"window >= 0, got {num_blocks}, {block_size}, {num_cpu_blocks}, {window}"
+                f"windows >= 0, got {num_blocks}, {block_size}, {num_cpu_blocks}, {windows}"
             )
         if enable_caching and num_cpu_blocks:
             raise ValueError("BlockManager: prefix caching does not support swap (CPU) blocks")
+        if connector is not None and len(windows) > 1:
+            raise ValueError("BlockManager: the KV tiers do not store a grouped model's blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_caching = enable_caching
-        self.window = window
+        self._windows = windows  # per KV group: its sliding window (0: full attention)
+        self.num_groups = len(windows)
+        self.window = windows[0] if len(windows) == 1 else 0  # one group's window
         self.free_blocks = FreeBlockQueue(range(num_blocks), lifo=not enable_caching)
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))
-        self.ref_counts = [0] * num_blocks  # live sequences whose table holds the block
-        self.cached: dict[int, int] = {}  # block hash -> block id (in use, or free and cached)
+        self.ref_counts = [0] * num_blocks  # live sequences' tables that hold the block
+        self.caches: list[dict[int, int]] = [{} for _ in windows]  # per group: hash -> block id
+        self.cached = self.caches[0]  # group 0's (the only one of a one-group pool)
         self.block_hash: dict[int, int] = {}  # cached block id -> its hash
         self.block_keys: dict[int, BlockKey] = {}  # cached block id -> what its hash hashed
+        self.block_group: dict[int, int] = {}  # cached block id of a group > 0 -> its group
         # KV tiers under the cache (engine/kv_offload): evicted blocks some tier lacks wait in
         # ``evicted`` for the step's forward to store their bytes first
         self.connector = connector
         self.evicted: list[tuple[int, int, BlockKey]] = []  # (block id, hash, key)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each KV group's sliding window (0: full attention); one group's is ``window``."""
+        return (self.window,) if self.num_groups == 1 else self._windows
+
+    @property
+    def slides(self) -> bool:
+        """Whether some group gives back blocks as its sequences advance (``slide``)."""
+        return any(self.windows)
+
+    # -- page tables ----------------------------------------------------------------------------
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's page table of each group (group 0's is seq.block_table)."""
+        rest = seq.group_tables
+        if len(rest) + 1 != self.num_groups:
+            rest = [[] for _ in range(self.num_groups - 1)]
+        return [seq.block_table, *rest]
+
+    def cpu_tables(self, seq: Sequence) -> list[list[int]]:
+        rest = seq.cpu_group_tables
+        if len(rest) + 1 != self.num_groups:
+            rest = [[] for _ in range(self.num_groups - 1)]
+        return [seq.cpu_block_table, *rest]
+
+    def _set_tables(self, seq: Sequence, tables: list[list[int]]) -> None:
+        seq.block_table, seq.group_tables = tables[0], tables[1:]
 
     # -- GPU pool -------------------------------------------------------------------------------
 
@@ -148,9 +189,9 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """New blocks to cover positions < num_computed_tokens + num_new_tokens."""
+        """New blocks (every group's) to cover positions < num_computed_tokens + num_new_tokens."""
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
+        return max(0, total - len(seq.block_table)) * self.num_groups
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
         """Room for num_new_tokens more tokens of seq, after it takes the cached blocks ``hits``
@@ -159,26 +200,39 @@ class BlockManager:
             return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
         assert not seq.block_table, "cache hits only for a sequence that holds no blocks"
         total = self.blocks_for_tokens(len(hits) * self.block_size + num_new_tokens)
-        revived = sum(b != NO_BLOCK and self.ref_counts[b] == 0 for b in hits)
-        return total - len(hits) + revived <= len(self.free_blocks)
+        groups = hits.tables if isinstance(hits, GroupHits) else [hits]
+        revived = sum(b != NO_BLOCK and self.ref_counts[b] == 0 for t in groups for b in t)
+        return (total - len(hits)) * self.num_groups + revived <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Grow seq.block_table to hold num_new_tokens more tokens; returns the new block ids."""
+        """Grow every group's table of seq to hold num_new_tokens more tokens; returns the new
+        block ids (group after group)."""
         n = self.blocks_needed(seq, num_new_tokens)
         assert n <= len(self.free_blocks), f"allocate: need {n} blocks, {self.num_free_blocks} free"
-        new = [self._take_free() for _ in range(n)]
-        seq.block_table.extend(new)
+        if self.num_groups == 1:
+            new = [self._take_free() for _ in range(n)]
+            seq.block_table.extend(new)
+            return new
+        tables, new = self.tables(seq), []
+        for table in tables:
+            grown = [self._take_free() for _ in range(n // self.num_groups)]
+            table.extend(grown)
+            new += grown
+        self._set_tables(seq, tables)
         return new
 
     def free(self, seq: Sequence) -> None:
-        """Every block of seq (GPU and CPU) back to its free queue once no other sequence holds
-        it, in reverse table order: reused in table order (LIFO), or evicted tail first (LRU)."""
-        for block in reversed(seq.block_table):
-            if block != NO_BLOCK:
-                self._release(block)
-        self.free_cpu_blocks.extend(b for b in seq.cpu_block_table if b != NO_BLOCK)
-        seq.block_table = []
-        seq.cpu_block_table = []
+        """Every block of seq (GPU and CPU, every group) back to its free queue once no other
+        sequence holds it, in reverse table order: reused in table order (LIFO), or evicted tail
+        first (LRU)."""
+        for table in reversed(self.tables(seq)):
+            for block in reversed(table):
+                if block != NO_BLOCK:
+                    self._release(block)
+        for table in self.cpu_tables(seq):
+            self.free_cpu_blocks.extend(b for b in table if b != NO_BLOCK)
+        seq.block_table, seq.group_tables = [], []
+        seq.cpu_block_table, seq.cpu_group_tables = [], []
         seq.num_cached_blocks = 0
 
     def trim(self, seq: Sequence) -> None:
@@ -187,12 +241,13 @@ class BlockManager:
         keep = self.blocks_for_tokens(seq.num_tokens)
         if len(seq.block_table) <= keep:
             return
-        extra = seq.block_table[keep:]
-        # a new list: page-table copies keyed on the list (ModelRunner's) see it was replaced
-        seq.block_table = seq.block_table[:keep]
-        for block in reversed(extra):
-            assert block not in self.block_hash, f"lookahead block {block} is cached"
-            self._release(block)
+        tables = self.tables(seq)
+        # new lists: page-table copies keyed on the list (ModelRunner's) see it was replaced
+        self._set_tables(seq, [t[:keep] for t in tables])
+        for table in tables:
+            for block in reversed(table[keep:]):
+                assert block not in self.block_hash, f"lookahead block {block} is cached"
+                self._release(block)
 
     # -- sliding window -------------------------------------------------------------------------
 
@@ -200,7 +255,9 @@ class BlockManager:
         return first_visible_block(pos, self.window, self.block_size)
 
     def peak_blocks(self, num_tokens: int, step_tokens: int) -> int:
-        return peak_blocks(num_tokens, step_tokens, self.window, self.block_size)
+        """The most blocks (every group's) a sequence holds at once (``peak_blocks``)."""
+        bs = self.block_size
+        return sum(peak_blocks(num_tokens, step_tokens, w, bs) for w in self.windows)
 
     def skip_hidden_loads(self, hits: list[int], num_loads: int) -> tuple[list[int], int]:
         """Sliding window: (the prefix hits as taken, how many of the KV tiers' ``num_loads``
@@ -210,31 +267,41 @@ class BlockManager:
         return ([NO_BLOCK] * (len(hits) + skip) if skip else hits), skip
 
     def held_blocks(self, seq: Sequence) -> int:
-        """The pool blocks seq's page table holds (NO_BLOCK entries are not)."""
-        return sum(b != NO_BLOCK for b in seq.block_table)
+        """The pool blocks seq's page tables hold (NO_BLOCK entries are not)."""
+        return sum(b != NO_BLOCK for t in self.tables(seq) for b in t)
 
     def slide(self, seq: Sequence) -> None:
         """Sliding window: seq's blocks that no query from its ``num_computed_tokens`` on can
-        see back to the free queue (tail first, as ``free``); their entries become NO_BLOCK in
-        a new table list (ModelRunner's page-table copies see it was replaced)."""
-        table = seq.block_table
-        n = min(self.first_visible_block(seq.num_computed_tokens), len(table))
-        if n == 0 or table[n - 1] == NO_BLOCK:
+        see, in each sliding group, back to the free queue (tail first, as ``free``); their
+        entries become NO_BLOCK in a new table list (ModelRunner's page-table copies see it was
+        replaced)."""
+        if self.num_groups == 1:
+            seq.block_table = self._slide(seq.block_table, seq.num_computed_tokens, self.window)
             return
+        tables = self.tables(seq)
+        pos = seq.num_computed_tokens
+        self._set_tables(
+            seq, [self._slide(t, pos, w) for t, w in zip(tables, self.windows, strict=True)]
+        )
+
+    def _slide(self, table: list[int], pos: int, window: int) -> list[int]:
+        n = min(first_visible_block(pos, window, self.block_size), len(table))
+        if n == 0 or table[n - 1] == NO_BLOCK:
+            return table
         table = list(table)
         for i in range(n - 1, -1, -1):
             if table[i] == NO_BLOCK:
                 break
             self._release(table[i])
             table[i] = NO_BLOCK
-        seq.block_table = table
+        return table
 
     def _take_free(self) -> int:
         """The head of the free queue, its cache entry (if any) evicted; ref 1."""
         block = self.free_blocks.popleft()
         h = self.block_hash.pop(block, None)
         if h is not None:  # evict: the least recently freed cached block goes first
-            del self.cached[h]
+            del self.caches[self.block_group.pop(block, 0)][h]
             key = self.block_keys.pop(block)
             if self.connector is not None and self.connector.missing(h):
                 self.evicted.append((block, h, key))
@@ -267,20 +334,39 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest run of cached full blocks that starts seq's tokens, capped so
-        that at least its last token is still computed (its logits are needed); [] when off."""
+        that at least its last token is still computed (its logits are needed); [] when off.
+        A grouped pool's: a GroupHits, the longest prefix every group can start from."""
         if not self.enable_caching or seq.block_table:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(seq)[:limit]
+        if self.num_groups > 1:
+            return self._group_prefix(hashes)
         if self.window:
-            blocks = [self.cached.get(h) for h in self.block_hashes(seq)[:limit]]
+            blocks = [self.cached.get(h) for h in hashes]
             return window_prefix(blocks, self.window, self.block_size)
         hits = []
-        for h in self.block_hashes(seq)[:limit]:
+        for h in hashes:
             block = self.cached.get(h)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def _group_prefix(self, hashes: list[int]) -> GroupHits | list:
+        """The longest prefix whose blocks each group's first new token sees are cached in that
+        group (a full group: all of them); NO_BLOCK before a sliding group's window."""
+        bs = self.block_size
+        groups = [[cache.get(h) for h in hashes] for cache in self.caches]
+        ok = [prefix_ok(blocks, w, bs) for blocks, w in zip(groups, self.windows, strict=True)]
+        best = max(k for k in range(len(hashes) + 1) if all(o[k] for o in ok))
+        if best == 0:
+            return []
+        tables = []
+        for blocks, w in zip(groups, self.windows, strict=True):
+            first = first_visible_block(best * bs, w, bs)
+            tables.append([NO_BLOCK] * first + blocks[first:best])
+        return GroupHits(tables)
 
     def tier_prefix(self, seq: Sequence, start: int) -> list:
         """The blocks of seq's prompt after its first ``start`` full blocks (those the pool
@@ -299,22 +385,23 @@ class BlockManager:
         return evicted
 
     def take_cached(self, seq: Sequence, hits: list[int]) -> None:
-        """Start seq's table with the cached blocks ``hits`` (ref += 1; revived if free)."""
+        """Start seq's tables with the cached blocks ``hits`` (ref += 1; revived if free)."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        for block in hits:
+        tables = hits.tables if isinstance(hits, GroupHits) else [hits]
+        for block in (b for t in tables for b in t):
             if block == NO_BLOCK:  # before the window of the first new token: not taken
                 continue
             if self.ref_counts[block] == 0:
                 self.free_blocks.remove(block)
             self.ref_counts[block] += 1
-        seq.block_table = list(hits)
+        self._set_tables(seq, [list(t) for t in tables])
         seq.num_cached_blocks = len(hits)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register seq's blocks that are full within its first num_tokens tokens: those computed
-        once the step being scheduled has run. A block only partly computed by then is not
-        registered. A hash already cached keeps its first block; this copy stays unshared and
-        uncached."""
+        """Register seq's blocks (every group's) that are full within its first num_tokens
+        tokens: those computed once the step being scheduled has run. A block only partly
+        computed by then is not registered. A hash already cached keeps its first block; this
+        copy stays unshared and uncached."""
         if not self.enable_caching:
             return
         full = num_tokens // self.block_size
@@ -322,16 +409,20 @@ class BlockManager:
             return
         hashes = self.block_hashes(seq)
         full = min(full, len(hashes))  # a block that ends in a pending token waits for its id
-        for i in range(seq.num_cached_blocks, full):
-            block, h = seq.block_table[i], hashes[i]
-            if block != NO_BLOCK and h not in self.cached and block not in self.block_hash:
-                self._register(block, h, self.block_key(seq, i))
+        tables = self.tables(seq) if self.num_groups > 1 else [seq.block_table]
+        for g, (table, cache) in enumerate(zip(tables, self.caches, strict=True)):
+            for i in range(seq.num_cached_blocks, full):
+                block, h = table[i], hashes[i]
+                if block != NO_BLOCK and h not in cache and block not in self.block_hash:
+                    self._register(block, h, self.block_key(seq, i), g)
         seq.num_cached_blocks = full
 
-    def _register(self, block: int, h: int, key: BlockKey) -> None:
-        self.cached[h] = block
+    def _register(self, block: int, h: int, key: BlockKey, group: int = 0) -> None:
+        self.caches[group][h] = block
         self.block_hash[block] = h
         self.block_keys[block] = key
+        if group:
+            self.block_group[block] = group
 
     # -- swapping -------------------------------------------------------------------------------
 
@@ -339,35 +430,42 @@ class BlockManager:
         return self.held_blocks(seq) <= len(self.free_cpu_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move seq's blocks to CPU blocks (a NO_BLOCK entry stays one); returns
+        """Move seq's blocks (every group's) to CPU blocks (a NO_BLOCK entry stays one); returns
         (gpu_block, cpu_block) copy pairs."""
         assert self.can_swap_out(seq), "swap_out: not enough free CPU blocks"
-        table = seq.block_table
-        cpu = [NO_BLOCK if b == NO_BLOCK else self.free_cpu_blocks.popleft() for b in table]
-        for gpu in reversed(table):
-            if gpu != NO_BLOCK:
-                self._release(gpu)
-        seq.cpu_block_table = cpu
-        seq.block_table = []
-        return [(g, c) for g, c in zip(table, cpu, strict=True) if g != NO_BLOCK]
+        pairs, cpu_tables = [], []
+        for table in self.tables(seq):
+            cpu = [NO_BLOCK if b == NO_BLOCK else self.free_cpu_blocks.popleft() for b in table]
+            for gpu in reversed(table):
+                if gpu != NO_BLOCK:
+                    self._release(gpu)
+            pairs += [(g, c) for g, c in zip(table, cpu, strict=True) if g != NO_BLOCK]
+            cpu_tables.append(cpu)
+        seq.cpu_block_table, seq.cpu_group_tables = cpu_tables[0], cpu_tables[1:]
+        seq.block_table, seq.group_tables = [], []
+        return pairs
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
         """Room for seq's swapped blocks plus any new ones its next num_new_tokens need."""
         cpu = seq.cpu_block_table
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        held = sum(b != NO_BLOCK for b in cpu)
-        return held + max(0, total - len(cpu)) <= len(self.free_blocks)
+        held = sum(b != NO_BLOCK for t in self.cpu_tables(seq) for b in t)
+        return held + max(0, total - len(cpu)) * self.num_groups <= len(self.free_blocks)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move seq's blocks back to GPU blocks; returns (cpu_block, gpu_block) copy pairs."""
-        cpu = seq.cpu_block_table
-        held = [b for b in cpu if b != NO_BLOCK]
+        cpu_tables = self.cpu_tables(seq)
+        held = [b for t in cpu_tables for b in t if b != NO_BLOCK]
         assert len(held) <= len(self.free_blocks), "swap_in: not enough free blocks"
-        gpu = [NO_BLOCK if b == NO_BLOCK else self._take_free() for b in cpu]
+        pairs, tables = [], []
+        for cpu in cpu_tables:
+            gpu = [NO_BLOCK if b == NO_BLOCK else self._take_free() for b in cpu]
+            pairs += [(c, g) for c, g in zip(cpu, gpu, strict=True) if c != NO_BLOCK]
+            tables.append(gpu)
         self.free_cpu_blocks.extend(held)
-        seq.block_table = gpu
-        seq.cpu_block_table = []
-        return [(c, g) for c, g in zip(cpu, gpu, strict=True) if c != NO_BLOCK]
+        self._set_tables(seq, tables)
+        seq.cpu_block_table, seq.cpu_group_tables = [], []
+        return pairs
 
     # -- invariants -----------------------------------------------------------------------------
 
@@ -378,8 +476,9 @@ class BlockManager:
         releasing: list[Sequence] = (),
     ) -> None:
         """Every block free (ref 0) or held by live sequences (ref = how many hold it; exactly
-        one without prefix caching); free + used = total; tables sized to their tokens; every
-        cached hash names a block whose tokens hash to it, and no sequence writes into one.
+        one without prefix caching); free + used = total; each group's tables sized to their
+        tokens and a block in one group at a time; every cached hash names a block whose tokens
+        hash to it, and no sequence writes into one.
 
         Between schedule and update, ``scheduled`` maps seq_id -> tokens the step computes (a
         registered block must be computed once the step has run), and ``releasing`` holds the
@@ -387,101 +486,4 @@ class BlockManager:
 
         Raises AssertionError (kept under ``python -O``) naming the first broken rule.
         """
-        holders = list(seqs) + list(releasing)
-        gpu_tables = [[b for b in s.block_table if b != NO_BLOCK] for s in holders]
-        cpu_tables = [[b for b in s.cpu_block_table if b != NO_BLOCK] for s in holders]
-        if not self.enable_caching:
-            _check_pool("GPU", self.num_blocks, self.free_blocks, gpu_tables)
-        _check_pool("CPU", self.num_cpu_blocks, self.free_cpu_blocks, cpu_tables)
-        for seq in seqs:
-            self._check_seq(seq)
-        self._check_refs(gpu_tables)
-        self._check_cache(holders, scheduled or {})
-
-    def _check_refs(self, tables: list[list[int]]) -> None:
-        """ref == number of tables holding the block; the free ones (ref 0) and the held ones
-        partition the pool."""
-        held = Counter(b for table in tables for b in table)
-        free = set(self.free_blocks)
-        _require(all(len(set(t)) == len(t) for t in tables), "GPU: a table holds a block twice")
-        _require(not free & held.keys(), "GPU: a block is free and held at once")
-        _require(
-            len(free) + len(held) == self.num_blocks
-            and free | held.keys() == set(range(self.num_blocks)),
-            f"GPU: free ({len(free)}) + used ({len(held)}) != total ({self.num_blocks}), "
-            "or a block leaked",
-        )
-        for block, ref in enumerate(self.ref_counts):
-            _require(ref == held[block], f"GPU: block {block}: ref {ref}, {held[block]} holders")
-
-    def _check_cache(self, seqs: list[Sequence], scheduled: dict[int, int]) -> None:
-        """The hash map and each block's hash agree, and match the tokens that made them."""
-        _require(len(self.block_hash) == len(self.cached), "cache: map and block hashes differ")
-        for h, block in self.cached.items():
-            _require(self.block_hash.get(block) == h, f"cache: block {block} is not under its hash")
-            _require(hash_block(*self.block_keys[block]) == h, f"cache: block {block}'s key")
-        bs = self.block_size
-        for seq in seqs:
-            chain, parent, ids = [], seq.hash_root, seq.token_ids
-            for i in range(seq.num_tokens // bs):
-                parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
-                chain.append(parent)
-            _require(seq.block_hashes == chain[: len(seq.block_hashes)], f"{seq}: wrong hashes")
-            computed = seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)  # after the step
-            _require(
-                seq.num_cached_blocks <= computed // bs,
-                f"{seq}: registered blocks that are not computed",
-            )
-            for i, block in enumerate(seq.block_table):
-                if block == NO_BLOCK:
-                    continue
-                if i < seq.num_cached_blocks and block in self.block_hash:
-                    _require(self.block_hash[block] == chain[i], f"{seq}: block {block} hash")
-                else:  # this seq still writes the block: nobody else may hold it
-                    _require(block not in self.block_hash, f"{seq} writes cached block {block}")
-                    _require(self.ref_counts[block] == 1, f"{seq} writes shared block {block}")
-
-    def _check_seq(self, seq: Sequence) -> None:
-        held = len(seq.block_table) + len(seq.cpu_block_table)
-        if seq.is_finished:
-            _require(held == 0, f"{seq} is finished but holds blocks")
-            return
-        table = seq.block_table or seq.cpu_block_table
-        gone = table.count(NO_BLOCK)
-        _require(
-            table[:gone] == [NO_BLOCK] * gone,
-            f"{seq}: a NO_BLOCK entry after a held block",
-        )
-        _require(
-            gone <= self.first_visible_block(seq.num_computed_tokens),
-            f"{seq}: gave back a block that a query from token {seq.num_computed_tokens} sees",
-        )
-        _require(not (seq.block_table and seq.cpu_block_table), f"{seq} holds GPU and CPU blocks")
-        _require(held <= self.blocks_for_tokens(seq.num_tokens), f"{seq} holds too many blocks")
-        _require(
-            held >= self.blocks_for_tokens(seq.num_computed_tokens),
-            f"{seq} has fewer blocks than its {seq.num_computed_tokens} computed tokens need",
-        )
-        if seq.status == SequenceStatus.WAITING:
-            _require(held == 0 and seq.num_computed_tokens == 0, f"{seq} waits with cache state")
-        if seq.status == SequenceStatus.SWAPPED:
-            _require(not seq.block_table, f"{seq} is swapped but holds GPU blocks")
-        if seq.status == SequenceStatus.RUNNING:
-            _require(not seq.cpu_block_table, f"{seq} is running but holds CPU blocks")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise AssertionError(message)
-
-
-def _check_pool(name: str, total: int, free: deque[int], tables: list[list[int]]) -> None:
-    """Free blocks and owned blocks partition range(total), with no block listed twice."""
-    owned = [b for table in tables for b in table]
-    everything = list(free) + owned
-    _require(len(set(free)) == len(free), f"{name}: a block is twice in the free queue")
-    _require(len(set(owned)) == len(owned), f"{name}: a block is owned twice")
-    _require(
-        len(everything) == total and set(everything) == set(range(total)),
-        f"{name}: free ({len(free)}) + used ({len(owned)}) != total ({total}), or a block leaked",
-    )
+        check_pool(self, seqs, scheduled or {}, releasing)

@@ -35,6 +35,7 @@ import weakref
 import numpy as np
 
 from engine import tracing
+from engine.backends.kv_groups import KVGroups, model_groups
 from engine.config import EngineConfig
 from engine.core.async_step import InFlight, can_overlap
 from engine.core.block_manager import BlockManager
@@ -95,7 +96,8 @@ class EngineCore:
         # the backends hold their own packed copies: the loaded arrays go (unless the caller
         # keeps them), so a run's memory is its packed weights, not those plus the file's
         self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
-        self.kv_plan = plan_kv_cache(cfg, self.backend, draft, mc.uniform_window)
+        self.kv_groups = self._groups(tiers)
+        self.kv_plan = plan_kv_cache(cfg, self.backend, draft, self.kv_groups)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.spec = Speculator(cfg, draft, self.kv_plan.num_draft_blocks)
@@ -108,7 +110,7 @@ class EngineCore:
             num_cpu_blocks,
             enable_caching=cfg.enable_prefix_caching,
             connector=self.connector,
-            window=mc.uniform_window,
+            windows=self.kv_groups.windows,
         )
         self.scheduler = Scheduler(cfg, self.block_manager, lora=self.lora)
         self.eos_token_ids = model_eos_ids(self.loaded)
@@ -132,16 +134,35 @@ class EngineCore:
         self._apply = self.updater.update_pooled if pooling else self.updater.update
         self.in_flight: InFlight | None = None  # async scheduling: the step launched last
         # a sequence this long would be rejected by the scheduler: read its pending token first
-        # (with a sliding window every layer has, a sequence holds only its window's blocks)
-        longest = num_blocks * cfg.block_size if not mc.uniform_window else cfg.max_model_len
-        self._longest_ok = min(cfg.max_model_len, longest)
+        # (with sliding windows, a sequence holds only its windows' blocks in those groups)
+        self._longest_ok = longest_fitting(self.block_manager, cfg.max_model_len)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
+
+    def _groups(self, tiers) -> KVGroups:
+        """The model's KV groups, handed to the backend when there are several; one group of
+        every layer where the backend, tensor or pipeline parallelism or the KV tiers do not
+        run groups (the tiers store every layer of a block)."""
+        cfg, mc = self.config, self.model_config
+        ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        why = (
+            f"backend {self.backend.name!r}" if not self.backend.supports_kv_groups
+            else "tensor/pipeline parallelism" if ranks > 1
+            else "the KV tiers" if tiers
+            else None
+        )  # fmt: skip
+        groups = model_groups(mc, enabled=False if why else None)
+        if why and model_groups(mc).grouped:
+            log.info("KV groups off (%s): every block of every layer is kept", why)
+        if groups.grouped:
+            self.backend.use_kv_groups(groups)
+        return groups
 
     def _make_runner(self, score) -> ModelRunner:
         """The generating runner, or with runner='pooling' the pooling one (``score``: a
         classifier's (L, D) head, kept on the host in float64)."""
         parts = (self.model_config, self.config, self.backend, self.sampler, self.record_logits)
-        kw = dict(lora=self.lora, connector=self.connector)
+        groups = self.kv_groups if self.kv_groups.grouped else None
+        kw = dict(lora=self.lora, connector=self.connector, kv_groups=groups)
         if self.config.runner != "pooling":
             return ModelRunner(*parts, **kw)
         head = None if score is None else np.asarray(score, np.float64)  # (L, D)
@@ -313,3 +334,12 @@ def close_tiers(connector: KVConnector, bm: BlockManager, backend, batch: int = 
             connector.save_pool_blocks(backend, todo[i : i + batch])
     finally:
         connector.close()
+
+
+def longest_fitting(bm: BlockManager, max_model_len: int) -> int:
+    """The longest sequence (at most max_model_len) whose blocks at a decode step fit the pool."""
+    lo, hi = 0, max_model_len  # lo fits (or is 0), hi + 1 does not or is past the limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if bm.peak_blocks(mid, 1) <= bm.num_blocks else (lo, mid - 1)
+    return lo

@@ -18,6 +18,11 @@ tokens, capped so that the three together take at most ``HOST_RAM_FRACTION`` of 
 RAM. The host KV tier under the prefix cache (``kv_offload_bytes``) is host memory taken as the
 swap pool is. An explicit ``num_gpu_blocks``, ``memory_budget_bytes`` or ``swap_space`` that
 does not fit the memory there is is a ValueError naming it, never a MemoryError.
+
+A model whose layers attend differently (KV groups, engine/backends/kv_groups.py) has blocks of
+G layers, not L: ``bytes_per_block`` is G layers', a sequence holds each group's blocks
+(``seq_blocks`` sums them: a sliding group holds only its window's), and an explicit
+``num_gpu_blocks`` (blocks of every layer) becomes num_gpu_blocks x L / G blocks, the same bytes.
 """
 
 from __future__ import annotations
@@ -101,25 +106,26 @@ def _draft_sizes(cfg: EngineConfig, draft) -> _DraftSizes:
     return sizes
 
 
-def seq_blocks(cfg: EngineConfig, window: int = 0) -> int:
-    """The most blocks one sequence holds at once: those of max_model_len tokens, or with a
-    sliding window every layer has (``window`` > 0) those of the window before a step (one
-    more, block-aligned) and of the step's tokens (the engine gives back the blocks before)."""
+def seq_blocks(cfg: EngineConfig, windows: tuple[int, ...] = (0,)) -> int:
+    """The most blocks one sequence holds at once, summed over the KV groups (``windows``: each
+    group's sliding window, 0: full attention): those of max_model_len tokens, or with a
+    sliding window those of the window before a step (one more, block-aligned) and of the
+    step's tokens (the engine gives back the blocks before)."""
     full = cdiv(cfg.max_model_len, cfg.block_size)
-    if not window:
-        return full
     step = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-    return min(full, cdiv(window - 1 + step, cfg.block_size) + 1)
+    return sum(min(full, cdiv(w - 1 + step, cfg.block_size) + 1) if w else full for w in windows)
 
 
-def plan_kv_cache(cfg: EngineConfig, backend, draft=None, window: int = 0) -> KVPlan:
+def plan_kv_cache(cfg: EngineConfig, backend, draft=None, groups=None) -> KVPlan:
     """The pools (GPU blocks, CPU swap blocks, and with a ``draft`` backend its blocks),
-    checked to fit; logs the arithmetic. ``window``: the sliding window every layer of the
-    model has (0: none), which bounds the blocks a sequence holds (``seq_blocks``).
+    checked to fit; logs the arithmetic. ``groups``: the model's KVGroups (None: one group of
+    full attention), whose windows bound the blocks a sequence holds (``seq_blocks``).
 
     A pool too small for one ``max_model_len`` sequence, or a plan larger than the memory there
     is, is a ValueError naming the field to change."""
     d = _draft_sizes(cfg, draft)
+    windows = (0,) if groups is None else groups.windows
+    cfg = _grouped_blocks(cfg, groups)
     per_block = backend.bytes_per_block
     # no swap with prefix caching (EngineConfig refuses it): no CPU pool either
     num_cpu_blocks = 0 if cfg.enable_prefix_caching else cfg.swap_space_bytes // per_block
@@ -133,7 +139,7 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None, window: int = 0) -> KV
     peak = _activation_peak(cfg, backend)
     both = per_block + d.per_block, peak + d.fixed, backend.weights_bytes + d.weights
     if backend.name in HOST_BACKENDS:
-        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, host, ram, window)
+        num_blocks, room_bytes, room, why = _host_pool(cfg, *both, host, ram, windows)
     else:
         num_blocks, room_bytes, room, why = _device_pool(cfg, backend, *both)
     log.info(
@@ -145,13 +151,27 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None, window: int = 0) -> KV
         backend.name,
         cfg.swap_gib,
     )
-    _log_window(cfg, num_blocks, window)
-    _check_fits(cfg, num_blocks, per_block, window)
+    _log_window(cfg, num_blocks, groups)
+    _check_fits(cfg, num_blocks, per_block, windows)
     sizes = (cfg.block_size, per_block, num_blocks, num_cpu_blocks, backend.weights_bytes, peak)
     num_draft = num_blocks + d.lookahead_blocks if draft is not None else 0
     if draft is not None:
         log.info("# draft blocks: %d (%s)", num_draft, mib(num_draft * d.per_block))
     return KVPlan(*sizes, swap, room_bytes, room, why, num_draft)
+
+
+def _grouped_blocks(cfg: EngineConfig, groups) -> EngineConfig:
+    """``num_gpu_blocks`` counts blocks of every layer (their bytes): a grouped model's pool
+    of G-layer blocks has num_gpu_blocks x L / G of them."""
+    if groups is None or not groups.grouped or not cfg.num_gpu_blocks:
+        return cfg
+    layers = sum(len(ls) for ls in groups.layers)
+    n = cfg.num_gpu_blocks * layers // groups.num_slots
+    log.info(
+        "num_gpu_blocks=%d blocks of %d layers: %d blocks of %d KV slots (the same bytes)",
+        cfg.num_gpu_blocks, layers, n, groups.num_slots,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, num_gpu_blocks=n)
 
 
 def _activation_peak(cfg: EngineConfig, backend) -> int:
@@ -169,7 +189,7 @@ def _activation_peak(cfg: EngineConfig, backend) -> int:
 
 
 def _host_pool(
-    cfg: EngineConfig, per_block: int, peak: int, weights: int, swap: int, ram: int, window: int
+    cfg: EngineConfig, per_block: int, peak: int, weights: int, swap: int, ram: int, windows
 ):
     """(blocks, room bytes, room, why) of a pool in host RAM, such that KV pool + swap pool +
     activation peak fit."""
@@ -185,10 +205,12 @@ def _host_pool(
     elif cfg.memory_budget_bytes:
         num_blocks, why = fit, limit_name
     else:
-        want = cfg.max_num_seqs * seq_blocks(cfg, window)
+        want = cfg.max_num_seqs * seq_blocks(cfg, windows)
         num_blocks = min(want, fit)
         why = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {cfg.max_model_len} tokens"
-        why += f" (sliding window {window}: {seq_blocks(cfg, window)} blocks)" if window else ""
+        if any(windows):
+            kind = f"sliding window {windows[0]}" if len(windows) == 1 else "KV groups"
+            why += f" ({kind}: {seq_blocks(cfg, windows)} blocks)"
         why += f", capped at {limit_name}" if fit < want else ""
     _log_host_plan(cfg, num_blocks * per_block, swap, peak, ram, why, weights)
     room = f"{limit_name} less the swap pool and the activation peak"
@@ -274,12 +296,16 @@ def _check_below(need: int, have: int, what: str, where: str, fix: str = "lower 
         raise ValueError(f"{what} needs {mib(need)}, more than {where} ({mib(have)}); {fix}")
 
 
-def _log_window(cfg: EngineConfig, num_blocks: int, window: int) -> None:
-    """With a sliding window every layer has: what a sequence holds at once, and how many of
-    max_model_len tokens the pool holds together."""
-    if not window:
+def _log_window(cfg: EngineConfig, num_blocks: int, groups) -> None:
+    """With a sliding window every layer has, or KV groups: what a sequence holds at once, and
+    how many of max_model_len tokens the pool holds together."""
+    if groups is None or not any(groups.windows):
         return
-    per_seq, full = seq_blocks(cfg, window), cdiv(cfg.max_model_len, cfg.block_size)
+    if groups.grouped:
+        _log_groups(cfg, num_blocks, groups)
+        return
+    window = groups.windows[0]
+    per_seq, full = seq_blocks(cfg, (window,)), cdiv(cfg.max_model_len, cfg.block_size)
     log.info(
         "sliding window %d on every layer: a sequence holds at most %d blocks at once "
         "(max_num_batched_tokens=%d per step), not %d for max_model_len=%d: the pool holds "
@@ -294,8 +320,29 @@ def _log_window(cfg: EngineConfig, num_blocks: int, window: int) -> None:
     )
 
 
-def _check_fits(cfg: EngineConfig, num_blocks: int, per_block: int, window: int = 0) -> None:
-    need = seq_blocks(cfg, window)
+def _log_groups(cfg: EngineConfig, num_blocks: int, groups) -> None:
+    """A grouped model: its groups, what a sequence holds at once (blocks of G layers) and how
+    many max_model_len sequences the pool holds, against one block of every layer per token."""
+    per_seq, full = seq_blocks(cfg, groups.windows), cdiv(cfg.max_model_len, cfg.block_size)
+    layers = sum(len(ls) for ls in groups.layers)
+    log.info(
+        "%s: a sequence holds at most %d blocks of %d layers at once (max_num_batched_tokens="
+        "%d per step), not %d blocks of %d layers for max_model_len=%d: the pool holds %d "
+        "such sequences, not %d",
+        groups.describe(),
+        per_seq,
+        groups.num_slots,
+        cfg.max_num_batched_tokens,
+        full,
+        layers,
+        cfg.max_model_len,
+        num_blocks // per_seq,
+        num_blocks * groups.num_slots // (full * layers),
+    )
+
+
+def _check_fits(cfg: EngineConfig, num_blocks: int, per_block: int, windows=(0,)) -> None:
+    need = seq_blocks(cfg, windows)
     if num_blocks < need:
         raise ValueError(
             f"KV cache too small: one sequence of max_model_len={cfg.max_model_len} tokens "

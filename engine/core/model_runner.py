@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.backends.base import greedy_ids
-from engine.backends.forward_batch import ForwardBatch, flat_batch
+from engine.backends.forward_batch import ForwardBatch, flat_batch, group_slots
 from engine.core.async_step import InFlight
 from engine.core.sampler import Sampler, plain_greedy, rows_to_sample, top_logprobs
 from engine.core.scheduler import SchedulerOutput
@@ -64,9 +64,11 @@ class BlockTables:
     """Page tables as rows of one (rows, max_blocks) int32 array, -1 padded. A sequence keeps its
     row while it runs; a row is rewritten only where its sequence's table grew (blocks are only
     appended) or was replaced (freed, swapped, taken from the prefix cache). When every row is
-    taken, the rows of sequences no longer scheduled are dropped."""
+    taken, the rows of sequences no longer scheduled are dropped. ``group`` > 0: the page tables
+    of that KV group (``Sequence.group_tables``), not group 0's (``Sequence.block_table``)."""
 
-    def __init__(self, num_rows: int, max_blocks: int):
+    def __init__(self, num_rows: int, max_blocks: int, group: int = 0):
+        self.group = group
         self.table = np.full((num_rows, max_blocks), -1, dtype=np.int32)  # (R, max_blocks)
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.src: list[list[int] | None] = [None] * num_rows  # the table each row copies
@@ -76,9 +78,10 @@ class BlockTables:
         """(B,) the row of each sequence, its page table synced into it."""
         if len(self.row_of) + len(seqs) > len(self.src):
             self._drop_all_but(seqs)
-        row_of, src, lens, rows = self.row_of, self.src, self.lens, []
+        row_of, src, lens, rows, g = self.row_of, self.src, self.lens, [], self.group
         for seq in seqs:
-            row, table = row_of.get(seq.seq_id), seq.block_table
+            row = row_of.get(seq.seq_id)
+            table = seq.group_tables[g - 1] if g else seq.block_table
             if row is not None and src[row] is table and lens[row] == len(table):
                 rows.append(row)  # in sync: the common case (a decode in its last block)
             else:
@@ -89,7 +92,8 @@ class BlockTables:
         row = self.row_of.get(seq.seq_id)
         if row is None:
             row = self.row_of[seq.seq_id] = len(self.row_of)
-        table, done = seq.block_table, self.lens[row]
+        table = seq.group_tables[self.group - 1] if self.group else seq.block_table
+        done = self.lens[row]
         if self.src[row] is not table or done > len(table):  # replaced: the whole row again
             self.src[row], done = table, 0
             self.table[row] = -1
@@ -139,6 +143,7 @@ class ModelRunner:
         *,
         lora=None,
         connector=None,
+        kv_groups=None,
     ):
         self.model_config = model_config
         self.block_size = engine_config.block_size
@@ -149,6 +154,11 @@ class ModelRunner:
         self.lora = lora
         max_blocks = cdiv(engine_config.max_model_len, self.block_size)
         self.block_tables = BlockTables(2 * engine_config.max_num_seqs, max_blocks)
+        # KV groups (a grouped model's KVGroups, else None): the other groups' page tables
+        self.kv_groups = kv_groups
+        n = kv_groups.num_groups if kv_groups is not None else 1
+        rows = 2 * engine_config.max_num_seqs
+        self.group_block_tables = [BlockTables(rows, max_blocks, g) for g in range(1, n)]
 
     def prepare(self, output: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled (seq, num_new_tokens) pairs, decodes first, into one batch."""
@@ -169,13 +179,23 @@ class ModelRunner:
         if self.lora is not None and any(s.lora_id is not None for s in seqs):
             slots = [-1 if s.lora_id is None else s.lora_slot for s in seqs]  # (B,)
             batch.lora_slots = np.repeat(np.asarray(slots, np.int32), q_lens)  # (T,)
+        if self.kv_groups is not None:
+            self._add_groups(batch, seqs, context_lens)
         return batch
 
-    def _block_tables(self, seqs, context_lens: np.ndarray) -> np.ndarray:
+    def _add_groups(self, batch: ForwardBatch, seqs, context_lens: np.ndarray) -> None:
+        """The other KV groups' page tables and slots, and the layer -> (group, slot) map."""
+        tables = [self._block_tables(seqs, context_lens, bt) for bt in self.group_block_tables]
+        batch.kv_groups = self.kv_groups
+        batch.group_tables = tuple(tables)  # (B, max_blocks) each
+        batch.group_slots = tuple(group_slots(batch, t, self.block_size) for t in tables)
+
+    def _block_tables(self, seqs, context_lens: np.ndarray, bt: BlockTables | None = None):
         """(B, max_blocks) each sequence's blocks that hold its first context_lens tokens, -1
-        padded; max_blocks is the most any of them needs."""
+        padded; max_blocks is the most any of them needs. ``bt``: another KV group's."""
+        bt = self.block_tables if bt is None else bt
         needed = (context_lens + self.block_size - 1) // self.block_size  # (B,)
-        tables = self.block_tables.table[self.block_tables.rows(seqs), : needed.max()]
+        tables = bt.table[bt.rows(seqs), : needed.max()]
         tables[np.arange(tables.shape[1]) >= needed[:, None]] = -1
         return tables
 

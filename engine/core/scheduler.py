@@ -14,8 +14,8 @@ is preempted only inside ``schedule()``, before any prompt is admitted and never
 scheduled, and a sequence finished (aborted) between ``schedule()`` and ``update()`` keeps its
 blocks until ``update()``, so the forward still writes them.
 
-Sliding window (every layer slides with one window): each step starts by giving back the running
-sequences' blocks no later query sees (``BlockManager.slide``).
+Sliding windows (every layer's, or each sliding KV group's): each step starts by giving back
+the running sequences' blocks no later query sees (``BlockManager.slide``).
 
 Async scheduling: ``advance()`` replaces ``update()`` once a step is launched (its inputs, page
 tables included, are on the device). It leaves each sampling sequence a pending last token, so
@@ -122,7 +122,7 @@ class Scheduler:
         out = SchedulerOutput()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._drafts = {} if drafts is None else drafts
-        if self.block_manager.window:  # sliding window: blocks no later query sees go back
+        if self.block_manager.slides:  # sliding windows: blocks no later query sees go back
             for seq in self.running:
                 self.block_manager.slide(seq)
         self._schedule_running(step, out)
@@ -275,16 +275,15 @@ class Scheduler:
 
     def _speculate(self, seq: Sequence, step: StepBuilder, out: SchedulerOutput, later: int):
         """Schedule seq's last token and its drafts (taken from this step's) as one row, if the
-        budget and the pool allow it without taking a block that the ``later`` running
-        sequences may need this step (speculation never causes a preemption); else False, and
-        seq decodes as usual."""
+        budget and the pool allow it without taking a block (a KV group's each) that the
+        ``later`` running sequences may need now (speculation never preempts); else False."""
         drafts = self._drafts.pop(seq.seq_id)
         n = min(1 + len(drafts), step.budget)
         bm = self.block_manager
         if seq.num_uncomputed_tokens != 1 or n < 2 or seq.num_tokens > self.config.max_model_len:
             return False
         need, free = bm.blocks_needed(seq, n), bm.num_free_blocks
-        if need > free or (need > bm.blocks_needed(seq, 1) and free - need < later):
+        if need > free or (need > bm.blocks_needed(seq, 1) and free - need < later * bm.num_groups):
             return False  # the plain path decides (and preempts if it must)
         self._allocate(seq, n)
         step.add(seq, n, is_decode=False)

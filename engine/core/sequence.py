@@ -75,6 +75,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []  # GPU block ids, in token order
         self.cpu_block_table: list[int] = []  # CPU block ids while SWAPPED
+        # KV groups (a model whose layers attend differently): block_table is group 0's, these
+        # the other groups' page tables, as long ([] with one group); CPU ones while SWAPPED
+        self.group_tables: list[list[int]] = []
+        self.cpu_group_tables: list[list[int]] = []
         self.num_computed_tokens = 0
         # prefix caching: the chained hashes of its full blocks of tokens (filled lazily), how
         # many of block_table's blocks are registered or reused from the cache, and how many

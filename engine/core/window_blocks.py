@@ -46,3 +46,14 @@ def hidden_loads(num_hits: int, num_loads: int, window: int, bs: int) -> int:
     hit blocks before them not taken either."""
     first = first_visible_block((num_hits + num_loads) * bs, window, bs)
     return max(0, first - num_hits) if num_loads else 0
+
+
+def prefix_ok(blocks: list[int | None], window: int, bs: int) -> list[bool]:
+    """For each prefix length k = 0 .. len(blocks): whether every block the first token after
+    the first k blocks sees is cached (not None); without a window, every block before it."""
+    ok, missing = [True], -1  # missing: the last uncached block so far
+    for i, block in enumerate(blocks):
+        if block is None:
+            missing = i
+        ok.append(missing < first_visible_block((i + 1) * bs, window, bs))
+    return ok
