@@ -125,8 +125,8 @@ class Recorder:
         self._pieces: dict[int, str] = {}  # token id -> its text
         self._speculated: list[_Speculated] = []  # the last step's drafts, seen at the next frame
         self._num_accepted = engine.spec_stats.num_accepted_tokens  # at the last frame
+        engine.recorder = self  # (refused for a core in another process)
         self._experts = engine.backend.expert_tokens()  # a mixture's router counts so far
-        engine.recorder = self
 
     # -- recording ------------------------------------------------------------------------------
 
