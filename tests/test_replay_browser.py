@@ -12,28 +12,19 @@ from __future__ import annotations
 
 import io
 import random
-import shutil
-import tempfile
 import time
 
 import pytest
 from PIL import Image
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.wait import WebDriverWait
 
 from engine.frontend.llm import run_to_completion
 from engine.frontend.recorder import Recorder
+from tests.browser import chromium
 from tests.spies import ScheduleSpy
 from tests.test_recorder import stopped_run
 from tests.utils import make_engine, shared_prefix_workload
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = (
-    "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
-    "--disable-background-networking --disable-component-update --disable-sync "
-    "--window-size=1400,1100"
-).split()
 OWNERS_JS = """return Array.from(document.querySelectorAll(arguments[0] + ' .block'),
     (d) => [+d.dataset.block, d.dataset.owner]);"""
 SCRUB_JS = """const s = document.getElementById('slider'); s.value = arguments[0];
@@ -51,14 +42,7 @@ SPEC_JS = """const s = document.getElementById('slider'), steps = [], struck = n
 
 @pytest.fixture(scope="module")
 def browser():
-    for path in (CHROMIUM, CHROMEDRIVER):
-        assert shutil.which(path), f"{path} missing: apt-get install -y chromium chromium-driver"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tempfile.mkdtemp(prefix='replay-chromium-')}"]:
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+    driver = chromium("replay-chromium-")
     driver.execute_cdp_cmd("Network.enable", {})
     offline = dict(offline=True, latency=0, downloadThroughput=-1, uploadThroughput=-1)
     driver.execute_cdp_cmd("Network.emulateNetworkConditions", offline)

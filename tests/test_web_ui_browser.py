@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 import threading
 import time
 
 import httpx
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.wait import WebDriverWait
 
 from engine.tools.live_server import MODEL, LiveServer
+from tests.browser import chromium
 from tests.scripted import scripted_factory
 from tests.test_reasoning import QWEN3, with_template, with_think_tokens
-from tests.test_replay_browser import CHROMEDRIVER, CHROMIUM, FLAGS
 from tests.utils import patience
 
 HTML_LOOKALIKE = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> & <b>'
@@ -36,14 +32,7 @@ ASSISTANT = "#messages li.assistant"
 
 @pytest.fixture(scope="module")
 def browser():
-    for path in (CHROMIUM, CHROMEDRIVER):
-        assert shutil.which(path), f"{path} missing: apt-get install -y chromium chromium-driver"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tempfile.mkdtemp(prefix='webui-chromium-')}"]:
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+    driver = chromium("webui-chromium-")
     yield driver
     driver.quit()
 
