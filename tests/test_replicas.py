@@ -239,14 +239,17 @@ def test_a_killed_replica_fails_its_requests_is_restarted_and_load_scales_up(ser
         time.sleep(0.5)
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + patience(300)
+    upscaled = False
     while time.monotonic() < deadline:  # the restart and the scale-up start in parallel
         pids, engines = _replica_pids(log), _live_engines(url)
-        if len(pids) == 4 and len(engines) == 3:
+        # (Serve's log line of the decision may reach the file after the replica has started)
+        upscaled = "Upscaling Deployment(name='engine'" in log.read_text()
+        if len(pids) == 4 and len(engines) == 3 and upscaled:
             break
         time.sleep(1.0)
     assert victim in pids and len(pids) == 4, pids
     assert len(engines) == 3, engines
-    assert "Upscaling Deployment(name='engine'" in log.read_text()
+    assert upscaled, "Serve logged no upscaling of the deployment"
 
 
 def test_a_stop_signal_lets_running_requests_finish(server):
