@@ -9,14 +9,17 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.frontend.llm import run_to_completion
-from engine.sampling_params import SamplingParams
 from model_loader.gguf_blocks import ExpertBlocks
 from model_loader.load import load_model
 from model_loader.synthetic import make_tiny_model
-from tests.test_kquants import kinds, q8_0_raw, random_raw, twin_engine
-from tests.test_loaders import gguf_tokenizer_metadata
-from tests.utils import SEED_PROMPTS, make_engine
+from tests.test_kquants import (
+    assert_runs_as_the_float32_file,
+    kinds,
+    q8_0_raw,
+    random_raw,
+    write_twins,
+)
+from tests.utils import make_engine
 
 Q = gguf.GGMLQuantizationType
 D, F, E, TOP_K, HD, VOCAB = 256, 256, 4, 2, 64, 320
@@ -60,28 +63,17 @@ def write_files(tmp_path, model_dir, rng) -> list:
         rows, k = int(np.prod(shape[:-1])), shape[-1]
         raw = q8_0_raw(rng, rows, k) if t == "Q8_0" else random_raw(rng, t, rows, k, 0.004)
         raws[name] = raw.reshape(*shape[:-1], -1)
-    plain, paths = floats(rng), []
-    for kind in ("blocks", "float32"):
-        path = tmp_path / f"{kind}.gguf"
-        w = gguf.GGUFWriter(str(path), "qwen3moe")
+
+    def header(w: gguf.GGUFWriter) -> None:
         w.add_block_count(len(EXPERT_TYPES)), w.add_context_length(512)
         w.add_embedding_length(D), w.add_feed_forward_length(F), w.add_head_count(4)
         w.add_head_count_kv(2), w.add_key_length(HD), w.add_value_length(HD)
         w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-6), w.add_vocab_size(VOCAB)
         w.add_expert_count(E), w.add_expert_used_count(TOP_K)
         w.add_expert_feed_forward_length(F)
-        gguf_tokenizer_metadata(w, model_dir)
-        for name, (t, _) in matrices().items():
-            if kind == "blocks":
-                w.add_tensor(name, raws[name], raw_dtype=Q[t])
-            else:
-                w.add_tensor(name, gguf.quants.dequantize(raws[name], Q[t]))
-        for name, a in plain.items():
-            w.add_tensor(name, a)
-        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
-        w.close()
-        paths.append(path)
-    return paths
+
+    types = {name: t for name, (t, _) in matrices().items()}
+    return write_twins(tmp_path, "qwen3moe", header, model_dir, raws, types, floats(rng))
 
 
 @pytest.fixture(scope="module")
@@ -109,19 +101,4 @@ def test_the_experts_stay_in_the_files_blocks(files):
 
 def test_the_logits_are_the_float32_files(files, monkeypatch):
     blocks, f32 = (load_model(str(p)) for p in files)
-    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-    def run(engine):  # per prompt: (tokens, (steps, V) logits)
-        outs = run_to_completion(engine, SEED_PROMPTS[:3], greedy)
-        return [(o.outputs[0].token_ids, np.stack(o.outputs[0].step_logits)) for o in outs]
-
-    numpy_runs = [run(make_engine(m, backend="numpy", record_logits=True)) for m in (blocks, f32)]
-    for (ta, a), (tb, b) in zip(*numpy_runs, strict=True):
-        assert ta == tb
-        np.testing.assert_array_equal(a, b)
-    cpu = run(make_engine(blocks, backend="cpu", record_logits=True))
-    steps = []  # per step, the largest logit difference over the logits' size
-    for (tc, c), (tt, t) in zip(cpu, run(twin_engine(blocks, monkeypatch)), strict=True):
-        assert tc == tt
-        steps += list(np.abs(c - t).max(axis=1) / np.abs(t).max())
-    assert np.median(steps) < 1e-5 and max(steps) < 0.05, steps
+    assert_runs_as_the_float32_file(blocks, f32, monkeypatch, max_tokens=5)

@@ -97,19 +97,31 @@ def write_files(tmp_path, model_dir, rng):
     norms = [f"blk.{i}.{n}_norm.weight" for i in range(2) for n in ("attn", "ffn")]
     norms = {n: (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32) for n in norms}
     norms["output_norm.weight"] = np.ones(dim, np.float32)
-    paths = []
-    for kind in ("blocks", "float32"):
-        w = gguf.GGUFWriter(str(tmp_path / f"{kind}.gguf"), "llama")
+
+    def header(w: gguf.GGUFWriter) -> None:
         w.add_block_count(2), w.add_context_length(512), w.add_embedding_length(dim)
         w.add_feed_forward_length(ffn), w.add_head_count(4), w.add_head_count_kv(2)
         w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(320)
+
+    types = {name: t for name, (t, _, _) in tensors.items()}
+    return write_twins(tmp_path, "llama", header, model_dir, raws, types, norms)
+
+
+def write_twins(tmp_path, arch: str, header, model_dir, raws: dict, types: dict, plain: dict):
+    """The same weights twice, [blocks.gguf, float32.gguf]: ``raws`` (name -> blocks of the
+    type ``types`` names) as stored in one and dequantized by gguf-py in the other, the float32
+    tensors ``plain`` in both; ``header(writer)`` adds the architecture's keys."""
+    paths = []
+    for kind in ("blocks", "float32"):
+        w = gguf.GGUFWriter(str(tmp_path / f"{kind}.gguf"), arch)
+        header(w)
         gguf_tokenizer_metadata(w, model_dir)
-        for name, (t, _, _) in tensors.items():
+        for name, raw in raws.items():
             if kind == "blocks":
-                w.add_tensor(name, raws[name], raw_dtype=Q[t])
+                w.add_tensor(name, raw, raw_dtype=Q[types[name]])
             else:
-                w.add_tensor(name, gguf.quants.dequantize(raws[name], Q[t]))
-        for name, a in norms.items():
+                w.add_tensor(name, gguf.quants.dequantize(raw, Q[types[name]]))
+        for name, a in plain.items():
             w.add_tensor(name, a)
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
         w.close()
@@ -200,7 +212,14 @@ def test_kquant_logits_equal_a_float32_load_and_the_twin(kquant_files, monkeypat
     greedy tokens and logits to float rounding, a few outlier steps aside (x's rounding is a step
     function: two float orders may round a value near a half differently)."""
     blocks, f32 = (load_model(str(p)) for p in kquant_files)
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert_runs_as_the_float32_file(blocks, f32, monkeypatch, max_tokens=6)
+
+
+def assert_runs_as_the_float32_file(blocks, f32, monkeypatch, max_tokens: int) -> None:
+    """``blocks`` (a file's kept blocks) against ``f32`` (their values in float32) on three
+    prompts: numpy gives the same tokens and bit-equal logits; cpu the tokens and, to float
+    rounding, the logits of a numpy twin that quantizes x as the kernels do."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(engine):  # per prompt: (tokens, (steps, V) logits)
         outs = run_to_completion(engine, SEED_PROMPTS[:3], greedy)
