@@ -118,6 +118,8 @@ class NumpyBackend(Backend):
         return sum(a.nbytes for a in arrays)
 
     def expert_tokens(self) -> list[list[int]] | None:
+        if self.cfg.moe is None:  # (asked after every step: a dense model's answer at once)
+            return None
         layers = [(i, lw.experts) for i, lw in enumerate(self.layers) if lw.experts is not None]
         return [[i, *ex.chosen.tolist()] for i, ex in layers] or None
 

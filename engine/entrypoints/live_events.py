@@ -72,7 +72,7 @@ def step_summary(out, number: int) -> dict:
 def meta(engine) -> dict:
     """What the page draws once: the pool's sizes and the scheduler's limits."""
     cfg, bm = engine.config, engine.block_manager
-    sc = cfg.speculative
+    sc, moe = cfg.speculative, engine.backend.cfg.moe
     return {
         "available": True,
         "model": cfg.model,
@@ -86,15 +86,8 @@ def meta(engine) -> dict:
         "speculative": None
         if sc is None
         else {"method": sc.method, "k": sc.num_speculative_tokens},
-        "experts": None
-        if cfg_moe(engine) is None
-        else {"num": cfg_moe(engine).num_experts, "top_k": cfg_moe(engine).top_k},
+        "experts": None if moe is None else {"num": moe.num_experts, "top_k": moe.top_k},
     }
-
-
-def cfg_moe(engine):
-    """The model's MoeSpec (None: a dense model)."""
-    return engine.backend.cfg.moe
 
 
 def pool_state(engine) -> dict:
