@@ -102,3 +102,18 @@ def test_the_experts_stay_in_the_files_blocks(files):
 def test_the_logits_are_the_float32_files(files, monkeypatch):
     blocks, f32 = (load_model(str(p)) for p in files)
     assert_runs_as_the_float32_file(blocks, f32, monkeypatch, max_tokens=5)
+
+
+def test_tensor_parallel_cuts_of_kept_experts_are_their_values(files):
+    """A rank's units of each kept expert come as float32 values (the stack widened, then cut),
+    never as cut blocks: each rank's experts equal the float32 file's."""
+    from engine.executor.sharding import Shard
+
+    blocks, f32 = (load_model(str(p)) for p in files)
+    for rank in range(2):
+        shard = Shard.of(blocks.config, rank, 2)
+        a = shard.weights(blocks.weights, blocks.config).layers
+        b = shard.weights(f32.weights, f32.config).layers
+        for x, y in zip(a, b, strict=True):
+            for name in ("e_gate", "e_up", "e_down"):
+                np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=name)

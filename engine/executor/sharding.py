@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
-
 from model_loader.config import ModelConfig
 from model_loader.weights import ModelWeights
 
@@ -138,23 +136,21 @@ class Shard:
 
     def _experts(self, lw) -> dict:
         """A sparse layer's cut: each expert's gate and up rows and down columns of this
-        rank's units (a GGUF's kept blocks widened first), the shared expert's likewise; the
-        router and the shared expert's gate whole (every rank routes every token)."""
+        rank's units (a GGUF's kept blocks widened as they are cut), the shared expert's
+        likewise; the router and the shared expert's gate whole (every rank routes every
+        token)."""
         if lw.router is None:
             return {}
-        e, s = (
-            slice(self.expert_ffn.start, self.expert_ffn.stop),
-            slice(self.shared_ffn.start, self.shared_ffn.stop),
-        )
+        e = slice(self.expert_ffn.start, self.expert_ffn.stop)
+        s = slice(self.shared_ffn.start, self.shared_ffn.stop)
         out = {
-            "e_gate": np.asarray(lw.e_gate, np.float32)[:, e].copy(),  # (E, F/n, D)
-            "e_up": np.asarray(lw.e_up, np.float32)[:, e].copy(),
-            "e_down": np.asarray(lw.e_down, np.float32)[:, :, e].copy(),  # (E, D, F/n)
+            "e_gate": lw.e_gate[:, e].copy(),  # (E, F/n, D)
+            "e_up": lw.e_up[:, e].copy(),
+            "e_down": lw.e_down[:, :, e].copy(),  # (E, D, F/n)
         }
         if lw.s_gate is not None:
-            out["s_gate"] = np.asarray(lw.s_gate, np.float32)[s].copy()
-            out["s_up"] = np.asarray(lw.s_up, np.float32)[s].copy()
-            out["s_down"] = np.asarray(lw.s_down, np.float32)[:, s].copy()
+            out |= {"s_gate": lw.s_gate[s].copy(), "s_up": lw.s_up[s].copy()}
+            out["s_down"] = lw.s_down[:, s].copy()
         return out
 
 
