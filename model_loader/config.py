@@ -202,7 +202,11 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json: missing required field {missing[0]!r}")
         n_heads, max_pos = d["num_attention_heads"], d.get("max_position_embeddings", 2048)
-        rope, local = kind_ropes(d, max_pos) if fam.kind_rope else (parse_rope(d, max_pos), None)
+        rope, local = (
+            kind_ropes(d, max_pos)
+            if fam.kind_rope
+            else (parse_rope({"rope_theta": fam.rope_theta, **d}, max_pos), None)
+        )
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -22,6 +22,9 @@ backend and the CUDA kernels:
   mixtral    as mistral, with experts in place of the MLP
   olmoe      RMSNorm of the whole q and k projections (not per head) before RoPE, then q, k
              and v clamped to +-clip_qkv when set; experts in place of the MLP
+  gpt_oss    biases on q, k, v and o; a learned sink logit per head in every softmax; sliding
+             and full layers alternating (layer_types); yarn RoPE; experts with biases and a
+             clamped SwiGLU in place of the MLP
 
 Gemma 2 and 3 ("sandw.": (1 + w) RMSNorm before and after attention and the MLP) also scale
 attention by ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps attention scores and logits,
@@ -37,7 +40,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_loader.gemma import layer_types as gemma_layer_types
-from model_loader.moe import MIXTRAL_KEYS, OLMOE_KEYS, QWEN2_MOE_KEYS, QWEN3_MOE_KEYS
+from model_loader.moe import (
+    GPT_OSS_KEYS,
+    MIXTRAL_KEYS,
+    OLMOE_KEYS,
+    QWEN2_MOE_KEYS,
+    QWEN3_MOE_KEYS,
+)
 
 # Keys read by every family (model_loader.config.ModelConfig.from_hf_dict).
 COMMON_KEYS = {
@@ -180,6 +189,10 @@ class Family:
     window_pattern: int = 0  # window "pattern": every n-th layer full without layer_types
     kind_rope: bool = False  # sliding layers have their own RoPE (model_loader.gemma)
     moe: bool = False  # experts in place of the MLP (model_loader.moe)
+    sinks: bool = False  # a learned per-head logit joins every softmax's denominator, and the
+    #   o projection has a bias (gpt-oss)
+    fixed: dict = None  # FIXED_VALUES entries this family holds to other values
+    rope_theta: float = 10000.0  # rope_theta when config.json names none
     example: str = ""  # a checkpoint of the family
     differs: str = ""  # what differs from Llama, for the docs
 
@@ -334,6 +347,21 @@ FAMILIES = {
             differs="RMSNorm of the whole q and k projections, clip_qkv, experts (top-k of "
             "num_experts) in place of the MLP",
         ),
+        Family(
+            "gpt_oss",
+            ("GptOssForCausalLM",),
+            frozenset(GPT_OSS_KEYS | {"attention_bias", "sliding_window", "layer_types"}),
+            qkv_bias=True,
+            sinks=True,
+            window="pattern",
+            window_pattern=2,
+            moe=True,
+            fixed={"attention_bias": ((True, None), "attention projections without biases")},
+            rope_theta=150000.0,
+            example="openai/gpt-oss-20b",
+            differs="q/k/v/o biases, a sink logit per head, alternating sliding (128) and full "
+            "layers, experts with biases and a clamped SwiGLU (top-k of num_local_experts)",
+        ),
     )
 }
 
@@ -385,8 +413,9 @@ def check_keys(d: dict, fam: Family, where: str = "config.json") -> None:
     for key, value in d.items():
         if key in UNSUPPORTED_KEYS and value is not None and key not in fam.keys:
             raise ValueError(f"{where}: {key!r} ({UNSUPPORTED_KEYS[key]}) is not supported")
-        if key in FIXED_VALUES and value not in FIXED_VALUES[key][0]:
-            raise ValueError(f"{where}: {key}={value!r} ({FIXED_VALUES[key][1]}) is not supported")
+        fixed = (fam.fixed or {}).get(key, FIXED_VALUES.get(key))
+        if fixed is not None and value not in fixed[0]:
+            raise ValueError(f"{where}: {key}={value!r} ({fixed[1]}) is not supported")
     known = COMMON_KEYS | HARMLESS_KEYS | fam.keys | set(UNSUPPORTED_KEYS)
     unknown = sorted(k for k in d if k not in known)
     if unknown:

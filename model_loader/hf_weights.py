@@ -49,6 +49,11 @@ HF_BIAS_NAMES = {
     "bk": "model.layers.{i}.self_attn.k_proj.bias",
     "bv": "model.layers.{i}.self_attn.v_proj.bias",
 }
+# gpt-oss: the o projection's bias, each head's sink logit
+HF_SINK_NAMES = {
+    "bo": "model.layers.{i}.self_attn.o_proj.bias",
+    "sinks": "model.layers.{i}.self_attn.sinks",
+}
 HF_QK_NORM_NAMES = {
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
@@ -94,15 +99,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "k_norm": (cfg.kv_dim,) if cfg.qk_norm_whole else (cfg.head_dim,),
         "post_attn_norm": (d,),
         "post_mlp_norm": (d,),
+        "bo": (d,),
+        "sinks": (cfg.num_attention_heads,),
     } | (moe_shapes(cfg.moe, d) if cfg.moe is not None else {})
 
 
 def family_layer_names(
-    cfg: ModelConfig, base: Mapping[str, str], bias, qk_norm, sandwich=HF_SANDWICH_NAMES
+    cfg: ModelConfig,
+    base: Mapping[str, str],
+    bias,
+    qk_norm,
+    sandwich=HF_SANDWICH_NAMES,
+    sinks=HF_SINK_NAMES,
 ) -> dict[str, str]:
     """The name table of one layer for the config's family: the Llama table plus its extras."""
     names = dict(base)
     names.update(bias if cfg.qkv_bias else {})
+    names.update(sinks if cfg.spec.sinks else {})
     names.update(qk_norm if cfg.qk_norm else {})
     names.update(sandwich if cfg.sandwich_norms else {})
     return names

@@ -12,12 +12,22 @@ MLP of ``intermediate_size``).
   qwen2_moe  num_experts (or num_local_experts)   norm_topk_prob  as qwen3_moe
   mixtral    num_local_experts                    always          every layer
   olmoe      num_experts (or num_local_experts)   norm_topk_prob  every layer
+  gpt_oss    num_local_experts                    always          every layer
 
 Each family's default for norm_topk_prob is false. The experts' width is moe_intermediate_size
 (qwen3_moe, qwen2_moe) or intermediate_size (mixtral, olmoe). Qwen2-MoE adds a shared expert
 to every sparse layer: a gated MLP of shared_expert_intermediate_size that every token runs,
 its output scaled by sigmoid(w_s . x), w_s the (1, D) ``mlp.shared_expert_gate``; it is added
 to the routed experts' sum.
+
+gpt-oss's router has a bias (its logits are W_r x + b_r; the softmax over the top k logits
+equals the renormalized top k of the softmax over all), each expert's three products have
+biases, and its activation is a clamped SwiGLU: gate clamped to <= limit, up to [-limit,
+limit], then (up + 1) * gate * sigmoid(alpha * gate) (``swiglu_limit``, 7; ``swiglu_alpha``,
+1.702). Its checkpoints hold the fused form with gate and up interleaved along the columns:
+``mlp.experts.gate_up_proj`` (E, D, 2F), gate columns 0::2 and up 1::2, its bias (E, 2F) alike,
+``mlp.experts.down_proj`` (E, F, D) and ``down_proj_bias`` (E, D), the router
+``mlp.router.weight`` and ``.bias``.
 
 Checkpoints store each expert's matrices apart (what transformers 5's ``save_pretrained``
 writes, converting back from the fused 3-D tensors it holds in memory):
@@ -47,6 +57,14 @@ QWEN3_MOE_KEYS = {
 MIXTRAL_KEYS = {"num_local_experts", "num_experts_per_tok"}
 QWEN2_MOE_KEYS = QWEN3_MOE_KEYS | {"shared_expert_intermediate_size"}
 OLMOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob"}
+# gpt-oss: experts_per_token repeats num_experts_per_tok (checked equal)
+GPT_OSS_KEYS = {
+    "num_local_experts",
+    "num_experts_per_tok",
+    "experts_per_token",
+    "swiglu_alpha",
+    "swiglu_limit",
+}
 
 # LayerWeights field -> the stacked array's name, for a sparse layer ({i}: the layer)
 STACKED = {
@@ -56,6 +74,13 @@ STACKED = {
     "e_down": "model.layers.{i}.moe.down",  # (E, D, F)
 }
 DENSE_MLP = ("w_gate", "w_up", "w_down")
+# gpt-oss's biases of the router and the experts, stacked like the matrices
+STACKED_BIAS = {
+    "router_bias": "model.layers.{i}.moe.router_bias",  # (E,)
+    "e_gate_bias": "model.layers.{i}.moe.gate_bias",  # (E, F)
+    "e_up_bias": "model.layers.{i}.moe.up_bias",  # (E, F)
+    "e_down_bias": "model.layers.{i}.moe.down_bias",  # (E, D)
+}
 # Qwen2-MoE's shared expert: LayerWeights field -> checkpoint name (kept per layer, not stacked)
 SHARED = {
     "s_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",  # (Fs, D)
@@ -94,6 +119,11 @@ PER_EXPERT = {
 PER_EXPERT["olmoe"] = PER_EXPERT["qwen3_moe"]
 FUSED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"  # (E, 2F, D)
 FUSED_DOWN = "model.layers.{i}.mlp.experts.down_proj"  # (E, D, F)
+GPT_OSS_ROUTER = ("model.layers.{i}.mlp.router.weight", "model.layers.{i}.mlp.router.bias")
+GPT_OSS_BIASES = (
+    "model.layers.{i}.mlp.experts.gate_up_proj_bias",  # (E, 2F) gate and up interleaved
+    "model.layers.{i}.mlp.experts.down_proj_bias",  # (E, D)
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +134,9 @@ class MoeSpec:
     renormalize: bool  # the top-k weights divided by their sum
     sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
     shared_intermediate_size: int = 0  # Fs of the sigmoid-gated shared expert (0: none)
+    biases: bool = False  # gpt-oss: the router and each expert's products have biases
+    swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (0: the family's activation)
+    swiglu_alpha: float = 1.702  # its sigmoid's gain
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -126,8 +159,10 @@ def _positive(d: dict, key: str, where: str, default=None) -> int:
 
 
 def moe_spec(d: dict, family: str, num_layers: int, where: str = "config.json") -> MoeSpec:
-    """The experts a qwen3_moe, qwen2_moe, mixtral or olmoe config.json describes."""
+    """The experts a qwen3_moe, qwen2_moe, mixtral, olmoe or gpt_oss config.json describes."""
     top_k = _positive(d, "num_experts_per_tok", where)
+    if family == "gpt_oss":
+        return _gpt_oss_spec(d, top_k, num_layers, where)
     key = "num_experts" if "num_experts" in d and family != "mixtral" else "num_local_experts"
     n = _positive(d, key, where)
     if family in ("mixtral", "olmoe"):
@@ -145,6 +180,21 @@ def moe_spec(d: dict, family: str, num_layers: int, where: str = "config.json") 
     return MoeSpec(n, top_k, width, renorm, sparse, shared)
 
 
+def _gpt_oss_spec(d: dict, top_k: int, num_layers: int, where: str) -> MoeSpec:
+    if d.get("experts_per_token", top_k) != top_k:
+        raise ValueError(
+            f"{where}: experts_per_token ({d['experts_per_token']!r}) differs from "
+            f"num_experts_per_tok ({top_k})"
+        )
+    limit, alpha = d.get("swiglu_limit", 7.0), d.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
+    n, width = _positive(d, "num_local_experts", where), _positive(d, "intermediate_size", where)
+    sparse = (True,) * num_layers
+    return MoeSpec(n, top_k, width, True, sparse, 0, True, float(limit), float(alpha))
+
+
 def _flag(d: dict, key: str, where: str) -> bool:
     value = d.get(key, False)
     if not isinstance(value, bool):
@@ -153,12 +203,13 @@ def _flag(d: dict, key: str, where: str) -> bool:
 
 
 def moe_layer_names(
-    names: Mapping[str, str], spec: MoeSpec, stacked=STACKED, shared=SHARED
+    names: Mapping[str, str], spec: MoeSpec, stacked=STACKED, shared=SHARED, biases=STACKED_BIAS
 ) -> dict[str, str]:
     """A sparse layer's name table: the dense one without its MLP, with the stacked experts'
-    names (``stacked``; a GGUF's are its own) and the shared expert's (``shared``) where the
-    spec has one."""
+    names (``stacked``; a GGUF's are its own), the shared expert's (``shared``) and the
+    biases (``biases``) where the spec has them."""
     out = {k: v for k, v in names.items() if k not in DENSE_MLP} | dict(stacked)
+    out |= dict(biases) if spec.biases else {}
     return out | (dict(shared) if spec.shared_intermediate_size else {})
 
 
@@ -168,6 +219,9 @@ def moe_shapes(spec: MoeSpec, hidden: int) -> dict[str, tuple[int, ...]]:
     shapes = {"router": (e, d), "e_gate": (e, f, d), "e_up": (e, f, d), "e_down": (e, d, f)}
     if fs:
         shapes |= {"s_gate": (fs, d), "s_up": (fs, d), "s_down": (d, fs), "s_logit": (1, d)}
+    if spec.biases:
+        shapes |= {"router_bias": (e,), "e_gate_bias": (e, f), "e_up_bias": (e, f)}
+        shapes |= {"e_down_bias": (e, d)}
     return shapes
 
 
@@ -176,6 +230,8 @@ def stack_experts(
 ) -> dict[str, np.ndarray]:
     """The checkpoint's tensors with each sparse layer's router and experts under STACKED's
     names, one (E, ...) array per matrix (a copy: the experts' matrices side by side)."""
+    if family == "gpt_oss":
+        return _gpt_oss_experts(dict(tensors), spec)
     out, (router, per_expert) = dict(tensors), PER_EXPERT[family]
     shapes = moe_shapes(spec, hidden)
     for i, sparse in enumerate(spec.sparse):
@@ -212,3 +268,33 @@ def _split_fused(out: dict, i: int, spec: MoeSpec) -> None:
     if down is None:
         raise ValueError(f"checkpoint: missing tensor {FUSED_DOWN.format(i=i)!r}")
     out[STACKED["e_down"].format(i=i)] = down
+
+
+def _gpt_oss_experts(out: dict, spec: MoeSpec) -> dict[str, np.ndarray]:
+    """gpt-oss's experts under STACKED's and STACKED_BIAS's names: gate_up_proj (E, D, 2F)
+    de-interleaved and transposed into gate and up (E, F, D), down_proj (E, F, D) to (E, D, F),
+    the biases split alike (a checkpoint's tensors missing or misshapen: the shape check of
+    the loader names them)."""
+    f = spec.intermediate_size
+    for i in range(len(spec.sparse)):
+        name = FUSED_GATE_UP.format(i=i)
+        for n in (name, FUSED_DOWN.format(i=i), *(b.format(i=i) for b in GPT_OSS_BIASES)):
+            if n not in out:
+                raise ValueError(f"checkpoint: missing tensor {n!r}")
+        gate_up, down = out.pop(name), out.pop(FUSED_DOWN.format(i=i))
+        if gate_up.ndim != 3 or gate_up.shape[2] != 2 * f:
+            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(gate_up.shape)}, "
+                             f"config implies (E, hidden, {2 * f})")  # fmt: skip
+        out[STACKED["e_gate"].format(i=i)] = gate_up[:, :, 0::2].transpose(0, 2, 1)
+        out[STACKED["e_up"].format(i=i)] = gate_up[:, :, 1::2].transpose(0, 2, 1)
+        out[STACKED["e_down"].format(i=i)] = down.transpose(0, 2, 1)
+        gate_up_bias, down_bias = (out.pop(b.format(i=i)) for b in GPT_OSS_BIASES)
+        out[STACKED_BIAS["e_gate_bias"].format(i=i)] = gate_up_bias[:, 0::2]
+        out[STACKED_BIAS["e_up_bias"].format(i=i)] = gate_up_bias[:, 1::2]
+        out[STACKED_BIAS["e_down_bias"].format(i=i)] = down_bias
+        weight, bias = (n.format(i=i) for n in GPT_OSS_ROUTER)
+        if weight in out:
+            out[STACKED["router"].format(i=i)] = out.pop(weight)
+        if bias in out:
+            out[STACKED_BIAS["router_bias"].format(i=i)] = out.pop(bias)
+    return out

@@ -28,6 +28,8 @@ class LayerWeights:
     bq: np.ndarray | None = None  # (n_heads * head_dim,) q projection bias (Qwen2)
     bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
+    bo: np.ndarray | None = None  # (dim,) o projection bias (gpt-oss)
+    sinks: np.ndarray | None = None  # (n_heads,) each head's sink logit (gpt-oss)
     q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm of q before RoPE (Qwen3);
     #   OLMoE's over the whole projection: (n_heads * head_dim,)
     k_norm: np.ndarray | None = None  # (head_dim,); OLMoE's (n_kv_heads * head_dim,)
@@ -38,6 +40,11 @@ class LayerWeights:
     e_gate: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
     e_up: np.ndarray | None = None  # (n_experts, expert_ffn_dim, dim)
     e_down: np.ndarray | None = None  # (n_experts, dim, expert_ffn_dim)
+    # gpt-oss's biases of the router and of each expert's products
+    router_bias: np.ndarray | None = None  # (n_experts,)
+    e_gate_bias: np.ndarray | None = None  # (n_experts, expert_ffn_dim)
+    e_up_bias: np.ndarray | None = None  # (n_experts, expert_ffn_dim)
+    e_down_bias: np.ndarray | None = None  # (n_experts, dim)
     # Qwen2-MoE's shared expert, beside the routed ones: a gated MLP scaled by sigmoid(s_logit x)
     s_gate: np.ndarray | None = None  # (shared_ffn_dim, dim)
     s_up: np.ndarray | None = None  # (shared_ffn_dim, dim)

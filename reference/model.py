@@ -41,14 +41,16 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 def causal_attention(
-    q, k, v, q_start: int, window: int = 0, scale: float | None = None, cap: float = 0.0
-) -> np.ndarray:
+    q, k, v, q_start: int, window: int = 0, scale: float | None = None, cap: float = 0.0,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
     """Grouped-query causal attention.
 
     q: (T, H, hd) for positions q_start .. q_start+T-1; k, v: (S, Hkv, hd) for positions 0 .. S-1.
     Query at position p sees keys 0..p, or with a sliding window W > 0 keys p-W+1..p.
     Scores are q.k * scale (None: / sqrt(hd)), soft-capped at ``cap`` when > 0 before the mask.
-    Returns (T, H, hd).
+    ``sinks`` (H,) (gpt-oss): head h's softmax has one more logit, sinks[h], that takes its
+    share of the probability and brings no value. Returns (T, H, hd).
     """
     n_q, n_heads, hd = q.shape
     n_kv_heads = k.shape[1]
@@ -65,9 +67,13 @@ def causal_attention(
     k_pos = np.arange(k.shape[0])[None, :]  # (1, S)
     visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # (T, S)
     scores = np.where(visible, scores, -np.inf)
+    if sinks is not None:  # (H, T, S+1): the sink's column last
+        sink = np.broadcast_to(sinks.astype(q.dtype)[:, None, None], (*scores.shape[:2], 1))
+        scores = np.concatenate([scores, sink], axis=-1)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
+    probs = probs[..., : k.shape[0]]  # the sink's share goes nowhere
     return np.einsum("hts,shd->thd", probs, v)  # (T, H, hd)
 
 
@@ -133,8 +139,8 @@ def attention_block(x, lw, cfg, cos, sin, layer, cache, start):
             cache.v.append(v)
     scale = cfg.attn_scale if cfg.query_pre_attn_scalar else None
     window = cfg.window(layer)
-    out = causal_attention(q, k, v, start, window, scale, cfg.attn_softcap)  # (T, H, hd)
-    return out.reshape(n, cfg.q_dim) @ lw.wo.T
+    out = causal_attention(q, k, v, start, window, scale, cfg.attn_softcap, lw.sinks)  # (T, H, hd)
+    return _project(out.reshape(n, cfg.q_dim), lw.wo, lw.bo)
 
 
 def _project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -98,6 +100,27 @@ MOE_FAMILIES = {
         "intermediate_size 32; q_norm (64,) and k_norm (32,) over the whole q and k "
         "projections; q, k, v clamped to +-1.5 after the norms (clip_qkv); untied",
     ),
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        dict(
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=8,
+            swiglu_limit=1.5,
+        ),
+        1400,
+        "gpt-oss: 4 experts, top-2 (softmax over the two chosen logits), router with a bias; "
+        "experts' gate_up_proj (E, D, 2F) with gate and up interleaved (columns 0::2, 1::2) "
+        "and biases, clamped SwiGLU (gate <= limit, |up| <= limit, (up + 1) * gate * "
+        "sigmoid(1.702 gate)) with swiglu_limit 1.5 (7 in the released models) so the clamp "
+        "acts here; q/k/v/o biases; a learned sink logit per head in every softmax; layers "
+        "sliding (window 8), full, sliding (GptOssConfig's default layer_types); yarn RoPE "
+        "(the config's default: factor 32, original context 4096, theta 150000); untied",
+    ),
 }
 
 
@@ -152,6 +175,24 @@ def _qk_norm_per_head(model) -> None:
             norm.forward = forward
 
 
+def _no_sinks(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.sinks.fill_(-float("inf"))
+
+
+def _no_router_bias(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.router.bias.zero_()
+
+
+def _gate_up_not_interleaved(model) -> None:
+    for layer in model.model.layers:  # gate = the first F columns, up = the last F
+        ex, f = layer.mlp.experts, layer.mlp.experts.intermediate_size
+        for name in ("gate_up_proj", "gate_up_proj_bias"):
+            p = getattr(ex, name)
+            p.copy_(torch.stack([p[..., :f], p[..., f:]], dim=-1).reshape(p.shape))
+
+
 MOE_VARIANTS = {
     "qwen3_moe": {
         "top-k weights not renormalized": (dict(norm_topk_prob=False), None, 0.1),
@@ -167,6 +208,14 @@ MOE_VARIANTS = {
         "shared expert not gated": ({}, _shared_expert_ungated, 0.1),
         "top-k weights renormalized": (dict(norm_topk_prob=True), None, 0.1),
         "q/k/v without biases": ({}, _no_qkv_bias, 0.1),
+    },
+    "gpt_oss": {
+        "no attention sinks": ({}, _no_sinks, 0.01),
+        "router without its bias": ({}, _no_router_bias, 0.01),
+        "swiglu_limit 7 (no clamp here)": (dict(swiglu_limit=7.0), None, 0.01),
+        "gate and up halves, not interleaved": ({}, _gate_up_not_interleaved, 0.01),
+        "every layer full attention": (dict(layer_types=["full_attention"] * 3), None, 0.01),
+        "rope without yarn": (dict(rope_parameters=_rope(150000.0)), None, 0.01),
     },
     "olmoe": {
         "q/k norm per head, not over the projection": ({}, _qk_norm_per_head, 0.1),

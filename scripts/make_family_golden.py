@@ -305,6 +305,10 @@ def randomise(model, family: str, rng: np.random.Generator) -> None:
                 w = 1.0 + 0.2 * z
             else:
                 w = 1.0 + 0.1 * z
+        elif pname.endswith("sinks"):  # gpt-oss: one sink logit per head
+            w = z
+        elif family == "gpt_oss" and len(shape) == 3:  # its experts are (E, in, out)
+            w = z / np.sqrt(shape[1])
         else:
             assert len(shape) in (2, 3), pname  # 3: a mixture's experts, (E, out, in)
             w = z / np.sqrt(shape[-1])
