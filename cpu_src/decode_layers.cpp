@@ -43,7 +43,7 @@ int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const fl
 int paged_attention_decode(float* out, const float* q, const void* k_cache, const void* v_cache,
                            int dtype, const int32_t* block_tables, const int32_t* context_lens,
                            int B, int max_blocks, int H, int hkv, int hd, int bs, float scale,
-                           int window, float softcap, int threads);
+                           int window, float softcap, const float* sinks, int threads);
 }
 
 namespace {
@@ -282,7 +282,7 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
                     : paged_attention_decode(s->attn, s->q, L.k_cache, L.v_cache,
                                              s->cache_dtype, tables, s->context_lens,
                                              T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
-                                             s->scale, (int)L.window, 0.0f, nt);
+                                             s->scale, (int)L.window, 0.0f, nullptr, nt);
     status = status ? status : product(s->x, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);
     if (status) return status;
     fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);

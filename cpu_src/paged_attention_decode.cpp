@@ -349,11 +349,17 @@ void begin_task(State& st, const Task& t, const float* q, int hd, int group) {
           q[(long)r * hd + d];
 }
 
+// sinks (the task's first head's, or null): each head's softmax has one more logit, whose
+// share of the sum is dropped (gpt-oss): sum' = l e^(m - m') + e^(sink - m'), m' the larger.
 template <typename V, typename T>
-void end_task(const State& st, int nh, int hd, float* out) {
+void end_task(const State& st, int nh, int hd, float* out, const float* sinks) {
   constexpr int W = lanes<V>();
   for (int r = 0; r < nh; r++) {
-    const float inv = Row<V, T>::gain / st.l[r];  // the values' gain with the softmax's sum
+    float inv = Row<V, T>::gain / st.l[r];  // the values' gain with the softmax's sum
+    if (sinks) {
+      const float top = std::max(st.m[r], sinks[r]), keep = std::exp(st.m[r] - top);
+      inv = Row<V, T>::gain * keep / (st.l[r] * keep + std::exp(sinks[r] - top));
+    }
     for (int d = 0; d < hd; d++)
       out[(long)r * hd + d] =
           st.acc[(size_t)r * hd + d / (2 * W) * (2 * W) + Row<V, T>::lane(d % (2 * W))] * inv;
@@ -391,7 +397,7 @@ template <typename V, int HD, typename T>
 void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, const int32_t* context_lens, int B, int max_blocks,
             int H, int hkv, int hd, int bs, float scale, int window, float softcap,
-            int threads) {
+            const float* sinks, int threads) {
   const int group = H / hkv, parties = (group + PARTY - 1) / PARTY;
   long work = 0;
   for (int b = 0; b < B; b++) work += (long)context_lens[b] * H * hd * 4;
@@ -447,7 +453,8 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
         work_chunk<V, HD>(st, k_cache, v_cache, t, at[c].data(), c1 - c0, hd, group,
                           scale * Row<V, T>::gain, softcap, ahead, s);
         if (c1 >= t.n) {
-          end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + o);
+          end_task<V, T>(st, (t.h1 - t.h0) * group, hd, out + o,
+                         sinks ? sinks + t.h0 * group : nullptr);
           if (u0 < 0) break;
           t = u;
         }
@@ -460,41 +467,46 @@ void decode(float* out, const float* q, const T* k_cache, const T* v_cache,
 template <typename V, typename T>
 void decode_hd(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
                const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
-               int window, float cap, int threads) {
+               int window, float cap, const float* sinks, int threads) {
   if (hd == 64)
-    decode<V, 64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
+    decode<V, 64>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, sinks,
+                  threads);
   else if (hd == 128)
-    decode<V, 128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
+    decode<V, 128>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, sinks,
+                   threads);
   else
-    decode<V, 0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
+    decode<V, 0>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, sinks,
+                 threads);
 }
 
 template <typename T>
 void decode_any(float* out, const float* q, const T* k, const T* v, const int32_t* tables,
                 const int32_t* lens, int B, int M, int H, int hkv, int hd, int bs, float scale,
-                int window, float cap, int threads) {
+                int window, float cap, const float* sinks, int threads) {
 #if defined(__AVX512F__)
   if (hd % 32 == 0)
     return decode_hd<v16>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap,
-                          threads);
+                          sinks, threads);
 #endif
-  decode_hd<v8>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, threads);
+  decode_hd<v8>(out, q, k, v, tables, lens, B, M, H, hkv, hd, bs, scale, window, cap, sinks,
+                threads);
 }
 
 }  // namespace
 
 // out, q: (B, H, hd) float32; k_cache, v_cache: (N, bs, Hkv, hd) of `dtype`;
 // block_tables: (B, max_blocks) int32; context_lens: (B,) int32, each >= 1; softcap > 0:
-// scores soft-capped, tanh(s / softcap) * softcap. Returns 0, or 1 for shapes beyond the kernel's limits (the caller checks them first).
+// scores soft-capped, tanh(s / softcap) * softcap; sinks: (H,) float32 sink logits, or null.
+// Returns 0, or 1 for shapes beyond the kernel's limits (the caller checks them first).
 extern "C" int paged_attention_decode(float* out, const float* q, const void* k_cache,
                                       const void* v_cache, int dtype,
                                       const int32_t* block_tables,
                                       const int32_t* context_lens, int B, int max_blocks, int H,
                                       int hkv, int hd, int bs, float scale, int window,
-                                      float softcap, int threads) {
+                                      float softcap, const float* sinks, int threads) {
   if (H % hkv || hd > MAX_HD || hd % 16) return 1;
   DISPATCH_CACHE(dtype, decode_any<T>(out, q, (const T*)k_cache, (const T*)v_cache,
                                       block_tables, context_lens, B, max_blocks, H, hkv, hd, bs,
-                                      scale, window, softcap, threads));
+                                      scale, window, softcap, sinks, threads));
   return 0;
 }

@@ -119,7 +119,7 @@ inline void with_rows(int rows, F f) {
 template <typename T>
 void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
                   int p0, int nq, int bs, int H, int hkv, int hd, float scale, int window,
-                  float softcap, int kvh, float* out) {
+                  float softcap, const float* sinks, int kvh, float* out) {
   // q, out: rows p0..p0+nq-1 (positions), row i's heads at q + i*H*hd; block row r = i*group+g
   const int group = H / hkv, R = nq * group, hdp = (hd + CW - 1) / CW * CW;
   const long row_stride = (long)hkv * hd;
@@ -181,7 +181,12 @@ void prefill_task(const float* q, const T* k_cache, const T* v_cache, const int3
     }
   }
   for (int r = 0; r < R; r++) {
-    const float inv = 1.0f / l[r];
+    float inv = 1.0f / l[r];
+    if (sinks) {  // the head's sink logit in the sum (gpt-oss): its share dropped
+      const float sink = sinks[kvh * group + r % group];
+      const float top = std::max(m[r], sink), keep = std::exp(m[r] - top);
+      inv = keep / (l[r] * keep + std::exp(sink - top));
+    }
     float* dst = out + (long)(r / group) * H * hd + (long)(kvh * group + r % group) * hd;
     for (int d = 0; d < hd; d++) dst[d] = o[(size_t)r * hdp + d] * inv;
   }
@@ -191,7 +196,7 @@ template <typename T>
 void prefill(float* out, const float* q, const T* k_cache, const T* v_cache,
              const int32_t* block_tables, const int32_t* query_start_loc,
              const int32_t* context_lens, int B, int max_blocks, int H, int hkv, int hd, int bs,
-             float scale, int window, float softcap, int threads) {
+             float scale, int window, float softcap, const float* sinks, int threads) {
   std::vector<int> task_seq, task_row;  // (sequence, first row of the tile) per task
   long work = 0;
   for (int b = 0; b < B; b++) {
@@ -208,7 +213,7 @@ void prefill(float* out, const float* q, const T* k_cache, const T* v_cache,
     const int p0 = context_lens[b] - (hi - lo) + (r0 - lo);  // position of row r0
     const long at = (long)r0 * H * hd;
     prefill_task(q + at, k_cache, v_cache, block_tables + (long)b * max_blocks, p0, nq, bs, H,
-                 hkv, hd, scale, window, softcap, kvh, out + at);
+                 hkv, hd, scale, window, softcap, sinks, kvh, out + at);
   }
 }
 
@@ -216,17 +221,18 @@ void prefill(float* out, const float* q, const T* k_cache, const T* v_cache,
 
 // out, q: (T, H, hd) float32; k_cache, v_cache: (N, bs, Hkv, hd) of `dtype`;
 // block_tables: (B, max_blocks); query_start_loc: (B + 1,); context_lens: (B,), all int32.
-// Returns 0, or 1 for shapes beyond the kernel's limits.
+// sinks: (H,) float32 sink logits (gpt-oss), or null. Returns 0, or 1 for shapes beyond the
+// kernel's limits.
 extern "C" int paged_attention_prefill(float* out, const float* q, const void* k_cache,
                                        const void* v_cache, int dtype,
                                        const int32_t* block_tables,
                                        const int32_t* query_start_loc,
                                        const int32_t* context_lens, int B, int max_blocks, int H,
                                        int hkv, int hd, int bs, float scale, int window,
-                                       float softcap, int threads) {
+                                       float softcap, const float* sinks, int threads) {
   if (H % hkv || hd > MAX_HD || hd % 8) return 1;
   DISPATCH_CACHE(dtype, prefill<T>(out, q, (const T*)k_cache, (const T*)v_cache, block_tables,
                                    query_start_loc, context_lens, B, max_blocks, H, hkv, hd, bs,
-                                   scale, window, softcap, threads));
+                                   scale, window, softcap, sinks, threads));
   return 0;
 }

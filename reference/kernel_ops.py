@@ -138,10 +138,11 @@ def gather_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.nda
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q, k, v, q_start, scale, window=0, softcap=0.0):
+def _attend(q, k, v, q_start, scale, window=0, softcap=0.0, sinks=None):
     # q: (Tq, H, hd) at positions q_start.., k, v: (S, Hkv, hd) -> (Tq, H, hd), float math;
     # a query at position p sees keys 0..p, or with a window W > 0 keys k with p - W < k <= p;
-    # softcap > 0: scores tanh(s / softcap) * softcap before the mask
+    # softcap > 0: scores tanh(s / softcap) * softcap before the mask; sinks (H,): each head's
+    # softmax has one more logit, its sink, whose share is dropped
     group = q.shape[1] // k.shape[1]
     k = np.repeat(_f(k), group, axis=1)
     v = np.repeat(_f(v), group, axis=1)
@@ -152,30 +153,34 @@ def _attend(q, k, v, q_start, scale, window=0, softcap=0.0):
     k_pos = np.arange(k.shape[0])[None, :]  # (1, S)
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window if window > 0 else True)  # (Tq, S)
     scores = np.where(visible, scores, -np.inf)
+    if sinks is not None:  # (H, Tq, S+1): the sinks' column last
+        col = np.broadcast_to(_f(sinks)[:, None, None], (*scores.shape[:2], 1))
+        scores = np.concatenate([scores, col], axis=-1)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    return np.einsum("hts,shd->thd", probs, v)
+    return np.einsum("hts,shd->thd", probs[..., : k.shape[0]], v)
 
 
 def paged_attention_decode(
-    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, sinks=None
 ):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
     Query b sits at position context_lens[b]-1 and sees every cached token, or with a sliding
-    window W > 0 the last W of them. -> (B, H, hd)"""
+    window W > 0 the last W of them; sinks (H,): each head's sink logit. -> (B, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         k = gather_kv(k_cache, block_tables[b], n)
         v = gather_kv(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale, window, softcap)[0]
+        out[b] = _attend(q[b : b + 1], k, v, n - 1, scale, window, softcap, sinks)[0]
     return out
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
-):
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0,
+    sinks=None,
+):  # fmt: skip
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
     context_lens[b] tokens, so earlier tokens may come from the cache (chunked prefill,
@@ -186,7 +191,7 @@ def paged_attention_prefill(
         lo, hi, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(context_lens[b])
         k = gather_kv(k_cache, block_tables[b], n)
         v = gather_kv(v_cache, block_tables[b], n)
-        out[lo:hi] = _attend(q[lo:hi], k, v, n - (hi - lo), scale, window, softcap)
+        out[lo:hi] = _attend(q[lo:hi], k, v, n - (hi - lo), scale, window, softcap, sinks)
     return out
 
 

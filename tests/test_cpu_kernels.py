@@ -186,6 +186,33 @@ def test_softcapped_attention(threads, window, dtype):
     close(cpu_ops.paged_attention_prefill(q, k, v, *args, 3.0), want, v)
 
 
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
+def test_attention_with_sinks(threads, window, dtype):
+    """gpt-oss's sinks, one more logit per head in every softmax whose share is dropped, in
+    both kernels against the reference's (a concatenated column); sinks drawn around the
+    scores' range and one far above them (the sum's larger term then the sink's)."""
+    rng = np.random.default_rng()
+    lens = rng.permutation(LENS)
+    k, v, tables = paged(rng, lens, 2, 64, DT[dtype])
+    q = rng.standard_normal((len(lens), 8, 64), dtype=np.float32)
+    sinks = (3 * rng.standard_normal(8)).astype(np.float32)
+    sinks[rng.integers(8)] = 40.0  # above every score: that head's output nearly vanishes
+    args = (tables, lens, 0.125, window, 0.0)
+    want = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), *args, sinks)
+    close(cpu_ops.paged_attention_decode(q, k, v, *args, sinks), want, v)
+    plain = numpy_ops.paged_attention_decode(f64(q), f64(k), f64(v), *args)
+    assert np.abs(want - plain).max() > 1e-2
+    q_lens = np.array([1, 15, 3, 17, 130])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(LENS, np.int32)
+    k, v, tables = paged(rng, lens, 2, 64, DT[dtype])
+    q = rng.standard_normal((int(qsl[-1]), 8, 64), dtype=np.float32)
+    args = (tables, qsl, lens, 0.125, window, 0.0)
+    want = numpy_ops.paged_attention_prefill(f64(q), f64(k), f64(v), *args, sinks)
+    close(cpu_ops.paged_attention_prefill(q, k, v, *args, sinks), want, v)
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_every_8_bit_value_is_read_exactly(threads, dtype):
     """Sequences of one key: the attention's output is that key's V row, so rows holding all

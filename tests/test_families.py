@@ -27,7 +27,7 @@ from tests.utils import make_engine
 FAMILY_DIR = Path(__file__).parent / "data" / "families"
 FAMILIES = sorted(p.name for p in FAMILY_DIR.iterdir() if (p / "golden.json").exists())
 # mixtures of experts: the host backends run them, the CUDA backend refuses them
-MOE = [n for n in FAMILIES if "_moe" in n or n in ("mixtral", "olmoe")]
+MOE = [n for n in FAMILIES if "_moe" in n or n in ("mixtral", "olmoe", "gpt_oss")]
 DENSE = [n for n in FAMILIES if n not in MOE]
 LOGITS_ATOL = 1e-3  # float32, transformers vs us (the golden tests' tolerance)
 STEP_ATOL = 2e-3  # every step's logits, after several decode steps through the KV cache
@@ -51,7 +51,7 @@ def step_logits(case: dict) -> np.ndarray:
 
 def test_every_family_has_golden_data():
     want = {"llama", "llama3", "qwen2", "qwen2_swa", "qwen2_yarn", "qwen3", "mistral", "phi3"}
-    want |= {"gemma", "gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe"}
+    want |= {"gemma", "gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
     assert want <= set(FAMILIES)
     for name in FAMILIES:
         arch = golden(name)["meta"]["architecture"]

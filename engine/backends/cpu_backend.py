@@ -312,15 +312,15 @@ class CpuBackend(NumpyBackend):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
 
-    def _attend(self, q, k_cache, v_cache, b: ForwardBatch, window: int):
+    def _attend(self, q, k_cache, v_cache, b: ForwardBatch, window: int, sinks=None):
         """The loop's attention, as decode_layers runs it: every token of a batch of short
         runs a decode of its own; otherwise decodes and prefills as the NumPy backend splits
         them."""
         if not _short_runs(b):
-            return super()._attend(q, k_cache, v_cache, b, window)
+            return super()._attend(q, k_cache, v_cache, b, window, sinks)
         tables, lens = self._token_tables(b)  # (T, max_blocks), (T,)
         return self.ops.paged_attention_decode(
-            q, k_cache, v_cache, tables, lens, self.scale, window, self.softcap
+            q, k_cache, v_cache, tables, lens, self.scale, window, self.softcap, sinks
         )  # (T, H, hd)
 
     @staticmethod

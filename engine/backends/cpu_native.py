@@ -193,9 +193,9 @@ P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.paged_attention_decode.argtypes = [P, P, P, P, I, P, P, I, I, I, I, I, I, F, I, F, I]
+    lib.paged_attention_decode.argtypes = [P, P, P, P, I, P, P, I, I, I, I, I, I, F, I, F, P, I]
     lib.paged_attention_decode.restype = I
-    lib.paged_attention_prefill.argtypes = [P, P, P, P, I, P, P, P, I, I, I, I, I, I, F, I, F, I]
+    lib.paged_attention_prefill.argtypes = [P, P, P, P, I, P, P, P, I, I, I, I, I, I, F, I, F, P, I]
     lib.paged_attention_prefill.restype = I
     lib.rotary_cache.argtypes = [P, P, P, I, P, P, P, P, P, P, P, F, I, I, I, I, I]
     lib.rotary_cache.restype = I

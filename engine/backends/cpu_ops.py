@@ -188,11 +188,12 @@ def rotary_cache(
 
 
 def paged_attention_decode(
-    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, sinks=None
 ):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
     Query b sits at position context_lens[b]-1 and sees every cached token, or with window > 0
-    the last ``window`` of them; softcap > 0 soft-caps the scores. -> (B, H, hd) float32"""
+    the last ``window`` of them; softcap > 0 soft-caps the scores; sinks (H,) float32: each
+    head's sink logit (gpt-oss). -> (B, H, hd) float32"""
     q, tables, lens = _c32(q), _i32(block_tables), _i32(context_lens)
     b, h, hd = q.shape
     out = np.empty_like(q)  # (B, H, hd)
@@ -201,19 +202,20 @@ def paged_attention_decode(
     code, bs, hkv = _pool(k_cache, v_cache)
     status = library().paged_attention_decode(
         _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(lens), b,
-        tables.shape[1], h, hkv, hd, bs, scale, window, softcap, threads(),
+        tables.shape[1], h, hkv, hd, bs, scale, window, softcap, _sinks(sinks, h), threads(),
     )  # fmt: skip
     _check(status, "paged_attention_decode", q.shape)
     return out
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
-):
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0,
+    sinks=None,
+):  # fmt: skip
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
     context_lens[b] tokens; window > 0: a query at p sees keys > p - window; softcap > 0
-    soft-caps the scores. -> (T, H, hd)"""
+    soft-caps the scores; sinks (H,): each head's sink logit. -> (T, H, hd)"""
     q, tables, lens = _c32(q), _i32(block_tables), _i32(context_lens)
     qsl = _i32(query_start_loc)
     t, h, hd = q.shape
@@ -223,10 +225,21 @@ def paged_attention_prefill(
     code, bs, hkv = _pool(k_cache, v_cache)
     status = library().paged_attention_prefill(
         _p(out), _p(q), _p(k_cache), _p(v_cache), code, _p(tables), _p(qsl), _p(lens),
-        len(lens), tables.shape[1], h, hkv, hd, bs, scale, window, softcap, threads(),
+        len(lens), tables.shape[1], h, hkv, hd, bs, scale, window, softcap, _sinks(sinks, h),
+        threads(),
     )  # fmt: skip
     _check(status, "paged_attention_prefill", q.shape)
     return out
+
+
+def _sinks(sinks: np.ndarray | None, heads: int):
+    """The kernels' sinks pointer: a (H,) float32 array's, or None (no sinks)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (heads,) or sinks.dtype != np.float32 or not sinks.flags.c_contiguous:
+        raise ValueError(f"attention sinks must be ({heads},) contiguous float32, got "
+                         f"{sinks.shape} {sinks.dtype}")  # fmt: skip
+    return _p(sinks)
 
 
 def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:

@@ -135,11 +135,18 @@ def _gather(cache: np.ndarray, blocks: np.ndarray, length: int) -> np.ndarray:
     return _f(cache[blocks].reshape(-1, *cache.shape[2:])[:length])
 
 
-def _softmax_(s: np.ndarray) -> np.ndarray:
-    """In-place softmax over the last axis."""
-    s -= s.max(axis=-1, keepdims=True)
+def _softmax_(s: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
+    """In-place softmax over the last axis; ``sink`` (s.shape[:-1]) given, each row has one
+    more logit (gpt-oss's attention sink) that takes its share and is left out."""
+    m = s.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink[..., None])
+    s -= m
     np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    total = s.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total += np.exp(sink[..., None] - m)
+    s /= total
     return s
 
 
@@ -170,10 +177,10 @@ def _softcap_(s: np.ndarray, cap: float) -> np.ndarray:
     return s
 
 
-def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0, softcap=0.0):
+def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0, softcap=0.0, sinks=None):
     """q: (Tq, H, hd) at positions q_start..; k, v: (q_start+Tq-k_start, Hkv, hd), the keys
     from position k_start on -> (Tq, H, hd). window > 0: a query at p sees keys > p - window;
-    softcap > 0: scores soft-capped at it before the mask."""
+    softcap > 0: scores soft-capped at it before the mask; sinks (H,): each head's sink."""
     tq, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -188,16 +195,20 @@ def _attend_causal(q, k, v, q_start, scale, window=0, k_start=0, softcap=0.0):
         )
     elif tq > 1:  # keys before q_start are all visible: only the trailing (Tq, Tq) square masked
         s.reshape(n_kv, group, tq, -1)[..., q_start:] += _causal_bias(tq)
-    out = np.matmul(_softmax_(s), v.transpose(1, 0, 2))  # (Hkv, group*Tq, hd)
+    sink = None  # (Hkv, group*Tq): each row's head's sink
+    if sinks is not None:
+        sink = np.repeat(_f(sinks).reshape(n_kv, group), tq, axis=1)
+    out = np.matmul(_softmax_(s, sink), v.transpose(1, 0, 2))  # (Hkv, group*Tq, hd)
     return out.reshape(n_kv, group, tq, hd).transpose(2, 0, 1, 3).reshape(tq, n_heads, hd)
 
 
 def paged_attention_decode(
-    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, sinks=None
 ):
     """One query row per sequence. q: (B, H, hd); block_tables: (B, M); context_lens: (B,).
     Query b sits at position context_lens[b]-1 and sees every cached token, or with window > 0
-    the last ``window`` of them; softcap > 0: scores soft-capped at it. -> (B, H, hd)
+    the last ``window`` of them; softcap > 0: scores soft-capped at it; sinks (H,): each head's
+    sink logit in its softmax (gpt-oss). -> (B, H, hd)
 
     NOTE: a per-sequence loop with as few NumPy calls as possible. The gathers of K and V are
     most of its time (memory bound); gathering many sequences at once, or one padded batch
@@ -207,6 +218,7 @@ def paged_attention_decode(
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     qg = _f(q).reshape(n_seqs, n_kv, n_heads // n_kv, hd)  # (B, Hkv, group, hd)
     out = np.empty(qg.shape, dtype=qg.dtype)  # (B, Hkv, group, hd)
+    sink = None if sinks is None else _f(sinks).reshape(n_kv, -1)  # (Hkv, group)
     for b, n in enumerate(context_lens.tolist()):
         lo = max(0, n - window) // bs * bs if window else 0  # first key of the first block read
         blocks = block_tables[b, lo // bs : cdiv(n, bs)]  # (nb,)
@@ -215,17 +227,18 @@ def paged_attention_decode(
             k, v = k[n - lo - window :], v[n - lo - window :]  # (window, Hkv, hd)
         s = np.matmul(qg[b], k.transpose(1, 2, 0))  # (Hkv, group, S)
         s *= np.float32(scale)
-        np.matmul(_softmax_(_softcap_(s, softcap)), v.transpose(1, 0, 2), out=out[b])
+        np.matmul(_softmax_(_softcap_(s, softcap), sink), v.transpose(1, 0, 2), out=out[b])
     return out.reshape(q.shape).astype(q.dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
-):
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0,
+    sinks=None,
+):  # fmt: skip
     """Causal attention for variable-length query runs over paged K/V (already written).
     q: (T, H, hd); sequence b's queries are rows qsl[b]:qsl[b+1], the last q_len of its
     context_lens[b] tokens; window > 0: a query at p sees keys > p - window; softcap > 0:
-    scores soft-capped at it. -> (T, H, hd)"""
+    scores soft-capped at it; sinks (H,): each head's sink logit. -> (T, H, hd)"""
     out = np.empty(q.shape, dtype=q.dtype)
     bs = k_cache.shape[1]
     qsl = query_start_loc.tolist()
@@ -251,5 +264,6 @@ def paged_attention_prefill(
                 window,
                 k0,
                 softcap,
+                sinks,
             )
     return out

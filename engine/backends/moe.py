@@ -15,6 +15,8 @@ Per step and layer:
            token's row (a token picks an expert at most once, so a bucket's rows are distinct)
   shared   Qwen2-MoE's shared expert over every row: gate|up product, act(gate) * up, down
            product, scaled by sigmoid(h @ w_s) per row (w_s float32, as the router), added
+gpt-oss adds a bias to the router's logits and to each product (float32, added to the product's
+rows), and its activation is the clamped SwiGLU (``clamped_swiglu``) instead of act(gate) * up.
 Each chosen expert's matrices are read once per step, whatever its number of tokens; each
 layer counts the rows routed to each of its experts (``PackedExperts.chosen``, cumulative: the
 backend's ``expert_tokens``, /metrics' pagedllm:moe_expert_tokens). The router stays float32
@@ -44,6 +46,8 @@ class PackedExperts:
     renormalize: bool
     shared: tuple | None = None  # (D, 1) float32 gate, kept (D, 2Fs) gate|up, kept (Fs, D) down
     chosen: np.ndarray | None = None  # (E,) int64: rows routed to each expert so far
+    biases: tuple | None = None  # gpt-oss, float32: (E,) router, (E, 2F) gate|up, (E, D) down
+    clamp: tuple | None = None  # gpt-oss's (alpha, limit): clamped SwiGLU instead of ``act``
 
     def __post_init__(self):
         if self.chosen is None:
@@ -55,6 +59,7 @@ class PackedExperts:
         yield from self.gate_up
         yield from self.down
         yield from self.shared or ()
+        yield from self.biases or ()
 
     @property
     def nbytes(self) -> int:
@@ -77,13 +82,24 @@ def pack_experts(lw, spec: MoeSpec, rounded, keep) -> PackedExperts:
             keep(np.concatenate([rounded(lw.s_gate), rounded(lw.s_up)]).T),  # (D, 2Fs)
             keep(rounded(lw.s_down).T),  # (Fs, D)
         )
-    return PackedExperts(router, gate_up, down, spec.top_k, spec.renormalize, shared)
+    biases = clamp = None
+    if spec.biases:
+        f32 = [np.ascontiguousarray(np.asarray(rounded(a), dtype=F32)) for a in
+               (lw.router_bias, lw.e_gate_bias, lw.e_up_bias, lw.e_down_bias)]  # fmt: skip
+        biases = (f32[0], np.concatenate(f32[1:3], axis=1), f32[3])  # (E,), (E, 2F), (E, D)
+    if spec.swiglu_limit:
+        clamp = (spec.swiglu_alpha, spec.swiglu_limit)
+    return PackedExperts(
+        router, gate_up, down, spec.top_k, spec.renormalize, shared, biases=biases, clamp=clamp
+    )
 
 
-def route(h: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool):
-    """h (T, D), router (D, E) -> ((T, k) expert ids, (T, k) float32 weights), the most
-    probable expert first, equal probabilities by lower index."""
+def route(h: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool, bias=None):
+    """h (T, D), router (D, E) (and its (E,) ``bias``) -> ((T, k) expert ids, (T, k) float32
+    weights), the most probable expert first, equal probabilities by lower index."""
     logits = np.asarray(h, dtype=F32) @ router  # (T, E) float32
+    if bias is not None:
+        logits += bias
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)  # (T, E)
     ids = np.argsort(-p, axis=1, kind="stable")[:, :top_k]  # (T, k)
@@ -103,9 +119,29 @@ def group(ids: np.ndarray, num_experts: int):
     return order, counts, offsets
 
 
+def clamped_swiglu(gate_up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """gpt-oss's activation: (n, 2F) gate | up -> (n, F) float32, gate clamped to <= limit,
+    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    f = gate_up.shape[1] // 2
+    gate = np.minimum(gate_up[:, :f], F32.type(limit))
+    up = np.clip(gate_up[:, f:], F32.type(-limit), F32.type(limit))
+    return (up + 1) * (gate / (1 + np.exp(-F32.type(alpha) * gate)))
+
+
+def _expert(h: np.ndarray, layer: PackedExperts, e: int, ops, act: str) -> np.ndarray:
+    """Rows h (n, D) through expert e -> (n, D) float32, its biases and clamp where it has."""
+    gate_up = ops.matmul(h, layer.gate_up[e])  # (n, 2F)
+    if layer.biases is None:
+        return ops.matmul(ops.act_and_mul(gate_up, act), layer.down[e])
+    gate_up = np.asarray(gate_up, dtype=F32) + layer.biases[1][e]
+    a = clamped_swiglu(gate_up, *layer.clamp) if layer.clamp else ops.act_and_mul(gate_up, act)
+    return ops.matmul(np.ascontiguousarray(a, dtype=F32), layer.down[e]) + layer.biases[2][e]
+
+
 def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.ndarray:
     """h (T, D) normed -> (T, D) float32: each token's top-k experts, weighted and summed."""
-    ids, weights = route(h, layer.router, layer.top_k, layer.renormalize)  # (T, k) x 2
+    bias = None if layer.biases is None else layer.biases[0]
+    ids, weights = route(h, layer.router, layer.top_k, layer.renormalize, bias)  # (T, k) x 2
     order, counts, offsets = group(ids, len(layer.gate_up))
     layer.chosen += counts  # what /metrics shows: the router at work
     tokens = order // layer.top_k  # (T*k,) each sorted pair's token
@@ -114,8 +150,7 @@ def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.nd
     for e in np.flatnonzero(counts):
         lo, hi = offsets[e], offsets[e + 1]
         rows = tokens[lo:hi]  # (n_e,) distinct tokens
-        a = ops.act_and_mul(ops.matmul(h[rows], layer.gate_up[e]), act)  # (n_e, F)
-        out[rows] += ops.matmul(a, layer.down[e]) * pair_w[lo:hi, None]  # (n_e, D)
+        out[rows] += _expert(h[rows], layer, e, ops, act) * pair_w[lo:hi, None]  # (n_e, D)
     if layer.shared is not None:
         logit, gate_up, down = layer.shared
         gate = 1.0 / (1.0 + np.exp(-(np.asarray(h, dtype=F32) @ logit)))  # (T, 1)

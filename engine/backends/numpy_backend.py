@@ -245,8 +245,9 @@ class NumpyBackend(Backend):
         k_cache, v_cache = self.kv_cache[slot, 0], self.kv_cache[slot, 1]  # (N, bs, Hkv, hd)
         qkv = self._mm(h, lw, layer, "w_qkv", b)  # (T, H*hd + 2*Hkv*hd)
         q = self._rotary_cache(qkv, lw, k_cache, v_cache, b, c.layer_rope(layer))  # (T, H, hd)
-        out = self._attend(q, k_cache, v_cache, b, c.window(layer))  # (T, H, hd)
-        return self._reduce(self._mm(out.reshape(n, c.q_dim), lw, layer, "w_o", b))
+        out = self._attend(q, k_cache, v_cache, b, c.window(layer), lw.sinks)  # (T, H, hd)
+        y = self._reduce(self._mm(out.reshape(n, c.q_dim), lw, layer, "w_o", b))  # (T, D)
+        return y if lw.b_o is None else y + lw.b_o
 
     def _mm(self, x: np.ndarray, lw: PackedLayer, layer: int, name: str, b: ForwardBatch):
         """x (T, K) @ the layer's matrix ``name`` (K, N) -> (T, N), plus each LoRA row's update."""
@@ -327,10 +328,11 @@ class NumpyBackend(Backend):
         self.loras[slot] = weights
         self._lora_kept = {k: v for k, v in self._lora_kept.items() if slot not in k[0]}
 
-    def _attend(self, q: np.ndarray, k_cache, v_cache, b: ForwardBatch, window: int):
+    def _attend(self, q: np.ndarray, k_cache, v_cache, b: ForwardBatch, window: int, sinks=None):
         """q (T, H, hd) rotated, this step's K and V already in the cache -> (T, H, hd): the
-        decodes' rows through decode attention, the prefills' through prefill attention."""
-        ops = self.ops
+        decodes' rows through decode attention, the prefills' through prefill attention
+        (``sinks`` (H,): gpt-oss's sink logits, passed to the ops only where a model has them)."""
+        ops, extra = self.ops, {} if sinks is None else {"sinks": sinks}
         out = np.empty(q.shape, F32)  # (T, H, hd)
         nd = b.num_decodes
         if nd:  # decodes: rows 0..nd-1, one per sequence
@@ -343,6 +345,7 @@ class NumpyBackend(Backend):
                 self.scale,
                 window,
                 self.softcap,
+                **extra,
             )
         if nd < b.num_seqs:  # prefills: the remaining rows
             qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
@@ -356,6 +359,7 @@ class NumpyBackend(Backend):
                 self.scale,
                 window,
                 self.softcap,
+                **extra,
             )
         return out
 

@@ -34,6 +34,8 @@ class PackedLayer:
     w_gate_up: np.ndarray | QuantWeight | None  # (D, 2F): gate | up columns
     w_down: np.ndarray | QuantWeight | None  # (F, D)
     b_qkv: np.ndarray | None = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2)
+    b_o: np.ndarray | None = None  # (D,) the o projection's bias (gpt-oss)
+    sinks: np.ndarray | None = None  # (H,) float32 each head's sink logit (gpt-oss)
     q_norm: np.ndarray | None = None  # (hd,) per-head norms of q and k (Qwen3)
     k_norm: np.ndarray | None = None  # (hd,)
     post_attn_norm: np.ndarray | None = None  # (D,) norms of the attention's and the MLP's
@@ -110,6 +112,8 @@ def pack_weights(
                 w_gate_up=None if sparse else keep(_t(r(lw.w_gate), r(lw.w_up))),
                 w_down=None if sparse else keep(_t(r(lw.w_down))),
                 b_qkv=bias,
+                b_o=_f32(r(lw.bo)),
+                sinks=_f32(r(lw.sinks)),
                 q_norm=_f32(r(lw.q_norm), norm_offset),
                 k_norm=_f32(r(lw.k_norm), norm_offset),
                 post_attn_norm=_f32(r(lw.post_attn_norm), norm_offset),

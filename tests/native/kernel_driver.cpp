@@ -29,10 +29,10 @@ int matmul_fp8(float*, const float*, const uint8_t*, const float*, long, long, l
 int matmul_q5(float*, const float*, const uint8_t*, int, long, long, long, int);
 int paged_attention_decode(float*, const float*, const void*, const void*, int, const int32_t*,
                            const int32_t*, int, int, int, int, int, int, float, int, float,
-                           int);
+                           const float*, int);
 int paged_attention_prefill(float*, const float*, const void*, const void*, int,
                             const int32_t*, const int32_t*, const int32_t*, int, int, int, int,
-                            int, int, float, int, float, int);
+                            int, int, float, int, float, const float*, int);
 int rotary_cache(float*, void*, void*, int, const float*, const float*, const float*,
                  const float*, const int32_t*, const float*, const float*, float, int, int, int,
                  int, int);
@@ -134,11 +134,11 @@ int64_t run(Call& c) {
   else if (k == "paged_attention_decode")
     return paged_attention_decode(c.f(0), c.f(1), c.p(2), c.p(3), c.n(0), c.i32(4), c.i32(5),
                                   c.n(1), c.n(2), c.n(3), c.n(4), c.n(5), c.n(6), c.floats[0],
-                                  c.n(7), c.floats[1], c.n(8));
+                                  c.n(7), c.floats[1], c.f(6), c.n(8));
   else if (k == "paged_attention_prefill")
     return paged_attention_prefill(c.f(0), c.f(1), c.p(2), c.p(3), c.n(0), c.i32(4), c.i32(5),
                                    c.i32(6), c.n(1), c.n(2), c.n(3), c.n(4), c.n(5), c.n(6),
-                                   c.floats[0], c.n(7), c.floats[1], c.n(8));
+                                   c.floats[0], c.n(7), c.floats[1], c.f(7), c.n(8));
   else if (k == "rotary_cache")
     return rotary_cache(c.f(0), c.p(1), c.p(2), c.n(0), c.f(3), c.f(4), c.f(5), c.f(6),
                         c.i32(7), c.f(8), c.f(9), c.floats[0], c.n(1), c.n(2), c.n(3), c.n(4),

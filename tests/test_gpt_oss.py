@@ -1,0 +1,197 @@
+"""gpt-oss: its config keys and refusals, the attention sinks in the NumPy backend's ops against
+the reference's, its experts (router and product biases, the clamped SwiGLU) against the
+reference's token-by-token loop, and the engine on its alternating sliding and full layers
+(KV groups, chunks straddling the window, preemption, a prefix hit longer than the window)
+against transformers' golden data. The kernels' sinks: tests/test_cpu_kernels.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import SamplingParams
+from engine.backends import cpu_ops, fast_ops, kv_groups, moe
+from model_loader.config import ModelConfig
+from model_loader.moe import MoeSpec
+from model_loader.weights import LayerWeights
+from reference import kernel_ops
+from reference.model import silu
+from reference.moe import clamped_swiglu, moe_mlp
+from tests.test_families import FAMILY_DIR, check_outputs, golden, loaded
+from tests.test_kv_groups import CHUNKED, drive
+
+F32 = np.float32
+CONFIG = json.loads((FAMILY_DIR / "gpt_oss" / "config.json").read_text())
+
+
+# ---- config.json ----
+def test_config_reads_the_experts_windows_and_rope():
+    c = ModelConfig.from_hf_dict(CONFIG)
+    assert c.family == "gpt_oss" and c.spec.sinks and c.qkv_bias
+    assert c.layer_windows == (8, 0, 8)  # sliding, full, sliding
+    m = c.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size) == (4, 2, 32)
+    assert m.renormalize and m.biases and m.sparse == (True,) * 3
+    assert (m.swiglu_limit, m.swiglu_alpha) == (1.5, 1.702)
+    assert c.rope.rope_type == "yarn" and not c.rope.truncate and c.rope.theta == 150000.0
+
+
+def test_config_defaults_as_transformers():
+    """No layer_types: sliding first, then full, alternating; no rope_theta: 150000; no
+    swiglu keys: limit 7, alpha 1.702."""
+    d = {k: v for k, v in CONFIG.items() if k not in ("layer_types", "swiglu_limit")}
+    d["rope_parameters"] = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
+    d["num_hidden_layers"] = 4
+    c = ModelConfig.from_hf_dict(d)
+    assert c.layer_windows == (8, 0, 8, 0) and c.rope.theta == 150000.0
+    assert c.moe.swiglu_limit == 7.0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention_bias": False}, "attention_bias=False"),
+        ({"experts_per_token": 3}, "experts_per_token"),
+        ({"swiglu_limit": 0}, "swiglu_limit must be a positive number"),
+        ({"swiglu_alpha": "fast"}, "swiglu_alpha must be a positive number"),
+        ({"sliding_window": None}, "needs sliding_window"),
+        ({"num_local_experts": 1}, r"num_experts_per_tok \(2\) must be in \[1, num_experts"),
+    ],
+)
+def test_config_refusals(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(CONFIG | change)
+
+
+# ---- the attention sinks in the ops ----
+def paged_case(rng, lens, hkv=2, group=3, hd=16, bs=4):
+    """Random K/V pools holding sequences of ``lens`` tokens in shuffled blocks."""
+    need = [-(-n // bs) for n in lens]
+    ids = rng.permutation(sum(need) + 3).astype(np.int32)
+    tables = np.zeros((len(lens), max(need)), np.int32)
+    at = 0
+    for b, n in enumerate(need):
+        tables[b, :n], at = ids[at : at + n], at + n
+    shape = (len(ids), bs, hkv, hd)
+    k, v = rng.standard_normal(shape).astype(F32), rng.standard_normal(shape).astype(F32)
+    return k, v, tables, hkv * group
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_fast_ops_sinks_match_the_reference_ops(window):
+    """The NumPy backend's decode and prefill attention with sinks (a sink far above the
+    scores among them) against reference/kernel_ops's concatenated column."""
+    rng = np.random.default_rng()
+    lens = np.array([1, 9, 23, 4], np.int32)
+    k, v, tables, heads = paged_case(rng, lens)
+    sinks = (2 * rng.standard_normal(heads)).astype(F32)
+    sinks[rng.integers(heads)] = 30.0
+    q = rng.standard_normal((len(lens), heads, 16)).astype(F32)
+    args = (k, v, tables, lens, 0.25, window, 0.0, sinks)
+    want = kernel_ops.paged_attention_decode(q.astype(np.float64), *args)
+    np.testing.assert_allclose(fast_ops.paged_attention_decode(q, *args), want, atol=2e-6)
+    plain = kernel_ops.paged_attention_decode(q.astype(np.float64), *args[:-1])
+    assert np.abs(want - plain).max() > 1e-2
+    qsl = np.array([0, 1, 6, 23, 25], np.int32)
+    q = rng.standard_normal((int(qsl[-1]), heads, 16)).astype(F32)
+    args = (k, v, tables, qsl, lens, 0.25, window, 0.0, sinks)
+    want = kernel_ops.paged_attention_prefill(q.astype(np.float64), *args)
+    np.testing.assert_allclose(fast_ops.paged_attention_prefill(q, *args), want, atol=2e-6)
+
+
+# ---- the experts ----
+def random_gpt_oss_layer(rng, d=32, e=5, f=24):
+    mats = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(F32)  # noqa: E731
+    vec = lambda *s: (0.5 * rng.standard_normal(s)).astype(F32)  # noqa: E731
+    return LayerWeights(
+        *(None,) * 6,
+        router=mats(e, d),
+        e_gate=3 * mats(e, f, d),  # gates past the clamp's limit
+        e_up=3 * mats(e, f, d),
+        e_down=mats(e, d, f),
+        router_bias=vec(e),
+        e_gate_bias=vec(e, f),
+        e_up_bias=vec(e, f),
+        e_down_bias=vec(e, d),
+    )
+
+
+@pytest.mark.parametrize("ops", [fast_ops, cpu_ops], ids=["numpy", "cpu"])
+def test_experts_with_biases_and_clamp_match_the_reference(ops):
+    """Biases on the router and on every product, the clamped SwiGLU (limit 1.2: many values
+    clamped), each token's two experts: the grouped products equal the token-by-token loop;
+    without the router's bias the routing changes."""
+    rng = np.random.default_rng()
+    lw, spec = random_gpt_oss_layer(rng), MoeSpec(5, 2, 24, True, (True,), 0, True, 1.2, 1.702)
+    packed = moe.pack_experts(lw, spec, lambda a: a, lambda m: np.ascontiguousarray(m, F32))
+    x = rng.standard_normal((30, 32)).astype(F32)  # (T, D)
+    got = moe.experts_forward(x, packed, ops, "silu")
+    want = moe_mlp(x, lw, spec, silu)
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)
+    gate = x @ lw.e_gate[0].T + lw.e_gate_bias[0]
+    assert (gate > 1.2).any() and (np.abs(x @ lw.e_up[0].T + lw.e_up_bias[0]) > 1.2).any()
+    lw.router_bias = np.zeros_like(lw.router_bias) + 5 * np.eye(5, dtype=F32)[0]
+    assert np.abs(moe_mlp(x, lw, spec, silu) - want).max() > 1e-2
+
+
+def test_clamped_swiglu_by_hand():
+    gate = np.array([-3.0, 0.5, 9.0], F32)
+    up = np.array([-9.0, 0.25, 2.0], F32)
+    got = clamped_swiglu(gate, up, 1.702, 7.0)
+    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    want = [(-7 + 1) * -3 * sig(-3 * 1.702), 1.25 * 0.5 * sig(0.5 * 1.702), 3 * 7 * sig(7 * 1.702)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(
+        moe.clamped_swiglu(np.concatenate([gate, up])[None], 1.702, 7.0)[0], want, rtol=1e-6
+    )
+
+
+# ---- the engine on the grouped KV cache ----
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_grouped_engine_matches_transformers(backend):
+    """Three groups (full; two of window 8), 16-token chunks over 4-token blocks (chunks
+    straddle the window), freed blocks NaN: transformers' tokens and logits."""
+    cases = golden("gpt_oss")["cases"]
+    n = len(cases[0]["token_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs, engine, _ = drive("gpt_oss", backend, prompts, params, **CHUNKED)
+    assert engine.block_manager.num_groups == 3  # one full group, two sliding of one layer
+    check_outputs("gpt_oss", cases, outs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_matches_transformers(mode):
+    cases = golden("gpt_oss")["cases"]
+    n = len(cases[0]["token_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    args = dict(CHUNKED, num_gpu_blocks=16, max_model_len=96, preemption_mode=mode)
+    outs, engine, _ = drive("gpt_oss", "numpy", prompts, params, **args)
+    assert engine.scheduler.num_preemptions > 0
+    check_outputs("gpt_oss", cases, outs)
+
+
+def test_prefix_hits_longer_than_the_window_equal_grouping_off(monkeypatch):
+    """Prompts sharing 40 tokens (five windows), run one after another with prefix caching:
+    the later two hit 40 cached tokens, and the grouped engine gives the tokens and logits of
+    the engine with one group."""
+    rng = np.random.default_rng()
+    vocab = loaded("gpt_oss").config.vocab_size
+    base = rng.integers(1, vocab, 40).tolist()
+    prompts = [base + rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(5, 30, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    args = dict(CHUNKED, enable_prefix_caching=True, num_gpu_blocks=96, max_num_seqs=1)
+    grouped, engine, _ = drive("gpt_oss", "cpu", prompts, params, **args)
+    assert engine.block_manager.num_groups == 3  # one full group, two sliding of one layer
+    assert [o.num_cached_tokens >= 32 for o in grouped] == [False, True, True]  # one at a time
+    monkeypatch.setattr(kv_groups, "GROUPING", False)
+    plain, engine, _ = drive("gpt_oss", "cpu", prompts, params, poison=False, **args)
+    assert engine.block_manager.num_groups == 1
+    for a, b in zip(grouped, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(
+            np.stack(a.outputs[0].step_logits), np.stack(b.outputs[0].step_logits), atol=1e-4
+        )
