@@ -13,7 +13,14 @@ from tests.test_families import check_outputs, engine_outputs, loaded
 
 
 @pytest.mark.parametrize(
-    "name, tp, pp", [("qwen2_moe", 2, 1), ("mixtral", 2, 1), ("qwen3_moe", 1, 2)]
+    "name, tp, pp",
+    [
+        ("qwen2_moe", 2, 1),
+        ("mixtral", 2, 1),
+        ("qwen3_moe", 1, 2),
+        ("gpt_oss", 2, 1),
+        ("gpt_oss", 1, 2),
+    ],
 )
 def test_ranks_give_transformers_tokens(name, tp, pp):
     cases, outs = engine_outputs(

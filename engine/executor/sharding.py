@@ -126,6 +126,7 @@ class Shard:
                 bq=rows(lw.bq, q),
                 bk=rows(lw.bk, kv),
                 bv=rows(lw.bv, kv),
+                sinks=rows(lw.sinks, slice(self.q_heads.start, self.q_heads.stop)),
                 **self._experts(lw),
             )
             for lw in w.layers
@@ -137,8 +138,8 @@ class Shard:
     def _experts(self, lw) -> dict:
         """A sparse layer's cut: each expert's gate and up rows and down columns of this
         rank's units (a GGUF's kept blocks widened as they are cut), the shared expert's
-        likewise; the router and the shared expert's gate whole (every rank routes every
-        token)."""
+        likewise; the router (its bias too) and the shared expert's gate whole (every rank
+        routes every token)."""
         if lw.router is None:
             return {}
         e = slice(self.expert_ffn.start, self.expert_ffn.stop)
@@ -151,6 +152,13 @@ class Shard:
         if lw.s_gate is not None:
             out |= {"s_gate": lw.s_gate[s].copy(), "s_up": lw.s_up[s].copy()}
             out["s_down"] = lw.s_down[:, s].copy()
+        if lw.e_gate_bias is not None:  # gpt-oss: its units' gate and up biases; the down
+            # bias on rank 0 only (every rank's partial sum is added up: once in all)
+            out |= {
+                "e_gate_bias": lw.e_gate_bias[:, e].copy(),
+                "e_up_bias": lw.e_up_bias[:, e].copy(),
+            }
+            out["e_down_bias"] = lw.e_down_bias * (self.rank == 0)
         return out
 
 
