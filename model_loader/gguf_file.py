@@ -42,6 +42,7 @@ from model_loader.gguf_gemma import (
     OFFSET_NORMS,
     gemma_fields,
 )
+from model_loader.gguf_gpt_oss import GGUF_GPT_OSS_NAMES, GGUF_STACKED_BIAS, gpt_oss_fields
 from model_loader.gguf_moe import (
     GGUF_SHARED,
     GGUF_STACKED,
@@ -284,6 +285,8 @@ def config_from_metadata(
     n_layers = int(_require(md, f"{arch}.block_count"))
     windows = (window,) * n_layers if window else ()
     gemma = gemma_fields(md, arch, (dim, n_heads, n_layers))  # {} for the other families
+    extra = {"layer_windows": windows, "rope": rope} | gemma
+    extra |= gpt_oss_fields(md, arch, n_layers, rope)  # {} for the other families
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=dim,
@@ -301,11 +304,10 @@ def config_from_metadata(
         torch_dtype="float32",  # dequantized
         stored_matrix_type=matrix_type,
         family=family,
-        rope=rope,
         hidden_act="gelu_tanh" if family.startswith("gemma") else "silu",
         moe=moe,
         clip_qkv=clamp_kqv(md, arch),
-        **({"layer_windows": windows} | gemma),
+        **extra,
     )
 
 
@@ -429,7 +431,12 @@ def _shared_gates_as_rows(tensors: LazyTensors, cfg: ModelConfig) -> None:
 def gguf_weights(gf: GGUFFile) -> ModelWeights:
     """ModelWeights from a read GGUF file, through the GGUF name tables (shapes checked)."""
     names = family_layer_names(
-        gf.config, GGUF_LAYER_NAMES, GGUF_BIAS_NAMES, GGUF_QK_NORM_NAMES, GGUF_SANDWICH_NAMES
+        gf.config,
+        GGUF_LAYER_NAMES,
+        GGUF_BIAS_NAMES,
+        GGUF_QK_NORM_NAMES,
+        GGUF_SANDWICH_NAMES,
+        GGUF_GPT_OSS_NAMES,
     )
-    moe_names = (GGUF_STACKED, GGUF_SHARED)
+    moe_names = (GGUF_STACKED, GGUF_SHARED, GGUF_STACKED_BIAS)
     return weights_from_tensors(gf.tensors, gf.config, GGUF_GLOBAL_NAMES, names, moe_names)

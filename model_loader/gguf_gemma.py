@@ -42,12 +42,13 @@ OFFSET_NORMS = (
     "blk.{i}.attn_k_norm.weight",
 )
 
-PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's default sliding pattern
+PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}  # llama.cpp's default sliding pattern
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}  # the layer count llama.cpp takes for a 27B model
 
 
-def _windows(md: dict[str, Any], arch: str, n_layers: int) -> tuple[int, ...]:
-    """Per layer, its sliding window (0: full attention)."""
+def sliding_windows(md: dict[str, Any], arch: str, n_layers: int) -> tuple[int, ...]:
+    """Per layer, its sliding window (0: full attention), as llama.cpp reads a Gemma 2/3 or
+    gpt-oss file."""
     window = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
     if window <= 0:
         if arch == "gemma2":
@@ -85,6 +86,6 @@ def gemma_fields(md: dict[str, Any], arch: str, dims: tuple[int, int, int]) -> d
         "query_pre_attn_scalar": scalar,
         "attn_softcap": float(md.get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
         "final_softcap": float(md.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
-        "layer_windows": _windows(md, arch, n_layers),
+        "layer_windows": sliding_windows(md, arch, n_layers),
         "local_rope": local,
     }

@@ -7,6 +7,8 @@ experts, and the names of a sparse layer's tensors.
   qwen2moe               qwen2_moe   no
   llama + expert_count   mixtral     yes
   olmoe                  olmoe       no
+  gpt-oss                gpt_oss     yes (the softmax of the top k logits; biases and the
+                                     clamped SwiGLU: model_loader.gguf_gpt_oss)
 
 Metadata: ``<arch>.expert_count`` (E), ``expert_used_count`` (top-k),
 ``expert_feed_forward_length`` (the experts' width; Mixtral's and OLMoE's converters write
@@ -31,7 +33,9 @@ from model_loader.moe import MoeSpec
 
 # general.architecture -> the mixture-of-experts family (llama: Mixtral, when it has experts)
 MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
+MOE_ARCHITECTURES["gpt-oss"] = "gpt_oss"
 RENORMALIZED = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False}
+RENORMALIZED["gpt_oss"] = True
 SOFTMAX = 1  # gguf.ExpertGatingFuncType.SOFTMAX
 
 ROUTER = "blk.{i}.ffn_gate_inp.weight"
@@ -78,6 +82,8 @@ def gguf_moe_spec(md: dict[str, Any], arch: str, family: str, sparse: tuple[bool
     width = count("expert_feed_forward_length", dense)
     shared = count("expert_shared_feed_forward_length", dense) if family == "qwen2_moe" else 0
     renorm = bool(md.get(f"{arch}.expert_weights_norm", RENORMALIZED[family]))
+    if family == "gpt_oss":  # llama.cpp's constants (model_loader.gguf_gpt_oss)
+        return MoeSpec(n, top_k, width, renorm, sparse, 0, True, 7.0, 1.702)
     return MoeSpec(n, top_k, width, renorm, sparse, shared)
 
 

@@ -2,7 +2,7 @@
 converter wrote (float32, and Q8_0 by its llama-quantize where named):
 tests/data/families/llama_cpp_greedy.json (development time only).
 
-The families: Gemma 2 and Gemma 3, and Mixtral (the tiny Qwen2-MoE and Qwen3-MoE have dense
+The families: Gemma 2 and Gemma 3, Mixtral and gpt-oss (the tiny Qwen2-MoE and Qwen3-MoE have dense
 layers among their sparse ones, and the tiny OLMoE grouped K/V heads with a whole-vector K norm:
 llama.cpp runs neither).
 
@@ -31,6 +31,7 @@ from pathlib import Path
 FAMILY_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "families"
 OUT = FAMILY_DIR / "llama_cpp_greedy.json"
 FILES = {"gemma2": ("f32",), "gemma3": ("f32",), "mixtral": ("f32", "q8_0")}
+FILES["gpt_oss"] = ("f32", "mxfp4_moe")  # MXFP4_MOE: the experts MXFP4, the rest as they are
 PROMPT = "the quick brown fox jumps over the lazy dog and then some more words follow here"
 NEW_TOKENS = 24
 
@@ -75,10 +76,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", required=True, help="llama.cpp's source tree (converter)")
     ap.add_argument("--bin", required=True, help="the folder of the built llama-simple")
+    ap.add_argument("names", nargs="*", help="only these families (the others' cases kept)")
     args = ap.parse_args()
     golden = {"llama_cpp": "llama-cpp-python 0.3.36's vendor/llama.cpp", "cases": {}}
+    if args.names and OUT.exists():
+        golden["cases"] = json.loads(OUT.read_text())["cases"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, types in FILES.items():
+            if args.names and name not in args.names:
+                continue
+            golden["cases"][name] = {}
             path = Path(tmp) / f"{name}.gguf"
             convert(args.llama_cpp, FAMILY_DIR / name, path)
             for qtype in types:

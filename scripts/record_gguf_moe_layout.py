@@ -32,7 +32,7 @@ LLAMA_CPP = Path(
     os.environ.get("LLAMA_CPP_DIR", "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 )
 OUT = ROOT / "tests" / "data" / "gguf_moe_layout.json"
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 ALL_SPARSE = ("qwen3_moe", "qwen2_moe")  # golden checkpoints with a dense layer
 
 
