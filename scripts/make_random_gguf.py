@@ -10,6 +10,10 @@ Shapes (``--shape``):
   gemma3     Gemma-3-1B's layers: 26 of them, hidden 1152, 4 query heads and 1 K/V head of 256,
              MLP 6912, sliding window 512 on five layers of six, QK-norm, sandwich norms (its
              262,144-token vocabulary is SmolLM2's 49,152 here)
+  gpt-oss    gpt-oss-20b's layers, 8 of its 24: hidden 2880, 64 query and 8 K/V heads of 64
+             with biases and sinks, window 128 on every other layer, experts of width 2880,
+             top 4 of 8 (the 20b has 32: a token reads 4 either way), router and expert biases
+             (llama-quantize's MXFP4_MOE makes the experts MXFP4, as the released files)
 
     python scripts/make_random_gguf.py --shape gemma3 /tmp/gemma3-f16.gguf
 """
@@ -109,7 +113,40 @@ def gemma3(path: str, seed: int) -> None:
     out.finish(d)
 
 
-SHAPES = {"qwen3moe": qwen3moe, "gemma3": gemma3}
+def gpt_oss(path: str, seed: int) -> None:
+    layers, d, heads, kv, hd, e, f, k = 8, 2880, 64, 8, 64, 8, 2880, 4
+    out = Writer(path, "gpt-oss", seed)
+    w = out.w
+    w.add_block_count(layers), w.add_context_length(131072), w.add_embedding_length(d)
+    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
+    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_layer_norm_rms_eps(1e-5), w.add_expert_count(e), w.add_expert_used_count(k)
+    w.add_expert_feed_forward_length(f), w.add_sliding_window(128)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    out.normal("token_embd.weight", out.vocab, d)
+    for i in range(layers):
+        b = f"blk.{i}."
+        out.ones(b + "attn_norm.weight", d)
+        for name, rows in (("attn_q", heads * hd), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+            out.normal(b + name + ".weight", rows, d)
+            out.normal(b + name + ".bias", rows, dtype=np.float32)
+        out.normal(b + "attn_output.weight", d, heads * hd)
+        out.normal(b + "attn_output.bias", d, dtype=np.float32)
+        out.normal(b + "attn_sinks.weight", heads, dtype=np.float32)
+        out.ones(b + "post_attention_norm.weight", d)
+        out.normal(b + "ffn_gate_inp.weight", e, d, dtype=np.float32)
+        out.normal(b + "ffn_gate_inp.bias", e, dtype=np.float32)
+        for name, shape in (("ffn_gate_exps", (e, f, d)), ("ffn_up_exps", (e, f, d))):
+            out.normal(b + name + ".weight", *shape)
+            out.normal(b + name + ".bias", e, f, dtype=np.float32)
+        out.normal(b + "ffn_down_exps.weight", e, d, f)
+        out.normal(b + "ffn_down_exps.bias", e, d, dtype=np.float32)
+    out.finish(d)
+
+
+SHAPES = {"qwen3moe": qwen3moe, "gemma3": gemma3, "gpt-oss": gpt_oss}
 
 
 def main() -> None:

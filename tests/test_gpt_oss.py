@@ -2,25 +2,32 @@
 the reference's, its experts (router and product biases, the clamped SwiGLU) against the
 reference's token-by-token loop, and the engine on its alternating sliding and full layers
 (KV groups, chunks straddling the window, preemption, a prefix hit longer than the window)
-against transformers' golden data. The kernels' sinks: tests/test_cpu_kernels.py."""
+against transformers' golden data; LoRA on its attention against the reference with the
+adapter merged. The kernels' sinks: tests/test_cpu_kernels.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine import SamplingParams
+from engine import LoRARequest, SamplingParams
 from engine.backends import cpu_ops, fast_ops, kv_groups, moe
+from engine.lora.adapter import load_adapter
+from engine.tools.random_lora import write_random_adapter
 from model_loader.config import ModelConfig
 from model_loader.moe import MoeSpec
 from model_loader.weights import LayerWeights
 from reference import kernel_ops
-from reference.model import silu
+from reference.generate import generate as reference_generate
+from reference.model import forward, silu
 from reference.moe import clamped_swiglu, moe_mlp
 from tests.test_families import FAMILY_DIR, check_outputs, golden, loaded
 from tests.test_kv_groups import CHUNKED, drive
+from tests.utils import make_engine
 
 F32 = np.float32
 CONFIG = json.loads((FAMILY_DIR / "gpt_oss" / "config.json").read_text())
@@ -195,3 +202,55 @@ def test_prefix_hits_longer_than_the_window_equal_grouping_off(monkeypatch):
         np.testing.assert_allclose(
             np.stack(a.outputs[0].step_logits), np.stack(b.outputs[0].step_logits), atol=1e-4
         )
+
+
+# ---- LoRA on the attention of a mixture of experts ----
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def merged(weights, adapter_dir: Path, scale: float):
+    """The checkpoint's weights with the adapter's B A added to each attention projection."""
+    from safetensors.numpy import load_file
+
+    t = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    layers = []
+    for i, lw in enumerate(weights.layers):
+        delta = {}
+        for module, field in zip(ATTENTION, ("wq", "wk", "wv", "wo"), strict=True):
+            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            a, b = t[f"{key}.lora_A.weight"], t[f"{key}.lora_B.weight"]  # (r, in), (out, r)
+            delta[field] = getattr(lw, field) + scale * (b @ a)
+        layers.append(dataclasses.replace(lw, **delta))
+    return dataclasses.replace(weights, layers=layers)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_lora_on_the_attention_matches_the_merged_reference(backend, tmp_path):
+    """An adapter on q, k, v and o of every layer (rank 4, alpha 8: scale 2) beside the base
+    model in one batch: each row's greedy tokens and logits are the reference's with the
+    adapter merged into the weights (or without it)."""
+    m = loaded("gpt_oss")
+    path = write_random_adapter(tmp_path / "a", m.config, 4, 7, ATTENTION, alpha=8, b_scale=0.5)
+    prompt = golden("gpt_oss")["cases"][1]["prompt_token_ids"]
+    n = 8
+    engine = make_engine(m, backend=backend, enable_lora=True, max_lora_rank=8, record_logits=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    engine.add_request("lora", prompt, params, lora_request=LoRARequest("a", 1, str(path)))
+    engine.add_request("base", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, w in (("lora", merged(m.weights, path, 2.0)), ("base", m.weights)):
+        want = reference_generate(w, m.config, prompt, n, mode="cached").token_ids
+        got = done[rid].outputs[0]
+        assert got.token_ids == want, rid
+        first = forward(w, m.config, prompt)
+        np.testing.assert_allclose(got.step_logits[0], first, atol=1e-4, rtol=0)
+    assert done["lora"].outputs[0].token_ids != done["base"].outputs[0].token_ids
+
+
+def test_lora_on_the_experts_is_refused_by_name(tmp_path):
+    m = loaded("gpt_oss")
+    bad = write_random_adapter(tmp_path / "b", m.config, 4, 7, ("q_proj", "gate_proj"))
+    with pytest.raises(ValueError, match=r"layer 0 gate_proj: the layer's MLP is a mixture"):
+        load_adapter(bad, m.config, 8)

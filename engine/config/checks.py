@@ -266,8 +266,6 @@ def moe_refusal(config, model_config, backend: str) -> str | None:
     if model_config.moe is None:
         return None
     what = f"a mixture of experts ({model_config.family})"
-    if getattr(config, "enable_lora", False):
-        return f"enable_lora: LoRA adapters on {what} are not supported"
     if backend in ("cuda", "cuda-cpu"):
         return (
             f"the {backend} backend has no expert products for {what}; --backend cpu or numpy "

@@ -39,6 +39,7 @@ MODULES = {
     "gate_up_proj": ("w_gate_up", (0, 1)),
     "down_proj": ("w_down", (0,)),
 }
+EXPERT_MATRICES = ("w_gate_up", "w_down")  # a sparse layer's MLP: experts, no such matrices
 KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -83,6 +84,11 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str = 
             raise ValueError(f"{where}: target module {module!r} is not one of {sorted(MODULES)}")
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: layer {layer}, the model has {cfg.num_hidden_layers}")
+        if MODULES[module][0] in EXPERT_MATRICES and cfg.moe and cfg.moe.sparse[layer]:
+            raise ValueError(
+                f"{where}: layer {layer} {module}: the layer's MLP is a mixture of experts "
+                f"(LoRA on experts is not supported; its attention's projections are)"
+            )
         if not np.isfinite(t).all():
             raise ValueError(f"{where}: {key} holds NaN or infinite values")
         modules.setdefault((layer, module), {})[ab] = t
