@@ -34,6 +34,8 @@ import json
 from engine.frontend.chat import check_messages
 
 EFFORTS = ("low", "medium", "high")
+REASONING_PARSER = "openai_gptoss"  # the output's reader (engine/entrypoints/harmony_parser.py)
+STOP_TOKENS = ("<|return|>", "<|call|>")  # they end the generation
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 CUTOFF = "2024-06"
 CHANNELS = (
@@ -66,7 +68,7 @@ def check_effort(effort) -> str:
 
 
 def today() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
 
 
 # a rendering is a list of pieces: str (text from the request or the format's words) or
