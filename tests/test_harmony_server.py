@@ -251,4 +251,4 @@ def test_bad_input_is_a_one_line_400(gptoss):
     assert r.status_code == 400 and "'required' is not supported with the harmony" in r.text
     orphan = [*ASK, {"role": "tool", "tool_call_id": "nope", "content": "1"}]
     r = chat(server, messages=orphan)
-    assert r.status_code == 400 and "messages[1]" in r.text  # the tool turn, after system
+    assert r.status_code == 400 and "messages[2]: a tool result must answer" in r.text

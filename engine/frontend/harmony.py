@@ -121,7 +121,9 @@ def pieces(messages, tools=None, effort=None, date=None) -> list[str]:
     instructions = [m["content"] for m in checked if m["role"] in ("system", "developer")]
     if instructions or functions:
         out += _message("developer", _developer("\n\n".join(instructions), functions))
-    turns = _turns([m for m in checked if m["role"] not in ("system", "developer")])
+    turns = _turns(
+        [(i, m) for i, m in enumerate(checked) if m["role"] not in ("system", "developer")]
+    )
     for author, header, content, end in _drop_analysis(turns):
         out += [Special(START), author, *header, Special(MESSAGE), content, Special(end)]
     return [*out, Special(START), "assistant"]
@@ -160,10 +162,11 @@ def _function(tool, i: int) -> dict:
     return fn
 
 
-def _turns(messages: list[dict]) -> list[tuple]:
-    """(author, header pieces, content, end token) of each harmony message."""
+def _turns(messages: list[tuple[int, dict]]) -> list[tuple]:
+    """(author, header pieces, content, end token) of each harmony message, from the
+    (index, message) pairs of the conversation's other messages than system and developer."""
     names, out = {}, []
-    for i, m in enumerate(messages):
+    for i, m in messages:
         role, content = m["role"], m["content"]
         if role == "user":
             out.append(("user", [], content, END))
