@@ -15,10 +15,13 @@ How to run (development only; the library is not a dependency of the project):
     python3 -m venv /tmp/harmony-venv
     /tmp/harmony-venv/bin/pip install openai-harmony==0.0.8
     # the o200k_base vocabulary, which the library would download (blocked here), rebuilt
-    # from the npm package js-tiktoken (dist/ranks/o200k_base.js: lines "<tok> <rank> <tok>...",
-    # each a base64 token with ranks counting up from <rank>) into the .tiktoken format
-    # ("<base64 token> <rank>" per line; sha256 446a9538...1a2d, which the library checks)
-    mkdir -p /tmp/harm/vocab   # o200k_base.tiktoken goes here
+    # from the npm package js-tiktoken: its dist/ranks/o200k_base.js holds lines
+    # "! <rank> <tok> <tok>..." (base64 tokens, ranks counting up from <rank>), written here
+    # in the .tiktoken format ("<base64 token> <rank>" per line; the library checks its
+    # sha256, 446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d)
+    (cd /tmp && npm pack js-tiktoken && tar xzf js-tiktoken-*.tgz)
+    /tmp/harmony-venv/bin/python scripts/make_harmony_golden.py \
+        --vocab-from /tmp/package/dist/ranks/o200k_base.js /tmp/harm/vocab
     TIKTOKEN_ENCODINGS_BASE=/tmp/harm/vocab /tmp/harmony-venv/bin/python \
         scripts/make_harmony_golden.py
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 from openai_harmony import (
     Author,
@@ -227,12 +231,31 @@ def parsed(enc, text: str) -> list[dict]:
     return out
 
 
+def write_vocab(js_path: str, out_dir: str) -> None:
+    """js-tiktoken's o200k_base ranks as ``out_dir``/o200k_base.tiktoken."""
+    text = pathlib.Path(js_path).read_text()
+    ranks = json.loads(text[text.index("{") : text.rindex("}") + 1])["bpe_ranks"]
+    lines = []
+    for row in filter(None, ranks.split("\n")):
+        _, first, *tokens = row.split(" ")
+        lines += [f"{tok} {int(first) + i}" for i, tok in enumerate(tokens)]
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "o200k_base.tiktoken").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'o200k_base.tiktoken'} ({len(lines)} tokens)")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--vocab-from"]:
+        write_vocab(sys.argv[2], sys.argv[3])
+        return
     enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     OUT.mkdir(parents=True, exist_ok=True)
     renders = [{**c, "date": DATE, "text": render(enc, c)} for c in CONVERSATIONS]
     parses = [{"name": n, "text": t, "messages": parsed(enc, t)} for n, t in COMPLETIONS]
-    stops = {"stop_tokens": [enc.decode([t]) for t in enc.stop_tokens_for_assistant_actions()]}
+    stops = {
+        "stop_tokens": sorted(enc.decode([t]) for t in enc.stop_tokens_for_assistant_actions())
+    }
     for name, data in (("render", renders), ("parse", parses), ("stops", stops)):
         path = OUT / f"{name}.json"
         path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")

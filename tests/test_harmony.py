@@ -193,3 +193,8 @@ def test_bad_input():
     thinking, answer = HarmonySplit().split(text)
     content, calls = ToolMode("auto", parser="openai").parse(answer)
     assert thinking is None and calls == [] and content.endswith("<|message|>Paris please<|call|>")
+
+
+def test_the_stop_tokens_are_openai_harmonys():
+    stops = json.loads((DATA / "stops.json").read_text())["stop_tokens"]
+    assert sorted(harmony.STOP_TOKENS) == stops
