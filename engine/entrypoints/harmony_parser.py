@@ -103,6 +103,7 @@ class HarmonyReader:
         self.state = "header" if in_header else "outside"
         self.role = "assistant" if in_header else None  # the next header's known role
         self.buf = ""
+        self.looked = 0  # in a header: where <|message|> may start (a long header: no rescan)
 
     def feed(self, text: str, final: bool = False) -> list[tuple[str, object]]:
         """Events: ("text", str) outside messages, ("header", Header), ("content", str),
@@ -114,13 +115,15 @@ class HarmonyReader:
                 if not self._outside(out, final):
                     break
             elif self.state == "header":
-                i = self.buf.find(MESSAGE)
+                i = self.buf.find(MESSAGE, self.looked)
                 if i < 0:
+                    self.looked = max(len(self.buf) - len(MESSAGE) + 1, 0)  # not before here
                     if final:  # a header cut short: no message
                         self.buf = ""
                     break
                 out.append(("header", parse_header(self.buf[:i], self.role)))
                 self.buf, self.state, self.role = self.buf[i + len(MESSAGE) :], "content", None
+                self.looked = 0
             elif not self._content(out, final):
                 break
         return out
