@@ -87,10 +87,14 @@ def parse_header(text: str, role: str | None) -> Header:
 
 
 def _held(text: str, tags) -> int:
-    """How much of text's end may begin one of tags (held back until more text comes)."""
-    for n in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
-        if any(t.startswith(text[-n:]) for t in tags):
-            return n
+    """How much of text's end may begin one of tags (held back until more text comes); every
+    harmony token begins with ``<``, so only an end from a ``<`` on can."""
+    first = max(len(text) - max(len(t) for t in tags) + 1, 0)
+    i = text.rfind("<", first)
+    while i >= 0:
+        if any(t.startswith(text[i:]) for t in tags):
+            return len(text) - i
+        i = text.rfind("<", first, i)
     return 0
 
 
