@@ -198,3 +198,17 @@ def test_bad_input():
 def test_the_stop_tokens_are_openai_harmonys():
     stops = json.loads((DATA / "stops.json").read_text())["stop_tokens"]
     assert sorted(harmony.STOP_TOKENS) == stops
+
+
+def test_an_end_pattern_is_checked():
+    from engine.structured_params import StructuredOutputsParams
+
+    ok = StructuredOutputsParams(json=SCHEMA, reasoning_end=FINAL_START, reasoning_end_regex=True)
+    assert ok.key() == StructuredOutputsParams(json=SCHEMA).key()  # the same grammar
+    with pytest.raises(ValueError, match="reasoning_end.*a regular expression"):
+        StructuredOutputsParams(json=SCHEMA, reasoning_end="(<|x", reasoning_end_regex=True)
+    with pytest.raises(ValueError, match="reasoning_end_regex"):
+        StructuredOutputsParams(json=SCHEMA, reasoning_end_regex=True)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
