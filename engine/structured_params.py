@@ -21,6 +21,7 @@ Three defaults make the JSON kinds' output end where a small model would otherwi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class StructuredOutputsParams:
     # the output starts inside the thinking (the prompt opened it)
     reasoning_end: str | None = None
     reasoning_start: str | None = None
+    # reasoning_end is a regular expression (harmony: the header that opens the final channel
+    # or a named call): its first match in the output ends the thinking
+    reasoning_end_regex: bool = False
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -86,6 +90,19 @@ class StructuredOutputsParams:
                 raise _bad(name, value, "None or a non-empty string")
         if self.reasoning_start is not None and self.reasoning_end is None:
             raise _bad("reasoning_start", self.reasoning_start, "set with reasoning_end only")
+        if self.reasoning_end_regex is not False:
+            if self.reasoning_end_regex is not True or self.reasoning_end is None:
+                raise _bad(
+                    "reasoning_end_regex",
+                    self.reasoning_end_regex,
+                    "a bool, True with reasoning_end only",
+                )
+            try:
+                re.compile(self.reasoning_end)
+            except re.error as e:
+                raise _bad(
+                    "reasoning_end", self.reasoning_end, f"a regular expression ({e})"
+                ) from None
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")

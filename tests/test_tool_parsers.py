@@ -52,6 +52,12 @@ CASES = {
         "n=[1, {'b': None}], t=True)]",
         "", [("get_weather", ARGS), ("f", NESTED)],
     ),
+    "openai": (  # harmony, as the openai_gptoss reasoning parser leaves it in the answer
+        "Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather "
+        "<|constrain|>json<|message|>" + A + "<|call|><|start|>assistant<|channel|>commentary "
+        "to=functions.f json<|message|>" + N + "<|call|>",
+        "Checking.", [("get_weather", ARGS), ("f", NESTED)],
+    ),
 }  # fmt: skip
 MISTRAL_ARGS = ("Ok [TOOL_CALLS]get_weather[ARGS]" + A + " f[ARGS]{}", "Ok ",
                 [("get_weather", ARGS), ("f", {})])  # fmt: skip
@@ -132,6 +138,8 @@ SHORT = {  # one call each, short enough for the tiny model's 512 positions besi
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "openai": "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>"
+    'json<|message|>{"city": "Paris"}<|call|>',
 }
 
 

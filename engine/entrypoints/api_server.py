@@ -83,6 +83,7 @@ from engine.entrypoints.tool_parsers import make_parser
 from engine.entrypoints.web_routes import PAGE_PREFIX, add_web_routes
 from engine.frontend.async_llm import AsyncLLM
 
+CHAT_FORMATS = ("harmony", "template")  # --chat-format
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 log = logging.getLogger("engine.serve")
 
@@ -99,6 +100,7 @@ def build_app(
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     web_ui: bool = True,
+    chat_format: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; ``app.state.server`` holds the shared state. With ``api_key`` every
     route but /health (and /metrics, unless ``protect_metrics``) needs it. ``lora_modules``:
@@ -107,12 +109,19 @@ def build_app(
     events (engine/entrypoints/web_routes.py)."""
     check_api_key(api_key)
     server = Server(llm, model_name, api_key, aliases, limits)
+    if chat_format is not None:  # --chat-format: harmony or template (else: the model's family)
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(
+                f"chat format must be one of {', '.join(CHAT_FORMATS)}, got {chat_format!r}"
+            )
+        server.set_format(chat_format == "harmony")
     if tool_parser is not None:
         make_parser(tool_parser)  # a ValueError names an unknown one
         server.tool_parser = tool_parser
     if reasoning_parser is not None:
         server.reasoning_parser = check_parser(reasoning_parser)
-    how = "given" if tool_parser is not None else "from the chat template"
+    how = "given" if tool_parser is not None else "from the chat format"
+    log.info("chat format: %s", "harmony" if server.harmony else "the chat template")
     thinking = server.reasoning_parser or "none (every output is the answer)"
     log.info("tool-call parser: %s (%s); reasoning parser: %s", server.tool_parser, how, thinking)
     for name, path in lora_modules:

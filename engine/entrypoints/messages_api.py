@@ -212,7 +212,28 @@ class MessagesRequest(BaseModel):
             body["parallel_tool_calls"] = False
         if (self.thinking or {}).get("type") == "disabled":  # the template closes the thinking
             body["chat_template_kwargs"] = {"enable_thinking": False}
+        effort = thinking_effort(self.thinking)
+        if effort is not None:  # a harmony model's (the server drops it for other models)
+            body["reasoning_effort"] = effort
         return body
+
+
+def thinking_effort(thinking: dict | None) -> str | None:
+    """The reasoning effort ``thinking`` asks of a harmony model (gpt-oss, which always
+    reasons): disabled -> low, adaptive -> medium, enabled with budget_tokens under 4096 ->
+    low, under 16384 -> medium, else high; none given -> None (the format's default,
+    medium)."""
+    if not thinking:
+        return None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return "low"
+    if kind != "enabled":
+        return "medium"
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int):
+        return "medium"
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
 class CountTokensRequest(MessagesRequest):

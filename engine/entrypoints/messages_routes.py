@@ -58,4 +58,7 @@ def _anthropic_error(e: Exception) -> tuple[str, dict]:
 def _as_chat(server: Server, areq: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request runs as; 400 for what it cannot be."""
     call(areq.check_supported, server.reasoning_parser is not None)
-    return validated_chat(call(areq.chat))
+    body = call(areq.chat)
+    if not server.harmony:  # thinking's effort is for a harmony model only
+        body.pop("reasoning_effort", None)
+    return validated_chat(body)

@@ -377,6 +377,9 @@ class ChatMessage(BaseModel):
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        thinking = (self.model_extra or {}).get("reasoning_content")
+        if isinstance(thinking, str):  # an earlier turn's thinking (the harmony format shows it)
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -429,6 +432,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # a harmony model's (rendered in its system message)
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,7 +1,8 @@
 """Reasoning models' thinking, split from their answer: ``--reasoning-parser qwen3|deepseek_r1``
-(vLLM's names; both read ``<think>...</think>``). The thinking goes to ``reasoning_content``
-(chat completions), a ``reasoning`` item (Responses) or a ``thinking`` block (Messages); the
-answer is the content, where tool calls are read.
+(vLLM's names; both read ``<think>...</think>``), or ``openai_gptoss`` (harmony's analysis
+channel: engine/entrypoints/harmony_parser.py; ``make_split`` picks the splitter). The
+thinking goes to ``reasoning_content`` (chat completions), a ``reasoning`` item (Responses) or a
+``thinking`` block (Messages); the answer is the content, where tool calls are read.
 
 A thinking section exists only where the prompt or the output opens one:
     - the rendered prompt ends inside an open <think> (the template opened it, as DeepSeek-R1's
@@ -21,9 +22,11 @@ where it starts from the same state (``grammar_bounds``; engine/core/structured/
 
 from __future__ import annotations
 
+from engine.entrypoints.harmony_parser import PARSER as HARMONY
+from engine.entrypoints.harmony_parser import HarmonySplit
 from engine.entrypoints.tool_parsers import tag_prefix
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1", HARMONY)
 START, END = "<think>", "</think>"
 
 
@@ -50,6 +53,12 @@ def prompt_state(prompt_text: str) -> tuple[bool, bool]:
     template closed it, chat_template_kwargs enable_thinking false: no thinking to come)."""
     start, end = prompt_text.rfind(START), prompt_text.rfind(END)
     return start > end, end > start
+
+
+def make_split(parser: str, opened: bool = False):
+    """A fresh splitter of one output: ``HarmonySplit`` for openai_gptoss, else
+    ``ReasoningSplit``."""
+    return HarmonySplit() if parser == HARMONY else ReasoningSplit(parser, opened)
 
 
 class ReasoningSplit:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.reasoning import ReasoningSplit
+from engine.entrypoints.reasoning import ReasoningSplit, make_split
 from engine.entrypoints.tool_calls import ToolMode, ToolStream
 from engine.frontend.async_llm import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
@@ -293,7 +293,7 @@ class ChatFormat(_Format):
     def choice(self, i: int, o: RequestOutput, c: CompletionOutput) -> dict:
         thinking, answer = None, c.text
         if self.reasoning is not None:
-            thinking, answer = ReasoningSplit(*self.reasoning).split(c.text)
+            thinking, answer = make_split(*self.reasoning).split(c.text)
         content, calls = self.mode.parse(answer or "")
         message = {"role": "assistant", "content": content or None if thinking else content}
         if thinking is not None:
@@ -313,7 +313,7 @@ class ChatFormat(_Format):
         tools = self.tool_streams.setdefault(index, ToolStream(self.mode))
         text, thinking = c.text_delta, ""
         if self.reasoning is not None:
-            split = self.splits.setdefault(index, ReasoningSplit(*self.reasoning))
+            split = self.splits.setdefault(index, make_split(*self.reasoning))
             thinking, text = split.feed(c.text_delta, c.finished)
         content, calls = tools.delta(text, c.finished)
         delta = {"role": "assistant"} if first else {}

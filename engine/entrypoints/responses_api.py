@@ -78,7 +78,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    reasoning: dict[str, Any] | None = None  # effort / summary: no reasoning model here
+    reasoning: dict[str, Any] | None = None  # effort: a harmony model's; summary: none made
     include: list[str] | None = None
     truncation: str | None = None  # "disabled" (the default); "auto" is refused
     # accepted, no effect: they tune OpenAI's service, not what the model writes
@@ -153,6 +153,9 @@ class ResponsesRequest(BaseModel):
         fmt = (self.text or {}).get("format")
         if fmt is not None:
             body["response_format"] = _response_format(fmt)
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:  # a harmony model's (the server drops it for other models)
+            body["reasoning_effort"] = "low" if effort == "minimal" else effort
         return body
 
 

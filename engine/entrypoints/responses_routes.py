@@ -30,7 +30,10 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         rreq, size = await server.parse(raw, ResponsesRequest)
         call(rreq.check_supported)
         history = _previous(server, rreq.previous_response_id)
-        req = validated_chat(call(rreq.chat, history))
+        body = call(rreq.chat, history)
+        if not server.harmony:  # reasoning.effort is for a harmony model only
+            body.pop("reasoning_effort", None)
+        req = validated_chat(body)
         streams, fmt, _ = await start_chat(server, req, size)
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         conversation = history + rreq.messages()

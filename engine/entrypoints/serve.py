@@ -68,7 +68,7 @@ def run(args) -> int:
             llm, name, args.api_key, aliases, limits, args.protect_metrics,
             parse_lora_modules(args.lora_modules), args.allow_runtime_lora_updating,
             tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            web_ui=not args.disable_web_ui,
+            web_ui=not args.disable_web_ui, chat_format=args.chat_format,
         )  # fmt: skip
     except ValueError as e:  # an adapter that does not fit: one line, as for any bad flag
         llm.shutdown()

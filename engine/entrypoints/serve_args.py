@@ -77,9 +77,17 @@ def build_parser() -> CliParser:
     p.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
-        help="split a reasoning model's <think>...</think> from its answer: reasoning_content "
+        help="split a reasoning model's <think>...</think> (openai_gptoss: harmony's analysis "
+        "channel) from its answer: reasoning_content "
         "in chat completions, a reasoning item in responses, a thinking block in messages; "
         "structured output and forced tool calls apply to the answer (vLLM's names)",
+    )
+    p.add_argument(
+        "--chat-format",
+        choices=("harmony", "template"),
+        help="how chat prompts are written and outputs read: harmony (OpenAI's format, with "
+        "the openai_gptoss and openai parsers) or the model's chat template (default: harmony "
+        "for a gpt_oss model, else the template)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from engine.core.structured import StructuredOutputsParams
+from engine.entrypoints.harmony_parser import grammar_end
 from engine.entrypoints.limits import KiB, ServerLimits, check_sampling_bounds, parse_json_body
 from engine.entrypoints.lora_routes import ServedAdapters
 from engine.entrypoints.middleware import (
@@ -33,7 +34,9 @@ from engine.entrypoints.responses import ChatFormat
 from engine.entrypoints.responses_api import (
     ResponseStore,
 )
+from engine.entrypoints.tool_calls import ToolMode
 from engine.entrypoints.tool_parsers import parser_for_template
+from engine.frontend import harmony
 from engine.frontend.async_llm import AsyncLLM, QueueFullError, RequestStream
 from engine.frontend.chat import chat_prompt_ids
 from engine.frontend.input_processor import tokenize_prompt
@@ -71,8 +74,22 @@ class Server:
         self.responses = ResponseStore(self.limits.responses_store, self.limits.responses_ttl)
         self.reasoning_parser: str | None = None  # --reasoning-parser
         # tool_choice auto's format: --tool-call-parser, else the one the template writes
-        self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
+        self.tool_parser = "hermes"
+        # prompts in OpenAI's harmony format instead of the chat template (gpt-oss): set_format
+        self.harmony = False
+        self.set_format(harmony.uses_harmony(llm.engine.model_config))
         self._compiler_lock = threading.Lock()  # the engine's grammar compiler is built once
+
+    def set_format(self, use_harmony: bool) -> None:
+        """Harmony or the chat template: with harmony, its parsers (openai_gptoss, openai)
+        until --reasoning-parser / --tool-call-parser say otherwise (build_app sets those
+        after this)."""
+        self.harmony = use_harmony
+        if use_harmony:
+            self.reasoning_parser, self.tool_parser = harmony.REASONING_PARSER, "openai"
+        else:
+            self.reasoning_parser = None
+            self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
 
     async def _render_own_metrics(self) -> bytes:
         return self.metrics.render()
@@ -181,9 +198,17 @@ class Server:
         ]
 
     def chat_ids(
-        self, conversation: list[dict], add_generation_prompt, max_chars, tools, *why, kw=None
-    ):
+        self, conversation: list[dict], add_generation_prompt, max_chars, tools, *why, kw=None,
+        effort=None,
+    ):  # fmt: skip
+        """The prompt of a conversation: through the chat template, or rendered in harmony
+        (``effort``: its reasoning effort; the template's ``kw`` and add_generation_prompt do
+        not apply there: a harmony prompt always ends with the assistant's turn opened)."""
         try:
+            if self.harmony:
+                return harmony.prompt_ids(
+                    self.tokenizer, conversation, tools, effort, max_chars, None, *why
+                )
             return chat_prompt_ids(
                 self.tokenizer, conversation, add_generation_prompt, max_chars, tools, *why,
                 template_kwargs=kw,
@@ -253,8 +278,11 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     them into bodies or chunks, the prompt's ids). Every field is checked before the template
     runs."""
     top = (req.top_logprobs or 0) if req.logprobs else None
+    effort = _harmony_effort(server, req)
     server.check_request(req, ("top_logprobs", top))
     mode = call(req.tool_mode, server.tool_parser)
+    if server.harmony:
+        mode = call(_harmony_mode, mode)
     named = call(req.constraint, mode)
     constraint = named[1] if named else None
     max_tokens = req.max_completion_tokens
@@ -262,14 +290,17 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     given = server.max_model_len if max_tokens is None else max_tokens  # unset: what fits
     args = (given, top, server.sampling_defaults, constraint, req.prompt_logprobs)
     params = await server.run(size, call, req.sampling_params, *args)
-    ids = await server.run(size, chat_request_ids, server, req)
+    ids = await server.run(size, chat_request_ids, server, req, effort)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     server.check_room([ids], max_tokens, field)
     if max_tokens is None:
         fits = max(server.max_model_len - len(ids), 1)
         params = call(dataclasses.replace, params, max_tokens=fits)
     reasoning = None
-    if server.reasoning_parser is not None:
+    if server.harmony:
+        reasoning = (server.reasoning_parser, False)
+        params = _harmony_params(server, params, constraint, mode)
+    elif server.reasoning_parser is not None:
         tail = server.tokenizer.decode(ids[-64:], skip_special_tokens=False)
         opened, closed = prompt_state(tail)
         reasoning = (server.reasoning_parser, opened)
@@ -286,8 +317,51 @@ async def start_chat(server: Server, req: ChatCompletionRequest, size: int):
     return streams, fmt, ids
 
 
-def chat_request_ids(server: Server, req: ChatCompletionRequest) -> list[int]:
-    """The chat request's prompt: its conversation and tools through the chat template."""
+def chat_request_ids(server: Server, req: ChatCompletionRequest, effort=None) -> list[int]:
+    """The chat request's prompt: its conversation and tools through the chat template (or in
+    harmony, with ``effort``, else the request's own reasoning_effort)."""
     conv = call(req.conversation)
     tools, agp = req.template_tools(), req.add_generation_prompt
-    return server.chat_ids(conv, agp, server.max_prompt_chars, tools, kw=req.chat_template_kwargs)
+    if effort is None:
+        effort = (req.model_extra or {}).get("reasoning_effort")
+    return server.chat_ids(
+        conv, agp, server.max_prompt_chars, tools, kw=req.chat_template_kwargs, effort=effort
+    )
+
+
+# ---- the harmony format (gpt-oss): engine/frontend/harmony.py, harmony_parser.py ----
+
+
+def _harmony_effort(server: Server, req: ChatCompletionRequest) -> str | None:
+    """A harmony model's reasoning_effort (taken out of the fields the check refuses; a
+    value other than low, medium or high is a 400); None for another model (the check
+    refuses the field there)."""
+    if not server.harmony:
+        return None
+    effort = (req.model_extra or {}).pop("reasoning_effort", None)
+    return call(harmony.check_effort, effort)
+
+
+def _harmony_mode(mode: ToolMode) -> ToolMode:
+    """Tool calls read back from harmony (the openai parser) whatever tool_choice is; a named
+    choice keeps its schema (the grammar of the call's arguments)."""
+    if mode.kind == "required":
+        raise ValueError(
+            "tool_choice: 'required' is not supported with the harmony format (name the "
+            "function, or use 'auto')"
+        )
+    return dataclasses.replace(mode, parser="openai", kind="auto")
+
+
+def _harmony_params(server: Server, params, constraint, mode: ToolMode):
+    """The output's special tokens kept in its text (the parser reads them), <|return|> and
+    <|call|> as stop tokens, and a constraint's grammar from the final channel's content (or
+    the named call's arguments) on."""
+    stops = [server.tokenizer.token_to_id(t) for t in harmony.STOP_TOKENS]
+    stops = [*(params.stop_token_ids or []), *(t for t in stops if t is not None)]
+    params = dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
+    if constraint is not None:
+        end = grammar_end(mode.name)  # the named function, if tool_choice names one
+        so = dataclasses.replace(constraint, reasoning_end=end, reasoning_end_regex=True)
+        params = dataclasses.replace(params, structured_outputs=so)
+    return params

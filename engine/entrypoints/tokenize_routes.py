@@ -28,7 +28,8 @@ def tokenize_body(server, req: TokenizeRequest) -> str:
             raise ApiError(400, str(e)) from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         kw = req.chat_template_kwargs
-        tokens = server.chat_ids(conv, req.add_generation_prompt, max_chars, tools, flag, kw=kw)
+        agp, effort = req.add_generation_prompt, req.reasoning_effort
+        tokens = server.chat_ids(conv, agp, max_chars, tools, flag, kw=kw, effort=effort)
     else:
         if len(req.prompt) > max_chars:
             got = len(req.prompt)

@@ -40,6 +40,7 @@ class LiveServer:
         reasoning_parser=None,
         web_ui=True,
         model_name=MODEL,
+        chat_format=None,
         **engine_args,
     ):
         self.engine = LLMEngine(loaded=loaded, **{**SMALL_POOL, **engine_args})
@@ -48,6 +49,7 @@ class LiveServer:
         self.app = build_app(
             self.llm, model_name, api_key, (), limits, protect_metrics, lora_modules, runtime_lora,
             tool_parser=tool_parser, reasoning_parser=reasoning_parser, web_ui=web_ui,
+            chat_format=chat_format,
         )  # fmt: skip
         # proto IPPROTO_TCP, as uvicorn's own sockets have: asyncio then sets TCP_NODELAY on
         # each connection (with proto 0 it does not, and every small answer waits 40 ms)

@@ -112,6 +112,8 @@ class StructuredOutputCompiler:
         start = params.reasoning_start
         opening = None if start is None else self.opening_row(start)
         end = params.reasoning_end
+        if params.reasoning_end_regex:  # harmony: no newlines to skip after the header
+            return AfterReasoning(inner, None, end, self.token_text, end_regex=True)
         return AfterReasoning(inner, start, end, self.token_text, opening, self.newline_row())
 
     def token_text(self, token: int) -> str:

@@ -12,6 +12,8 @@ Ids past the tokenizer's own vocabulary (padding rows of a larger lm_head) are n
 
 from __future__ import annotations
 
+import re
+
 import llguidance
 import numpy as np
 
@@ -140,13 +142,22 @@ class AfterReasoning:
       (whitespace the grammar took before it is taken back). Right after ``end`` the answer may
       skip up to NEWLINES newline tokens the grammar refuses, as the splitter drops them.
 
+    With ``end_regex`` the end is a regular expression (harmony's header of the final channel,
+    or of a named call, up to its ``<|message|>``): the output starts in the thinking and the
+    grammar applies from the token after the first match on; no newline is skipped.
+
     An output that opens its thinking and never ends it stays unconstrained (the model never
     wrote the answer the grammar is for). ``piece(token)``: a token's text."""
 
     NEWLINES = 2  # newlines after the end that the answer may skip (Qwen3 writes two)
+    WINDOW = 1024  # the thinking's tail an end pattern is looked for in (a harmony header)
 
-    def __init__(self, matcher, start: str | None, end: str, piece, opening=None, newlines=None):
+    def __init__(
+        self, matcher, start: str | None, end: str, piece, opening=None, newlines=None,
+        end_regex: bool = False,
+    ):  # fmt: skip
         self.inner, self.start, self.end, self.piece = matcher, start, end, piece
+        self.pattern = re.compile(end) if end_regex else None
         self.opening, self.newlines = opening, newlines  # packed (W,) rows, or None
         # newline tokens skipped after the end (none may be before it: the count starts full)
         self.skipped = self.NEWLINES
@@ -191,6 +202,11 @@ class AfterReasoning:
         return ok
 
     def _think(self, piece: str) -> None:
+        if self.pattern is not None:
+            self.text = (self.text + piece)[-self.WINDOW :]
+            if self.pattern.search(self.text):
+                self.state = "answer"  # self.skipped stays full: no newline to skip
+            return
         self.text = (self.text + piece)[-2 * len(self.end) :]
         if self.end in self.text:
             self.state, self.skipped = "answer", 0  # the newlines after the end may be skipped

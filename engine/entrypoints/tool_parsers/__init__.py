@@ -9,6 +9,9 @@
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...], or
                  [TOOL_CALLS]f[ARGS]{...} (newer tokenizers)               (Mistral)
     pythonic     [f(x=1, y="a"), g()], the whole output                   (Llama 3.2 / 4 pythonic)
+    openai       <|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json
+                 <|message|>{...}<|call|>, in the answer that the harmony reasoning parser
+                 (openai_gptoss) leaves                                    (gpt-oss)
 
 A parser is fed the text as it comes (``feed(text, final)``) and returns the content that is
 final (text that may still begin a call is held back) and OpenAI's streaming deltas of the
@@ -29,6 +32,7 @@ qwen3_xml in ``text_formats``.
 from __future__ import annotations
 
 from engine.entrypoints.tool_parsers.base import ToolParser, json_value_end, tag_prefix, whole_json
+from engine.entrypoints.tool_parsers.harmony import HarmonyToolParser
 from engine.entrypoints.tool_parsers.json_formats import (
     HermesParser,
     Llama3JsonParser,
@@ -39,7 +43,7 @@ from engine.entrypoints.tool_parsers.text_formats import PythonicParser, Qwen3Xm
 __all__ = ["PARSERS", "ToolParser", "json_value_end", "make_parser", "parser_for_template",
            "tag_prefix", "whole_json"]  # fmt: skip
 
-PARSERS = ("hermes", "qwen3_xml", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "qwen3_xml", "llama3_json", "mistral", "pythonic", "openai")
 # a chat template's marks -> the parser of its format (the first that the template writes)
 TEMPLATE_MARKS = (
     ("<function=", "qwen3_xml"),
@@ -62,7 +66,7 @@ def make_parser(name: str, schemas: dict[str, dict] | None = None) -> ToolParser
     parameters' text by them)."""
     kinds = {
         "hermes": HermesParser, "qwen3_xml": Qwen3XmlParser, "llama3_json": Llama3JsonParser,
-        "mistral": MistralParser, "pythonic": PythonicParser,
+        "mistral": MistralParser, "pythonic": PythonicParser, "openai": HarmonyToolParser,
     }  # fmt: skip
     if name not in kinds:
         raise ValueError(f"tool call parser must be one of {', '.join(PARSERS)}, got {name!r}")
