@@ -165,3 +165,14 @@ def test_a_kept_format_is_timed_against_numpy_and_auto_follows(
     state["kept"] = 0.5
     monkeypatch.setattr(cpu_tuning, "cache_file", lambda: timings["file"].with_name("b.json"))
     assert make_engine(tiny, **setting).backend.name == "cpu"
+
+
+def test_a_shape_without_panels_is_summarised():
+    """A matrix whose N is not whole panels (an LM head of 327 rows) has no panels timing:
+    the summary says so instead of failing on the missing ratio."""
+    inf = float("inf")
+    c = cpu_tuning.Choice("plain", {"panels": [inf] * 3, "plain": [1.0] * 3, "numpy": [2.0] * 3})
+    assert c.ratio("plain", "panels") == 0.0 and c.ratio("panels", "plain") == inf
+    line, vs_numpy = cpu_tuning.summary({(64, 327): c})
+    assert line == "64x327 plain (no panels for this shape, time 0.50x numpy's)"
+    assert vs_numpy == pytest.approx(0.5)

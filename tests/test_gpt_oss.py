@@ -254,3 +254,28 @@ def test_lora_on_the_experts_is_refused_by_name(tmp_path):
     bad = write_random_adapter(tmp_path / "b", m.config, 4, 7, ("q_proj", "gate_proj"))
     with pytest.raises(ValueError, match=r"layer 0 gate_proj: the layer's MLP is a mixture"):
         load_adapter(bad, m.config, 8)
+
+
+# ---- the harmony format, chosen by the family ----
+def test_a_gpt_oss_model_is_prompted_in_harmony(tmp_path):
+    """The tiny gpt-oss with harmony's tokens added: the server (no --chat-format) and
+    LLM.chat render its conversations in harmony, and the real model answers through them."""
+    import httpx
+
+    from engine import LLM
+    from engine.frontend import harmony
+    from engine.tools.live_server import MODEL, LiveServer
+    from tests.test_harmony_server import ASK, with_harmony_tokens
+
+    model = with_harmony_tokens(loaded("gpt_oss"))
+    want = harmony.prompt_ids(model.tokenizer, ASK)
+    with LiveServer(model, max_model_len=512, num_gpu_blocks=160) as s:
+        body = {"model": MODEL, "messages": ASK}
+        assert httpx.post(s.url + "/tokenize", json=body).json()["tokens"] == want
+        r = httpx.post(s.url + "/v1/chat/completions", json=body | {"max_tokens": 6})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+    llm = LLM(loaded=model, max_model_len=512, num_gpu_blocks=160, backend="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.chat(ASK, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == want and len(out.outputs[0].token_ids) == 4
+    llm.shutdown()

@@ -59,6 +59,8 @@ class Choice:
     def ratio(self, a: str, b: str) -> float:
         """The geometric mean over ROWS of candidate a's time over b's."""
         ta, tb = self.times[a], self.times[b]
+        if math.inf in ta or math.inf in tb:  # a layout the shape cannot have (panels)
+            return math.inf if math.inf in ta else 0.0
         return math.exp(sum(math.log(x / y) for x, y in zip(ta, tb, strict=True)) / len(ta))
 
 
@@ -207,6 +209,8 @@ def summary(choices: dict) -> tuple[str, float]:
             other = "plain" if c.layout == "panels" else "panels"
             vs_other = c.ratio(c.layout, other)
             ratios = f"time {vs_other:.2f}x {other}'s, {vs_numpy:.2f}x numpy's"
+            if vs_other == 0.0:  # the other cannot hold this shape (N not whole panels)
+                ratios = f"no {other} for this shape, time {vs_numpy:.2f}x numpy's"
             parts.append(f"{k}x{n} {c.layout} ({ratios})")
         logs.append(math.log(vs_numpy))
     return "; ".join(parts), math.exp(sum(logs) / len(logs))

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
+from engine.frontend import harmony
 from engine.frontend.chat import chat_prompt_ids, is_conversation
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.recorder import Recorder
@@ -107,13 +108,19 @@ class LLM:
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation ([{"role", "content"}, ...], any number of turns, system
-        prompts included) or a list of them, through the model's chat template."""
+        prompts included) or a list of them, through the model's chat template (a gpt-oss
+        model's: rendered in harmony, engine/frontend/harmony.py, the assistant's turn open
+        whatever ``add_generation_prompt`` says)."""
         convs = [messages] if is_conversation(messages) else list(messages)
         tok = self.engine.tokenizer
+        speaks_harmony = harmony.uses_harmony(self.engine.model_config)
         prompts = []
         for i, conv in enumerate(convs):
             try:
-                prompts.append(chat_prompt_ids(tok, conv, add_generation_prompt))
+                if speaks_harmony:
+                    prompts.append(harmony.prompt_ids(tok, conv))
+                else:
+                    prompts.append(chat_prompt_ids(tok, conv, add_generation_prompt))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
