@@ -49,7 +49,9 @@ def dequantize_blocks(b: np.ndarray) -> np.ndarray:
 
 def _check_hf(blocks: np.ndarray, scales: np.ndarray) -> None:
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
-        raise ValueError(f"mxfp4: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}")
+        raise ValueError(
+            f"mxfp4: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}"
+        )
     if blocks.ndim < 2 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
         raise ValueError(
             f"mxfp4: blocks must be (..., cols/32, 16) with scales (..., cols/32), "

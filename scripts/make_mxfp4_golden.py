@@ -3,7 +3,7 @@ gguf-py (0.19: ``gguf.quants.dequantize``, GGUF's 17-byte blocks) and transforme
 (``convert_moe_packed_tensors``, a gpt-oss checkpoint's blocks and scales). Neither is a
 dependency of the engine, so their answers are committed: tests/data/mxfp4_golden.npz.
 
-    /tmp/golden-venv/bin/python scripts/make_mxfp4_golden.py  # a venv with gguf, torch, transformers
+    /tmp/golden-venv/bin/python scripts/make_mxfp4_golden.py  # gguf, torch, transformers
 
 Random bytes; every exponent 0..255 occurs (subnormal, ordinary and infinite values).
 """

@@ -115,7 +115,9 @@ def test_the_cpu_backend_multiplies_a_repacked_matrix(rows):
 
 def test_bad_checkpoint_blocks_are_one_line():
     blocks, scales = np.zeros((4, 2, 16), np.uint8), np.zeros((4, 3), np.uint8)
-    with pytest.raises(ValueError, match=r"^mxfp4: blocks must be .* got \(4, 2, 16\) and \(4, 3\)$"):
+    with pytest.raises(
+        ValueError, match=r"^mxfp4: blocks must be .* got \(4, 2, 16\) and \(4, 3\)$"
+    ):
         mxfp4.from_hf(blocks, scales)
     with pytest.raises(ValueError, match="^mxfp4: blocks and scales must be uint8, got int8"):
         mxfp4.from_hf(blocks.view(np.int8), scales[:, :2])
