@@ -64,11 +64,11 @@ def from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     (..., rows, cols/32 * 17) uint8 GGUF blocks of the same values: a (rows, cols) matrix's
     rows as a GGUF file stores them."""
     _check_hf(blocks, scales)
-    pairs = np.stack([blocks & np.uint8(15), blocks >> np.uint8(4)], axis=-1)  # (..., G, 16, 2)
-    q = pairs.reshape(*blocks.shape[:-1], QK)  # (..., G, 32): value i's code
+    lo, hi = blocks[..., :8], blocks[..., 8:]  # values 0..15 and 16..31, two a byte
     gguf = np.empty((*blocks.shape[:-1], BLOCK_BYTES), np.uint8)  # (..., G, 17)
     gguf[..., 0] = scales
-    gguf[..., 1:] = q[..., :16] | (q[..., 16:] << np.uint8(4))
+    gguf[..., 1::2] = (lo & np.uint8(15)) | (hi << np.uint8(4))  # values 2k, 2k + 16
+    gguf[..., 2::2] = (lo >> np.uint8(4)) | (hi & np.uint8(0xF0))  # 2k + 1, 2k + 17
     return gguf.reshape(*blocks.shape[:-2], -1)
 
 
