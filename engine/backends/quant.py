@@ -223,7 +223,7 @@ def _values(p) -> np.ndarray:
 
 def keep_stored(w) -> QuantWeight | None:
     """A (K, N) GGUF matrix kept in blocks (model_loader.gguf_blocks.TransposedBlocks) as its
-    QuantWeight: the file's bytes (a k-quant or 5-bit type; Q8_0/Q4_0/Q4_1 split into q and
+    QuantWeight: the file's bytes (a k-quant, 5-bit or MXFP4 type; Q8_0/Q4_0/Q4_1 split into q and
     scales), a fused one's parts each so. None for any other matrix, and for a table or LM
     head kept in blocks only to be read by row (a file with no k-quants)."""
     stored = getattr(w, "stored", None)
