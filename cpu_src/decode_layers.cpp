@@ -36,6 +36,8 @@ int matmul_q5(float* out, const float* x, const uint8_t* w, int format, long M, 
               int threads);
 int matmul_fp8(float* out, const float* x, const uint8_t* w, const float* scales, long nbk,
                long M, long K, long N, int threads);
+int matmul_mxfp4(float* out, const float* x, const uint8_t* w, long M, long K, long N,
+                 int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
@@ -51,11 +53,12 @@ namespace {
 // W_BLOCKS + 0, 1, 2: Q8_0, Q4_0, Q4_1; W_RAW + 0..4: a GGUF file's Q4_K, Q5_K, Q6_K, Q5_0,
 // Q5_1 bytes; W_PARTS: a matrix whose columns come in parts of different kinds; W_Q4Z: a 4-bit
 // checkpoint's zero-point blocks (matmul_blocks' format 3); W_FP8: an FP8 checkpoint's e4m3
-// bytes and float32 scales, `pad` of them a row (matmul_fp8.cpp)
+// bytes and float32 scales, `pad` of them a row (matmul_fp8.cpp); W_MXFP4: MXFP4 blocks as a
+// GGUF file stores them (matmul_mxfp4.cpp)
 enum {
   W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BLOCKS = 3, W_PANELS = 6, W_BF16_PANELS = 7,
   W_INT8_PANELS = 8, W_RAW = 9, W_PARTS = 14, W_Q4Z = 15,
-  W_FP8 = 16
+  W_FP8 = 16, W_MXFP4 = 17
 };
 
 // A weight matrix (K, N) as cpu_ops.matmul sees it: its kind, data and scales (int8: (N,)
@@ -169,6 +172,7 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
     return matmul_blocks(out, x, raw, (const f16*)w.scales, 3, M, K, N, threads);
   if (w.kind == W_FP8)
     return matmul_fp8(out, x, raw, (const float*)w.scales, w.pad, M, K, N, threads);
+  if (w.kind == W_MXFP4) return matmul_mxfp4(out, x, raw, M, K, N, threads);
   switch (w.kind) {
     case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
     case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;

@@ -4,12 +4,14 @@ rows of several stacked (Q, K and V; gate and up) without widening any, and ``Ex
 a mixture's (E, N, K) experts, each a BlockMatrix.
 
 Kept so: an embedding table or LM head in Q8_0, Q4_0 or Q4_1 (BLOCK_KINDS: the cpu backend
-splits their blocks into q and scales), and every matrix in a k-quant or 5-bit type
+splits their blocks into q and scales), and every matrix in a k-quant, 5-bit or MXFP4 type
 (model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes), a mixture's
 experts in those types likewise; in a file that has such matrices, its Q8_0/Q4_0/Q4_1 layer
 matrices and experts too (a Q4_K_M file's fallbacks). Each widens
 to float32 by rows, or whole through ``np.asarray``, for whoever wants values. A 4-bit Hugging
-Face checkpoint's groups come as a subclass of the same (model_loader.int4_checkpoint).
+Face checkpoint's groups come as a subclass of the same (model_loader.int4_checkpoint); a
+gpt-oss checkpoint's MXFP4 blocks and scales as a BlockMatrix (``mxfp4_matrix``) or
+ExpertBlocks (``mxfp4_experts``) of GGUF's MXFP4 blocks, their nibbles repacked.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from model_loader import kquants
+from model_loader import kquants, mxfp4
 
 # GGUF's block formats that a backend may keep as stored (engine/backends/quant.py's kinds),
 # and a block's layout: (bytes of float16 scales, bytes of q).
@@ -26,8 +28,10 @@ BLOCK_KINDS = {
     gguf.GGMLQuantizationType.Q4_0: ("q4_0", 2, 16),
     gguf.GGMLQuantizationType.Q4_1: ("q4_1", 4, 16),
 }
-# the types kept in blocks wherever they are (their kind: the type's name in lower case)
-KQUANT_TYPES = {gguf.GGMLQuantizationType[name] for name in kquants.LAYOUTS}
+# the types kept in blocks wherever they are (their kind: the type's name in lower case); MXFP4
+# where this gguf-py knows it (0.17 and later)
+_TYPES = gguf.GGMLQuantizationType.__members__
+KQUANT_TYPES = {_TYPES[name] for name in kquants.LAYOUTS if name in _TYPES}
 
 
 class BlockMatrix:
@@ -179,6 +183,27 @@ class ExpertBlocks:
 
     def astype(self, dtype, copy: bool = True) -> np.ndarray:
         return np.asarray(self, dtype)
+
+
+def mxfp4_matrix(name: str, blocks: np.ndarray, scales: np.ndarray) -> BlockMatrix:
+    """A checkpoint's (rows, cols/32, 16) MXFP4 blocks and (rows, cols/32) scales -> the
+    (rows, cols) matrix kept in GGUF's MXFP4 blocks: the same values (model_loader.mxfp4)."""
+    if blocks.ndim != 3:
+        raise ValueError(f"mxfp4: {name!r} blocks must be (rows, cols/32, 16), got {blocks.shape}")
+    raw = mxfp4.from_hf(blocks, scales)  # (rows, cols/32 * 17)
+    return BlockMatrix(name, _TYPES["MXFP4"], raw, (len(raw), blocks.shape[1] * mxfp4.QK))
+
+
+def mxfp4_experts(name: str, blocks: np.ndarray, scales: np.ndarray) -> ExpertBlocks:
+    """A checkpoint's (E, rows, cols/32, 16) blocks and (E, rows, cols/32) scales -> the
+    (E, rows, cols) experts kept in GGUF's MXFP4 blocks (``m[e]`` a BlockMatrix)."""
+    if blocks.ndim != 4:
+        raise ValueError(
+            f"mxfp4: {name!r} blocks must be (experts, rows, cols/32, 16), got {blocks.shape}"
+        )
+    e, rows, groups, _ = blocks.shape
+    raw = mxfp4.from_hf(blocks, scales)  # (E, rows, cols/32 * 17)
+    return ExpertBlocks(name, _TYPES["MXFP4"], raw, (e, rows, groups * mxfp4.QK))
 
 
 def stack_rows(mats):

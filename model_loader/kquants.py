@@ -1,7 +1,8 @@
-"""GGUF's k-quants (Q4_K, Q5_K, Q6_K) and 5-bit formats (Q5_0, Q5_1): their block layouts and
-a NumPy dequantizer per type, written from the formats' definitions (ggml's block structs).
+"""GGUF's k-quants (Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1) and MXFP4: their block layouts
+and a NumPy dequantizer per type, written from the formats' definitions (ggml's block structs).
 The values they give are the semantics the cpu backend's kernels (cpu_src/matmul_kquants.cpp,
-cpu_src/matmul_q5.cpp) are checked against; every product is float32, in ggml's order.
+cpu_src/matmul_q5.cpp, cpu_src/matmul_mxfp4.cpp) are checked against; every product is
+float32, in ggml's order.
 
 A matrix row is a run of blocks; a block's bytes, in file order:
   Q4_K (256 values, 144 bytes): d, dmin (float16); 12 bytes of eight 6-bit scales and eight
@@ -16,6 +17,8 @@ A matrix row is a run of blocks; a block's bytes, in file order:
   Q5_0 (32 values, 22 bytes): d (float16), qh (uint32, bit i the fifth bit of value i),
        16 bytes of nibbles (byte j: value j low, value j + 16 high): w = d (q - 16).
   Q5_1 (32 values, 24 bytes): d, m (float16), qh, nibbles: w = d q + m.
+  MXFP4 (32 values, 17 bytes): an e8m0 exponent, 16 bytes of e2m1 codes in Q5_0's nibble
+       order (model_loader/mxfp4.py).
 The 6-bit scales of Q4_K/Q5_K: for j < 4, sc_j = b[j] & 63, m_j = b[j + 4] & 63; for j >= 4,
 sc_j = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4, m_j = (b[j + 4] >> 4) | (b[j] >> 6) << 4.
 """
@@ -23,6 +26,8 @@ sc_j = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4, m_j = (b[j + 4] >> 4) | (b[j] >> 
 from __future__ import annotations
 
 import numpy as np
+
+from model_loader import mxfp4
 
 F32 = np.dtype(np.float32)
 QK_K = 256
@@ -34,6 +39,7 @@ LAYOUTS = {
     "Q6_K": (256, 210),
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
+    "MXFP4": (mxfp4.QK, mxfp4.BLOCK_BYTES),
 }
 
 
@@ -120,6 +126,7 @@ DEQUANTIZE = {
     "Q6_K": dequantize_q6_k,
     "Q5_0": dequantize_q5_0,
     "Q5_1": dequantize_q5_1,
+    "MXFP4": mxfp4.dequantize_blocks,
 }
 
 

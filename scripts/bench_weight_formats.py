@@ -2,9 +2,9 @@
 
 TinyLlama's four layer matrices (2048x2560 QKV, 2048x2048 O, 2048x11264 gate and up, 5632x2048
 down) for a number of layers, random weights, each format as the engine packs it (float32
-panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels; GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 as
-random blocks of the shape, the engine having no quantizer for them); x of a given number of
-rows. Every
+panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels; GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and
+MXFP4 as random blocks of the shape, the engine having no quantizer for them), or the matrices
+``--shapes`` names; x of a given number of rows. Every
 (format, build) pair is timed in the same process, in alternating rounds, so a noisy machine
 moves them all alike. Prints, per pair, the fastest and the median sweep over all the layers,
 and the weights' bytes over that time (at batch 1 the products are bound by it).
@@ -39,11 +39,14 @@ PACK = {
 
 
 def random_blocks(shape: tuple[int, int], kind: str) -> quant.QuantWeight:
-    """A (K, N) weight of random GGUF blocks: random bytes, float16 factors in [0, 2e-3)."""
+    """A (K, N) weight of random GGUF blocks: random bytes, float16 factors 1e-3 (MXFP4's
+    exponents 2^-9)."""
     k, n = shape
     per, size = kquants.LAYOUTS[kind.upper()]
     raw = np.random.default_rng(0).integers(0, 256, (n * k // per, size), dtype=np.uint8)
-    for at in (208,) if kind == "q6_k" else (0, 2):
+    if kind == "mxfp4":
+        raw[:, 0] = 127 - 9
+    for at in () if kind == "mxfp4" else (208,) if kind == "q6_k" else (0, 2):
         raw[:, at : at + 2] = np.full((len(raw), 1), 1e-3, np.float16).view(np.uint8)
     return quant.QuantWeight(kind, raw.reshape(n, -1))
 
@@ -63,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(another tree's, to compare two versions of the kernels in one process)",
     )
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds per pair (9)")
+    p.add_argument(
+        "--shapes",
+        default=",".join(f"{k}x{n}" for k, n in SHAPES),
+        help="comma-separated KxN matrices of a layer (TinyLlama's four)",
+    )
     return p
 
 
@@ -81,14 +89,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     mats = {f: [] for f in formats}  # format -> [(packed, K)]
     nbytes = dict.fromkeys(formats, 0)
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]  # (K, N)
     for _ in range(args.layers):
-        for k, n in SHAPES:
+        for k, n in shapes:
             w = rng.standard_normal((k, n), dtype=np.float32) * 0.02
             for f in formats:
                 packed = PACK[f](w)
                 mats[f].append(packed)
                 nbytes[f] += packed.nbytes
-    xs = {k: rng.standard_normal((args.rows, k), dtype=np.float32) for k, _ in SHAPES}
+    xs = {k: rng.standard_normal((args.rows, k), dtype=np.float32) for k, _ in shapes}
     pairs = [(f, name) for f in formats for name in libs]
     times = {p: [] for p in pairs}
     for _ in range(args.rounds):

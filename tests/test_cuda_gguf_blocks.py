@@ -44,14 +44,14 @@ def test_kept_matrices_are_the_files_bytes_and_counted(kquant_files, caplog):
         be = cuda_engine(loaded).backend
     l0, l1 = be.layers
     assert kinds(l0.w_qkv) == ["q4_k", "q6_k"] and kinds(l0.w_down) == ["q6_k"]
-    # Q5_K, Q5_1 are not read by the kernels: those matrices are widened as before
+    # Q5_K, Q5_1, MXFP4 are not read by the kernels: those matrices are widened as before
     assert kinds(l0.w_o) == kinds(l0.w_gate_up) == kinds(l1.w_qkv) == ["float32"]
-    assert kinds(l1.w_o) == kinds(l1.w_gate_up) == kinds(l1.w_down) == ["q4_k"]
+    assert kinds(l1.w_o) == kinds(l1.w_gate_up) == ["q4_k"] and kinds(l1.w_down) == ["float32"]
     assert kinds(be.lm_head) == ["q6_k"] and kinds(be.embed) == ["float32"]
     (raw,) = [t for t in gguf.GGUFReader(str(blocks)).tensors if t.name == "output.weight"]
     np.testing.assert_array_equal(be.lm_head.parts[0][1], raw.data)
-    kept = [w for w in (l0.w_qkv, l0.w_down, l1.w_o, l1.w_gate_up, l1.w_down, be.lm_head)]
-    plain = [be.embed, be.final_norm, l0.w_o, l0.w_gate_up, l1.w_qkv]
+    kept = [w for w in (l0.w_qkv, l0.w_down, l1.w_o, l1.w_gate_up, be.lm_head)]
+    plain = [be.embed, be.final_norm, l0.w_o, l0.w_gate_up, l1.w_qkv, l1.w_down]
     plain += [getattr(lw, n) for lw in be.layers for n in ("attn_norm", "mlp_norm")]
     assert be.weights_bytes == sum(w.nbytes for w in kept + plain)
     assert "weights resident, by format: float32 " in caplog.text and "q4_k" in caplog.text

@@ -1,5 +1,5 @@
-"""GGUF's k-quants and 5-bit formats (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) kept as stored: the
-engine's dequantizers (model_loader/kquants.py) against gguf-py's (an independent
+"""GGUF's k-quants, 5-bit formats and MXFP4 (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) kept as
+stored: the engine's dequantizers (model_loader/kquants.py) against gguf-py's (an independent
 implementation) bit for bit on random blocks; a GGUF file of every type loaded with its
 matrices kept in their blocks, its logits against a float32 file of the same values on the
 numpy and cpu backends. The kernels' products are checked on every build in
@@ -27,13 +27,19 @@ from tests.utils import SEED_PROMPTS, make_engine
 Q = gguf.GGMLQuantizationType
 # type -> byte offsets of its float16 factors in a block
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
+HALVES["MXFP4"] = ()  # its factor: an e8m0 exponent, byte 0
 
 
 def random_raw(rng, type_name: str, rows: int, k: int, scale: float | None = None) -> np.ndarray:
     """(rows, bytes of a row) random blocks of the type: random bytes, the float16 factors
-    finite (any finite bit pattern, or uniform in +-scale when given)."""
+    finite (any finite bit pattern, or uniform in +-scale when given); MXFP4's exponents any
+    byte, or given a scale such that the largest value 6 2^(e - 127) is within it, down to a
+    sixteenth of it."""
     per, size = kquants.LAYOUTS[type_name]
     raw = rng.integers(0, 256, (rows * k // per, size), dtype=np.uint8)  # (blocks, bytes)
+    if type_name == "MXFP4" and scale is not None:
+        top = 127 + int(np.floor(np.log2(scale / 6)))
+        raw[:, 0] = rng.integers(top - 4, top + 1, len(raw))
     for at in HALVES[type_name]:
         if scale is None:
             bits = rng.integers(0, 2**16, len(raw), dtype=np.uint16)
@@ -45,13 +51,15 @@ def random_raw(rng, type_name: str, rows: int, k: int, scale: float | None = Non
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", list(kquants.LAYOUTS))
+# (MXFP4 against gguf-py where it has the type; tests/test_mxfp4.py against its committed values)
+@pytest.mark.parametrize("type_name", [t for t in kquants.LAYOUTS if t in Q.__members__])
 def test_dequantizers_equal_gguf_py_bit_for_bit(type_name):
     rng = np.random.default_rng()
     per, _ = kquants.LAYOUTS[type_name]
     raw = random_raw(rng, type_name, 37, 4 * max(per, 256))
     mine = kquants.dequantize(raw, type_name)
-    theirs = gguf.quants.dequantize(raw, Q[type_name])
+    with np.errstate(over="ignore"):  # (MXFP4's largest exponents: inf)
+        theirs = gguf.quants.dequantize(raw, Q[type_name])
     assert mine.dtype == np.float32 and mine.shape == theirs.shape == (37, 4 * max(per, 256))
     np.testing.assert_array_equal(mine.view(np.uint32), theirs.view(np.uint32))
     w = QuantWeight(type_name.lower(), raw)  # (K, N): the transpose, as a product takes it
@@ -69,7 +77,7 @@ LAYER_TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
      "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q6_K"},
     {"attn_q": "Q5_1", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
-     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_K"},
+     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "MXFP4"},
 ]  # fmt: skip
 DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 DIMS |= dict(head_dim=64, num_hidden_layers=2)
@@ -150,11 +158,13 @@ def test_a_kquant_gguf_is_kept_as_stored(kquant_files, caplog):
     assert [cpu.layers[0].w_o.kind, cpu.layers[0].w_down.kind] == ["q5_k", "q6_k"]
     assert kinds(cpu.layers[0].w_gate_up) == ["q5_0", "q5_1"]
     assert cpu.layers[1].w_gate_up.kind == "q4_k" and cpu.lm_head.kind == "q6_k"
+    assert cpu.layers[1].w_down.kind == "mxfp4"
     (raw,) = [
         t for t in gguf.GGUFReader(str(blocks)).tensors if t.name == "blk.1.attn_output.weight"
     ]
     np.testing.assert_array_equal(cpu.layers[1].w_o.data, raw.data)  # the file's bytes
     assert "weights resident, by format: q4_k" in caplog.text
+    assert "mxfp4 0." in caplog.text  # (its 256 x 512 values: 0.1 MiB)
 
 
 def test_tensor_parallel_cuts_of_kept_blocks_are_their_values(kquant_files):

@@ -2,7 +2,7 @@
 results within float rounding), the heavy ones run by the kernels of ``cpu_src/``
 (``cpu_native``); the rest (embedding, block copies, the GELU activations) are fast_ops' own.
 
-Activations are float32; weights float32, or bf16 or int8 (``quant.QuantWeight``, for
+Activations are float32; weights float32, or bf16, int8 or GGUF blocks (``quant.QuantWeight``, for
 ``matmul``); the KV cache is float32, float16, bfloat16 or an 8-bit float (e4m3, e5m2).
 ``rotary_cache`` does what ``rotary`` and ``reshape_and_cache`` do in one pass, reading the
 cos/sin table that ``fast_ops`` computes once per forward. ``fused_add_rms_norm`` adds into
@@ -49,8 +49,8 @@ class Matrix(Structure):  # cpu_src/decode_layers.cpp: Matrix, a weight as the s
 # W_PANELS, W_BF16_PANELS, W_INT8_PANELS (a plain float32 array: W_F32, 0)
 KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
 KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
-KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS)} | {"parts": 14}  # W_RAW.., W_PARTS
-KINDS |= {"q4_z": 15, "fp8": 16}  # W_Q4Z, W_FP8
+KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS[:5])} | {"parts": 14}  # W_RAW.., W_PARTS
+KINDS |= {"q4_z": 15, "fp8": 16, "mxfp4": 17}  # W_Q4Z, W_FP8, W_MXFP4
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
@@ -274,6 +274,10 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         fmt = KEPT_BLOCKS.index(w.kind)
         _check(lib.matmul_blocks(_p(out), _p(x), _p(data), _p(scales), fmt, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind == "mxfp4":
+        data = _contiguous(w.data, np.dtype(np.uint8))
+        _check(lib.matmul_mxfp4(_p(out), _p(x), _p(data), m, k, n, threads()),
+               "matmul (mxfp4)", (m, k, n))  # fmt: skip
     elif w.kind in RAW_FORMATS:
         data, fmt = _contiguous(w.data, np.dtype(np.uint8)), RAW_FORMATS.index(w.kind)
         kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5

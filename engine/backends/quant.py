@@ -27,9 +27,11 @@ An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e
 ``scales`` (N, nbk) float32, one per row and run of K / nbk inputs; w = float32(q) * s
 (model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
 
-A GGUF file's k-quant and 5-bit matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: RAW_FORMATS) are kept
-as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales (model_loader.kquants lays
-the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp multiplies them). A fused matrix
+A GGUF file's k-quant, 5-bit and MXFP4 matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4:
+RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales
+(model_loader.kquants lays the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp,
+matmul_q5.cpp and matmul_mxfp4.cpp multiply them); a gpt-oss checkpoint's MXFP4 matrices come
+repacked into the same blocks (model_loader.mxfp4). A fused matrix
 whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside its Q6_K v) is
 kind "parts": ``parts`` the QuantWeights (or float32 arrays) of its runs of columns, in order.
 """
@@ -61,7 +63,8 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 QK = 32  # weights per block of the GGUF formats
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
 KEPT_BLOCKS = (*BLOCK_FORMATS, "q4_z")  # and the kind only a checkpoint brings (format 3)
-RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")  # in matmul_kquants' format order
+# the kinds kept as the file's bytes: matmul_kquants' formats, matmul_q5's, then MXFP4
+RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4")
 
 
 def _blocks(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -220,7 +223,7 @@ def _values(p) -> np.ndarray:
 
 def keep_stored(w) -> QuantWeight | None:
     """A (K, N) GGUF matrix kept in blocks (model_loader.gguf_blocks.TransposedBlocks) as its
-    QuantWeight: the file's bytes (a k-quant or 5-bit type; Q8_0/Q4_0/Q4_1 split into q and
+    QuantWeight: the file's bytes (a k-quant, 5-bit or MXFP4 type; Q8_0/Q4_0/Q4_1 split into q and
     scales), a fused one's parts each so. None for any other matrix, and for a table or LM
     head kept in blocks only to be read by row (a file with no k-quants)."""
     stored = getattr(w, "stored", None)
