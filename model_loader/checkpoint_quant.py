@@ -4,6 +4,9 @@ refused in one line), and its quantized tensors turned into what the engine keep
 - AWQ (``version: gemm``) and GPTQ, 4 bits, groups a multiple of 32 inputs (or one group a
   row): each layer's qweight/qzeros/scales(/g_idx) -> its ``weight`` as q4_z blocks, the
   same values (model_loader.int4_checkpoint);
+- MXFP4 (gpt-oss's experts): their ``*_blocks`` and ``*_scales`` repacked into GGUF's MXFP4
+  blocks at load, the same values (model_loader.moe, model_loader.mxfp4); the modules the
+  config leaves unconverted are plain tensors;
 - FP8 (``fmt: e4m3``): each float8_e4m3fn ``weight`` with its ``weight_scale`` (a scalar, one
   per output channel) or ``weight_scale_inv`` (one per ``weight_block_size`` block) -> an
   ``Fp8Matrix``, kept in 8 bits (model_loader.fp8_checkpoint). Activations stay float32: a
@@ -22,20 +25,25 @@ import numpy as np
 
 log = logging.getLogger("model_loader")
 
-SUPPORTED = "AWQ gemm and GPTQ (4 bits, groups a multiple of 32, no act-order), FP8 e4m3"
+SUPPORTED = (
+    "AWQ gemm and GPTQ (4 bits, groups a multiple of 32, no act-order), FP8 e4m3, MXFP4 "
+    "(gpt-oss's experts)"
+)
 AWQ_VERSIONS = ("gemm",)
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what the stored zeros lack
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
-    method: str  # "awq" | "gptq" | "fp8"
+    method: str  # "awq" | "gptq" | "fp8" | "mxfp4"
     group_size: int = 0  # AWQ/GPTQ: inputs a group; -1: one group a row
     zero_offset: int = 0  # GPTQ v1: a stored zero is the zero minus this (1)
     weight_block: tuple[int, int] | None = None  # FP8: a scale's (rows, cols), None: per tensor
     #   or per channel
 
     def summary(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 experts"
         if self.method == "fp8":
             return "fp8 e4m3" + (f", blocks {self.weight_block}" if self.weight_block else "")
         return f"{self.method} 4-bit, groups of {self.group_size}"
@@ -56,6 +64,11 @@ def parse_quantization(q) -> CheckpointQuant | None:
         return _int4(q, method)
     if method == "fp8":
         return _fp8(q)
+    if method == "mxfp4":
+        skip = q.get("modules_to_not_convert", [])
+        if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+            raise _refuse(f"mxfp4 modules_to_not_convert {skip!r} (not a list of names)")
+        return CheckpointQuant("mxfp4")
     raise _refuse(f"quant_method {q.get('quant_method')!r}")
 
 

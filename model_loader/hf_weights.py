@@ -309,7 +309,11 @@ def load_hf_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     """Read a Hugging Face directory's safetensors into ModelWeights (checkpoint dtype kept;
     a quantized checkpoint's layers as model_loader.checkpoint_quant makes them)."""
     tensors = language_model_tensors(read_safetensors(model_dir))  # Gemma 3 multimodal: its LM
-    if cfg.quantization is not None:
+    mxfp4 = cfg.quantization is not None and cfg.quantization.method == "mxfp4"
+    if mxfp4 and cfg.family != "gpt_oss":
+        raise ValueError(f"config.json: quantization_config mxfp4 is read for gpt_oss only, "
+                         f"not {cfg.family}")  # fmt: skip
+    if cfg.quantization is not None and not mxfp4:  # MXFP4: the experts, model_loader.moe
         tensors = QuantizedTensors(tensors, cfg.quantization)
     if cfg.spec.fused_projections:
         tensors = split_fused(tensors, cfg)

@@ -274,21 +274,29 @@ def _gpt_oss_experts(out: dict, spec: MoeSpec) -> dict[str, np.ndarray]:
     """gpt-oss's experts under STACKED's and STACKED_BIAS's names: gate_up_proj (E, D, 2F)
     de-interleaved and transposed into gate and up (E, F, D), down_proj (E, F, D) to (E, D, F),
     the biases split alike (a checkpoint's tensors missing or misshapen: the shape check of
-    the loader names them)."""
+    the loader names them); an MXFP4 checkpoint's blocks stay blocks (``_mxfp4_experts``)."""
     f = spec.intermediate_size
     for i in range(len(spec.sparse)):
-        name = FUSED_GATE_UP.format(i=i)
-        for n in (name, FUSED_DOWN.format(i=i), *(b.format(i=i) for b in GPT_OSS_BIASES)):
+        name, down_name = FUSED_GATE_UP.format(i=i), FUSED_DOWN.format(i=i)
+        biases = [b.format(i=i) for b in GPT_OSS_BIASES]
+        if name + "_blocks" in out:
+            _mxfp4_experts(out, i)
+        else:
+            for n in (name, down_name):
+                if n not in out:
+                    raise ValueError(f"checkpoint: missing tensor {n!r}")
+            gate_up, down = out.pop(name), out.pop(down_name)
+            if gate_up.ndim != 3 or gate_up.shape[2] != 2 * f:
+                shape = tuple(gate_up.shape)
+                raise ValueError(f"checkpoint: tensor {name!r} has shape {shape}, config "
+                                 f"implies (E, hidden, {2 * f})")  # fmt: skip
+            out[STACKED["e_gate"].format(i=i)] = gate_up[:, :, 0::2].transpose(0, 2, 1)
+            out[STACKED["e_up"].format(i=i)] = gate_up[:, :, 1::2].transpose(0, 2, 1)
+            out[STACKED["e_down"].format(i=i)] = down.transpose(0, 2, 1)
+        for n in biases:
             if n not in out:
                 raise ValueError(f"checkpoint: missing tensor {n!r}")
-        gate_up, down = out.pop(name), out.pop(FUSED_DOWN.format(i=i))
-        if gate_up.ndim != 3 or gate_up.shape[2] != 2 * f:
-            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(gate_up.shape)}, "
-                             f"config implies (E, hidden, {2 * f})")  # fmt: skip
-        out[STACKED["e_gate"].format(i=i)] = gate_up[:, :, 0::2].transpose(0, 2, 1)
-        out[STACKED["e_up"].format(i=i)] = gate_up[:, :, 1::2].transpose(0, 2, 1)
-        out[STACKED["e_down"].format(i=i)] = down.transpose(0, 2, 1)
-        gate_up_bias, down_bias = (out.pop(b.format(i=i)) for b in GPT_OSS_BIASES)
+        gate_up_bias, down_bias = (out.pop(n) for n in biases)
         out[STACKED_BIAS["e_gate_bias"].format(i=i)] = gate_up_bias[:, 0::2]
         out[STACKED_BIAS["e_up_bias"].format(i=i)] = gate_up_bias[:, 1::2]
         out[STACKED_BIAS["e_down_bias"].format(i=i)] = down_bias
@@ -298,3 +306,23 @@ def _gpt_oss_experts(out: dict, spec: MoeSpec) -> dict[str, np.ndarray]:
         if bias in out:
             out[STACKED_BIAS["router_bias"].format(i=i)] = out.pop(bias)
     return out
+
+
+def _mxfp4_experts(out: dict, i: int) -> None:
+    """Layer i's MXFP4 experts (a gpt-oss checkpoint's ``*_blocks`` (E, rows, cols/32, 16) and
+    ``*_scales`` (E, rows, cols/32), rows the outputs: gate_up's 2F interleaved, down's D) ->
+    e_gate, e_up (E, F, D) and e_down (E, D, F) kept in GGUF's MXFP4 blocks, their values
+    unchanged (model_loader.gguf_blocks.mxfp4_experts)."""
+    from model_loader.gguf_blocks import mxfp4_experts
+
+    parts = {}
+    for fused in (FUSED_GATE_UP, FUSED_DOWN):
+        name = fused.format(i=i)
+        for suffix in ("_blocks", "_scales"):
+            if name + suffix not in out:
+                raise ValueError(f"checkpoint: missing tensor {name + suffix!r}")
+        parts[fused] = (name, out.pop(name + "_blocks"), out.pop(name + "_scales"))
+    name, blocks, scales = parts[FUSED_GATE_UP]
+    for field, rows in (("e_gate", slice(0, None, 2)), ("e_up", slice(1, None, 2))):
+        out[STACKED[field].format(i=i)] = mxfp4_experts(name, blocks[:, rows], scales[:, rows])
+    out[STACKED["e_down"].format(i=i)] = mxfp4_experts(*parts[FUSED_DOWN])

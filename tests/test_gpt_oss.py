@@ -16,6 +16,7 @@ import pytest
 
 from engine import LoRARequest, SamplingParams
 from engine.backends import cpu_ops, fast_ops, kv_groups, moe
+from engine.frontend.llm import run_to_completion
 from engine.lora.adapter import load_adapter
 from engine.tools.random_lora import write_random_adapter
 from model_loader.config import ModelConfig
@@ -279,3 +280,94 @@ def test_a_gpt_oss_model_is_prompted_in_harmony(tmp_path):
     out = llm.chat(ASK, params, use_tqdm=False)[0]
     assert out.prompt_token_ids == want and len(out.outputs[0].token_ids) == 4
     llm.shutdown()
+
+
+# ---- a checkpoint with MXFP4 experts (quantization_config mxfp4) ----
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], F32)
+
+
+def hf_mxfp4(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(..., R, C) float32 rows -> a checkpoint's (..., R, C/32, 16) blocks, (..., R, C/32)
+    scales (gguf-py's MXFP4 rounding, its nibbles moved to the checkpoint's order: byte j of a
+    block holds value 2j low, 2j + 1 high), and the values they stand for as transformers
+    reads them, e2m1(code) * 2^(scale - 127)."""
+    import gguf
+
+    *lead, r, c = rows.shape
+    q = gguf.quants.quantize(rows.reshape(-1, c), gguf.GGMLQuantizationType.MXFP4)
+    q = q.reshape(-1, 17)  # GGUF: e, then value j low and j + 16 high
+    codes = np.concatenate([q[:, 1:] & 15, q[:, 1:] >> 4], axis=1)  # (n, 32) in value order
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    scales = np.ascontiguousarray(q[:, 0])  # (n,) (save_file writes a strided view wrongly)
+    values = E2M1[codes] * np.exp2(scales.astype(np.float64) - 127)[:, None]
+    shape = (*lead, r, c // 32)
+    return blocks.reshape(*shape, 16), scales.reshape(shape), values.reshape(*lead, r, c)
+
+
+def write_mxfp4_checkpoint(path: Path):
+    """The tiny gpt-oss with its experts in MXFP4 as a released checkpoint stores them; ->
+    the float weights the checkpoint stands for (the reference's)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = FAMILY_DIR / "gpt_oss"
+    shutil.copytree(src, path)
+    conf = json.loads((src / "config.json").read_text())
+    conf["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (path / "config.json").write_text(json.dumps(conf))
+    t = load_file(str(src / "model.safetensors"))
+    m = loaded("gpt_oss")
+    layers = []
+    for i, lw in enumerate(m.weights.layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        gu = t.pop(pre + "gate_up_proj").transpose(0, 2, 1)  # (E, 2F, D) outputs as rows
+        dn = t.pop(pre + "down_proj").transpose(0, 2, 1)  # (E, D, F)
+        t[pre + "gate_up_proj_blocks"], t[pre + "gate_up_proj_scales"], gu_v = hf_mxfp4(gu)
+        t[pre + "down_proj_blocks"], t[pre + "down_proj_scales"], dn_v = hf_mxfp4(dn)
+        values = dict(e_gate=gu_v[:, 0::2], e_up=gu_v[:, 1::2], e_down=dn_v)
+        layers.append(dataclasses.replace(lw, **{k: v.astype(F32) for k, v in values.items()}))
+    save_file(t, str(path / "model.safetensors"))
+    return dataclasses.replace(m.weights, layers=layers), m.config
+
+
+def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(tmp_path):
+    """quantization_config mxfp4: the experts' blocks repacked (kept as MXFP4 on the cpu
+    backend, widened on numpy), the numpy backend's tokens and logits the reference's on the
+    values the blocks stand for, the cpu backend's within its 8-bit activations."""
+    from model_loader.load import load_model
+
+    path = tmp_path / "mxfp4"
+    want_w, cfg = write_mxfp4_checkpoint(path)
+    m = load_model(str(path))
+    assert m.config.quantization.method == "mxfp4"
+    assert np.abs(want_w.layers[0].e_gate - loaded("gpt_oss").weights.layers[0].e_gate).max() > 0
+    prompt = golden("gpt_oss")["cases"][2]["prompt_token_ids"]
+    want = reference_generate(want_w, cfg, prompt, 8, mode="cached").token_ids
+    first = forward(want_w, cfg, prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for backend, atol in (("numpy", 1e-4), ("cpu", 0.1)):
+        engine = make_engine(load_model(str(path)), backend=backend, record_logits=True)
+        got = run_to_completion(engine, [prompt], params)[0].outputs[0]
+        np.testing.assert_allclose(got.step_logits[0], first, atol=atol, rtol=0)
+        if backend == "numpy":
+            assert got.token_ids == want
+        else:
+            ex = next(lw.experts for lw in engine.backend.layers)
+            assert {w.kind for w in (*ex.gate_up, *ex.down)} == {"mxfp4"}
+
+
+def test_mxfp4_is_read_for_gpt_oss_only(tmp_path):
+    import shutil
+
+    from model_loader.load import load_model
+
+    shutil.copytree(FAMILY_DIR / "mixtral", tmp_path / "m")
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="mxfp4 is read for gpt_oss only, not mixtral"):
+        load_model(str(tmp_path / "m"))
