@@ -279,6 +279,43 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     return out
 
 
+# the activations moe_experts computes (cpu_src/moe_experts.cpp)
+EXPERT_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
+    """A layer of experts' outputs in one native call (cpu_src/moe_experts.cpp), what
+    ``moe.experts_forward``'s loop over the experts computes: h (T, D) normed; the (T*k,)
+    pairs sorted by expert, ``tokens`` each one's row of h, ``pair_w`` its weight, expert e's
+    ``offsets[e]:offsets[e + 1]`` (E + 1,) -> (T, D) float32; None for an activation it lacks
+    (the loop runs instead)."""
+    code = EXPERT_ACTS.get(act)
+    if code is None:
+        return None
+    h = _c32(h)
+    (t, d), f = h.shape, layer.down[0].shape[0]
+    gate_up, down = _expert_matrices(layer)
+    out = np.zeros((t, d), F32)  # (T, D)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # (E + 1,)
+    tokens, pair_w = _i32(tokens), _c32(pair_w)  # (T*k,) each
+    status = library().moe_experts(
+        _p(out), _p(h), t, d, f, len(layer.down), addressof(gate_up), addressof(down),
+        _p(offsets), _p(tokens), _p(pair_w), code, threads(),
+    )  # fmt: skip
+    _check(status, "moe_experts", (t, d, f))
+    return out
+
+
+def _expert_matrices(layer):
+    """A PackedExperts' (E,) Matrix arrays of gate|up and down, made once (kept on it, with
+    the parts' own arrays alive as long as it is)."""
+    if getattr(layer, "_native", None) is None:
+        layer._native = tuple(
+            (Matrix * len(ws))(*map(matrix, ws)) for ws in (layer.gate_up, layer.down)
+        )
+    return layer._native
+
+
 def _contiguous(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise ValueError(f"a packed weight must be contiguous {dtype}, got {a.dtype}")
