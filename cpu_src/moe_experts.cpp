@@ -41,6 +41,10 @@ namespace {
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
 
+// Activation values (pairs x F) up to which every thread computes all of them, rather than
+// waiting at a barrier for its share.
+const long OWN_ACT = 1L << 15;
+
 // How a product's columns are cut: from x quantized once per row (KQ: the k-quants, BLK: the
 // 32-value blocks), as a column range of the stored matrix through its kind's kernel on one
 // thread (SLICE: the panels, Q5_0/Q5_1), or not at all (WHOLE).
@@ -122,23 +126,49 @@ struct Product {
   long K, N;
 };
 
+// Thread t's run of nt of a product's N columns (whole panels: multiples of 16).
+void run(long N, int t, int nt, long& n0, long& n1) {
+  const long per = ((N + nt - 1) / nt + 15) / 16 * 16;
+  n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
+}
+
 // Thread t's share of expert e's product over its rows lo..lo + M: its run of the columns, or
-// the whole product if the kind has no runs and e is t's. Returns a kernel's status.
-int share(const Product& p, int e, long lo, long M, int t, int nt, std::vector<float>& tmp) {
+// the whole product if the kind has no runs and e is t's; each row then times scale[row] if
+// given. Returns a kernel's status.
+int share(const Product& p, int e, long lo, long M, int t, int nt, std::vector<float>& tmp,
+          const float* scale = nullptr) {
   const Matrix& w = p.w[e];
   const Way way = way_of(w.kind);
-  if (way == WHOLE)
-    return e % nt == t ? matmul_matrix(p.out + lo * p.N, p.x + lo * p.K, &w, M, p.K, p.N, 1) : 0;
-  const long per = ((p.N + nt - 1) / nt + 15) / 16 * 16;
-  const long n0 = std::min(p.N, t * per), n1 = std::min(p.N, n0 + per);
-  if (n0 == n1) return 0;
-  if (way != SLICE) return p.q->cols(p.out + lo * p.N, p.N, w, lo, M, n0, n1);
-  const Matrix part = columns(w, p.K, n0);
-  tmp.resize(M * (n1 - n0));
-  const int status = matmul_matrix(tmp.data(), p.x + lo * p.K, &part, M, p.K, n1 - n0, 1);
-  for (long m = 0; m < M; m++)
-    std::memcpy(p.out + (lo + m) * p.N + n0, &tmp[m * (n1 - n0)], 4 * (n1 - n0));
+  long n0 = 0, n1 = p.N;
+  int status = 0;
+  if (way == WHOLE) {
+    if (e % nt != t) return 0;
+    status = matmul_matrix(p.out + lo * p.N, p.x + lo * p.K, &w, M, p.K, p.N, 1);
+  } else {
+    run(p.N, t, nt, n0, n1);
+    if (n0 == n1) return 0;
+    if (way != SLICE) {
+      status = p.q->cols(p.out + lo * p.N, p.N, w, lo, M, n0, n1);
+    } else {
+      const Matrix part = columns(w, p.K, n0);
+      tmp.resize(M * (n1 - n0));
+      status = matmul_matrix(tmp.data(), p.x + lo * p.K, &part, M, p.K, n1 - n0, 1);
+      for (long m = 0; m < M; m++)
+        std::memcpy(p.out + (lo + m) * p.N + n0, &tmp[m * (n1 - n0)], 4 * (n1 - n0));
+    }
+  }
+  for (long m = 0; scale && m < M; m++)
+    for (long n = n0; n < n1; n++) p.out[(lo + m) * p.N + n] *= scale[lo + m];
   return status;
+}
+
+// out[tokens[i], n0:n1] += y[i, n0:n1] for the pairs in order (the loop's additions).
+void scatter(float* out, const float* y, const int32_t* tokens, long P, long D, long n0,
+             long n1) {
+  for (long i = 0; i < P; i++) {
+    float* o = out + (long)tokens[i] * D;
+    for (long c = n0; c < n1; c++) o[c] += y[i * D + c];
+  }
 }
 
 // The GELUs of one float32 value as fast_ops computes them (reference/model.py): erf in
@@ -156,6 +186,12 @@ __attribute__((optimize("fp-contract=off"))) float gelu(float x, int act) {
 void act_row(float* a, const float* gu, long F, int act) {
   if (act == ACT_SILU) return silu_and_mul(a, gu, 1, (int)F, 1);
   for (long f = 0; f < F; f++) a[f] = gelu(gu[f], act) * gu[F + f];
+}
+
+// act_row into a, then a quantized as row r of q (when its kind takes x so).
+void act_and_quantize(float* a, Quantized& q, long r, const float* gu, long F, int act) {
+  act_row(a, gu, F, act);
+  if (q.used()) q.quantize(r, a);
 }
 
 }  // namespace
@@ -176,60 +212,62 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
   std::vector<float> xs(P * D), gu(P * 2 * F), a(P * F), y(P * D);
   Quantized qh(gate_up[first], T, D), qg(gate_up[first], P, D), qa(down[first], P, F);
   const Product up{gate_up, xs.data(), &qg, gu.data(), D, 2 * F};
-  const Product dn{down, a.data(), &qa, y.data(), F, D};
   std::vector<char> big(P, 0);  // pairs of experts of more rows than the integer dots take
   for (int e = 0; e < E; e++)
     if (offsets[e + 1] - offsets[e] > qg.max_rows())
       std::memset(&big[offsets[e]], 1, offsets[e + 1] - offsets[e]);
   for (long i = 0; i < P; i++) std::memcpy(&xs[i * D], h + (long)tokens[i] * D, 4 * D);
+  if (qh.used()) {  // each row of h quantized once, then each pair's copied
+    for (long r = 0; r < T; r++) qh.quantize(r, h + r * D);
+    for (long i = 0; i < P; i++) qg.copy_row(i, qh, tokens[i]);
+  }
   int status = 0;
-  for (int e = 0; e < E; e++) {  // those experts first: each kernel on every thread
+  for (int e = 0; e < E; e++) {  // the big experts first: each kernel on every thread
     const long lo = offsets[e], M = offsets[e + 1] - lo;
     if (M == 0 || !big[lo]) continue;
     status |= matmul_matrix(&gu[lo * 2 * F], &xs[lo * D], &gate_up[e], M, D, 2 * F, threads);
     for (long i = lo; i < lo + M; i++) act_row(&a[i * F], &gu[i * 2 * F], F, act);
     status |= matmul_matrix(&y[lo * D], &a[lo * F], &down[e], M, F, D, threads);
+    for (long i = lo; i < lo + M; i++)
+      for (long c = 0; c < D; c++) y[i * D + c] *= weights[i];
   }
   const int nt = threads_for(2 * P * D * F * 3, threads);
+  // few activations: each thread computes all of them (no barrier), into its own rows
+  const bool own_act = P * F <= OWN_ACT, whole = way_of(down[first].kind) == WHOLE;
   std::atomic<int> failed{status};
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), prev = set_local_threads(1);
-    std::vector<float> tmp;
-    if (qh.used()) {
-#pragma omp for schedule(static)
-      for (long r = 0; r < T; r++) qh.quantize(r, h + r * D);
-#pragma omp for schedule(static)
-      for (long i = 0; i < P; i++) qg.copy_row(i, qh, tokens[i]);
-    }
+    std::vector<float> tmp, mine(own_act ? P * F : 0);
+    Quantized qmine(down[first], own_act ? P : 0, F);
     for (int e = 0; e < E; e++) {
       const long lo = offsets[e], M = offsets[e + 1] - lo;
       if (M && !big[lo]) failed |= share(up, e, lo, M, t, nt, tmp);
     }
 #pragma omp barrier
+    float* act_rows = own_act ? mine.data() : a.data();
+    Quantized& qact = own_act ? qmine : qa;
+    if (own_act) {
+      for (long i = 0; i < P; i++)
+        if (!big[i]) act_and_quantize(&mine[i * F], qmine, i, &gu[i * 2 * F], F, act);
+    } else {
 #pragma omp for schedule(static)
-    for (long i = 0; i < P; i++) {
-      if (big[i]) continue;
-      act_row(&a[i * F], &gu[i * 2 * F], F, act);
-      if (qa.used()) qa.quantize(i, &a[i * F]);
+      for (long i = 0; i < P; i++)
+        if (!big[i]) act_and_quantize(&a[i * F], qa, i, &gu[i * 2 * F], F, act);
     }
+    const Product dn{down, act_rows, &qact, y.data(), F, D};
     for (int e = 0; e < E; e++) {
       const long lo = offsets[e], M = offsets[e + 1] - lo;
-      if (M && !big[lo]) failed |= share(dn, e, lo, M, t, nt, tmp);
+      if (M && !big[lo]) failed |= share(dn, e, lo, M, t, nt, tmp, weights);
     }
+    // the sums: each thread its own columns of y (none computed by another), or, with whole
+    // products, a run of the columns after they are all done
+    long n0, n1;
+    run(D, t, nt, n0, n1);
+    if (whole) {
 #pragma omp barrier
-    // y scaled by each pair's weight, then added in the pairs' order: the loop's two roundings
-    // (two passes through memory: no fused multiply-add)
-#pragma omp for schedule(static)
-    for (long i = 0; i < P; i++)
-      for (long c = 0; c < D; c++) y[i * D + c] *= weights[i];
-#pragma omp for schedule(static)
-    for (long c0 = 0; c0 < D; c0 += 64)
-      for (long i = 0; i < P; i++) {
-        float* o = out + (long)tokens[i] * D;
-        const float* yi = &y[i * D];
-        for (long c = c0; c < std::min(D, c0 + 64); c++) o[c] += yi[c];
-      }
+    }
+    scatter(out, y.data(), tokens, P, D, n0, n1);
     set_local_threads(prev);
   }
   return failed;

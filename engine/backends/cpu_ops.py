@@ -288,13 +288,16 @@ def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
     ``moe.experts_forward``'s loop over the experts computes: h (T, D) normed; the (T*k,)
     pairs sorted by expert, ``tokens`` each one's row of h, ``pair_w`` its weight, expert e's
     ``offsets[e]:offsets[e + 1]`` (E + 1,) -> (T, D) float32; None for an activation it lacks
-    (the loop runs instead)."""
+    or experts of different kinds (the loop runs instead)."""
     code = EXPERT_ACTS.get(act)
     if code is None:
         return None
     h = _c32(h)
     (t, d), f = h.shape, layer.down[0].shape[0]
-    gate_up, down = _expert_matrices(layer)
+    mats = _expert_matrices(layer)
+    if mats is None:
+        return None
+    gate_up, down = mats
     out = np.zeros((t, d), F32)  # (T, D)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # (E + 1,)
     tokens, pair_w = _i32(tokens), _c32(pair_w)  # (T*k,) each
@@ -307,13 +310,13 @@ def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
 
 
 def _expert_matrices(layer):
-    """A PackedExperts' (E,) Matrix arrays of gate|up and down, made once (kept on it, with
-    the parts' own arrays alive as long as it is)."""
+    """A PackedExperts' (E,) Matrix arrays of gate|up and down, made once and kept on it (the
+    parts' own arrays alive as long as it is); None where its experts' kinds differ."""
     if getattr(layer, "_native", None) is None:
-        layer._native = tuple(
-            (Matrix * len(ws))(*map(matrix, ws)) for ws in (layer.gate_up, layer.down)
-        )
-    return layer._native
+        kinds = [{matrix(w).kind for w in ws} for ws in (layer.gate_up, layer.down)]
+        mats = (tuple((Matrix * len(ws))(*map(matrix, ws)) for ws in (layer.gate_up, layer.down)),)
+        layer._native = mats if all(len(k) == 1 for k in kinds) else (None,)
+    return layer._native[0]
 
 
 def _contiguous(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
