@@ -214,7 +214,7 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
   const Product up{gate_up, xs.data(), &qg, gu.data(), D, 2 * F};
   std::vector<char> big(P, 0);  // pairs of experts of more rows than the integer dots take
   for (int e = 0; e < E; e++)
-    if (offsets[e + 1] - offsets[e] > qg.max_rows())
+    if (offsets[e + 1] - offsets[e] > std::min(qg.max_rows(), qa.max_rows()))
       std::memset(&big[offsets[e]], 1, offsets[e + 1] - offsets[e]);
   for (long i = 0; i < P; i++) std::memcpy(&xs[i * D], h + (long)tokens[i] * D, 4 * D);
   if (qh.used()) {  // each row of h quantized once, then each pair's copied

@@ -29,7 +29,7 @@ F32 = np.float32
 D, F = 256, 256  # k-quant rows are whole super-blocks of 256
 LOOP = types.SimpleNamespace(matmul=cpu_ops.matmul, act_and_mul=cpu_ops.act_and_mul)
 KINDS = ["float32", "panels", "bf16_panels", "int8_panels", "bf16", "q8_0", "q4_0", "q4_1"]
-KINDS += ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "parts"]
+KINDS += ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "parts", "q4_k/q8_0"]
 WHOLE = ("float32", "bf16")  # run whole on one thread: float32 rounding, not the same bits
 
 
@@ -50,8 +50,12 @@ def kept(rng, kind: str, k: int, n: int):
 
 def packed(rng, kind: str, experts: int, top_k: int) -> moe.PackedExperts:
     router = rng.standard_normal((D, experts)).astype(F32)  # (D, E)
-    gate_up = [kept(rng, kind, D, 2 * F) for _ in range(experts)]
-    down = [kept(rng, "q6_k" if kind == "parts" else kind, F, D) for _ in range(experts)]
+    # "parts": Q5_K | Q4_K gate|up, Q6_K down; "q4_k/q8_0": Q4_K gate|up, Q8_0 down
+    up_kind, down_kind = {"parts": ("parts", "q6_k"), "q4_k/q8_0": ("q4_k", "q8_0")}.get(
+        kind, (kind, kind)
+    )
+    gate_up = [kept(rng, up_kind, D, 2 * F) for _ in range(experts)]
+    down = [kept(rng, down_kind, F, D) for _ in range(experts)]
     return moe.PackedExperts(router, gate_up, down, top_k, renormalize=True)
 
 
@@ -83,15 +87,17 @@ def test_the_fused_step_is_the_loop(kind, rows):
     assert counted.tolist() == np.bincount(ids, minlength=8).tolist()
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_k", "panels"])
-def test_experts_of_more_rows_than_the_integer_dots_take(kind):
-    """300 tokens over 4 experts, top 2: about 150 rows an expert, past the blocks' 64 and
-    the k-quants' 128 rows (those experts run each kernel whole on every thread)."""
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k", "panels", "q4_k/q8_0"])
+@pytest.mark.parametrize("rows", [200, 300])
+def test_experts_of_more_rows_than_the_integer_dots_take(kind, rows):
+    """200 or 300 tokens over 4 experts, top 2: about 100 or 150 rows an expert, past the
+    blocks' 64 rows, and the k-quants' 128 at 300 (those experts run each kernel whole on
+    every thread; with Q4_K gate|up and Q8_0 down, past the smaller of the two)."""
     rng = np.random.default_rng()
     layer = packed(rng, kind, experts=4, top_k=2)
-    h = rng.standard_normal((300, D)).astype(F32)
+    h = rng.standard_normal((rows, D)).astype(F32)
     fused, loop, counted = both(h, layer, "silu")
-    assert counted.max() > 128
+    assert counted.max() > (128 if rows == 300 else 64)
     assert_same(fused, loop, kind)
 
 
