@@ -134,8 +134,9 @@ def test_the_fused_step_against_a_float64_computation():
 
 
 def test_what_the_fused_step_leaves_to_the_loop():
-    """An activation it lacks, or experts of different kinds: cpu_ops.experts answers None and
-    experts_forward runs the loop (the same products: its output is the loop's)."""
+    """An activation it lacks, experts of different kinds, or a plain matrix not float32:
+    cpu_ops.experts answers None and experts_forward runs the loop (the same products: its
+    output is the loop's)."""
     rng = np.random.default_rng()
     layer = packed(rng, "q8_0", experts=4, top_k=2)
     h = rng.standard_normal((3, D)).astype(F32)
@@ -147,6 +148,9 @@ def test_what_the_fused_step_leaves_to_the_loop():
     mixed = packed(rng, "q8_0", experts=4, top_k=2)
     mixed.gate_up[2] = kept(rng, "q4_0", D, 2 * F)
     assert cpu_ops.experts(h, mixed, *args, "silu") is None
+    wide = packed(rng, "float32", experts=4, top_k=2)
+    wide.down[1] = wide.down[1].astype(np.float64)
+    assert cpu_ops.experts(h, wide, *args, "silu") is None
     np.testing.assert_array_equal(
         moe.experts_forward(h, mixed, cpu_ops, "silu"), moe.experts_forward(h, mixed, LOOP, "silu")
     )

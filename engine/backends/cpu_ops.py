@@ -311,11 +311,15 @@ def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
 
 def _expert_matrices(layer):
     """A PackedExperts' (E,) Matrix arrays of gate|up and down, made once and kept on it (the
-    parts' own arrays alive as long as it is); None where its experts' kinds differ."""
+    parts' own arrays alive as long as it is); None where its experts' kinds differ or a plain
+    matrix is not contiguous float32 (the loop converts those)."""
     if getattr(layer, "_native", None) is None:
-        kinds = [{matrix(w).kind for w in ws} for ws in (layer.gate_up, layer.down)]
-        mats = (tuple((Matrix * len(ws))(*map(matrix, ws)) for ws in (layer.gate_up, layer.down)),)
-        layer._native = mats if all(len(k) == 1 for k in kinds) else (None,)
+        both = (layer.gate_up, layer.down)
+        plain = [w for ws in both for w in ws if not isinstance(w, QuantWeight)]
+        ok = all(w.dtype == F32 and w.flags.c_contiguous for w in plain)
+        ok = ok and all(len({matrix(w).kind for w in ws}) == 1 for ws in both)
+        mats = tuple((Matrix * len(ws))(*map(matrix, ws)) for ws in both) if ok else None
+        layer._native = (mats,)
     return layer._native[0]
 
 
