@@ -411,24 +411,31 @@ void dot_rows(int R, float* out, long N, const uint8_t* q, const f16* s, const i
   }
 }
 
-// out (M, N) for any M: each thread's W rows in chunks of NC (a few KB each, kept in L1/L2)
-// that every group of 8 rows of x passes over, so W streams from memory once and x's
+// out[m * ldo + n] for W's rows n0..n1, any M: the W rows in chunks of NC (a few KB each, kept
+// in L1/L2) that every group of 8 rows of x passes over, so W streams from memory once and x's
 // quantized rows (M x K bytes) from the caches.
+template <int F>
+void cols(float* out, long ldo, const int8_t* qx, const int32_t* xc, const float* dx,
+          const float* sx, const uint8_t* w, const f16* s, long M, long K, long n0, long n1) {
+  const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS, NC = 16;
+  std::vector<float> ds(8 * nb);  // (8, nb): a row's d dx
+  for (long c = n0; c < n1; c += NC)
+    for (long m = 0; m < M; m += 8) {
+      const int R = (int)std::min(8L, M - m);
+      for (long n = c; n < std::min(n1, c + NC); n++)
+        dot_rows<F>(R, out + m * ldo + n, ldo, w + n * row_q, s + n * row_s, qx + m * K,
+                    xc + m * (nb / 2) * 8, dx + m * nb, sx + m * nb, K, ds.data());
+    }
+}
+
+// out (M, N) for any M, each thread a run of W's rows.
 template <int F>
 void gemm_int(float* out, const int8_t* qx, const int32_t* xc, const float* dx, const float* sx,
               const uint8_t* w, const f16* s, long M, long K, long N, int nt) {
-  const long nb = K / QK, row_q = nb * Format<F>::QB, row_s = nb * Format<F>::NS;
-  const long per = (N + nt - 1) / nt, NC = 16;
+  const long per = (N + nt - 1) / nt;
   on_threads(nt, [&](int t) {
-    std::vector<float> ds(8 * nb);  // (8, nb): a row's d dx
-    const long n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
-    for (long c = n0; c < n1; c += NC)
-      for (long m = 0; m < M; m += 8) {
-        const int R = (int)std::min(8L, M - m);
-        for (long n = c; n < std::min(n1, c + NC); n++)
-          dot_rows<F>(R, out + m * N + n, N, w + n * row_q, s + n * row_s, qx + m * K,
-                      xc + m * (nb / 2) * 8, dx + m * nb, sx + m * nb, K, ds.data());
-      }
+    const long n0 = std::min(N, t * per);
+    cols<F>(out, N, qx, xc, dx, sx, w, s, M, K, n0, std::min(N, n0 + per));
   });
 }
 
@@ -627,6 +634,33 @@ extern "C" int matmul_blocks(float* out, const float* x, const uint8_t* w, const
     case Q4_0: matmul_f<Q4_0>(out, x, w, scales, M, K, N, threads); break;
     case Q4_1: matmul_f<Q4_1>(out, x, w, scales, M, K, N, threads); break;
     default: matmul_f<Q4_Z>(out, x, w, scales, M, K, N, threads); break;
+  }
+  return 0;
+}
+
+// The fused expert step's pieces (moe_experts.cpp), matmul_blocks taken apart: x (M, K)
+// quantized and laid out as matmul_blocks does for up to 64 rows (qx (M, K), xc (M, K/64, 8),
+// dx and sx (M, K/32)), and out[m * ldo + n] for W's rows n0..n1 from it: the integer dots
+// matmul_blocks runs for M up to 64 rows, groups of 8 rows (the same bits). Returns 1 (nothing
+// done) for a K, format or M beyond them.
+extern "C" void blocks_quantize(int8_t* qx, int32_t* xc, float* dx, float* sx, const float* x,
+                                int format, long M, long K) {
+  quantize_rows(qx, dx, sx, x, M, K);
+  if (format != Q8_0 && PAIRED) pair_blocks(qx, xc, M, K);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if (format == Q8_0) flip_sign(qx, M * K);
+#endif
+}
+
+extern "C" int blocks_cols(float* out, long ldo, const int8_t* qx, const int32_t* xc,
+                           const float* dx, const float* sx, const uint8_t* w, const f16* scales,
+                           int format, long M, long K, long n0, long n1) {
+  if (K % QK || format < Q8_0 || format > Q4_Z || M > INT_MAX_ROWS) return 1;
+  switch (format) {
+    case Q8_0: cols<Q8_0>(out, ldo, qx, xc, dx, sx, w, scales, M, K, n0, n1); break;
+    case Q4_0: cols<Q4_0>(out, ldo, qx, xc, dx, sx, w, scales, M, K, n0, n1); break;
+    case Q4_1: cols<Q4_1>(out, ldo, qx, xc, dx, sx, w, scales, M, K, n0, n1); break;
+    default: cols<Q4_Z>(out, ldo, qx, xc, dx, sx, w, scales, M, K, n0, n1); break;
   }
   return 0;
 }

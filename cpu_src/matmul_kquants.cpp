@@ -125,17 +125,25 @@ void dot_some_rows(long r, float* out, long N, const uint8_t* w, const int8_t* q
   dot_rows<F, MR>(out, N, w, qx, dx, bs, K);
 }
 
-// out (M, N) with the integer dots, W's rows split over nt threads; each W row against the rows
-// of x ROWS at a time (its bytes stay in L1 from one group to the next).
+// out[m * ldo + n] for W's rows n0..n1 against the M rows of x, ROWS at a time (each W row's
+// bytes stay in L1 from one group to the next).
+template <int F>
+void cols(float* out, long ldo, const int8_t* qx, const float* dx, const int16_t* bs,
+          const uint8_t* w, long M, long K, long n0, long n1) {
+  const long row = K / QK * BLOCK_BYTES[F], nb = K / QK;
+  for (long n = n0; n < n1; n++)
+    for (long m = 0; m < M; m += ROWS)
+      dot_some_rows<F>(std::min<long>(ROWS, M - m), out + m * ldo + n, ldo, w + n * row,
+                       qx + m * K, dx + m * nb, bs + m * K / 16, K);
+}
+
+// out (M, N) with the integer dots, W's rows split over nt threads.
 template <int F>
 void gemv(float* out, const int8_t* qx, const float* dx, const int16_t* bs, const uint8_t* w,
           long M, long K, long N, int nt) {
-  const long per = (N + nt - 1) / nt, row = K / QK * BLOCK_BYTES[F], nb = K / QK;
+  const long per = (N + nt - 1) / nt;
   on_threads(nt, [&](int t) {
-    for (long n = t * per; n < std::min(N, (t + 1) * per); n++)
-      for (long m = 0; m < M; m += ROWS)
-        dot_some_rows<F>(std::min<long>(ROWS, M - m), out + m * N + n, N, w + n * row, qx + m * K,
-                         dx + m * nb, bs + m * K / 16, K);
+    cols<F>(out, N, qx, dx, bs, w, M, K, std::min(N, t * per), std::min(N, (t + 1) * per));
   });
 }
 
@@ -188,6 +196,27 @@ extern "C" int matmul_kquants(float* out, const float* x, const uint8_t* w, int 
     case Q4_K: matmul_k<Q4_K>(out, x, w, M, K, N, threads); break;
     case Q5_K: matmul_k<Q5_K>(out, x, w, M, K, N, threads); break;
     default: matmul_k<Q6_K>(out, x, w, M, K, N, threads); break;
+  }
+  return 0;
+}
+
+// The fused expert step's pieces (moe_experts.cpp), the products above taken apart: x (M, K)
+// quantized as matmul_kquants quantizes it (qx (M, K), dx (M, K/256), bs (M, K/16)), and
+// out[m * ldo + n] for W's rows n0..n1 from x quantized, the dots matmul_kquants runs for M up
+// to 128 rows (the same bits). Returns 1 (nothing done) for a K, format or M beyond them.
+extern "C" void kquants_quantize(int8_t* qx, float* dx, int16_t* bs, const float* x, long M,
+                                 long K) {
+  quantize_rows(qx, dx, bs, x, M, K);
+}
+
+extern "C" int kquants_cols(float* out, long ldo, const int8_t* qx, const float* dx,
+                            const int16_t* bs, const uint8_t* w, int format, long M, long K,
+                            long n0, long n1) {
+  if (K % QK || format < Q4_K || format > Q6_K || M > INT_MAX_ROWS) return 1;
+  switch (format) {
+    case Q4_K: cols<Q4_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
+    case Q5_K: cols<Q5_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
+    default: cols<Q6_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
   }
   return 0;
 }

@@ -240,6 +240,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_layers.restype = I
     lib.lora_add.argtypes = [P, P, P, P, P, P, P, L, L, L, I]
     lib.lora_add.restype = I
+    lib.moe_experts.argtypes = [P, P, L, L, L, I, P, P, P, P, P, I, P, P, F, F, I]
+    lib.moe_experts.restype = I
     lib.matmul_quant_isa.argtypes = []
     lib.matmul_quant_isa.restype = ctypes.c_char_p
     blas = numpy_blas()

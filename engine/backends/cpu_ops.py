@@ -296,6 +296,57 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     return out
 
 
+# the activations moe_experts computes (cpu_src/moe_experts.cpp); 3: gpt-oss's clamped SwiGLU
+EXPERT_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+SWIGLU_CLAMP = 3
+
+
+def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
+    """A layer of experts' outputs in one native call (cpu_src/moe_experts.cpp), what
+    ``moe.experts_forward``'s loop over the experts computes: h (T, D) normed; the (T*k,)
+    pairs sorted by expert, ``tokens`` each one's row of h, ``pair_w`` its weight, expert e's
+    ``offsets[e]:offsets[e + 1]`` (E + 1,) -> (T, D) float32; None for an activation it lacks
+    or experts of different kinds (the loop runs instead). gpt-oss's experts (``layer.clamp``,
+    ``layer.biases``): the clamped SwiGLU and each product's bias, in the same call."""
+    code = SWIGLU_CLAMP if layer.clamp else EXPERT_ACTS.get(act)
+    if code is None:
+        return None
+    alpha, limit = layer.clamp or (0.0, 0.0)
+    gu_bias = dn_bias = None
+    if layer.biases is not None:
+        gu_bias, dn_bias = layer.biases[1], layer.biases[2]  # (E, 2F), (E, D) float32
+    h = _c32(h)
+    (t, d), f = h.shape, layer.down[0].shape[0]
+    mats = _expert_matrices(layer)
+    if mats is None:
+        return None
+    gate_up, down = mats
+    out = np.zeros((t, d), F32)  # (T, D)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # (E + 1,)
+    tokens, pair_w = _i32(tokens), _c32(pair_w)  # (T*k,) each
+    status = library().moe_experts(
+        _p(out), _p(h), t, d, f, len(layer.down), addressof(gate_up), addressof(down),
+        _p(offsets), _p(tokens), _p(pair_w), code, _p(gu_bias), _p(dn_bias), alpha, limit,
+        threads(),
+    )  # fmt: skip
+    _check(status, "moe_experts", (t, d, f))
+    return out
+
+
+def _expert_matrices(layer):
+    """A PackedExperts' (E,) Matrix arrays of gate|up and down, made once and kept on it (the
+    parts' own arrays alive as long as it is); None where its experts' kinds differ or a plain
+    matrix is not contiguous float32 (the loop converts those)."""
+    if getattr(layer, "_native", None) is None:
+        both = (layer.gate_up, layer.down)
+        plain = [w for ws in both for w in ws if not isinstance(w, QuantWeight)]
+        ok = all(w.dtype == F32 and w.flags.c_contiguous for w in plain)
+        ok = ok and all(len({matrix(w).kind for w in ws}) == 1 for ws in both)
+        mats = tuple((Matrix * len(ws))(*map(matrix, ws)) for ws in both) if ok else None
+        layer._native = (mats,)
+    return layer._native[0]
+
+
 def _contiguous(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise ValueError(f"a packed weight must be contiguous {dtype}, got {a.dtype}")

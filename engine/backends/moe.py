@@ -12,7 +12,11 @@ Per step and layer:
            gives the sorted pairs, bincount the counts, their cumulative sum the offsets
   experts  each expert with rows: its tokens' rows gathered (n_e, D), one gate|up product,
            act(gate) * up, one down product, scaled by each pair's weight and added into its
-           token's row (a token picks an expert at most once, so a bucket's rows are distinct)
+           token's row (a token picks an expert at most once, so a bucket's rows are distinct),
+           the experts in increasing order. An ops with ``experts`` (the cpu backend's: all of
+           them in one native call, the same products and sums) runs this whole part; it
+           answers None where it cannot (an activation it lacks), and the loop over the
+           experts runs
   shared   Qwen2-MoE's shared expert over every row: gate|up product, act(gate) * up, down
            product, scaled by sigmoid(h @ w_s) per row (w_s float32, as the router), added
 gpt-oss adds a bias to the router's logits and to each product (float32, added to the product's
@@ -146,11 +150,14 @@ def experts_forward(h: np.ndarray, layer: PackedExperts, ops, act: str) -> np.nd
     layer.chosen += counts  # what /metrics shows: the router at work
     tokens = order // layer.top_k  # (T*k,) each sorted pair's token
     pair_w = weights.reshape(-1)[order]  # (T*k,) each sorted pair's weight
-    out = np.zeros((h.shape[0], layer.router.shape[0]), F32)  # (T, D)
-    for e in np.flatnonzero(counts):
-        lo, hi = offsets[e], offsets[e + 1]
-        rows = tokens[lo:hi]  # (n_e,) distinct tokens
-        out[rows] += _expert(h[rows], layer, e, ops, act) * pair_w[lo:hi, None]  # (n_e, D)
+    fused = getattr(ops, "experts", None)  # the cpu backend's: every expert in one call
+    out = None if fused is None else fused(h, layer, tokens, pair_w, offsets, act)
+    if out is None:  # (T, D): the loop, expert by expert
+        out = np.zeros((h.shape[0], layer.router.shape[0]), F32)
+        for e in np.flatnonzero(counts):
+            lo, hi = offsets[e], offsets[e + 1]
+            rows = tokens[lo:hi]  # (n_e,) distinct tokens
+            out[rows] += _expert(h[rows], layer, e, ops, act) * pair_w[lo:hi, None]  # (n_e, D)
     if layer.shared is not None:
         logit, gate_up, down = layer.shared
         gate = 1.0 / (1.0 + np.exp(-(np.asarray(h, dtype=F32) @ logit)))  # (T, 1)
