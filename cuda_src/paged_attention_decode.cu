@@ -3,7 +3,9 @@
 // sliding window W > 0 the last W, keys max(0, ctx - W) .. ctx - 1 (Hugging Face's
 // kv_idx > q_idx - W). The partitions split that visible span, starting at its first key, so
 // keys below the window are never read. With softcap > 0 each score s becomes
-// tanh(s / softcap) * softcap before the softmax (Gemma 2's attention soft-capping).
+// tanh(s / softcap) * softcap before the softmax (Gemma 2's attention soft-capping). With
+// sinks (H,) (gpt-oss), head h's softmax has one more logit, sinks[h], whose share of the sum
+// goes nowhere: added to the sum at the end (here, or by the reduce kernel with partitions).
 //
 // One thread block per (KV head, up to kMaxGroup of the query heads that share it, sequence,
 // partition): every K and V row of the partition is read from global memory once and used for
@@ -223,7 +225,9 @@ __device__ __forceinline__ void paged_attention_decode(
     const int* __restrict__ block_tables, // (B, max_blocks)
     const int* __restrict__ context_lens, // (B,)
     int num_kv_heads, int group, int max_blocks, float scale, int partition_size, int window,
-    float softcap) {
+    float softcap,
+    const float* __restrict__ sinks,     // (H,) sink logits (read when use_sinks)
+    int use_sinks) {
   using namespace decode;
   using R = RowSplit<T>;
   __shared__ Shared s;
@@ -266,8 +270,13 @@ __device__ __forceinline__ void paged_attention_decode(
     float o = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) o += s.acc[w][g][d];
-    o *= s.l[g] > 0.0f ? 1.0f / s.l[g] : 0.0f;
     const size_t row = row0 + g;
+    if (use_sinks && num_parts == 1) {  // sum' = l e^(m - top) + e^(sink - top)
+      const float sink = sinks[h0 + g], top = fmaxf(s.m[g], sink), keep = expf(s.m[g] - top);
+      o *= keep / (s.l[g] * keep + expf(sink - top));
+    } else {
+      o *= s.l[g] > 0.0f ? 1.0f / s.l[g] : 0.0f;
+    }
     if (num_parts == 1) {
       out[row * kHeadDim + d] = from_float<T>(o);
     } else {
@@ -281,4 +290,4 @@ __device__ __forceinline__ void paged_attention_decode(
   }
 }
 
-DTYPE_ENTRY_POINTS(paged_attention_decode, 16)
+DTYPE_ENTRY_POINTS(paged_attention_decode, 18)

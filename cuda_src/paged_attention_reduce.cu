@@ -3,6 +3,7 @@
 //   out = sum_p o_p * l_p * exp(m_p - M) / sum_p l_p * exp(m_p - M).
 // Sequence b has ceil(span / partition_size) partitions (at least one), span its visible keys:
 // context_lens[b], or min(context_lens[b], window) with a sliding window > 0 (as the decode).
+// With sinks (H,) (gpt-oss), M also covers the head's sink s and the sum gains exp(s - M).
 #include "common.cuh"
 
 // Grid: (H, B)  Block: (any, e.g. 128)
@@ -13,7 +14,9 @@ __device__ __forceinline__ void paged_attention_reduce(
     const float* __restrict__ part_max,    // (B, H, P)
     const float* __restrict__ part_sum,    // (B, H, P)
     const int* __restrict__ context_lens,  // (B,)
-    int head_dim, int max_parts, int partition_size, int window) {
+    int head_dim, int max_parts, int partition_size, int window,
+    const float* __restrict__ sinks,       // (H,) sink logits (read when use_sinks)
+    int use_sinks) {
   const int num_heads = gridDim.x;
   const size_t row = size_t(blockIdx.y) * num_heads + blockIdx.x;
   const int context = context_lens[blockIdx.y];
@@ -23,7 +26,9 @@ __device__ __forceinline__ void paged_attention_reduce(
   const float* l = part_sum + row * max_parts;
   float m_all = kNegLarge, total = 0.0f;
   for (int p = 0; p < parts; ++p) m_all = fmaxf(m_all, m[p]);
+  if (use_sinks) m_all = fmaxf(m_all, sinks[blockIdx.x]);
   for (int p = 0; p < parts; ++p) total += l[p] * expf(m[p] - m_all);
+  if (use_sinks) total += expf(sinks[blockIdx.x] - m_all);
   const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float o = 0.0f;
@@ -34,4 +39,4 @@ __device__ __forceinline__ void paged_attention_reduce(
   }
 }
 
-DTYPE_ENTRY_POINTS(paged_attention_reduce, 9)
+DTYPE_ENTRY_POINTS(paged_attention_reduce, 11)

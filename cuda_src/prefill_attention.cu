@@ -4,7 +4,8 @@
 // its context_lens[b] tokens, so the first context_lens[b] - q_len keys may come from earlier
 // steps (chunked prefill, prefix caching). Query row r at position p sees keys 0..p, or with a
 // sliding window W > 0 keys p - W + 1 .. p (Hugging Face's kv_idx > q_idx - W). With
-// softcap > 0 each score s becomes tanh(s / softcap) * softcap before the mask (Gemma 2).
+// softcap > 0 each score s becomes tanh(s / softcap) * softcap before the mask (Gemma 2). With
+// sinks (H,) (gpt-oss) a head's sink logit joins each row's sum at the end, its share dropped.
 //
 // A block serves a tile of 32 query rows of one sequence for one query head; each of its four
 // warps owns 8 rows. The keys go by in chunks of 32: the block stages the chunk's K (then V)
@@ -159,7 +160,9 @@ __device__ __forceinline__ void prefill_attention(
     const int* __restrict__ query_start_loc,  // (B + 1,)
     const int* __restrict__ context_lens,     // (B,)
     int num_seqs, int num_tokens, int num_kv_heads, int head_dim, int block_size,
-    int max_blocks, float scale, int window, float softcap) {
+    int max_blocks, float scale, int window, float softcap,
+    const float* __restrict__ sinks,          // (H,) sink logits (read when use_sinks)
+    int use_sinks) {
   DYNAMIC_SHARED(float, q_tile);                    // (32, hd) queries * scale
   __shared__ __align__(16) float kv[kTileKeys * kKvStride];     // (32, 68) a K or V slice
   __shared__ __align__(16) float probs[kTileKeys * kProbStride];  // (32 keys, 36) per row
@@ -239,7 +242,11 @@ __device__ __forceinline__ void prefill_attention(
     const int row = row0 + warp * kRowsPerWarp + r;
     const float total = warp_sum(st.l[r]);
     if (row >= row_end) continue;
-    const float inv_total = 1.0f / total;  // its own key is visible to every row: total > 0
+    float inv_total = 1.0f / total;  // its own key is visible to every row: total > 0
+    if (use_sinks) {  // sum' = total e^(m - top) + e^(sink - top)
+      const float top = fmaxf(st.m[r], sinks[h]), keep = expf(st.m[r] - top);
+      inv_total = keep / (total * keep + expf(sinks[h] - top));
+    }
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) {
       const int d = lane + i * kWarpSize;
@@ -249,4 +256,4 @@ __device__ __forceinline__ void prefill_attention(
   }
 }
 
-DTYPE_ENTRY_POINTS(prefill_attention, 16)
+DTYPE_ENTRY_POINTS(prefill_attention, 18)

@@ -166,6 +166,48 @@ def test_softcapped_decode_and_prefill_match_the_reference(softcap, window, dtyp
     assert np.abs(want.astype(np.float32) - uncapped.astype(np.float32)).max() > 1e-2
 
 
+@pytest.mark.parametrize("partition_size, window", [(None, 0), (64, 0), (64, 16)])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_sinks_in_decode_reduce_and_prefill_match_the_reference(partition_size, window, dtype, rng):
+    """gpt-oss's sinks, one more logit per head whose share of the softmax is dropped, in the
+    decode kernel (one partition: its own sum; several: the reduce kernel's) and the prefill
+    kernel: held to reference/kernel_ops (a concatenated column) and to the NumPy backend's
+    ops, a sink far above the scores among them."""
+    from reference import kernel_ops as N
+
+    scale, H, Hkv, hd, bs = 0.125, 4, 2, 64, 16
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32)
+    sinks[rng.integers(H)] = 30.0
+    q, k_cache, v_cache, tables, lens = decode_case(rng, [1, 30, 190], (H, Hkv), hd, dtype)
+    out = poisoned(q.shape, dtype)
+    E.cpu_kernels().paged_attention_decode(
+        out, q, k_cache, v_cache, tables, lens, scale, 190, partition_size, window=window,
+        sinks=sinks,
+    )  # fmt: skip
+    args = (q, k_cache, v_cache, tables, lens, scale, window, 0.0)
+    want = N.paged_attention_decode(*args, sinks)
+    assert_close(out, want, dtype)
+    assert_close(F.paged_attention_decode(*args, sinks), want, dtype)
+    plain = N.paged_attention_decode(*args)
+    assert np.abs(want.astype(np.float32) - plain.astype(np.float32)).max() > 1e-2
+
+    q_lens, ctx_lens = [40, 1, 25], [40, 50, 70]
+    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
+    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(ctx_lens, np.int32)
+    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    out = poisoned(q.shape, dtype)
+    E.cpu_kernels().paged_attention_prefill(
+        out, q, k_cache, v_cache, tables, qsl, lens, scale, window=window, sinks=sinks
+    )
+    args = (q, k_cache, v_cache, tables, qsl, lens, scale, window, 0.0)
+    want = N.paged_attention_prefill(*args, sinks)
+    assert_close(out, want, dtype)
+    assert_close(F.paged_attention_prefill(*args, sinks), want, dtype)
+
+
 def test_softcap_must_be_a_number_at_least_zero(rng):
     q, k_cache, v_cache, tables, lens = decode_case(rng, [5], (4, 2), 64, np.float32)
     with pytest.raises(ValueError, match="softcap must be a number >= 0"):

@@ -108,7 +108,7 @@ def _as(a: np.ndarray, dtype) -> np.ndarray:
 
 
 def paged_attention_decode(
-    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0
+    q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, sinks=None
 ):
     """One query row per sequence, q: (B, H, hd), over its paged context (the last ``window``
     tokens of it with a window > 0; scores soft-capped with softcap > 0) -> (B, H, hd). A q
@@ -127,13 +127,15 @@ def paged_attention_decode(
         max_len,
         window=window,
         softcap=softcap,
+        sinks=None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32),
     )
     return out.astype(q_dtype, copy=False)
 
 
 def paged_attention_prefill(
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0
-):
+    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0,
+    sinks=None,
+):  # fmt: skip
     """Causal attention for variable-length query runs over paged K/V (a sliding window with
     window > 0, scores soft-capped with softcap > 0) -> (T, H, hd)."""
     q_dtype, q = q.dtype, _as(q, k_cache.dtype)
@@ -149,6 +151,7 @@ def paged_attention_prefill(
         scale,
         window,
         softcap,
+        None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32),
     )
     return out.astype(q_dtype, copy=False)
 

@@ -307,6 +307,14 @@ class Kernels(GgufLaunches):
             grid, block = (cdiv(T, ROTARY_TOKENS_PER_BLOCK),), (32 * ROTARY_TOKENS_PER_BLOCK,)
             fn(grid, block, args + (i32(flags), f32(eps)), shared_mem=shared)
 
+    def _sinks(self, op: str, sinks, heads: int, unused) -> tuple:
+        """The kernels' (sinks, use_sinks) arguments: a (H,) float32 array and 1, or ``unused``
+        (an array the kernel does not read without the flag) and 0."""
+        if sinks is None:
+            return unused, i32(0)
+        _check(op, "sinks", sinks, (heads,), np.float32)
+        return sinks, i32(1)
+
     def _check_paged(self, op, q, k_cache, v_cache, block_tables, context_lens):
         N, bs, Hkv, hd = k_cache.shape
         B = context_lens.shape[0]
@@ -345,6 +353,7 @@ class Kernels(GgufLaunches):
         partition_size: int | None = None,
         window: int = 0,
         softcap: float = 0.0,
+        sinks=None,
     ) -> None:
         """One query per sequence, q: (B, H, hd), at position context_lens[b] - 1: it sees
         every cached key, or with a sliding window > 0 the last ``window``. The visible span
@@ -352,7 +361,8 @@ class Kernels(GgufLaunches):
         ``max_context_len``, the window and the SM count), combined by the reduce kernel when
         there are several. ``max_context_len`` must be at least every context length (longer
         is fine: the extra partitions' blocks exit at once). ``softcap`` > 0: every score s
-        is tanh(s / softcap) * softcap (Gemma 2)."""
+        is tanh(s / softcap) * softcap (Gemma 2). ``sinks`` (H,) float32: each head's sink
+        logit in its softmax (gpt-oss)."""
         op = "paged_attention_decode"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B = context_lens.shape[0]
@@ -376,12 +386,13 @@ class Kernels(GgufLaunches):
         args = (out, parts, stats[0], stats[1], q, k_cache, v_cache, block_tables, context_lens)
         args += (i32(Hkv), i32(G), i32(block_tables.shape[1]), f32(scale), i32(partition_size))
         fn = self._fn(op, f"{op}_{sfx}", {"HEAD_DIM": hd, "BLOCK_SIZE": bs})
-        args += (i32(window), f32(_softcap(op, softcap)))
+        sink_args = self._sinks(op, sinks, H, stats)
+        args += (i32(window), f32(_softcap(op, softcap)), *sink_args)
         fn((Hkv * cdiv(G, DECODE_GROUP), B, P), (ATTN_THREADS,), args)
         if P > 1:
             red = "paged_attention_reduce"
             args = (out, parts, stats[0], stats[1], context_lens, i32(hd), i32(P))
-            args += (i32(partition_size), i32(window))
+            args += (i32(partition_size), i32(window), *sink_args)
             self._fn(red, f"{red}_{sfx}")((H, B), (ATTN_THREADS,), args)
 
     def paged_attention_prefill(
@@ -396,10 +407,12 @@ class Kernels(GgufLaunches):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks=None,
     ) -> None:
         """Causal attention of query runs q: (T, H, hd), split by query_start_loc (B+1,): a
         row at position p sees keys 0..p, or with a sliding window > 0 keys p - window + 1..p;
-        ``softcap`` > 0 soft-caps the scores, tanh(s / softcap) * softcap."""
+        ``softcap`` > 0 soft-caps the scores, tanh(s / softcap) * softcap; ``sinks`` (H,)
+        float32: each head's sink logit (gpt-oss)."""
         op = "paged_attention_prefill"
         H, Hkv, hd, bs = self._check_paged(op, q, k_cache, v_cache, block_tables, context_lens)
         B, T = context_lens.shape[0], q.shape[0]
@@ -414,6 +427,7 @@ class Kernels(GgufLaunches):
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
         args += (i32(B), i32(T), i32(Hkv), i32(hd), i32(bs), i32(block_tables.shape[1]))
         args += (f32(scale), i32(window), f32(_softcap(op, softcap)))
+        args += self._sinks(op, sinks, H, context_lens)
         grid = (H, B + cdiv(T, PREFILL_TILE) - 1)  # spare slots between sequences exit at once
         fn(grid, (ATTN_THREADS,), args, shared_mem=PREFILL_TILE * hd * 4)
 
