@@ -126,6 +126,18 @@ def test_norm_offset_and_embedding_scale_match_numpy(rng):
     np.testing.assert_allclose(emb, F.embedding(ids, table, 8.0), rtol=1e-6)
 
 
+def prefill_case(rng, heads, hd, bs, dtype):
+    """Three query runs (40 of 40 tokens, 1 of 50, 25 of 70) over shuffled blocks: q (T, H,
+    hd), the caches, block tables, query_start_loc and context lengths."""
+    (H, Hkv), q_lens, ctx_lens = heads, [40, 1, 25], [40, 50, 70]
+    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
+    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
+    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    return q, k_cache, v_cache, tables, qsl, np.array(ctx_lens, np.int32)
+
+
 @pytest.mark.parametrize("softcap, window", [(2.0, 0), (5.0, 0), (5.0, 16)])
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_softcapped_decode_and_prefill_match_the_reference(softcap, window, dtype, rng):
@@ -147,13 +159,7 @@ def test_softcapped_decode_and_prefill_match_the_reference(softcap, window, dtyp
     uncapped = N.paged_attention_decode(*args)
     assert np.abs(want.astype(np.float32) - uncapped.astype(np.float32)).max() > 1e-2
 
-    q_lens, ctx_lens = [40, 1, 25], [40, 50, 70]
-    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
-    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
-    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    lens = np.array(ctx_lens, np.int32)
-    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    q, k_cache, v_cache, tables, qsl, lens = prefill_case(rng, (H, Hkv), hd, bs, dtype)
     out = poisoned(q.shape, dtype)
     E.cpu_kernels().paged_attention_prefill(
         out, q, k_cache, v_cache, tables, qsl, lens, scale, window=window, softcap=softcap
@@ -191,13 +197,7 @@ def test_sinks_in_decode_reduce_and_prefill_match_the_reference(partition_size, 
     plain = N.paged_attention_decode(*args)
     assert np.abs(want.astype(np.float32) - plain.astype(np.float32)).max() > 1e-2
 
-    q_lens, ctx_lens = [40, 1, 25], [40, 50, 70]
-    num_blocks = sum(cdiv(n, bs) for n in ctx_lens) + 3
-    k_cache, v_cache = make_cache(rng, num_blocks, bs, Hkv, hd, dtype)
-    tables = block_tables_for(rng, ctx_lens, bs, num_blocks)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    lens = np.array(ctx_lens, np.int32)
-    q = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    q, k_cache, v_cache, tables, qsl, lens = prefill_case(rng, (H, Hkv), hd, bs, dtype)
     out = poisoned(q.shape, dtype)
     E.cpu_kernels().paged_attention_prefill(
         out, q, k_cache, v_cache, tables, qsl, lens, scale, window=window, sinks=sinks
