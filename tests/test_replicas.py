@@ -313,6 +313,25 @@ def test_without_a_model_the_default_is_chosen_once_for_every_replica(tiny_model
     assert options["model_name"] == kwargs["model"] and options["aliases"] == [kwargs["model"]]
 
 
+def test_the_ingress_gets_the_chat_format_and_parsers(monkeypatch):
+    """--chat-format, --tool-call-parser and --reasoning-parser reach the ingress's app as they
+    reach a one-engine server's."""
+    from engine.entrypoints import api_server
+    from engine.entrypoints.replicas.deployment import Ingress, server_options
+    from engine.entrypoints.serve_args import build_parser
+
+    argv = ["--chat-format", "harmony", "--tool-call-parser", "openai"]
+    args = build_parser().parse_args([*argv, "--reasoning-parser", "openai_gptoss"])
+    options = server_options(args, {"model": "m"}, None)
+    seen = {}
+    monkeypatch.setattr(api_server, "build_app", lambda *a, **kw: seen.update(kw))
+    ingress = object.__new__(Ingress)
+    ingress.llm, ingress.server = None, options
+    ingress.__serve_build_asgi_app__()
+    assert seen["chat_format"] == "harmony" and seen["tool_parser"] == "openai"
+    assert seen["reasoning_parser"] == "openai_gptoss"
+
+
 def test_replica_flags_become_serve_options_and_bad_ones_are_refused():
     """--max-replicas turns on Serve's autoscaler between the bounds, starting at the size; a
     host backend's replicas split the RAM; bad bounds, and a replica flag where it would do

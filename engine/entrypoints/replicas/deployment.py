@@ -237,7 +237,8 @@ class Ingress:
         return build_app(
             self.llm, o["model_name"], o["api_key"], o["aliases"], o["limits"], o["protect"],
             o.get("lora_modules", ()), o.get("runtime_lora", False),
-            web_ui=o.get("web_ui", True),
+            tool_parser=o.get("tool_parser"), reasoning_parser=o.get("reasoning_parser"),
+            web_ui=o.get("web_ui", True), chat_format=o.get("chat_format"),
         )  # fmt: skip
 
 
@@ -372,6 +373,9 @@ def server_options(args, kwargs: dict, limits) -> dict:
         lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
         runtime_lora=getattr(args, "allow_runtime_lora_updating", False),
         web_ui=not getattr(args, "disable_web_ui", False),
+        tool_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        chat_format=getattr(args, "chat_format", None),
     )
 
 
