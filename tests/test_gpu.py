@@ -150,6 +150,39 @@ def test_paged_attention(dev, dtype, heads, rng):
     close(dev.download(out), want, dtype)
 
 
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=ATTN_IDS)
+def test_paged_attention_with_sinks(dev, dtype, window, rng):
+    """gpt-oss's sinks (one more logit per head, its share dropped) in the decode kernel (one
+    partition and several: the reduce kernel's sum) and the prefill kernel, a window or none,
+    against the reference's concatenated column; a sink far above the scores among them."""
+    (H, Hkv), hd = (16, 4), 64
+    lengths = [1, 17, 130, 600]
+    (kc, vc), tables, lens = paged_case(rng, dtype, lengths, H, Hkv, hd, num_blocks=80)
+    up, scale = dev.upload, hd**-0.5
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32)
+    sinks[rng.integers(H)] = 30.0
+    q = randn(rng, (len(lengths), H, hd), dtype)
+    want = N.paged_attention_decode(q, kc, vc, tables, lens, scale, window, 0.0, sinks)
+    for partition in (None, 64, PARTITION_SIZE):
+        out = poisoned(dev, q.shape, dtype)
+        dev.kernels.paged_attention_decode(
+            out, up(q), up(kc), up(vc), up(tables), up(lens), scale, 600, partition,
+            window=window, sinks=up(sinks),
+        )  # fmt: skip
+        close(dev.download(out), want, dtype)
+    q_lens = np.minimum(lens, [1, 17, 40, 100])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    qp = randn(rng, (int(qsl[-1]), H, hd), dtype)
+    out = poisoned(dev, qp.shape, dtype)
+    dev.kernels.paged_attention_prefill(
+        out, up(qp), up(kc), up(vc), up(tables), up(qsl), up(lens), scale, window,
+        sinks=up(sinks),
+    )  # fmt: skip
+    want = N.paged_attention_prefill(qp, kc, vc, tables, qsl, lens, scale, window, 0.0, sinks)
+    close(dev.download(out), want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_block_copies(dev, dtype, rng):
     pool = randn(rng, (3, 2, 12, 16, 2, 32), dtype)
