@@ -66,6 +66,18 @@ static constexpr Fp8Table<5, 2> E5M2_VALUES{[](int b) { return (b & 0x7f) > 0x7c
 static inline float to_f32(e4m3 x) { return E4M3_VALUES.v[x.bits]; }
 static inline float to_f32(e5m2 x) { return E5M2_VALUES.v[x.bits]; }
 
+// n values v -> q (n,) int8 as every integer-dot kernel quantizes x: d = absmax / 127,
+// q = round(v / d), ties to even (a block of zeros: d = 0, q = 0). Returns d.
+template <long n> static inline float quantize_block(int8_t* q, const float* v) {
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (long i = 0; i < n; i++) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+#pragma omp simd
+  for (long i = 0; i < n; i++) q[i] = (int8_t)std::nearbyint(v[i] * id);
+  return d;
+}
+
 // x rounded to nearest even in a float of E exponent bits (bias 2^(E-1) - 1) and M mantissa
 // bits, saturated at `top` (its largest finite value: infinities too); NaN -> `nan`.
 template <int E, int M> static inline uint8_t to_fp8(float x, float top, uint8_t nan) {

@@ -91,18 +91,11 @@ template <> struct Format<Q4_Z> { static const long QB = 16, NS = 2; };
 void quantize_rows(int8_t* qx, float* dx, float* sx, const float* x, long M, long K) {
   for (long m = 0; m < M; m++)
     for (long b = 0; b < K / QK; b++) {
-      const float* v = x + m * K + b * QK;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = qx + m * K + b * QK;
+      const float d = quantize_block<QK>(q, x + m * K + b * QK);
       int sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int i = 0; i < QK; i++) {
-        q[i] = (int8_t)std::nearbyint(v[i] * id);
-        sum += q[i];
-      }
+      for (int i = 0; i < QK; i++) sum += q[i];
       dx[m * (K / QK) + b] = d;
       sx[m * (K / QK) + b] = d * (float)sum;
     }

@@ -57,14 +57,8 @@ const long GEMV_WORK = 1L << 19;
 void quantize_rows(int8_t* qx, float* dx, int16_t* bs, const float* x, long M, long K) {
   for (long m = 0; m < M; m++)
     for (long b = 0; b < K / QK; b++) {
-      const float* v = x + m * K + b * QK;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = qx + m * K + b * QK;
-#pragma omp simd
-      for (int i = 0; i < QK; i++) q[i] = (int8_t)std::nearbyint(v[i] * id);
+      const float d = quantize_block<QK>(q, x + m * K + b * QK);
       for (int j = 0; j < 16; j++) {
         int s = 0;
         for (int i = 0; i < 16; i++) s += q[16 * j + i];

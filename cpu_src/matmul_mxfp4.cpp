@@ -80,17 +80,8 @@ inline void unpack(const uint8_t* blk, int8_t* v) {
 // x (M, K) -> qx (M, K) int8, dx (M, K/32): d = absmax / 127, q = round(x / d).
 void quantize_rows(int8_t* qx, float* dx, const float* x, long M, long K) {
   for (long m = 0; m < M; m++)
-    for (long b = 0; b < K / QK; b++) {
-      const float* v = x + m * K + b * QK;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-      int8_t* q = qx + m * K + b * QK;
-#pragma omp simd
-      for (int i = 0; i < QK; i++) q[i] = (int8_t)std::nearbyint(v[i] * id);
-      dx[m * (K / QK) + b] = d;
-    }
+    for (long b = 0; b < K / QK; b++)
+      dx[m * (K / QK) + b] = quantize_block<QK>(qx + m * K + b * QK, x + m * K + b * QK);
 }
 
 #if defined(MX_X86)

@@ -56,18 +56,11 @@ template <int F> inline void unpack(const uint8_t* b, uint8_t* q, float& d, floa
 void quantize_rows(int8_t* qx, float* dx, int32_t* sx, const float* x, long M, long K) {
   for (long m = 0; m < M; m++)
     for (long b = 0; b < K / QK; b++) {
-      const float* v = x + m * K + b * QK;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = qx + m * K + b * QK;
+      const float d = quantize_block<QK>(q, x + m * K + b * QK);
       int s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int i = 0; i < QK; i++) {
-        q[i] = (int8_t)std::nearbyint(v[i] * id);
-        s += q[i];
-      }
+      for (int i = 0; i < QK; i++) s += q[i];
       dx[m * (K / QK) + b] = d;
       sx[m * (K / QK) + b] = s;
     }
