@@ -1,7 +1,7 @@
 """gpt-oss: its config keys and refusals, the attention sinks in the NumPy backend's ops against
 the reference's, its experts (router and product biases, the clamped SwiGLU) against the
 reference's token-by-token loop, and the engine on its alternating sliding and full layers
-(KV groups, chunks straddling the window, preemption, a prefix hit longer than the window)
+(KV groups, chunks straddling the window, a prefix hit longer than the window)
 against transformers' golden data; LoRA on its attention against the reference with the
 adapter merged. The kernels' sinks: tests/test_cpu_kernels.py."""
 
@@ -26,8 +26,8 @@ from reference import kernel_ops
 from reference.generate import generate as reference_generate
 from reference.model import forward, silu
 from reference.moe import clamped_swiglu, moe_mlp
-from tests.test_families import FAMILY_DIR, check_outputs, golden, loaded
-from tests.test_kv_groups import CHUNKED, drive
+from tests.test_families import FAMILY_DIR, golden, loaded
+from tests.test_kv_groups import CHUNKED, drive, drive_golden
 from tests.utils import make_engine
 
 F32 = np.float32
@@ -160,26 +160,10 @@ def test_clamped_swiglu_by_hand():
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_grouped_engine_matches_transformers(backend):
     """Three groups (full; two of window 8), 16-token chunks over 4-token blocks (chunks
-    straddle the window), freed blocks NaN: transformers' tokens and logits."""
-    cases = golden("gpt_oss")["cases"]
-    n = len(cases[0]["token_ids"])
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    prompts = [c["prompt_token_ids"] for c in cases]
-    outs, engine, _ = drive("gpt_oss", backend, prompts, params, **CHUNKED)
+    straddle the window), freed blocks NaN: transformers' tokens and logits (preemption:
+    tests/test_kv_groups.py)."""
+    engine, _ = drive_golden("gpt_oss", backend, **CHUNKED)
     assert engine.block_manager.num_groups == 3  # one full group, two sliding of one layer
-    check_outputs("gpt_oss", cases, outs)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_matches_transformers(mode):
-    cases = golden("gpt_oss")["cases"]
-    n = len(cases[0]["token_ids"])
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    prompts = [c["prompt_token_ids"] for c in cases]
-    args = dict(CHUNKED, num_gpu_blocks=16, max_model_len=96, preemption_mode=mode)
-    outs, engine, _ = drive("gpt_oss", "numpy", prompts, params, **args)
-    assert engine.scheduler.num_preemptions > 0
-    check_outputs("gpt_oss", cases, outs)
 
 
 def test_prefix_hits_longer_than_the_window_equal_grouping_off(monkeypatch):

@@ -213,22 +213,29 @@ def drive(name: str, backend: str, prompts, params, poison: bool = True, **args)
     return [done[str(i)] for i in range(len(prompts))], engine, peak
 
 
+def drive_golden(name: str, backend: str, **args):
+    """The family's golden prompts to the end through ``drive`` (greedy, the golden number of
+    tokens); -> (engine, outputs), the outputs held to transformers' tokens and logits."""
+    cases = golden(name)["cases"]
+    n = len(cases[0]["token_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [c["prompt_token_ids"] for c in cases]
+    outs, engine, _ = drive(name, backend, prompts, params, **args)
+    check_outputs(name, cases, outs)
+    return engine, outs
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu", "cuda-cpu-graphs"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_grouped_engine_matches_transformers(name, backend):
     """Chunks of 16 tokens over 4-token blocks, a pool that makes the sliding groups give
     back blocks: transformers' tokens and logits, though every free block is NaN (cuda-cpu:
     eager, and with its decode steps through the captured graphs)."""
-    cases = golden(name)["cases"]
-    n = len(cases[0]["token_ids"])
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    prompts = [c["prompt_token_ids"] for c in cases]
     args = dict(CHUNKED, enforce_eager=backend == "cuda-cpu")
-    outs, engine, _ = drive(name, backend.removesuffix("-graphs"), prompts, params, **args)
+    engine, _ = drive_golden(name, backend.removesuffix("-graphs"), **args)
     assert engine.block_manager.num_groups > 1 and engine.runner.kv_groups is not None
     if backend == "cuda-cpu-graphs":
         assert engine.backend.graphs, "no decode graphs were captured"
-    check_outputs(name, cases, outs)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2_swa"])
@@ -269,17 +276,14 @@ def test_single_window_model_is_one_group_as_before():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_grouped_preemption_matches_transformers(mode):
-    """A pool too small for three Gemma 3 sequences at once: one is preempted (its groups'
-    blocks dropped, or swapped out and back), and the tokens and logits stay transformers'."""
-    cases = golden("gemma3")["cases"]
-    n = len(cases[0]["token_ids"])
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    prompts = [c["prompt_token_ids"] for c in cases]
-    args = dict(CHUNKED, num_gpu_blocks=18, max_model_len=96, preemption_mode=mode)
-    outs, engine, _ = drive("gemma3", "numpy", prompts, params, **args)
+@pytest.mark.parametrize("name, blocks", [("gemma3", 18), ("gpt_oss", 16)])
+def test_grouped_preemption_matches_transformers(name, blocks, mode):
+    """A pool too small for three Gemma 3 (gpt-oss) sequences at once: one is preempted (its
+    groups' blocks dropped, or swapped out and back), and the tokens and logits stay
+    transformers'."""
+    args = dict(CHUNKED, num_gpu_blocks=blocks, max_model_len=96, preemption_mode=mode)
+    engine, _ = drive_golden(name, "numpy", **args)
     assert engine.scheduler.num_preemptions > 0
-    check_outputs("gemma3", cases, outs)
 
 
 def test_count_tool_holds_the_full_blocks_and_each_window():
