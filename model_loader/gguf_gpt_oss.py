@@ -23,7 +23,6 @@ from model_loader.gguf_gemma import sliding_windows
 from model_loader.rope import RopeParams
 
 ARCH = "gpt-oss"
-SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}  # llama.cpp's constants
 
 # LayerWeights field -> GGUF name: the attention's extras and the MLP's input norm
 GGUF_GPT_OSS_NAMES = {

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model_loader.moe import MoeSpec
+from model_loader.moe import GPT_OSS_SWIGLU, MoeSpec
 
 # general.architecture -> the mixture-of-experts family (llama: Mixtral, when it has experts)
 MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -83,7 +83,7 @@ def gguf_moe_spec(md: dict[str, Any], arch: str, family: str, sparse: tuple[bool
     shared = count("expert_shared_feed_forward_length", dense) if family == "qwen2_moe" else 0
     renorm = bool(md.get(f"{arch}.expert_weights_norm", RENORMALIZED[family]))
     if family == "gpt_oss":  # llama.cpp's constants (model_loader.gguf_gpt_oss)
-        return MoeSpec(n, top_k, width, renorm, sparse, 0, True, 7.0, 1.702)
+        return MoeSpec(n, top_k, width, renorm, sparse, 0, True, *GPT_OSS_SWIGLU)
     return MoeSpec(n, top_k, width, renorm, sparse, shared)
 
 

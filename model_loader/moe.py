@@ -57,6 +57,9 @@ QWEN3_MOE_KEYS = {
 MIXTRAL_KEYS = {"num_local_experts", "num_experts_per_tok"}
 QWEN2_MOE_KEYS = QWEN3_MOE_KEYS | {"shared_expert_intermediate_size"}
 OLMOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob"}
+# gpt-oss's clamped SwiGLU as the released models (and transformers' defaults, and llama.cpp for
+# every gpt-oss GGUF) have it: (limit, alpha)
+GPT_OSS_SWIGLU = (7.0, 1.702)
 # gpt-oss: experts_per_token repeats num_experts_per_tok (checked equal)
 GPT_OSS_KEYS = {
     "num_local_experts",
@@ -136,7 +139,7 @@ class MoeSpec:
     shared_intermediate_size: int = 0  # Fs of the sigmoid-gated shared expert (0: none)
     biases: bool = False  # gpt-oss: the router and each expert's products have biases
     swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (0: the family's activation)
-    swiglu_alpha: float = 1.702  # its sigmoid's gain
+    swiglu_alpha: float = GPT_OSS_SWIGLU[1]  # its sigmoid's gain
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -186,7 +189,8 @@ def _gpt_oss_spec(d: dict, top_k: int, num_layers: int, where: str) -> MoeSpec:
             f"{where}: experts_per_token ({d['experts_per_token']!r}) differs from "
             f"num_experts_per_tok ({top_k})"
         )
-    limit, alpha = d.get("swiglu_limit", 7.0), d.get("swiglu_alpha", 1.702)
+    limit = d.get("swiglu_limit", GPT_OSS_SWIGLU[0])
+    alpha = d.get("swiglu_alpha", GPT_OSS_SWIGLU[1])
     for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
