@@ -258,6 +258,7 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
     for (long i = 0; i < P; i++) qg.copy_row(i, qh, tokens[i]);
   }
   int status = 0;
+  const Product big_dn{down, a.data(), &qa, y.data(), F, D, dn_bias};  // the big experts' down
   for (int e = 0; e < E; e++) {  // the big experts first: each kernel on every thread
     const long lo = offsets[e], M = offsets[e + 1] - lo;
     if (M == 0 || !big[lo]) continue;
@@ -265,7 +266,7 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
     add_bias(up, e, lo, M, 0, 2 * F);
     for (long i = lo; i < lo + M; i++) act_row(&a[i * F], &gu[i * 2 * F], F, act);
     status |= matmul_matrix(&y[lo * D], &a[lo * F], &down[e], M, F, D, threads);
-    add_bias(Product{down, a.data(), &qa, y.data(), F, D, dn_bias}, e, lo, M, 0, D);
+    add_bias(big_dn, e, lo, M, 0, D);
     for (long i = lo; i < lo + M; i++)
       for (long c = 0; c < D; c++) y[i * D + c] *= weights[i];
   }
