@@ -60,11 +60,13 @@ OLMOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "norm_t
 # gpt-oss's clamped SwiGLU as the released models (and transformers' defaults, and llama.cpp for
 # every gpt-oss GGUF) have it: (limit, alpha)
 GPT_OSS_SWIGLU = (7.0, 1.702)
-# gpt-oss: experts_per_token repeats num_experts_per_tok (checked equal)
+# gpt-oss: experts_per_token repeats num_experts_per_tok, initial_context_length the yarn
+# scaling's original context (each checked equal)
 GPT_OSS_KEYS = {
     "num_local_experts",
     "num_experts_per_tok",
     "experts_per_token",
+    "initial_context_length",
     "swiglu_alpha",
     "swiglu_limit",
 }
@@ -188,6 +190,13 @@ def _gpt_oss_spec(d: dict, top_k: int, num_layers: int, where: str) -> MoeSpec:
         raise ValueError(
             f"{where}: experts_per_token ({d['experts_per_token']!r}) differs from "
             f"num_experts_per_tok ({top_k})"
+        )
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    if d.get("initial_context_length", original) != original:
+        raise ValueError(
+            f"{where}: initial_context_length ({d['initial_context_length']!r}) differs from "
+            f"the rope scaling's original_max_position_embeddings ({original!r})"
         )
     limit = d.get("swiglu_limit", GPT_OSS_SWIGLU[0])
     alpha = d.get("swiglu_alpha", GPT_OSS_SWIGLU[1])

@@ -44,6 +44,8 @@ def test_config_reads_the_experts_windows_and_rope():
     assert m.renormalize and m.biases and m.sparse == (True,) * 3
     assert (m.swiglu_limit, m.swiglu_alpha) == (1.5, 1.702)
     assert c.rope.rope_type == "yarn" and not c.rope.truncate and c.rope.theta == 150000.0
+    # the released configs' initial_context_length: the yarn scaling's original context
+    assert ModelConfig.from_hf_dict(CONFIG | {"initial_context_length": 4096}).rope == c.rope
 
 
 def test_config_defaults_as_transformers():
@@ -62,6 +64,7 @@ def test_config_defaults_as_transformers():
     [
         ({"attention_bias": False}, "attention_bias=False"),
         ({"experts_per_token": 3}, "experts_per_token"),
+        ({"initial_context_length": 2048}, r"initial_context_length \(2048\) differs"),
         ({"swiglu_limit": 0}, "swiglu_limit must be a positive number"),
         ({"swiglu_alpha": "fast"}, "swiglu_alpha must be a positive number"),
         ({"sliding_window": None}, "needs sliding_window"),
