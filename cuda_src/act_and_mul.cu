@@ -3,10 +3,12 @@
 //   0 silu       x / (1 + exp(-x))                                   (Llama, Qwen, Mistral)
 //   1 gelu_tanh  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))     (Gemma; PyTorch's tanh gelu)
 //   2 gelu       0.5 x (1 + erf(x / sqrt(2)))                         (exact)
+//   3 clamped SwiGLU (gpt-oss): gate g clamped to <= limit, up u to [-limit, limit], then
+//                (u + 1) * (g / (1 + exp(-alpha g)))  (alpha and limit: arguments, else unused)
 // Rows split as in rms_norm.cu, in vectors of up to 16 bytes. All arithmetic float32.
 #include "common.cuh"
 
-constexpr int kSilu = 0, kGeluTanh = 1, kGelu = 2;  // engine/kernels/launch.py ACTIVATIONS
+constexpr int kSilu = 0, kGeluTanh = 1, kGelu = 2, kClampedSwiglu = 3;  // engine/kernels/launch.py ACTIVATIONS
 
 template <int A>
 struct ActivationId {
@@ -27,6 +29,7 @@ __device__ __forceinline__ float activate(float x) {
 // f(ActivationId<a>()): one instantiation of f per activation; an unknown id runs silu.
 template <typename F>
 __device__ __forceinline__ void with_activation(int a, F&& f) {
+  if (a == kClampedSwiglu) return f(ActivationId<kClampedSwiglu>());
   if (a == kGeluTanh) return f(ActivationId<kGeluTanh>());
   if (a == kGelu) return f(ActivationId<kGelu>());
   f(ActivationId<kSilu>());
@@ -37,7 +40,7 @@ template <typename T>
 __device__ __forceinline__ void act_and_mul(T* __restrict__ out,            // (T, F)
                                             const T* __restrict__ gate_up,  // (T, 2F)
                                             int rows, int width, int row_threads,
-                                            int activation) {
+                                            int activation, float alpha, float limit) {
   const int row = blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
   if (row >= rows) return;
   const T* gate = gate_up + size_t(row) * 2 * width;
@@ -52,7 +55,13 @@ __device__ __forceinline__ void act_and_mul(T* __restrict__ out,            // (
         Vec<T, W> r;
 #pragma unroll
         for (int e = 0; e < W; ++e) {
-          r.v[e] = from_float<T>(activate<A>(to_float(g.v[e])) * to_float(u.v[e]));
+          if constexpr (A == kClampedSwiglu) {
+            const float gate = fminf(to_float(g.v[e]), limit);
+            const float up = fminf(fmaxf(to_float(u.v[e]), -limit), limit);
+            r.v[e] = from_float<T>((up + 1.0f) * (gate / (1.0f + expf(-alpha * gate))));
+          } else {
+            r.v[e] = from_float<T>(activate<A>(to_float(g.v[e])) * to_float(u.v[e]));
+          }
         }
         store_vec<W>(dst + i * W, r);
       }
@@ -60,4 +69,4 @@ __device__ __forceinline__ void act_and_mul(T* __restrict__ out,            // (
   });
 }
 
-DTYPE_ENTRY_POINTS(act_and_mul, 6)
+DTYPE_ENTRY_POINTS(act_and_mul, 8)

@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.kernels.build import normalize_defines
 from engine.kernels.gguf_launch import GgufLaunches
+from engine.kernels.moe_launch import MoeLaunches
 from engine.utils import cdiv
 
 DTYPE_SUFFIX = {
@@ -167,7 +168,7 @@ def _suffix(op: str, a) -> str:
 i32, f32 = np.int32, np.float32
 
 
-class Kernels(GgufLaunches):
+class Kernels(GgufLaunches, MoeLaunches):
     """Every kernel behind a method that checks its arguments first.
 
     ``load(name, defines)`` returns a module for cuda_src/<name>.cu built with ``defines``
@@ -177,7 +178,8 @@ class Kernels(GgufLaunches):
     ``empty(shape, dtype)`` allocates the kernels' scratch on the device (the device's own
     allocator, so a graph capture hands out its recorded blocks); NumPy's by default.
     ``sm_count``: the device's multiprocessors, which the decode split fills.
-    The GGUF block products (``gguf_matvec``, ``gguf_dequantize``): engine/kernels/gguf_launch.py.
+    The GGUF block products (``gguf_matvec``, ``gguf_dequantize``): engine/kernels/gguf_launch.py;
+    a mixture of experts' routing and grouped products (``moe_*``): engine/kernels/moe_launch.py.
     """
 
     def __init__(self, load, empty=np.empty, sm_count: int = EMULATED_SM_COUNT):
@@ -248,7 +250,7 @@ class Kernels(GgufLaunches):
         if F2 % 2:
             raise ValueError(f"{op}: gate_up width must be even, got {F2}")
         _check(op, "out", out, (T, F2 // 2), gate_up.dtype)
-        self._rows(op, out, (out, gate_up), i32(ACTIVATIONS[activation]))
+        self._rows(op, out, (out, gate_up), i32(ACTIVATIONS[activation]), f32(0), f32(0))
 
     def silu_and_mul(self, out, gate_up) -> None:
         """act_and_mul with silu (SwiGLU)."""
