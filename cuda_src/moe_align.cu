@@ -3,22 +3,31 @@
 // sum (offsets[e]..offsets[e + 1] is expert e's range), then each pair placed in its expert's
 // range: sorted[pos] = p and inverse[p] = pos. The order inside a range is whatever the atomics
 // give; nothing depends on it (each row of an expert product is computed alone, and the combine
-// sums a token's k pairs in j order through inverse). totals (E,) += counts: the rows each expert
-// got so far (what /metrics shows).
+// sums a token's k pairs in j order through inverse). totals (E,) += the pairs of tokens whose
+// KV slot is >= 0: the rows each expert got so far (what /metrics shows), not a graph's padding
+// rows or a profile step's, which write no KV.
 #include "common.cuh"
 
-// Grid: (1,)  Block: (256,)  Shared: 2 E ints
-extern "C" __global__ void moe_align(int* __restrict__ sorted,                    // (P,)
-                                     int* __restrict__ inverse,                   // (P,)
-                                     int* __restrict__ offsets,                   // (E + 1,)
-                                     unsigned long long* __restrict__ totals,     // (E,)
-                                     const int* __restrict__ ids,                 // (P,)
-                                     int P, int E) {
-  DYNAMIC_SHARED(int, counts);  // (E,) then, from counts + E, each range's next free position
+// T is the step's activations' dtype, which no argument has: the three entry points are the
+// same code (engine/kernels/moe_launch.py launches moe_align_f32).
+// Grid: (1,)  Block: (256,)  Shared: 3 E ints
+template <typename T>
+__device__ __forceinline__ void moe_align(int* __restrict__ sorted,                 // (P,)
+                                          int* __restrict__ inverse,                // (P,)
+                                          int* __restrict__ offsets,                // (E + 1,)
+                                          unsigned long long* __restrict__ totals,  // (E,)
+                                          const int* __restrict__ ids,              // (P,)
+                                          const int* __restrict__ slots,            // (P / k,)
+                                          int P, int E, int k) {
+  DYNAMIC_SHARED(int, counts);  // (E,), then each range's next free position, then real pairs
   int* cursor = counts + E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  int* real = counts + 2 * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0, real[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&counts[ids[p]], 1);
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    atomicAdd(&counts[ids[p]], 1);
+    if (slots[p / k] >= 0) atomicAdd(&real[ids[p]], 1);
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     int run = 0;
@@ -27,7 +36,7 @@ extern "C" __global__ void moe_align(int* __restrict__ sorted,                  
       cursor[e] = run;
       run += counts[e];
       offsets[e + 1] = run;
-      totals[e] += (unsigned long long)counts[e];
+      totals[e] += (unsigned long long)real[e];
     }
   }
   __syncthreads();
@@ -37,3 +46,5 @@ extern "C" __global__ void moe_align(int* __restrict__ sorted,                  
     inverse[p] = pos;
   }
 }
+
+DTYPE_ENTRY_POINTS(moe_align, 9)

@@ -85,7 +85,49 @@ def check_kernels(dev, rng) -> dict:
     k.sample_greedy(ids, up(logits))
     errors["sample_greedy"] = close(down(ids), np.argmax(logits, 1), 0)
     errors["lora"] = check_lora(dev, rng)
+    errors |= check_experts(dev, rng)
     return {"max_abs_error": errors}
+
+
+def check_experts(dev, rng) -> dict:
+    """A layer of experts (moe_route, moe_align, moe_matmul, act_and_mul's clamped SwiGLU,
+    moe_combine) on 9 tokens, top 2 of 6, against engine/backends/moe.py on the host; add_bias
+    and olmoe_qkv against NumPy."""
+    from engine.backends import moe
+
+    k, up, down = dev.kernels, dev.upload, dev.download
+    T, D, F, E, K = 9, 64, 32, 6, 2
+    h = rng.standard_normal((T, D), np.float32)
+    router = rng.standard_normal((E, D), np.float32)
+    w_gu = rng.standard_normal((E, 2 * F, D), np.float32) / 8
+    w_dn = rng.standard_normal((E, D, F), np.float32) / 8
+    ids, w = up(np.zeros((T, K), np.int32)), up(np.zeros((T, K), np.float32))
+    k.moe_route(ids, w, up(h), up(router), K, True)
+    sp, inv = up(np.zeros(T * K, np.int32)), up(np.zeros(T * K, np.int32))
+    offs, totals = up(np.zeros(E + 1, np.int32)), up(np.zeros(E, np.uint64))
+    k.moe_align(sp, inv, offs, totals, ids, up(np.arange(T, dtype=np.int32)))
+    gu, act = poisoned(dev, (T * K, 2 * F)), poisoned(dev, (T * K, F))
+    k.moe_matmul(gu, up(h), up(w_gu), sp, offs, K)
+    k.clamped_swiglu(act, gu, 1.702, 7.0)
+    y, out = poisoned(dev, (T * K, D)), poisoned(dev, (T, D))
+    k.moe_matmul(y, act, up(w_dn), sp, offs, 0)
+    k.moe_combine(out, y, w, inv)
+    want = np.zeros((T, D), np.float32)
+    want_ids, want_w = moe.route(h, router.T.copy(), K, True)
+    for t in range(T):
+        for e, weight in zip(want_ids[t], want_w[t], strict=True):
+            a = moe.clamped_swiglu((w_gu[e] @ h[t])[None], 1.702, 7.0)[0]
+            want[t] += weight * (w_dn[e] @ a)
+    errors = {"moe": close(down(out), want, 1e-4), "moe_route": close(down(ids), want_ids, 0)}
+    x, bias = rng.standard_normal((T, D), np.float32), rng.standard_normal(D, np.float32)
+    xd = up(x)
+    k.add_bias(xd, up(bias))
+    errors["add_bias"] = close(down(xd), x + bias, 1e-6)
+    qkv = rng.standard_normal((T, 3 * D), np.float32) * 3
+    qd = up(qkv)
+    k.olmoe_qkv(qd, D, D, clip=2.0)
+    errors["olmoe_qkv"] = close(down(qd), np.clip(qkv, -2.0, 2.0), 0)
+    return errors
 
 
 def check_lora(dev, rng) -> float:

@@ -108,13 +108,7 @@ def test_numpy_backend_chunked_prefill_small_blocks(name):
     check_outputs(name, *outs)
 
 
-@pytest.mark.parametrize("name", MOE)
-def test_cuda_refuses_a_mixture_of_experts(name):
-    with pytest.raises(ValueError, match="cuda-cpu backend has no expert products"):
-        engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128)
-
-
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_cuda_cpu_backend_matches_transformers(name):
     check_outputs(name, *engine_outputs(name, "cuda-cpu", block_size=4, num_gpu_blocks=128))
 

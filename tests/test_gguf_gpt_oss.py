@@ -134,7 +134,7 @@ def agreed(got: list[int], want: list[int], step_logits) -> int:
     return len(want)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("kind", sorted(FILES))
 def test_greedy_tokens_are_llama_cpps(kind, backend, tmp_path):
     """llama.cpp's own greedy tokens after a 49-token prompt (six windows), in 20-token
@@ -159,6 +159,9 @@ def test_greedy_tokens_are_llama_cpps(kind, backend, tmp_path):
     else:
         agree = agreed(out.token_ids, case["token_ids"], out.outputs[0].step_logits)
         assert agree >= 10, f"{agree} tokens agree"
+    experts = next(lw.experts for lw in engine.backend.layers if lw.experts is not None)
     if backend == "cpu" and kind == "mxfp4_moe":
-        experts = next(lw.experts for lw in engine.backend.layers if lw.experts is not None)
         assert {w.kind for w in (*experts.gate_up, *experts.down)} == {"mxfp4"}
+    if backend == "cuda-cpu":  # the blocks as stored, read by moe_matmul
+        assert experts.fmt == ("mxfp4" if kind == "mxfp4_moe" else "dtype")
+        assert experts.gate_up.dtype == (np.uint8 if kind == "mxfp4_moe" else np.float32)

@@ -206,7 +206,7 @@ def test_a_q8_0_moe_gguf_keeps_its_experts_as_stored(name, tmp_path):
             assert {w.kind for w in (*ex.gate_up, *ex.down)} == {"q8_0"}
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
 def test_mixtral_greedy_tokens_are_llama_cpps(qtype, backend, tmp_path):
     """llama.cpp's own greedy tokens (scripts/make_llama_cpp_greedy_golden.py: its converter's

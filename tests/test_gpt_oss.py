@@ -160,7 +160,7 @@ def test_clamped_swiglu_by_hand():
 
 
 # ---- the engine on the grouped KV cache ----
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_grouped_engine_matches_transformers(backend):
     """Three groups (full; two of window 8), 16-token chunks over 4-token blocks (chunks
     straddle the window), freed blocks NaN: transformers' tokens and logits (preemption:
@@ -212,7 +212,7 @@ def merged(weights, adapter_dir: Path, scale: float):
     return dataclasses.replace(weights, layers=layers)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_lora_on_the_attention_matches_the_merged_reference(backend, tmp_path):
     """An adapter on q, k, v and o of every layer (rank 4, alpha 8: scale 2) beside the base
     model in one batch: each row's greedy tokens and logits are the reference's with the
@@ -322,9 +322,10 @@ def write_mxfp4_checkpoint(path: Path):
 
 
 def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(tmp_path):
-    """quantization_config mxfp4: the experts' blocks repacked (kept as MXFP4 on the cpu
-    backend, widened on numpy), the numpy backend's tokens and logits the reference's on the
-    values the blocks stand for, the cpu backend's within its 8-bit activations."""
+    """quantization_config mxfp4: the experts' blocks repacked (kept as MXFP4 on the cpu and
+    cuda-cpu backends, widened on numpy), the numpy and cuda-cpu backends' tokens and logits
+    the reference's on the values the blocks stand for, the cpu backend's within its 8-bit
+    activations."""
     from model_loader.load import load_model
 
     path = tmp_path / "mxfp4"
@@ -336,13 +337,15 @@ def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(tmp_path):
     want = reference_generate(want_w, cfg, prompt, 8, mode="cached").token_ids
     first = forward(want_w, cfg, prompt)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for backend, atol in (("numpy", 1e-4), ("cpu", 0.1)):
+    for backend, atol in (("numpy", 1e-4), ("cuda-cpu", 1e-4), ("cpu", 0.1)):
         engine = make_engine(load_model(str(path)), backend=backend, record_logits=True)
         got = run_to_completion(engine, [prompt], params)[0].outputs[0]
         np.testing.assert_allclose(got.step_logits[0], first, atol=atol, rtol=0)
-        if backend == "numpy":
+        if backend != "cpu":
             assert got.token_ids == want
-        else:
+        if backend == "cuda-cpu":  # moe_matmul reads the blocks
+            assert next(lw.experts for lw in engine.backend.layers).fmt == "mxfp4"
+        if backend == "cpu":
             ex = next(lw.experts for lw in engine.backend.layers)
             assert {w.kind for w in (*ex.gate_up, *ex.down)} == {"mxfp4"}
 

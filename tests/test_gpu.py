@@ -395,12 +395,15 @@ def test_bf16_backend_logits_close_to_reference(tiny):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama3", "qwen2_swa", "qwen2_yarn", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
+    "name",
+    ["llama3", "qwen2_swa", "qwen2_yarn", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
+    + ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"],
 )
 def test_families_match_transformers_on_the_device(name):
     """Each family's tiny checkpoint (float32) against transformers' golden tokens and logits,
-    with decode graphs: bias and q/k norm in rotary_cache, windows, GELU, (1 + w) norms, and
-    (Gemma 2 and 3, Qwen2 with sliding layers) the KV groups' page tables and slots."""
+    with decode graphs: bias and q/k norm in rotary_cache, windows, GELU, (1 + w) norms,
+    (Gemma 2 and 3, Qwen2 with sliding layers, gpt-oss) the KV groups' page tables and slots,
+    and the mixtures' expert kernels (gpt-oss: sinks, biases, the clamped SwiGLU)."""
     from tests.test_families import check_outputs, engine_outputs
 
     check_outputs(name, *engine_outputs(name, BACKEND, num_gpu_blocks=64, dtype="float32"))

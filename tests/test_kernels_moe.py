@@ -54,7 +54,7 @@ def aligned(ids: np.ndarray, E_: int):
     P = ids.size
     out = [np.empty(P, np.int32), np.empty(P, np.int32), np.empty(E_ + 1, np.int32)]
     totals = np.zeros(E_, np.uint64)
-    kern().moe_align(*out, totals, ids)
+    kern().moe_align(*out, totals, ids, np.arange(len(ids), dtype=np.int32))
     return (*out, totals)
 
 
@@ -105,8 +105,12 @@ def test_align_buckets_each_pair_once_and_counts(order, rng):
     for e in range(E_):
         span = sorted_pairs[offsets[e] : offsets[e + 1]]
         assert (ids.reshape(-1)[span] == e).all()
-    kern().moe_align(sorted_pairs, inverse, offsets, totals, ids)  # totals keep adding
-    np.testing.assert_array_equal(totals, 2 * counts)
+    slots = np.arange(T, dtype=np.int32)
+    slots[::3] = -1  # rows with no KV slot (padding) are bucketed but not counted
+    kern().moe_align(sorted_pairs, inverse, offsets, totals, ids, slots)  # totals keep adding
+    counted = ids[np.arange(T) % 3 != 0].ravel()
+    np.testing.assert_array_equal(totals, counts + np.bincount(counted, minlength=E_))
+    np.testing.assert_array_equal(offsets, np.r_[0, np.cumsum(counts)])
 
 
 def expert_products(x, ws, ids, sorted_pairs, offsets, gather, bias=None):

@@ -2,7 +2,7 @@
 prefix caching with the host KV tier, n-gram speculation and structured output, each on the
 tiny Qwen3-MoE checkpoint (tests/data/families/qwen3_moe; the host tier, speculation and
 structured output on the tiny gpt-oss too) against transformers' golden greedy tokens, on the
-numpy and cpu backends."""
+numpy, cpu and cuda-cpu backends."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def run(backend: str, record_logits: bool = True, name: str = NAME, **engine_arg
     return engine, cases, outs
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_sequences_keep_their_tokens(backend, mode):
     # 32 blocks of 4 tokens: the three prompts (2 + 10 + 18 blocks) fit, their 12 tokens each do not
@@ -43,7 +43,7 @@ def test_preempted_sequences_keep_their_tokens(backend, mode):
 
 
 @pytest.mark.parametrize("name", [NAME, "gpt_oss"])
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_prefix_hits_and_host_tier_keep_the_tokens(backend, name):
     kw = dict(block_size=4, num_gpu_blocks=40, max_model_len=96, enable_prefix_caching=True)
     kw |= dict(kv_offload_bytes=1 << 22)
@@ -59,7 +59,7 @@ def test_prefix_hits_and_host_tier_keep_the_tokens(backend, name):
 
 
 @pytest.mark.parametrize("name", [NAME, "gpt_oss"])
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 def test_ngram_speculation_keeps_the_greedy_tokens(backend, name):
     spec = json.dumps(NGRAM)
     engine, cases, outs = run(backend, record_logits=False, name=name, speculative_config=spec)

@@ -44,7 +44,7 @@ def reference_counts(m, token_lists) -> dict[int, Counter]:
     return counts
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "cuda-cpu"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_expert_counts_are_the_references_routing(name, backend):
     m = loaded(name)

@@ -13,21 +13,29 @@ from tests.test_families import check_outputs, engine_outputs, loaded
 
 
 @pytest.mark.parametrize(
-    "name, tp, pp",
+    "name, tp, pp, backend",
     [
-        ("qwen2_moe", 2, 1),
-        ("mixtral", 2, 1),
-        ("qwen3_moe", 1, 2),
-        ("gpt_oss", 2, 1),
-        ("gpt_oss", 1, 2),
+        ("qwen2_moe", 2, 1, "numpy"),
+        ("mixtral", 2, 1, "numpy"),
+        ("qwen3_moe", 1, 2, "numpy"),
+        ("gpt_oss", 2, 1, "numpy"),
+        ("gpt_oss", 1, 2, "numpy"),
+        ("qwen2_moe", 2, 1, "cuda-cpu"),  # the emulated NCCL's all-reduce after the experts
+        ("gpt_oss", 2, 1, "cuda-cpu"),
     ],
 )
-def test_ranks_give_transformers_tokens(name, tp, pp):
+def test_ranks_give_transformers_tokens(name, tp, pp, backend):
     cases, outs = engine_outputs(
-        name, "numpy", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        name, backend, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         distributed_executor_backend="mp",
     )  # fmt: skip
     check_outputs(name, cases, outs)
+
+
+def test_olmoe_is_refused_on_tensor_parallel_ranks():
+    """Its q and k norms are over every head's values: a rank's heads alone would norm wrong."""
+    with pytest.raises(ValueError, match="olmoe's q and k norms span every head at once"):
+        engine_outputs("olmoe", "numpy", tensor_parallel_size=2, distributed_executor_backend="mp")
 
 
 def test_a_ranks_experts_are_its_units_of_each_expert():

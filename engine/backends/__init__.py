@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from engine.backends.numpy_backend import NumpyBackend
-from engine.config import BACKENDS, host_only_refusal, moe_refusal
+from engine.config import BACKENDS, host_only_refusal
 
 log = logging.getLogger("engine.backend")
 
@@ -66,7 +66,6 @@ def get_backend(name: str, model_config, weights, engine_config):
     """Build the backend called ``name`` for this model (ValueError for an unknown name)."""
     name = resolve_backend_name(name)
     why = host_only_refusal(engine_config, name)  # auto resolved: cuda?
-    why = why or moe_refusal(engine_config, model_config, name)
     if why:
         raise ValueError(why)
     if name == "numpy":

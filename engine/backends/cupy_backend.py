@@ -42,9 +42,10 @@ import numpy as np
 
 from engine.backends.base import Backend, GreedyIds, block_pairs, numpy_dtype, resolve_kv_dtype
 from engine.backends.cuda_graphs import DecodeGraphs
-from engine.backends.cupy_blocks import BlockGemm, keep_blocks
+from engine.backends.cupy_blocks import BlockGemm
 from engine.backends.cupy_lora import LoRASlots
 from engine.backends.cupy_memory import DeviceMemory
+from engine.backends.cupy_moe import experts_forward
 from engine.backends.cupy_step import (
     DeviceLayer,
     StepInputs,
@@ -53,6 +54,7 @@ from engine.backends.cupy_step import (
     pack_inputs,
     split_inputs,
 )
+from engine.backends.cupy_weights import DeviceWeights
 from engine.backends.forward_batch import ForwardBatch
 from engine.devices.device import CupyDevice, PendingDownload, raw_view
 from engine.kernels.launch import lora_tiles
@@ -63,7 +65,7 @@ from model_loader.weights import ModelWeights
 log = logging.getLogger("engine.backend")
 
 
-class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
+class CupyBackend(DeviceWeights, DeviceMemory, LoRASlots, DecodeGraphs, Backend):
     """Paged-attention forward on a device. ``kv_cache``: (L, 2, N, bs, Hkv, hd) on the device
     (a grouped model's: G slots for L); ``cpu_cache``: (L, 2, N_cpu, bs, Hkv, hd) in pinned
     host memory."""
@@ -128,43 +130,6 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             self.kv_dtype,
             time.perf_counter() - t1,
         )
-
-    def _put(self, *arrays: np.ndarray):
-        """Upload (stacking several along rows) in the backend's dtype."""
-        a = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
-        return self.device.upload(np.ascontiguousarray(a, dtype=self.dtype))
-
-    def _put_opt(self, *arrays):
-        return None if arrays[0] is None else self._put(*arrays)
-
-    def _put_matrix(self, *mats):
-        """(out, in) matrices stacked along rows: a GGUF's kept in their blocks where the
-        kernels read every part's format (engine/backends/cupy_blocks.py), else ``_put``."""
-        kept = keep_blocks(mats, self.device.upload)
-        return kept if kept is not None else self._put(*mats)
-
-    def _upload_weights(self, w: ModelWeights) -> None:
-        off = self.cfg.norm_offset  # Gemma 3's q and k norms are (1 + w) too
-        self.layers = [
-            DeviceLayer(
-                attn_norm=self._put(lw.attn_norm),
-                w_qkv=self._put_matrix(lw.wq, lw.wk, lw.wv),
-                w_o=self._put_matrix(lw.wo),
-                mlp_norm=self._put(lw.mlp_norm),
-                w_gate_up=self._put_matrix(lw.w_gate, lw.w_up),
-                w_down=self._put_matrix(lw.w_down),
-                b_qkv=self._put_opt(lw.bq, lw.bk, lw.bv),
-                q_norm=self._put_opt(_offset(lw.q_norm, off)),  # the kernel scales by w
-                k_norm=self._put_opt(_offset(lw.k_norm, off)),
-                post_attn_norm=self._put_opt(lw.post_attn_norm),
-                post_mlp_norm=self._put_opt(lw.post_mlp_norm),
-            )
-            for lw in w.layers
-        ]
-        self.embed = self._put(w.embed)  # (V, D)
-        self.final_norm = self._put(w.final_norm)  # (D,)
-        self.lm_head = self.embed if w.lm_head is w.embed else self._put_matrix(w.lm_head)
-        self._log_formats()
 
     # ---- cache ----
     @on_device
@@ -358,15 +323,29 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 k.rms_norm(ws.branch, ws.x, lw.post_attn_norm, eps, off)
                 x = ws.branch
             k.fused_add_rms_norm(ws.h, ws.residual, x, lw.mlp_norm, eps, off)
-            self._gemm(ws.h, lw, i, "w_gate_up", ws.gate_up, inp)  # (T, 2F)
-            k.act_and_mul(ws.act, ws.gate_up, c.hidden_act)  # (T, F)
             post = lw.post_mlp_norm
             out = ws.x if post is None else ws.branch
-            self._gemm(ws.act, lw, i, "w_down", out, inp)  # (T, D)
+            self._mlp(ws, lw, i, inp, out)  # (T, D)
             self._reduce(out)
             if post is not None:  # the MLP's output normalised, into ws.x
                 k.rms_norm(ws.x, ws.branch, post, eps, off)
         return ws
+
+    def _mlp(self, ws: Workspace, lw: DeviceLayer, i: int, inp, out) -> None:
+        """ws.h (T, D) normed -> out (T, D): the gated MLP, or a layer of experts."""
+        if lw.experts is not None:
+            experts_forward(self.k, self.gemm, self.device.empty, lw.experts, ws.h, out,
+                            self.cfg.hidden_act, inp.slot_mapping)  # fmt: skip
+            return
+        self._gemm(ws.h, lw, i, "w_gate_up", ws.gate_up, inp)  # (T, 2F)
+        self.k.act_and_mul(ws.act, ws.gate_up, self.cfg.hidden_act)  # (T, F)
+        self._gemm(ws.act, lw, i, "w_down", out, inp)  # (T, D)
+
+    def expert_tokens(self) -> list[list[int]] | None:
+        """Per layer of experts: [its index, then the rows routed to each expert so far]."""
+        rows = [[i, *self.device.download(lw.experts.totals).tolist()]
+                for i, lw in enumerate(self.layers) if lw.experts is not None]  # fmt: skip
+        return rows or None
 
     @on_device
     def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
@@ -406,6 +385,11 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
         k, T, qd = self.k, ws.h.shape[0], self.cfg.q_dim
         self._gemm(ws.h, lw, layer, "w_qkv", ws.qkv, inp)  # (T, H*hd + 2*Hkv*hd)
         slot, slots, tables = inp.for_layer(layer)  # KV groups: its slot, its group's tables
+        c, q_norm, k_norm = self.cfg, lw.q_norm, lw.k_norm
+        if c.qk_norm_whole or c.clip_qkv is not None:  # OLMoE: q, k normed as wholes; a clamp
+            whole = (q_norm, k_norm) if c.qk_norm_whole else ()
+            k.olmoe_qkv(ws.qkv, c.q_dim, c.kv_dim, *whole, eps=c.rms_norm_eps, clip=c.clip_qkv)
+            q_norm = k_norm = None
         k_cache, v_cache = self.kv_cache[slot, 0], self.kv_cache[slot, 1]  # (N, bs, Hkv, hd)
         k.rotary_cache(
             ws.q,
@@ -416,8 +400,8 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
             slots,
             self.cos_sin_local if self.cfg.window(layer) else self.cos_sin,  # Gemma 3's kinds
             bias=lw.b_qkv,
-            q_norm=lw.q_norm,
-            k_norm=lw.k_norm,
+            q_norm=q_norm,
+            k_norm=k_norm,
             eps=self.cfg.rms_norm_eps,
         )
         B, window = inp.context_lens.shape[0], self.cfg.window(layer)
@@ -433,6 +417,7 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 max_ctx,
                 window=window,
                 softcap=self.softcap,
+                sinks=lw.sinks,
             )
         if nd < B:  # prefills: the rows after the decodes
             k.paged_attention_prefill(
@@ -446,9 +431,12 @@ class CupyBackend(DeviceMemory, LoRASlots, DecodeGraphs, Backend):
                 self.scale,
                 window=window,
                 softcap=self.softcap,
+                sinks=lw.sinks,
             )
         self._gemm(ws.attn.reshape(T, qd), lw, layer, "w_o", ws.x, inp)  # (T, D)
         self._reduce(ws.x)
+        if lw.b_o is not None:  # gpt-oss: after the ranks' sum, once
+            k.add_bias(ws.x, lw.b_o)
 
 
 class DeviceIds(GreedyIds):
@@ -480,7 +468,3 @@ def cuda_backend(model_config, weights, engine_config, emulate: bool = False) ->
         raise ValueError(f"backend 'cuda' needs a GPU that CuPy can see; none was found ({why})")
     return CupyBackend(model_config, weights, engine_config)
 
-
-def _offset(a: np.ndarray | None, offset: float) -> np.ndarray | None:
-    """A norm's scale as offset + w, added in float32 (Gemma's 1 + w); None stays None."""
-    return a if a is None or not offset else np.asarray(a, np.float32) + np.float32(offset)

@@ -69,7 +69,8 @@ def bytes_by_format(arrays) -> dict[str, int]:
     """Device weights (arrays, DeviceBlocks) -> bytes held per format ("bfloat16", "q4_k")."""
     out: dict[str, int] = {}
     for a in arrays:
-        kinds = a.bytes_by_kind() if isinstance(a, DeviceBlocks) else {a.dtype.name: a.nbytes}
+        # DeviceBlocks, and a layer of experts (cupy_moe.DeviceExperts), count their parts
+        kinds = a.bytes_by_kind() if hasattr(a, "bytes_by_kind") else {a.dtype.name: a.nbytes}
         for kind, n in kinds.items():
             out[kind] = out.get(kind, 0) + int(n)
     return out

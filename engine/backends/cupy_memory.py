@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from engine.backends.cupy_blocks import DeviceBlocks, bytes_by_format
+from engine.backends.cupy_moe import step_bytes as experts_step_bytes
 from engine.backends.cupy_step import on_device
 from engine.backends.forward_batch import ForwardBatch
 from engine.kernels.gguf_launch import GGUF_MATVEC_MAX_BATCH
@@ -49,7 +50,9 @@ class DeviceMemory:
         if T <= GGUF_MATVEC_MAX_BATCH:
             return 0
         e = self.dtype.itemsize
-        kept = [a for a in self._weight_arrays() if isinstance(a, DeviceBlocks)]
+        arrays = self._weight_arrays()
+        arrays += [m for a in arrays for m in getattr(a, "shared", None) or ()]  # experts'
+        kept = [a for a in arrays if isinstance(a, DeviceBlocks)]
         return max((a.tile_bytes(e) for a in kept), default=0)
 
     def total_memory_bytes(self) -> int:
@@ -89,6 +92,8 @@ class DeviceMemory:
         partials = partials if partitions > 1 else 0
         pool_rounding = 512 * (16 + 2 * layers_with_partials)  # CuPy rounds each block
         step = inputs + T * per_token * e + last + layers_with_partials * partials + pool_rounding
+        if c.moe is not None:  # a layer of experts' pairs (engine/backends/cupy_moe.py)
+            step += experts_step_bytes(c.moe, T, c.hidden_size, e)
         return step + extra + self._tile_bytes(T)
 
     def graph_pool_estimate(self) -> int:

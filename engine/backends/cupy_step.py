@@ -18,13 +18,16 @@ class DeviceLayer:
     w_qkv: object  # (H*hd + 2*Hkv*hd, D): q | k | v rows, (out, in) as in the checkpoint
     w_o: object  # (D, H*hd)
     mlp_norm: object  # (D,)
-    w_gate_up: object  # (2F, D): gate | up rows
+    w_gate_up: object  # (2F, D): gate | up rows (None in a layer of experts)
     w_down: object  # (D, F)
     b_qkv: object = None  # (H*hd + 2*Hkv*hd,) q | k | v biases (Qwen2), added by rotary_cache
     q_norm: object = None  # (hd,) per-head norms of q and k (Qwen3), in rotary_cache
     k_norm: object = None  # (hd,)
     post_attn_norm: object = None  # (D,) norms of the attention's and the MLP's outputs
     post_mlp_norm: object = None  # (D,) (Gemma 2 and 3)
+    b_o: object = None  # (D,) float32 the o projection's bias (gpt-oss)
+    sinks: object = None  # (H,) float32 each head's sink logit (gpt-oss)
+    experts: object = None  # a layer of experts (engine/backends/cupy_moe.py) in place of the MLP
 
 
 @dataclass

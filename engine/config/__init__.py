@@ -13,7 +13,6 @@ from engine.config.checks import (
     host_only_refusal,
     is_int,
     is_number,
-    moe_refusal,
 )
 from engine.config.engine_config import EngineConfig, make_config
 
@@ -23,7 +22,6 @@ __all__ = [
     "QUANTIZATIONS",
     "EngineConfig",
     "host_only_refusal",
-    "moe_refusal",
     "is_int",
     "is_number",
     "make_config",

@@ -258,17 +258,3 @@ def host_only_refusal(config, backend: str, world_size: int = 1) -> str | None:
                 f"{world_size}"
             )
     return None
-
-
-def moe_refusal(config, model_config, backend: str) -> str | None:
-    """Why a mixture of experts cannot run with these options on this backend (a resolved
-    name, or auto), in one line; None where it can (or the model is dense)."""
-    if model_config.moe is None:
-        return None
-    what = f"a mixture of experts ({model_config.family})"
-    if backend in ("cuda", "cuda-cpu"):
-        return (
-            f"the {backend} backend has no expert products for {what}; --backend cpu or numpy "
-            f"runs it"
-        )
-    return None

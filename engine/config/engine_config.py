@@ -25,7 +25,6 @@ from engine.config.checks import (
     check_ranges,
     check_tiers,
     check_types,
-    moe_refusal,
 )
 from engine.config.generation import check_generation_config, parse_override
 from engine.config.speculative import parse_speculative_config
@@ -300,9 +299,6 @@ class EngineConfig:
                 "EngineConfig: the model is a sequence classifier (a score head, no LM head): "
                 "it runs with runner='pooling' (LLM.classify, /classify), never generates"
             )
-        why = moe_refusal(self, model_config, self.backend)
-        if why:
-            raise ValueError(f"EngineConfig: {why}")
         model_max = model_config.max_position_embeddings
         max_len = self.max_model_len or model_max
         if max_len > model_max:

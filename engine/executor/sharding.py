@@ -41,6 +41,11 @@ def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
             f"tensor_parallel_size {n} neither divides the model's {hkv} KV heads nor is a "
             "multiple of them"
         )
+    if n > 1 and cfg.qk_norm_whole:
+        raise ValueError(
+            f"tensor_parallel_size {n}: {cfg.family}'s q and k norms span every head at once "
+            "(a rank holds only its heads); it runs on one rank, or split by pipeline stages"
+        )
 
 
 def check_pipeline_parallel(cfg: ModelConfig, n: int) -> None:

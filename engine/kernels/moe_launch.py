@@ -1,5 +1,6 @@
 """Checked launches of a mixture of experts' kernels (cuda_src/moe_route.cu, moe_align.cu,
-moe_matmul.cu, moe_combine.cu, and act_and_mul.cu's clamped SwiGLU): ``MoeLaunches`` is a part of
+moe_matmul.cu, moe_combine.cu, act_and_mul.cu's clamped SwiGLU; add_bias.cu, gpt-oss's o projection
+bias; olmoe_qkv.cu, OLMoE's whole q and k norms and clip_qkv): ``MoeLaunches`` is a part of
 ``Kernels`` (its ``_fn`` loader and ``_rows``).
 
 A layer of experts per step, T tokens, each running its top k of E experts (P = T * k pairs):
@@ -88,22 +89,24 @@ class MoeLaunches:
             shared = 4 * (E + 1)
             self._fn(op, f"{op}_{_suffix(op, h)}")((T,), (ROUTE_THREADS,), args, shared_mem=shared)
 
-    def moe_align(self, sorted_pairs, inverse, offsets, totals, ids) -> None:
+    def moe_align(self, sorted_pairs, inverse, offsets, totals, ids, slots) -> None:
         """The pairs of ids (T, k) (pair t*k + j) bucketed by expert: offsets (E + 1,) int32,
         expert e's pairs sorted_pairs[offsets[e]:offsets[e + 1]], inverse[p] the position of
-        pair p; totals (E,) uint64 += each expert's pairs."""
+        pair p; totals (E,) uint64 += each expert's pairs whose token's slot (T,) is >= 0."""
         op = "moe_align"
         E = totals.shape[0] if hasattr(totals, "shape") else 0
-        P = ids.shape[0] * ids.shape[1] if getattr(ids, "ndim", 0) == 2 else -1
-        _check(op, "ids", ids, (None, None), np.int32)
+        T, k = ids.shape if getattr(ids, "ndim", 0) == 2 else (0, 0)
+        P = T * k
+        _check(op, "ids", ids, (T, k), np.int32)
+        _check(op, "slots", slots, (T,), np.int32)
         _check(op, "totals", totals, (E,), np.uint64)
         _check(op, "offsets", offsets, (E + 1,), np.int32)
         _check(op, "sorted_pairs", sorted_pairs, (P,), np.int32)
         _check(op, "inverse", inverse, (P,), np.int32)
         if E < 1:
             raise ValueError(f"{op}: totals must have one entry per expert, got {E}")
-        args = (sorted_pairs, inverse, offsets, totals, ids, i32(P), i32(E))
-        self._fn(op, op)((1,), (ALIGN_THREADS,), args, shared_mem=8 * E)
+        args = (sorted_pairs, inverse, offsets, totals, ids, slots, i32(P), i32(E), i32(max(k, 1)))
+        self._fn(op, f"{op}_f32")((1,), (ALIGN_THREADS,), args, shared_mem=12 * E)
 
     def moe_matmul(self, out, x, w, sorted_pairs, offsets, gather: int, bias=None,
                    fmt: str = "dtype") -> None:  # fmt: skip
@@ -160,6 +163,39 @@ class MoeLaunches:
             args = (out, y, weights, inverse, weights if gate is None else gate)
             args += (out if shared is None else shared, i32(D), i32(k), i32(gate is not None))
             self._fn(op, f"{op}_{_suffix(op, out)}")((T,), (COMBINE_THREADS,), args)
+
+    def olmoe_qkv(self, qkv, q_dim: int, kv_dim: int, q_norm=None, k_norm=None,
+                  eps: float = 1e-5, clip: float | None = None) -> None:  # fmt: skip
+        """OLMoE's q | k | v rows (T, q_dim + 2 kv_dim) in place: with q_norm (q_dim,) and
+        k_norm (kv_dim,) the q and k parts RMS-normed as wholes; with clip every value clamped
+        to +-clip."""
+        op = "olmoe_qkv"
+        T = qkv.shape[0] if getattr(qkv, "ndim", 0) == 2 else 0
+        _check(op, "qkv", qkv, (T, q_dim + 2 * kv_dim))
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError(f"{op}: q_norm and k_norm go together")
+        flags = 0
+        if q_norm is not None:
+            _check(op, "q_norm", q_norm, (q_dim,), qkv.dtype)
+            _check(op, "k_norm", k_norm, (kv_dim,), qkv.dtype)
+            flags |= 1
+        if clip is not None:
+            if _number(op, "clip", clip) <= 0:
+                raise ValueError(f"{op}: clip must be > 0, got {clip}")
+            flags |= 2
+        if T and flags:
+            norms = (qkv, qkv) if q_norm is None else (q_norm, k_norm)
+            args = (qkv, *norms, i32(q_dim), i32(kv_dim), f32(_number(op, "eps", eps)))
+            args += (f32(clip or 0.0), i32(flags))
+            self._fn(op, f"{op}_{_suffix(op, qkv)}")((T,), (256,), args)
+
+    def add_bias(self, x, bias) -> None:
+        """x (T, N) += bias (N,) float32, rounded once (gpt-oss's o projection)."""
+        op = "add_bias"
+        T, N = x.shape if getattr(x, "ndim", 0) == 2 else (0, 0)
+        _check(op, "x", x, (T, N))
+        _check(op, "bias", bias, (N,), np.float32)
+        self._rows(op, x, (x, bias))
 
     def clamped_swiglu(self, out, gate_up, alpha: float, limit: float) -> None:
         """gpt-oss's activation over gate_up (T, 2F) = [gate | up]: gate clamped to <= limit,
