@@ -467,4 +467,3 @@ def cuda_backend(model_config, weights, engine_config, emulate: bool = False) ->
     if n == 0:
         raise ValueError(f"backend 'cuda' needs a GPU that CuPy can see; none was found ({why})")
     return CupyBackend(model_config, weights, engine_config)
-
