@@ -4,9 +4,12 @@
 // product, add + norm, gate/up product, SiLU-and-mul, down product), without a Python round
 // trip and a ctypes call per kernel (about 100 us a layer at batch 1). The arithmetic is the
 // kernels': the hidden states come out with the same bits. With LoRA rows, each product adds
-// their adapters' updates (lora_add) as the loop does.
+// their adapters' updates (lora_add) as the loop does. A layer of experts (no shared expert,
+// no biases) routes here (experts_step) and runs moe_experts as the loop does; the routing's
+// float32 sums and exp are this file's, not NumPy's, so its weights may differ in the last bit.
 // Threads: each kernel's own.
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -43,6 +46,10 @@ int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const fl
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
                  int hd, int threads);
+int moe_experts(float* out, const float* h, long T, long D, long F, int E, const Matrix* gate_up,
+                const Matrix* down, const int64_t* offsets, const int32_t* tokens,
+                const float* weights, int act_kind, const float* gu_bias, const float* dn_bias,
+                float alpha, float limit, int threads);
 int paged_attention_decode(float* out, const float* q, const void* k_cache, const void* v_cache,
                            int dtype, const int32_t* block_tables, const int32_t* context_lens,
                            int B, int max_blocks, int H, int hkv, int hd, int bs, float scale,
@@ -52,6 +59,17 @@ int paged_attention_decode(float* out, const float* q, const void* k_cache, cons
 namespace {
 
 // One layer's pointers (engine/backends/cpu_backend.py, LayerPointers: the same fields).
+// A layer of experts (engine/backends/cpu_experts.py): the router (D, E) float32 and each
+// expert's matrices, as moe_experts takes them; `chosen` (E,) counts the rows routed to each.
+struct Experts {
+  const float* router;       // (D, E)
+  const Matrix* gate_up;     // (E,) each (D, 2F)
+  const Matrix* down;        // (E,) each (F, D)
+  int64_t* chosen;           // (E,)
+  int32_t E, top_k, F, renormalize, act;
+  float alpha, limit;
+};
+
 struct Layer {
   const float* attn_norm;  // (D,)
   const float* mlp_norm;   // (D,)
@@ -62,7 +80,8 @@ struct Layer {
   void* v_cache;
   int64_t window;  // 0: none
   int64_t group;   // its KV group: 0 the step's slots and block_tables, g > 0 the group's
-  Matrix qkv, o, gate_up, down;
+  Matrix qkv, o, gate_up, down;  // gate_up and down unused in a layer of experts
+  const Experts* experts;        // NULL: the dense MLP
 };
 
 // LoRA (engine/backends/cpu_backend.py, the _Lora* structures). One module's B: the adapter's
@@ -241,6 +260,55 @@ extern "C" double matmul_seconds(float* out, const float* x, const Matrix* w, lo
 // sequence's short run: its sequence's table and its position + 1; rotary_cache writes every
 // token's K and V before the attention reads them): x becomes the last layer's output and
 // residual the residual stream (the head adds them). Returns 0, or the failing kernel's status.
+// out (T, D) = each row of h's top k experts, as engine/backends/moe.py routes them: logits
+// h . router in float32, softmax, the k largest (equal ones: the lower expert), renormalized
+// where the family says; the (T*k) pairs grouped by expert in token order (a counting sort),
+// then moe_experts.
+int experts_step(float* out, const float* h, const Experts& ex, long T, long D, int threads) {
+  const int E = ex.E, k = ex.top_k;
+  std::vector<float> p(E), w(T * k);
+  std::vector<int32_t> ids(T * k), tokens(T * k);
+  std::vector<int64_t> offsets(E + 1, 0);
+  for (long t = 0; t < T; t++) {
+    const float* x = h + t * D;
+    for (int e = 0; e < E; e++) p[e] = 0.0f;
+    for (long d = 0; d < D; d++) {  // (1, D) @ (D, E): the router's rows in order
+      const float xd = x[d];
+      const float* r = ex.router + d * E;
+      for (int e = 0; e < E; e++) p[e] += xd * r[e];
+    }
+    float m = p[0], sum = 0.0f, picked = 0.0f;
+    for (int e = 1; e < E; e++) m = p[e] > m ? p[e] : m;
+    for (int e = 0; e < E; e++) sum += (p[e] = std::exp(p[e] - m));
+    for (int e = 0; e < E; e++) p[e] /= sum;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int e = 0; e < E; e++)
+        if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+      ids[t * k + j] = best;
+      picked += (w[t * k + j] = p[best]);
+      p[best] = -1.0f;
+      offsets[best + 1]++;
+    }
+    if (ex.renormalize)
+      for (int j = 0; j < k; j++) w[t * k + j] /= picked;
+  }
+  for (int e = 0; e < E; e++) {
+    ex.chosen[e] += offsets[e + 1];
+    offsets[e + 1] += offsets[e];
+  }
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  std::vector<float> pair_w(T * k);
+  for (long i = 0; i < T * k; i++) {  // pair t*k + j in order: stable within an expert
+    const int64_t at = next[ids[i]]++;
+    tokens[at] = (int32_t)(i / k);
+    pair_w[at] = w[i];
+  }
+  std::memset(out, 0, sizeof(float) * T * D);
+  return moe_experts(out, h, T, D, ex.F, E, ex.gate_up, ex.down, offsets.data(), tokens.data(),
+                     pair_w.data(), ex.act, nullptr, nullptr, ex.alpha, ex.limit, threads);
+}
+
 extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
   const int T = s->T, D = s->D, nt = s->threads;
   const long q_dim = (long)s->H * s->hd, qkv_dim = q_dim + 2L * s->hkv * s->hd;
@@ -267,6 +335,11 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
     status = status ? status : product(s->x, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);
     if (status) return status;
     fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);
+    if (L.experts) {  // a layer of experts in place of the MLP
+      status = experts_step(s->x, s->h, *L.experts, T, D, nt);
+      if (status) return status;
+      continue;
+    }
     status = product(s->gate_up, s->h, L.gate_up, A ? &A->gate_up : nullptr, s, D, 2L * s->F);
     if (status) return status;
     silu_and_mul(s->act, s->gate_up, T, s->F, nt);

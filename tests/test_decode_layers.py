@@ -79,9 +79,38 @@ def test_every_family(name, fused_steps):
     rng = np.random.default_rng()
     prompts = [rng.integers(3, m.config.vocab_size, n).tolist() for n in (5, 21, 40)]
     fused, loop = fused_and_loop(m, prompts)
-    assert_same_bits(fused, loop)
-    plain = m.config.hidden_act == "silu" and m.config.moe is None
-    assert (len(fused_steps) > 0) == plain  # GELU models and mixtures of experts keep the loop
+    c, moe = m.config, m.config.moe
+    if moe is None:
+        assert_same_bits(fused, loop)
+    else:  # the native routing's float32 sums and exp: its weights may differ in the last bit
+        for x, y in zip(fused, loop, strict=True):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            a, b = np.stack(x.outputs[0].step_logits), np.stack(y.outputs[0].step_logits)
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    routed = moe is None or not (moe.shared_intermediate_size or moe.biases or c.qk_norm_whole)
+    plain = c.hidden_act == "silu" and routed
+    # GELU models and the mixtures with a shared expert, biases or OLMoE's norms keep the loop
+    assert (len(fused_steps) > 0) == plain
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_mixture_routes_in_the_native_step(name, fused_steps):
+    """Qwen3-MoE (dense and sparse layers) and Mixtral decode in the one call: transformers'
+    golden tokens and logits, and each expert's row counts those of the loop."""
+    from tests.test_families import check_outputs, engine_outputs
+
+    cases, outs = engine_outputs(name, "cpu", block_size=4, num_gpu_blocks=128)
+    check_outputs(name, cases, outs)
+    assert len(fused_steps) >= len(cases[0]["token_ids"]) - 1  # every decode step
+    m = load_model(str(FAMILY_DIR / name))
+    prompts = [[5, 9, 40, 41, 77], [300, 12, 6]]
+    counts = []
+    for fuse in (True, False):
+        e = make_engine(m, backend="cpu")
+        e.backend.fuse_decode = fuse
+        run_to_completion(e, prompts, GREEDY)
+        counts.append(e.backend.expert_tokens())
+    assert counts[0] == counts[1] and sum(counts[0][0][1:]) > 0
 
 
 def test_a_step_with_a_prefill_keeps_the_loop(tiny, fused_steps):

@@ -26,6 +26,7 @@ import logging
 import numpy as np
 
 from engine.backends import cpu_ops, cpu_tuning, fast_ops
+from engine.backends.cpu_experts import native_experts
 from engine.backends.cpu_native import NativeBuildError, library, threads
 from engine.backends.forward_batch import ForwardBatch
 from engine.backends.numpy_backend import NumpyBackend, _arrays
@@ -65,6 +66,7 @@ class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
         ("window", ctypes.c_int64),
         ("group", ctypes.c_int64),
         *((name, cpu_ops.Matrix) for name in ("qkv", "o", "gate_up", "down")),
+        ("experts", _ptr),  # a layer of experts' Experts (engine/backends/cpu_experts.py)
     ]
 
 
@@ -302,12 +304,15 @@ class CpuBackend(NumpyBackend):
         verifies: the last token and its drafts; SiLU models) runs cpu_src/decode_layers.cpp:
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
-        rows' updates after each product. Anything else (a mixture of experts, Gemma 2 and 3's
-        sandwich norms and soft-capping) takes the NumPy backend's loop. KV groups: each layer
-        reads its slot through its group's slots and tables (``_group_arrays``)."""
-        c = self.cfg  # decode_layers has no experts, sandwich norms or soft-capping
+        rows' updates after each product, a layer of experts routed and run natively
+        (engine/backends/cpu_experts.py). Anything else (a shared expert, gpt-oss, OLMoE,
+        Gemma 2 and 3's sandwich norms and soft-capping) takes the NumPy backend's loop. KV
+        groups: each layer reads its slot through its group's slots and tables
+        (``_group_arrays``)."""
+        c = self.cfg  # decode_layers has no sandwich norms, soft-capping or OLMoE's q/k
         plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
-        fused = self.fuse_decode and residual is None and plain and c.moe is None
+        plain = plain and not c.qk_norm_whole and c.clip_qkv is None
+        fused = self.fuse_decode and residual is None and plain and self._layer_experts()
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
         return super()._run_layers(x, residual, batch)
@@ -344,14 +349,26 @@ class CpuBackend(NumpyBackend):
                 slot, g = (
                     (i, 0) if groups is None else (groups.layer_slot[i], groups.layer_group[i])
                 )
+                ex = self._layer_experts()[i]
                 table[i] = _Layer(
                     p(lw.attn_norm), p(lw.mlp_norm), p(lw.b_qkv), p(lw.q_norm), p(lw.k_norm),
                     p(cache[slot, 0]), p(cache[slot, 1]), self.cfg.window(i), g,
                     cpu_ops.matrix(lw.w_qkv), cpu_ops.matrix(lw.w_o),
                     cpu_ops.matrix(lw.w_gate_up), cpu_ops.matrix(lw.w_down),
+                    None if ex is None else ctypes.addressof(ex),
                 )  # fmt: skip
             self._table, self._table_for = table, cache
         return self._table
+
+    def _layer_experts(self) -> list | None:
+        """Per layer its Experts for decode_layers (None: a dense layer), made once; None
+        (falsy) when a layer of experts cannot run there."""
+        if not hasattr(self, "_experts_table"):
+            act = self.cfg.hidden_act
+            table = [lw.experts and native_experts(lw.experts, act) for lw in self.layers]
+            ok = all(t is not None for t, lw in zip(table, self.layers, strict=True) if lw.experts)
+            self._experts_table = table if ok else None
+        return self._experts_table
 
     def _group_arrays(self, b: ForwardBatch):
         """KV groups: (what must live through the call, (pointers to each later group's (T,)
