@@ -34,6 +34,8 @@ is group 0's, ``Sequence.group_tables`` the others'), all of one length, drawn f
 block id belongs to one group at a time. Each sliding group slides with its own window; the
 full-attention groups keep every block. A prefix hit is then the longest prefix whose blocks
 each group's first new token can see are all cached (``cached_prefix``), every group's own.
+With the KV tiers each group's evicted block goes to them under (group, hash), and the tiers'
+part of a prefix (engine/core/tier_prefix.py) extends each group's table (``extend_tables``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ host memory (``HostTier``, LRU by bytes) and on disk (``DiskTier``, files that s
 restart, LRU by bytes). When a prompt is admitted, the scheduler looks its blocks up in the pool
 first, then through the tiers (``KVConnector.fetch``), and a block found below is loaded into a
 fresh pool block before the step's forward instead of being computed. The same hash names a
-block in every tier; each stored block also keeps the key its hash was made of (the parent
+block in every tier (a grouped model's blocks: one for each KV group, kept apart); each stored block also keeps the key its hash was made of (the parent
 block's hash and its own token ids), checked again on every lookup.
 
 tier.py        what a tier is (KVTier), a block's key, the counters
