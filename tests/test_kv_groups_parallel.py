@@ -111,18 +111,25 @@ def same_outputs(a, b, exact: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, tp, pp",
-    [("gemma3", 2, 1), ("gemma3", 1, 2), ("gpt_oss", 2, 1), ("gemma2_8", 1, 2), ("gemma2_8", 2, 2)],
+    "name, tp, pp, backend",
+    [
+        ("gemma3", 2, 1, "numpy"),
+        ("gemma3", 1, 2, "numpy"),
+        ("gpt_oss", 2, 1, "numpy"),
+        ("gemma2_8", 1, 2, "numpy"),
+        ("gemma2_8", 2, 2, "numpy"),
+        ("gemma3", 2, 1, "cuda-cpu"),
+    ],
 )
-def test_grouped_ranks_equal_one_process(name, tp, pp):
+def test_grouped_ranks_equal_one_process(name, tp, pp, backend):
     """Prompts several windows long in chunks over a small pool: the single process's tokens
     and logits (a pipeline alone adds nothing up: bit for bit), the same blocks held at the
-    peak, fewer than every layer's blocks."""
+    peak, fewer than every layer's blocks (numpy ranks; cuda-cpu ranks, tensor parallel)."""
     model = MODELS[name]()
     rng, c = np.random.default_rng(), model.config
     prompts = [rng.integers(1, c.vocab_size, int(n)).tolist() for n in rng.integers(30, 62, 3)]
-    _, one, one_peak = run(model, prompts, num_gpu_blocks=64)
-    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    _, one, one_peak = run(model, prompts, num_gpu_blocks=64, backend=backend)
+    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, backend=backend)
     engine, par, peak = run(
         model, prompts, num_gpu_blocks=64, distributed_executor_backend="mp", **kw
     )
