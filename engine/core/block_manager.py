@@ -92,6 +92,11 @@ class FreeBlockQueue:
         del self._blocks[block]
 
 
+def _is_load(entry) -> bool:
+    """A tier prefix's entry that is an array to load (not a block id)."""
+    return hasattr(entry, "shape")
+
+
 class GroupHits(list):
     """A grouped pool's prefix hits: group 0's blocks (a list, as a one-group pool's hits are),
     every group's in ``tables``."""
@@ -384,15 +389,15 @@ class BlockManager:
         took: each group's ``rows`` entries (NO_BLOCK, a cached pool block, taken first, or an
         array to load into a fresh block), their blocks registered and counted computed;
         returns (fresh block ids, their arrays, group) of each group that loads some."""
-        for block in (r for t in rows for r in t if not hasattr(r, "shape") and r != NO_BLOCK):
+        for block in (r for t in rows for r in t if not _is_load(r) and r != NO_BLOCK):
             if self.ref_counts[block] == 0:
                 self.free_blocks.remove(block)
             self.ref_counts[block] += 1
         tables, loads = self.tables(seq), []
         for g, entries in enumerate(rows):
-            fresh = [(self._take_free(), r) for r in entries if hasattr(r, "shape")]
-            it = iter(b for b, _ in fresh)
-            tables[g] = tables[g] + [next(it) if hasattr(r, "shape") else r for r in entries]
+            ids = [self._take_free() if _is_load(r) else r for r in entries]
+            tables[g] = tables[g] + ids
+            fresh = [(b, r) for b, r in zip(ids, entries, strict=True) if _is_load(r)]
             if fresh:
                 loads.append(([b for b, _ in fresh], [r for _, r in fresh], g))
         self._set_tables(seq, tables)
