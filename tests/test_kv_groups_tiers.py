@@ -70,6 +70,45 @@ def test_each_groups_evicted_blocks_are_stored_and_a_window_loads_only_its_block
     sched.check_invariants()
 
 
+def test_the_full_groups_pool_blocks_and_a_windows_tier_blocks_make_one_prefix():
+    """Windows (0, 8): a's blocks are freed sliding group first, so a 9-token prompt evicts
+    (and stores) that group's blocks 3, 2 and 1 while the full group keeps all four in the
+    pool. a's prompt again: its pool prefix is 1 block (the window of block 2 needs 1 and 2 in
+    the sliding group); past it, the full group takes its pool blocks 1-3 and the sliding group
+    loads its window's 2 and 3 from the tier, NO_BLOCK before them."""
+    conn = KVConnector([HostTier(1 << 20)], SHAPE, np.float32)
+    sched = make_scheduler(
+        num_blocks=12, block_size=BS, windows=(0, 8), enable_prefix_caching=True, connector=conn
+    )
+    bm = sched.block_manager
+    a = make_seq(17)
+    sched.add(a)
+    step(sched)
+    a_full, a_sliding = bm.tables(a)
+    sched.finish(a, "stop")
+    b = make_seq(9)
+    sched.add(b)
+    out = step(sched)  # 6 blocks: the 2 never used, then the sliding group's 4, 3, 2 and 1
+    assert sorted((g, blk) for blk, _, _, g in out.blocks_to_store) == [
+        (1, a_sliding[i]) for i in sorted((1, 2, 3), key=lambda i: a_sliding[i])
+    ]
+    conn.save(
+        [(h, key, np.full(SHAPE, blk, np.float32), g) for blk, h, key, g in out.blocks_to_store]
+    )
+    sched.finish(b, "stop")
+    again = make_seq(list(a.prompt_token_ids))
+    sched.add(again)
+    out = step(sched)
+    assert out.prefix_hits == [(again, [a_full[0]])]  # the sliding group's block 0: not taken
+    assert again.num_cached_tokens == 16 and (sched.prefix_cache_hits, sched.tier_hits) == (4, 12)
+    [(seq, ids, arrays, group)] = out.tier_loads
+    assert seq is again and group == 1 and [x.flat[0] for x in arrays] == a_sliding[2:4]
+    full, sliding = bm.tables(again)
+    assert full[:4] == a_full[:4] and sliding[:4] == [NO_BLOCK, NO_BLOCK, *ids]
+    assert scheduled_ids(out) == [(again.seq_id, 1)]
+    sched.check_invariants()
+
+
 # ---- the engine: the same tokens, the pool's own bytes ----
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
