@@ -63,9 +63,15 @@ class ScheduleTracer:
         for seq, hits in out.prefix_hits:
             tokens = len(hits) * self.block_size
             trace.info("%s: prefix cache hit: %d tokens (blocks %s)", seq.request_id, tokens, hits)
-        for seq, ids, _ in out.tier_loads:
-            tokens = len(ids) * self.block_size
-            trace.info("%s: KV tier hit: %d tokens loaded (blocks %s)", seq.request_id, tokens, ids)
+        for seq, ids, _, group in out.tier_loads:  # a grouped model: a line per KV group
+            tokens, where = len(ids) * self.block_size, f" of KV group {group}" if group else ""
+            trace.info(
+                "%s: KV tier hit: %d tokens loaded (blocks %s%s)",
+                seq.request_id,
+                tokens,
+                ids,
+                where,
+            )
         if out.blocks_to_store:
             trace.info("KV tiers: %d evicted blocks stored", len(out.blocks_to_store))
         for seq in out.preempted:

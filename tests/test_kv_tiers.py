@@ -250,22 +250,22 @@ def test_evicted_blocks_are_stored_and_a_later_prompt_loads_them_into_fresh_bloc
     sched.add(b)
     out = step(sched)  # b takes all six: a's cached 1 and 0 are evicted
     assert b.block_table == [3, 4, 5, 2, 1, 0]
-    assert [(blk, h) for blk, h, _ in out.blocks_to_store] == [
+    assert [(blk, h) for blk, h, *_ in out.blocks_to_store] == [
         (1, a.block_hashes[1]),
         (0, a.block_hashes[0]),
     ]
-    saved = {h: np.full((1, 2, 4, 1, 2), blk, np.float32) for blk, h, _ in out.blocks_to_store}
-    conn.save([(h, key, saved[h]) for _, h, key in out.blocks_to_store])  # the runner's part
+    saved = {h: np.full((1, 2, 4, 1, 2), blk, np.float32) for blk, h, *_ in out.blocks_to_store}
+    conn.save([(h, key, saved[h]) for _, h, key, _ in out.blocks_to_store])  # the runner's part
     sched.finish(b, "stop")  # free queue [0, 1, 2, 5, 4, 3]; b's 3, 4, 5, 2, 1 cached
     again = make_seq(list(a.prompt_token_ids))
     sched.add(again)
     out = step(sched)
-    [(seq, ids, loads)] = out.tier_loads
-    assert seq is again and ids == [0, 1] and again.block_table == [0, 1, 2]
+    [(seq, ids, loads, group)] = out.tier_loads
+    assert seq is again and group == 0 and ids == [0, 1] and again.block_table == [0, 1, 2]
     assert [x[0, 0, 0, 0, 0] for x in loads] == [0.0, 1.0]  # a's blocks 0 and 1, in order
     assert scheduled_ids(out) == [(again.seq_id, 1)] and again.num_cached_tokens == 8
     # b's cached 1 and 2 were evicted for them: stored before the load overwrites block 1
-    assert [(blk, h) for blk, h, _ in out.blocks_to_store] == [
+    assert [(blk, h) for blk, h, *_ in out.blocks_to_store] == [
         (1, b.block_hashes[4]),
         (2, b.block_hashes[3]),
     ]

@@ -218,12 +218,14 @@ class Backend(ABC):
             "(numpy, cpu, cuda and cuda-cpu do)"
         )
 
-    def read_blocks(self, ids) -> np.ndarray:
+    def read_blocks(self, ids, groups=None) -> np.ndarray:
         """(L, 2, n, block_size, Hkv, hd) a host copy of pool blocks ``ids``, their bytes as
-        they are (the KV tiers store them)."""
+        they are (the KV tiers store them); a grouped pool's (G, 2, ...). ``groups``: each
+        block's KV group (the executor's pipeline stages hold a group's slots apart; one
+        pool holds them together and needs none)."""
         return self.kv_cache[:, :, np.asarray(ids, dtype=np.intp)]
 
-    def write_blocks(self, ids, data: np.ndarray) -> None:
+    def write_blocks(self, ids, data: np.ndarray, groups=None) -> None:
         """Pool blocks ``ids`` = ``data`` (L, 2, n, block_size, Hkv, hd), as ``read_blocks``
         gave them (a KV tier's load)."""
         self.kv_cache[:, :, np.asarray(ids, dtype=np.intp)] = data

@@ -163,14 +163,14 @@ class CupyBackend(DeviceWeights, DeviceMemory, LoRASlots, DecodeGraphs, Backend)
         return np.dtype(raw_view(self.kv_cache).dtype.name)
 
     @on_device
-    def read_blocks(self, ids) -> np.ndarray:
+    def read_blocks(self, ids, groups=None) -> np.ndarray:
         """(L, 2, n, bs, Hkv, hd) pool blocks ``ids`` on the host, in ``block_dtype`` (a
         synchronous download on the compute stream; the KV tiers store them)."""
         idx = self.device.upload(np.asarray(ids, dtype=np.int32))
         return self.device.download(self.xp.take(raw_view(self.kv_cache), idx, axis=2))
 
     @on_device
-    def write_blocks(self, ids, data: np.ndarray) -> None:
+    def write_blocks(self, ids, data: np.ndarray, groups=None) -> None:
         """Pool blocks ``ids`` = ``data`` as ``read_blocks`` gave them (a KV tier's load)."""
         idx = self.device.upload(np.asarray(ids, dtype=np.int32))
         raw_view(self.kv_cache)[:, :, idx] = self.device.upload(np.ascontiguousarray(data))

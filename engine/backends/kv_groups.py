@@ -59,6 +59,27 @@ class KVGroups:
         ]
         return f"{self.num_groups} KV groups of {self.num_slots} slots ({'; '.join(parts)})"
 
+    def layout(self) -> str:
+        """The layout in one line (the KV tiers' cache key): each group's window and layers."""
+        groups = ";".join(
+            f"{w}:{','.join(map(str, ls))}" for w, ls in zip(self.windows, self.layers, strict=True)
+        )
+        return f"{self.num_slots} slots|{groups}"
+
+    def stage(self, layers: range) -> KVGroups:
+        """The groups as a pipeline stage that runs ``layers`` holds them: each group's layers
+        among those, numbered from the stage's first (group ids kept: a group may have none
+        there), its slots re-based (the i-th of a group's layers there uses slot i), as many
+        slots as the stage's largest group needs."""
+        local = tuple(tuple(i - layers.start for i in ls if i in layers) for ls in self.layers)
+        return KVGroups(self.windows, local, max(1, *map(len, local)))
+
+    def stage_slots(self, layers: range, group: int) -> list[tuple[int, int]]:
+        """(the stage's slot, the whole block's slot) of each of ``group``'s layers that the
+        stage running ``layers`` holds (``stage``'s slots)."""
+        mine = [i for i in self.layers[group] if i in layers]
+        return [(j, self.layer_slot[i]) for j, i in enumerate(mine)]
+
 
 def layer_groups(windows: list[int] | tuple[int, ...], enabled: bool | None = None) -> KVGroups:
     """The groups of a model whose layer l slides with ``windows[l]`` (0: full attention);

@@ -6,6 +6,7 @@ messages.py      what crosses between the frontend and the core (msgspec structs
 sequence.py      one sample of a request: its tokens, status, page table, stop checks
 scheduler.py     continuous batching: who runs next step, with how many tokens; preemption
 block_manager.py the KV block pool: free block queue, page tables, prefix caching
+tier_prefix.py   the part of a waiting prompt's prefix that the KV tiers serve, per KV group
 memory.py        how many KV blocks fit, planned before anything is allocated
 model_runner.py  a scheduled step -> ``ForwardBatch`` -> the backend's forward -> sampled or
                  verified tokens (``RunnerOutput``)

@@ -34,6 +34,8 @@ is group 0's, ``Sequence.group_tables`` the others'), all of one length, drawn f
 block id belongs to one group at a time. Each sliding group slides with its own window; the
 full-attention groups keep every block. A prefix hit is then the longest prefix whose blocks
 each group's first new token can see are all cached (``cached_prefix``), every group's own.
+With the KV tiers each group's evicted block goes to them under (group, hash), and the tiers'
+part of a prefix (engine/core/tier_prefix.py) extends each group's table (``extend_tables``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from engine.core.sequence import PENDING_TOKEN, Sequence
 from engine.core.window_blocks import (
     NO_BLOCK,
     first_visible_block,
-    hidden_loads,
     peak_blocks,
     prefix_ok,
     window_prefix,
@@ -91,6 +92,11 @@ class FreeBlockQueue:
         del self._blocks[block]
 
 
+def _is_load(entry) -> bool:
+    """A tier prefix's entry that is an array to load (not a block id)."""
+    return hasattr(entry, "shape")
+
+
 class GroupHits(list):
     """A grouped pool's prefix hits: group 0's blocks (a list, as a one-group pool's hits are),
     every group's in ``tables``."""
@@ -125,8 +131,6 @@ class BlockManager:
             )
         if enable_caching and num_cpu_blocks:
             raise ValueError("BlockManager: prefix caching does not support swap (CPU) blocks")
-        if connector is not None and len(windows) > 1:
-            raise ValueError("BlockManager: the KV tiers do not store a grouped model's blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
@@ -145,7 +149,7 @@ class BlockManager:
         # KV tiers under the cache (engine/kv_offload): evicted blocks some tier lacks wait in
         # ``evicted`` for the step's forward to store their bytes first
         self.connector = connector
-        self.evicted: list[tuple[int, int, BlockKey]] = []  # (block id, hash, key)
+        self.evicted: list[tuple[int, int, BlockKey, int]] = []  # (block id, hash, key, group)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -259,13 +263,6 @@ class BlockManager:
         bs = self.block_size
         return sum(peak_blocks(num_tokens, step_tokens, w, bs) for w in self.windows)
 
-    def skip_hidden_loads(self, hits: list[int], num_loads: int) -> tuple[list[int], int]:
-        """Sliding window: (the prefix hits as taken, how many of the KV tiers' ``num_loads``
-        blocks after them lead before the window of the first token after them). Those are
-        not loaded; when there are any, no hit block is taken either (all NO_BLOCK)."""
-        skip = hidden_loads(len(hits), num_loads, self.window, self.block_size)
-        return ([NO_BLOCK] * (len(hits) + skip) if skip else hits), skip
-
     def held_blocks(self, seq: Sequence) -> int:
         """The pool blocks seq's page tables hold (NO_BLOCK entries are not)."""
         return sum(b != NO_BLOCK for t in self.tables(seq) for b in t)
@@ -301,10 +298,11 @@ class BlockManager:
         block = self.free_blocks.popleft()
         h = self.block_hash.pop(block, None)
         if h is not None:  # evict: the least recently freed cached block goes first
-            del self.caches[self.block_group.pop(block, 0)][h]
+            group = self.block_group.pop(block, 0)
+            del self.caches[group][h]
             key = self.block_keys.pop(block)
-            if self.connector is not None and self.connector.missing(h):
-                self.evicted.append((block, h, key))
+            if self.connector is not None and self.connector.missing(h, group):
+                self.evicted.append((block, h, key, group))
         self.ref_counts[block] = 1
         return block
 
@@ -368,18 +366,7 @@ class BlockManager:
             tables.append([NO_BLOCK] * first + blocks[first:best])
         return GroupHits(tables)
 
-    def tier_prefix(self, seq: Sequence, start: int) -> list:
-        """The blocks of seq's prompt after its first ``start`` full blocks (those the pool
-        holds) that the KV tiers hold, a leading run, as arrays to load; capped like
-        ``cached_prefix``."""
-        if self.connector is None:
-            return []
-        limit = (seq.num_tokens - 1) // self.block_size
-        hashes = self.block_hashes(seq)[start:limit]
-        keys = [self.block_key(seq, i) for i in range(start, start + len(hashes))]
-        return self.connector.fetch(hashes, keys)
-
-    def take_evicted(self) -> list[tuple[int, int, BlockKey]]:
+    def take_evicted(self) -> list[tuple[int, int, BlockKey, int]]:
         """The evicted blocks whose bytes the tiers still need, since the last call."""
         evicted, self.evicted = self.evicted, []
         return evicted
@@ -396,6 +383,27 @@ class BlockManager:
             self.ref_counts[block] += 1
         self._set_tables(seq, [list(t) for t in tables])
         seq.num_cached_blocks = len(hits)
+
+    def extend_tables(self, seq: Sequence, rows: list[list]) -> list[tuple[list[int], list, int]]:
+        """The KV tiers' part of seq's prefix (engine/core/tier_prefix.py) after the blocks it
+        took: each group's ``rows`` entries (NO_BLOCK, a cached pool block, taken first, or an
+        array to load into a fresh block), their blocks registered and counted computed;
+        returns (fresh block ids, their arrays, group) of each group that loads some."""
+        for block in (r for t in rows for r in t if not _is_load(r) and r != NO_BLOCK):
+            if self.ref_counts[block] == 0:
+                self.free_blocks.remove(block)
+            self.ref_counts[block] += 1
+        tables, loads = self.tables(seq), []
+        for g, entries in enumerate(rows):
+            ids = [self._take_free() if _is_load(r) else r for r in entries]
+            tables[g] = tables[g] + ids
+            fresh = [(b, r) for b, r in zip(ids, entries, strict=True) if _is_load(r)]
+            if fresh:
+                loads.append(([b for b, _ in fresh], [r for _, r in fresh], g))
+        self._set_tables(seq, tables)
+        seq.num_computed_tokens = len(tables[0]) * self.block_size
+        self.cache_full_blocks(seq, seq.num_computed_tokens)
+        return loads
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register seq's blocks (every group's) that are full within its first num_tokens

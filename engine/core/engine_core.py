@@ -91,12 +91,12 @@ class EngineCore:
         score = self.loaded.weights.score  # (L, D) a classifier's head (kept on the host)
         # speculative decoding's draft model, checked against this one
         draft = draft_backend(cfg, self.loaded, self.draft_loaded, backend_factory)
+        self.kv_groups = self._groups()
         tiers = cfg.kv_offload_bytes or cfg.kv_cache_dir  # keyed while the weights are here
-        tier_key = engine_key(self.loaded, self.backend, cfg) if tiers else None
+        tier_key = engine_key(self.loaded, self.backend, cfg, self.kv_groups) if tiers else None
         # the backends hold their own packed copies: the loaded arrays go (unless the caller
         # keeps them), so a run's memory is its packed weights, not those plus the file's
         self.loaded, self.draft_loaded = dataclasses.replace(self.loaded, weights=None), None
-        self.kv_groups = self._groups(tiers)
         self.kv_plan = plan_kv_cache(cfg, self.backend, draft, self.kv_groups)
         num_blocks, num_cpu_blocks = self.kv_plan.num_blocks, self.kv_plan.num_cpu_blocks
         self.backend.allocate_kv_cache(num_blocks, num_cpu_blocks)
@@ -138,18 +138,11 @@ class EngineCore:
         self._longest_ok = longest_fitting(self.block_manager, cfg.max_model_len)
         self.recorder = None  # engine/frontend/recorder.py's Recorder attaches itself here
 
-    def _groups(self, tiers) -> KVGroups:
-        """The model's KV groups, handed to the backend when there are several; one group of
-        every layer where the backend, tensor or pipeline parallelism or the KV tiers do not
-        run groups (the tiers store every layer of a block)."""
-        cfg, mc = self.config, self.model_config
-        ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-        why = (
-            f"backend {self.backend.name!r}" if not self.backend.supports_kv_groups
-            else "tensor/pipeline parallelism" if ranks > 1
-            else "the KV tiers" if tiers
-            else None
-        )  # fmt: skip
+    def _groups(self) -> KVGroups:
+        """The model's KV groups, handed to the backend (an executor's: every rank's) when
+        there are several; one group of every layer where the backend does not run groups."""
+        mc = self.model_config
+        why = None if self.backend.supports_kv_groups else f"backend {self.backend.name!r}"
         groups = model_groups(mc, enabled=False if why else None)
         if why and model_groups(mc).grouped:
             log.info("KV groups off (%s): every block of every layer is kept", why)
@@ -329,7 +322,11 @@ def close_tiers(connector: KVConnector, bm: BlockManager, backend, batch: int = 
     """Save the pool's cached blocks that some tier lacks, ``batch`` blocks a read, then close
     the tiers (the disk tier's writes finished)."""
     try:
-        todo = [(b, h, bm.block_keys[b]) for b, h in bm.block_hash.items() if connector.missing(h)]
+        todo = [
+            (b, h, bm.block_keys[b], g)
+            for b, h in bm.block_hash.items()
+            if connector.missing(h, g := bm.block_group.get(b, 0))
+        ]
         for i in range(0, len(todo), batch):
             connector.save_pool_blocks(backend, todo[i : i + batch])
     finally:

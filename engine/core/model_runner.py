@@ -282,8 +282,8 @@ class ModelRunner:
         be = self.backend
         if output.blocks_to_store:  # before anything writes the evicted blocks
             self.connector.save_pool_blocks(be, output.blocks_to_store)
-        for _, ids, loads in output.tier_loads:
-            be.write_blocks(ids, np.stack(loads, axis=2))  # (L, 2, n, bs, Hkv, hd)
+        for _, ids, loads, group in output.tier_loads:
+            be.write_blocks(ids, np.stack(loads, axis=2), [group] * len(ids))  # (L, 2, n, ...)
         if output.blocks_to_swap_out:
             be.swap_out(output.blocks_to_swap_out)
         if output.blocks_to_swap_in:

@@ -35,6 +35,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.messages import check_queue
 from engine.core.scheduler_output import SchedulerOutput, StepBuilder
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.core.tier_prefix import TierPrefix, tier_prefix
 
 logger = logging.getLogger("engine.scheduler")
 
@@ -64,9 +65,9 @@ class Scheduler:
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens of the step not yet updated
         self._releasing: list[Sequence] = []  # finished in flight: blocks freed after the step
         self.lora = lora
-        # KV tiers: seq_id -> (pool blocks it was looked up after, the blocks found) while it
-        # waits at the head of the queue, so a prompt that does not fit yet is not read again
-        self._tier_fetch: dict[int, tuple[int, list]] = {}
+        # KV tiers: seq_id -> {(group, block index): the tiers' block or None} while it waits
+        # at the head of the queue, so a prompt that does not fit yet is not read again
+        self._tier_fetch: dict[int, dict] = {}
         self._drafts: dict[int, list[int]] = {}  # this step's drafts (``schedule``), by seq id
 
     # -- queues ---------------------------------------------------------------------------------
@@ -318,16 +319,16 @@ class Scheduler:
             # [] without prefix caching; a prompt that needs every row computed runs whole
             whole = runs_whole(seq)
             hits = bm.cached_prefix(seq) if not whole else []
-            loads = self._tier_blocks(seq, len(hits)) if bm.connector and not whole else []
-            loaded = len(loads) * bm.block_size  # tokens the tiers hold after the pool's
+            tier = self._tier_prefix(seq, hits) if bm.connector and not whole else None
+            loaded = tier.num_blocks * bm.block_size if tier else 0  # tokens past the pool's
             n = self._chunk(seq, step.budget, skip=len(hits) * bm.block_size + loaded)
-            taken, hidden = bm.skip_hidden_loads(hits, len(loads))  # sliding window: not read
-            if n == 0 or not bm.can_allocate(seq, loaded - hidden * bm.block_size + n, taken):
+            fits = tier.fits(bm, seq, n) if tier else bm.can_allocate(seq, n, hits)
+            if n == 0 or not fits:
                 return
             self.waiting.popleft()
-            self._take_prefix(seq, hits, out, loaded, taken)
-            if loads:
-                self._load(seq, loads[hidden:], out)
+            self._take_prefix(seq, hits, out, loaded, tier and tier.taken)
+            if loaded:  # the tiers' blocks: fresh ones, written before the step's forward
+                out.tier_loads += [(seq, *load) for load in bm.extend_tables(seq, tier.rows)]
             self._allocate(seq, n)
             self._start_running(seq)
             step.add(seq, n, is_decode=False)
@@ -347,30 +348,15 @@ class Scheduler:
     def _busy_slots(self) -> set[int]:
         return {s.lora_slot for s in self.running + self.swapped if s.lora_id is not None}
 
-    def _tier_blocks(self, seq: Sequence, start: int) -> list:
-        """The tiers' blocks of seq after its ``start`` pool hits (read once while it waits)."""
-        fetch = self._tier_fetch.get(seq.seq_id)
-        if fetch is None or fetch[0] != start:
-            fetch = self._tier_fetch[seq.seq_id] = (
-                start,
-                self.block_manager.tier_prefix(seq, start),
-            )
-        return fetch[1]
-
-    def _load(self, seq: Sequence, loads: list, out: SchedulerOutput) -> None:
-        """Fresh blocks for the tiers' ``loads`` after seq's pool hits, registered in the cache
-        and counted computed: the step's forward finds their bytes written first."""
-        bm = self.block_manager
-        n = len(loads) * bm.block_size
-        new = bm.allocate(seq, n)
-        seq.num_computed_tokens += n
-        bm.cache_full_blocks(seq, seq.num_computed_tokens)
-        out.tier_loads.append((seq, new, loads))
+    def _tier_prefix(self, seq: Sequence, hits: list) -> TierPrefix:
+        """The tiers' part of seq's prefix after its pool hits (read once while it waits)."""
+        memo = self._tier_fetch.setdefault(seq.seq_id, {})
+        return tier_prefix(self.block_manager, seq, hits, memo)
 
     def _take_prefix(self, seq, hits: list[int], out, loaded: int = 0, taken=None) -> None:
         """seq starts with the cached blocks ``hits``: their tokens count as computed.
         ``loaded``: tokens after them that come from the KV tiers (counted as cached);
-        ``taken``: the blocks it takes (sliding window: NO_BLOCK before the window, which may
+        ``taken``: the blocks it takes (sliding windows: NO_BLOCK before a window, which may
         reach into the tiers' blocks), ``hits`` by default."""
         self._tier_fetch.pop(seq.seq_id, None)
         if not self.config.enable_prefix_caching:

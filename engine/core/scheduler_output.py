@@ -21,9 +21,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hits: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # cached blocks
     # KV tiers: blocks evicted from the cache whose bytes a tier still needs (block id, hash,
-    # key), read before the forward; then (seq, pool block ids, arrays) loaded from the tiers
+    # key, KV group), read before the forward; then (seq, pool block ids, arrays, KV group)
+    # loaded from the tiers
     blocks_to_store: list[tuple] = field(default_factory=list)
-    tier_loads: list[tuple[Sequence, list[int], list]] = field(default_factory=list)
+    tier_loads: list[tuple[Sequence, list[int], list, int]] = field(default_factory=list)
     # speculative decoding: seq_id -> the draft tokens it runs after its last token (a row of
     # 1 + len(drafts) tokens among the prefills); the engine appends what verification accepts
     drafts: dict[int, list[int]] = field(default_factory=dict)

@@ -36,6 +36,8 @@ from engine.executor.sharding import (
     Stage,
     check_pipeline_parallel,
     check_tensor_parallel,
+    cut_slots,
+    gather_slots,
     shard_lora,
 )
 from engine.utils import mib
@@ -64,6 +66,7 @@ class Worker:
         self.stage, self.index = stage, index = divmod(rank, tp)
         shard, layers = Shard.of(cfg, index, tp), Stage.of(cfg, stage, plan["pp"])
         self.kv_part = (layers.layers, shard.kv_heads)  # its cut of a whole KV block
+        self.groups = None  # a grouped model's KVGroups (the engine's: every layer's)
         self.cut = (shard, layers, cfg)  # for its cut of a LoRA adapter
         self.answers = rank == plan["output_rank"]
         if plan["backend"] != "numpy":  # the GPU backend's ranks: NCCL, joined by ``join``
@@ -103,9 +106,16 @@ class Worker:
             layers, heads = self.kv_part
             result = (layers.start, heads.start, self.backend.read_blocks(*args))
         elif name == "write_blocks":  # whole blocks: it writes its cut
-            (layers, heads), (ids, data) = self.kv_part, args
-            cut = data[layers.start : layers.stop, :, :, :, heads.start : heads.stop]
+            (layers, heads), (ids, data, groups) = self.kv_part, args
+            cut = data[:, :, :, :, heads.start : heads.stop]
+            if self.groups is None:
+                cut = cut[layers.start : layers.stop]
+            else:  # its stage's slots of each block's group
+                cut = cut_slots(self.groups, layers, cut, groups)
             result = self.backend.write_blocks(ids, cut)
+        elif name == "use_kv_groups":
+            self.groups = args[0]
+            result = self.backend.use_kv_groups(*args)
         elif name == "block_dtype":
             result = self.backend.block_dtype
         elif name == "set_lora":  # a whole adapter: it keeps its cut
@@ -162,6 +172,8 @@ class Executor(Backend):
     """``tensor_parallel_size x pipeline_parallel_size`` NumPy ranks behind one Backend: every
     call runs on every rank (``_call``, over the subclass's channel). The sizes the memory plan
     reads are the ranks' sums (they share this host's RAM)."""
+
+    supports_kv_groups = True  # every rank runs them (a pipeline stage its layers' groups)
 
     def _plan(self, cfg: ModelConfig, engine_config, timeout: float, backend: str) -> int:
         """Check the sizes and set what every executor knows; the shared-memory slot bytes.
@@ -238,6 +250,13 @@ class Executor(Backend):
         return sum(peaks)
 
     # ---- the calls every rank runs ----
+    def use_kv_groups(self, groups) -> None:
+        """Every rank's pool in the groups' slots (a stage's, ``KVGroups.stage``); the sizes
+        the memory plan reads are asked again."""
+        super().use_kv_groups(groups)
+        self._call("use_kv_groups", groups)
+        self.rank_sizes = self._call("sizes", all_ranks=True)
+
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self._call("allocate_kv_cache", num_blocks, num_cpu_blocks)
 
@@ -256,19 +275,25 @@ class Executor(Backend):
     def block_dtype(self) -> np.dtype:
         return self._call("block_dtype")
 
-    def read_blocks(self, ids) -> np.ndarray:
+    def read_blocks(self, ids, groups=None) -> np.ndarray:
         """(L, 2, n, bs, Hkv, hd): each stage's layers, each shard's KV heads once (ranks that
-        share a head, where tensor_parallel_size exceeds the KV heads, hold the same bytes)."""
+        share a head, where tensor_parallel_size exceeds the KV heads, hold the same bytes); a
+        grouped pool's (G, 2, ...), each block's slots from the stages that hold them
+        (``groups``: each block's KV group)."""
         cuts: dict[int, dict[int, np.ndarray]] = {}
         for layer, head, part in self._call("read_blocks", np.asarray(ids), all_ranks=True):
             cuts.setdefault(layer, {})[head] = part  # (L_stage, 2, n, bs, Hkv_rank, hd)
         stages = [
             np.concatenate([h[k] for k in sorted(h)], axis=4) for _, h in sorted(cuts.items())
         ]
-        return np.concatenate(stages, axis=0)
+        if self.kv_groups is None or self.pp == 1:
+            return np.concatenate(stages, axis=0)
+        layers = [Stage.of(self.cfg, s, self.pp).layers for s in range(self.pp)]
+        return gather_slots(self.kv_groups, list(zip(layers, stages, strict=True)), groups)
 
-    def write_blocks(self, ids, data: np.ndarray) -> None:
-        self._call("write_blocks", np.asarray(ids), data)
+    def write_blocks(self, ids, data: np.ndarray, groups=None) -> None:
+        groups = None if groups is None else np.asarray(groups)
+        self._call("write_blocks", np.asarray(ids), data, groups)
 
     def set_lora(self, slot: int, weights) -> None:
         """Every rank keeps its cut of the adapter in ``slot`` (sharding.py ``shard_lora``)."""

@@ -7,9 +7,14 @@ products of each layer are all-reduced, the LM head's columns gathered (so every
 last stage ends a step with the whole logits). Between stages: the first embeds, each stage
 but the last sends its hidden state and residual to the same tensor-parallel rank of the next,
 which receives them instead of embedding; only the last stage has logits.
+
+A grouped model's KV groups: the stage's pool holds its layers' groups (``KVGroups.stage``), and
+each step's batch reads them through those (the engine's batch names every layer's).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -41,6 +46,10 @@ class RankNumpyBackend(NumpyBackend):
         super().__init__(local_cfg, shard.weights(stage.weights(weights), cfg), engine_config)
         self.full_cfg, self.shard, self.stage, self.comm = cfg, shard, stage, comm
         self.prev, self.next, self.timeout = prev, next, timeout
+
+    def use_kv_groups(self, groups) -> None:
+        """The engine's KV groups as this stage holds them: its layers' (re-based slots)."""
+        super().use_kv_groups(groups.stage(self.stage.layers))
 
     def forward(self, batch):
         """(B, V) logits on the last stage, None on the others."""
@@ -83,6 +92,8 @@ class RankNumpyBackend(NumpyBackend):
     def _stage(self, batch, hidden, pooled: bool = False):
         """(T, D) hidden and residual after this stage's layers; on the last the (B, V) logits,
         or with ``pooled`` every row after the final norm (T, D)."""
+        if self.kv_groups is not None:  # the engine's groups name every layer: the stage's
+            batch = dataclasses.replace(batch, kv_groups=self.kv_groups)
         if self.stage.first:
             x, residual = self._embed(batch.token_ids), None  # (T, D)
         else:

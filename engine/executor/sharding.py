@@ -17,13 +17,18 @@ Tensor parallel, within a stage: Megatron's split, as vLLM does it. Rank r of N 
 - norms: whole, on every rank.
 
 Each rank's KV cache holds its K/V heads only; the block manager is unchanged: block b names
-the same tokens on every rank.
+the same tokens on every rank. A grouped model's KV groups (engine/backends/kv_groups.py): every
+rank keeps the engine's groups, a pipeline stage those of its layers (``KVGroups.stage``: the
+same group ids, its slots re-based), and whole blocks for the KV tiers are gathered from the
+stages' slots and cut back into them (``gather_slots``, ``cut_slots``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 from model_loader.config import ModelConfig
 from model_loader.weights import ModelWeights
@@ -212,8 +217,6 @@ def shard_lora(weights, shard: Shard, stage: Stage, cfg: ModelConfig):
     columns that land in this rank's output columns; for the row-split ones (o, down) A's rows
     of this rank's inputs and the whole B, whose partial products the all-reduce after them
     sums as it sums the base matrix's (the update is linear in the input rows)."""
-    import numpy as np
-
     from engine.lora.adapter import LoRAWeights
 
     hd, f = cfg.head_dim, cfg.intermediate_size
@@ -243,3 +246,34 @@ def shard_lora(weights, shard: Shard, stage: Stage, cfg: ModelConfig):
             layer[name] = (a, parts)
         layers.append(layer)
     return LoRAWeights(weights.name, weights.rank, layers)
+
+
+def gather_slots(groups, stages: list[tuple[range, np.ndarray]], block_groups) -> np.ndarray:
+    """Whole blocks of a grouped pool (G, 2, n, bs, Hkv, hd) from each pipeline stage's (its
+    layers, its blocks (G_stage, 2, n, bs, Hkv, hd) in ``KVGroups.stage``'s slots): slot s of a
+    block of group g comes from the stage that holds that group's s-th layer (a padded slot,
+    which no layer reads, stays zero). ``block_groups``: each block's group (None: group 0)."""
+    block_groups = np.zeros(stages[0][1].shape[2], int) if block_groups is None else block_groups
+    block_groups = np.asarray(block_groups)  # (n,)
+    part = stages[0][1]
+    whole = np.zeros((groups.num_slots, *part.shape[1:]), part.dtype)  # (G, 2, n, bs, Hkv, hd)
+    for g in np.unique(block_groups).tolist():
+        idx = np.flatnonzero(block_groups == g)
+        for layers, blocks in stages:
+            for mine, slot in groups.stage_slots(layers, g):
+                whole[slot][:, idx] = blocks[mine][:, idx]
+    return whole
+
+
+def cut_slots(groups, layers: range, data: np.ndarray, block_groups) -> np.ndarray:
+    """The stage running ``layers``: its (G_stage, 2, n, bs, Hkv, hd) cut of whole grouped blocks
+    ``data`` (G, 2, n, ...), ``gather_slots``' inverse (its slots no layer of a block's group
+    uses there are zero)."""
+    block_groups = np.zeros(data.shape[2], int) if block_groups is None else block_groups
+    block_groups = np.asarray(block_groups)  # (n,)
+    cut = np.zeros((groups.stage(layers).num_slots, *data.shape[1:]), data.dtype)
+    for g in np.unique(block_groups).tolist():
+        idx = np.flatnonzero(block_groups == g)
+        for mine, slot in groups.stage_slots(layers, g):
+            cut[mine][:, idx] = data[slot][:, idx]
+    return cut

@@ -145,7 +145,7 @@ class Recorder:
         if out.prefix_hits:
             frame["hit"] = [[self._index(s), len(hits)] for s, hits in out.prefix_hits]
         if out.tier_loads:
-            frame["tier"] = [[self._index(s), len(ids)] for s, ids, _ in out.tier_loads]
+            frame["tier"] = [[self._index(s), len(ids)] for s, ids, *_ in out.tier_loads]
         if out.blocks_to_store:
             frame["st"] = len(out.blocks_to_store)
         if out.blocks_to_swap_out:

@@ -4,10 +4,11 @@ The pool's prefix cache keeps a full block under the chained hash of its tokens 
 takes it for something else. With tiers on, that eviction stores the block's bytes first: in
 host memory (``HostTier``, LRU by bytes) and on disk (``DiskTier``, files that survive a
 restart, LRU by bytes). When a prompt is admitted, the scheduler looks its blocks up in the pool
-first, then through the tiers (``KVConnector.fetch``), and a block found below is loaded into a
+first, then through the tiers (``KVConnector.get``), and a block found below is loaded into a
 fresh pool block before the step's forward instead of being computed. The same hash names a
-block in every tier; each stored block also keeps the key its hash was made of (the parent
-block's hash and its own token ids), checked again on every lookup.
+block in every tier (a grouped model's: one block of each KV group, kept apart); each stored
+block also keeps the key its hash was made of (the parent block's hash and its own token ids),
+checked again on every lookup.
 
 tier.py        what a tier is (KVTier), a block's key, the counters
 connector.py   the connector: the tiers in order, fetch / save, counters per tier

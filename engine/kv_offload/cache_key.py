@@ -3,7 +3,8 @@ engine whose key is the same.
 
 The key holds the weights' fingerprint, the model's config, the backend and its dtypes (the
 weights', the cache's, the quantization: each changes K and V), the block's layout (block size,
-layers, KV heads, head size), the tensor-parallel rank and size, and the cache format's version.
+layers, KV heads, head size; a grouped model's KV groups, whose blocks hold G layers of one
+group), the tensor-parallel rank and size, and the cache format's version.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1  # of the disk tier's files; a change of layout bumps it
+FORMAT_VERSION = 2  # of the disk tier's files; a change of layout bumps it
 SAMPLES = 32  # chunks of a weights file (or array) read for its fingerprint
 CHUNK = 1 << 16  # bytes each
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -34,6 +35,7 @@ class CacheKey:
     layers: int
     kv_heads: int
     head_dim: int
+    kv_groups: str = ""  # a grouped model's KVGroups.layout(); "": one slot per layer
     rank: int = 0
     world_size: int = 1
     version: int = FORMAT_VERSION
@@ -53,14 +55,16 @@ class CacheKey:
             f"{self.backend}, {self.dtype} weights"
             + (f" ({self.quantization})" if self.quantization else "")
             + f", {self.cache_dtype} cache, blocks of {self.block_size} tokens, {self.layers} "
-            f"layers x {self.kv_heads} KV heads x {self.head_dim}, rank {self.rank} of "
+            f"layers x {self.kv_heads} KV heads x {self.head_dim}"
+            + (f" in KV groups ({self.kv_groups})" if self.kv_groups else "")
+            + f", rank {self.rank} of "
             f"{self.world_size}, format {self.version}"
         )
 
 
-def engine_key(loaded, backend, config) -> CacheKey:
+def engine_key(loaded, backend, config, groups=None) -> CacheKey:
     """The key of an engine's blocks: ``loaded`` (before its weights are dropped), its
-    backend, its EngineConfig."""
+    backend, its EngineConfig, its KVGroups (None or one group: a slot per layer)."""
     mc = backend.cfg
     model = hashlib.sha256(repr(mc).encode()).hexdigest()
     return CacheKey(
@@ -74,6 +78,7 @@ def engine_key(loaded, backend, config) -> CacheKey:
         layers=mc.num_hidden_layers,
         kv_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim,
+        kv_groups=groups.layout() if groups is not None and groups.grouped else "",
         world_size=config.world_size,
     )
 

@@ -13,7 +13,11 @@ Its three calls have the shape of vLLM's KV connector (save blocks, look a prefi
   holds is not read from the pool at all).
 
 A block is a (L, 2, block_size, Hkv, hd) array in the cache's dtype, exactly the bytes the pool
-held, so a prompt served from a tier computes what it would have computed from the pool.
+held, so a prompt served from a tier computes what it would have computed from the pool. A
+grouped model's block (engine/backends/kv_groups.py) is (G, 2, block_size, Hkv, hd), one KV
+group's G slots: the tiers keep each group's block of a hash apart (``group`` in every call),
+so a sliding group's block is stored when that group's cache evicts it and loaded only where
+that group's window needs it.
 """
 
 from __future__ import annotations
@@ -35,52 +39,59 @@ class KVConnector:
 
     def __init__(self, tiers: list[KVTier], block_shape: tuple[int, ...], dtype: np.dtype):
         self.tiers = tiers
-        self.block_shape = block_shape  # (L, 2, block_size, Hkv, hd)
+        self.block_shape = block_shape  # (L, 2, block_size, Hkv, hd); grouped: (G, 2, ...)
         self.dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(block_shape)) * self.dtype.itemsize
 
-    def fetch(self, hashes: list[int], keys: list[BlockKey]) -> list[np.ndarray]:
+    def fetch(self, hashes: list[int], keys: list[BlockKey], group: int = 0) -> list[np.ndarray]:
         """The blocks of the longest leading run of ``hashes`` that the tiers hold, in order."""
         found = []
         for h, key in zip(hashes, keys, strict=True):
-            data = self._get(h, key)
+            data = self.get(h, key, group)
             if data is None:
                 break
             found.append(data)
         return found
 
-    def _get(self, h: int, key: BlockKey) -> np.ndarray | None:
+    def get(self, h: int, key: BlockKey, group: int = 0) -> np.ndarray | None:
+        """Group ``group``'s block ``h`` from the first tier that holds it, or None."""
         for i, tier in enumerate(self.tiers):
             tier.stats.queries += 1
-            data = tier.get(h, key)
+            data = tier.get(h, key, group)
             if data is None:
                 continue
             tier.stats.hits += 1
             tier.stats.loads += 1
             tier.stats.load_bytes += data.nbytes
             for above in self.tiers[:i]:  # found lower down: kept nearer from now on
-                above.put(h, key, data)
+                above.put(h, key, data, group)
             return data
         return None
 
-    def missing(self, h: int) -> bool:
-        """Whether some tier lacks the block ``h``."""
-        return any(h not in tier for tier in self.tiers)
+    def missing(self, h: int, group: int = 0) -> bool:
+        """Whether some tier lacks group ``group``'s block ``h``."""
+        return any(not tier.holds(h, group) for tier in self.tiers)
 
-    def save(self, entries: list[tuple[int, BlockKey, np.ndarray]]) -> None:
-        """Blocks evicted from the pool: (hash, key, data) each, into every tier that lacks it."""
-        for h, key, data in entries:
+    def save(self, entries: list[tuple]) -> None:
+        """Blocks evicted from the pool: (hash, key, data) each, or (hash, key, data, group)
+        of a grouped model's, into every tier that lacks it."""
+        for h, key, data, *group in entries:
+            g = group[0] if group else 0
             assert data.shape == self.block_shape, f"a block of shape {data.shape}"
             for tier in self.tiers:
-                if h not in tier:
-                    tier.put(h, key, data)
+                if not tier.holds(h, g):
+                    tier.put(h, key, data, g)
 
-    def save_pool_blocks(self, backend, blocks: list[tuple[int, int, BlockKey]]) -> None:
-        """Pool blocks (block id, hash, key) into the tiers, their bytes read from ``backend``
-        in one copy (``Backend.read_blocks``)."""
-        data = backend.read_blocks([b for b, _, _ in blocks])  # (L, 2, n, bs, Hkv, hd)
+    def save_pool_blocks(self, backend, blocks: list[tuple[int, int, BlockKey, int]]) -> None:
+        """Pool blocks (block id, hash, key, KV group) into the tiers, their bytes read from
+        ``backend`` in one copy (``Backend.read_blocks``)."""
+        ids, groups = [b[0] for b in blocks], [b[3] for b in blocks]
+        data = backend.read_blocks(ids, groups)  # (L, 2, n, bs, Hkv, hd)
         self.save(
-            [(h, key, np.ascontiguousarray(data[:, :, i])) for i, (_, h, key) in enumerate(blocks)]
+            [
+                (h, key, np.ascontiguousarray(data[:, :, i]), g)
+                for i, (_, h, key, g) in enumerate(blocks)
+            ]
         )
 
     def stats(self) -> list[TierStats]:

@@ -2,18 +2,19 @@
 
 Layout: ``DIR/<key>/<hash>.kvb``, ``<key>`` the first 8 bytes of the engine's cache key digest
 in hex (cache_key.py; ``key.json`` beside the blocks says what it stands for in words), ``<hash>``
-the block's chained hash as 16 hex digits. A file is a header, the block's token ids and its
-bytes:
+the block's chained hash as 16 hex digits; a grouped model's block of KV group g > 0 is
+``<hash>-g<g>.kvb``. A file is a header, the block's token ids and its bytes:
 
     magic "PLLMKVB1" | version u32 | key digest 32 bytes | hash i64 | parent hash i64 |
-    has parent u8 | tokens u32 | payload bytes u64 | crc32 of tokens and payload u32
+    has parent u8 | group u32 | tokens u32 | payload bytes u64 | crc32 of tokens and payload u32
     block_size x int32 token ids | the block, (L, 2, block_size, Hkv, hd) in the cache dtype
+    (a grouped model's: (G, 2, ...), its group's G slots)
 
 Reading trusts nothing in the file: its size must be what this engine's own layout gives, the
-header's version, key digest, hash and lengths must be this engine's and this block's, its
-parent hash and token ids must be the ones being looked up, and the checksum must match. A file
-that fails (from another model or layout renamed into place, truncated, a flipped byte) is
-ignored with one log line and removed. Writes go to a temporary file of the writer's own and
+header's version, key digest, hash, group and lengths must be this engine's and this block's,
+its parent hash and token ids must be the ones being looked up, and the checksum must match.
+A file that fails (from another model or layout renamed into place, truncated, a flipped byte)
+is ignored with one log line and removed. Writes go to a temporary file of the writer's own and
 are renamed into place (atomic on POSIX), so engines that share the directory never see each
 other's half-written files; two that write one block write the same bytes. The writer is a
 thread of its own: a step hands the blocks over and goes on.
@@ -43,7 +44,7 @@ from engine.kv_offload.tier import BlockKey, KVTier, TierStats
 log = logging.getLogger("engine")
 
 MAGIC = b"PLLMKVB1"
-HEADER = struct.Struct("<8sI32sqqBIQI")
+HEADER = struct.Struct("<8sI32sqqBIIQI")
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died
@@ -72,7 +73,8 @@ class DiskTier(KVTier):
         self.file_bytes = HEADER.size + 4 * self.block_size + self.payload_bytes
         self.stats = TierStats(self.name, capacity_bytes)
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[BlockKey, np.ndarray]] = {}  # put, not yet written
+        # (group, hash) -> (key, block): put, not yet written
+        self._pending: dict[tuple[int, int], tuple[BlockKey, np.ndarray]] = {}
         self._queue: queue.Queue = queue.Queue()
         self._names = itertools.count()
         self._write_failed = False
@@ -87,22 +89,22 @@ class DiskTier(KVTier):
             tmp.write_text(json.dumps(self.key.as_dict(), indent=1, sort_keys=True))
             os.replace(tmp, path)
 
-    def path(self, h: int) -> Path:
-        return self.dir / f"{h & MASK64:016x}{SUFFIX}"
+    def path(self, h: int, group: int = 0) -> Path:
+        return self.dir / f"{h & MASK64:016x}{f'-g{group}' if group else ''}{SUFFIX}"
 
-    def __contains__(self, h: int) -> bool:
+    def holds(self, h: int, group: int = 0) -> bool:
         with self._lock:
-            if h in self._pending:
+            if (group, h) in self._pending:
                 return True
-        return self.path(h).exists()
+        return self.path(h, group).exists()
 
     # ---- reading ----
-    def get(self, h: int, key: BlockKey) -> np.ndarray | None:
+    def get(self, h: int, key: BlockKey, group: int = 0) -> np.ndarray | None:
         with self._lock:
-            entry = self._pending.get(h)
+            entry = self._pending.get((group, h))
         if entry is not None:
             return entry[1] if entry[0] == key else None
-        path = self.path(h)
+        path = self.path(h, group)
         try:
             size = path.stat().st_size
             if size != self.file_bytes:
@@ -112,7 +114,7 @@ class DiskTier(KVTier):
             return None
         if len(raw) != self.file_bytes:
             return self._reject(path, f"{len(raw)} bytes read, a block here is {self.file_bytes}")
-        data = self._parse(path, raw, h, key)
+        data = self._parse(path, raw, h, key, group)
         if data is not None:
             try:
                 os.utime(path)  # most recently used
@@ -120,13 +122,16 @@ class DiskTier(KVTier):
                 pass
         return data
 
-    def _parse(self, path: Path, raw: bytes, h: int, key: BlockKey) -> np.ndarray | None:
-        magic, version, digest, fh, parent, has_parent, n, nbytes, crc = HEADER.unpack_from(raw)
+    def _parse(self, path: Path, raw: bytes, h: int, key: BlockKey, group: int):
+        """The block's array, or None (a miss; a file that fails its checks is removed)."""
+        magic, version, digest, fh, parent, has_parent, g, n, nbytes, crc = HEADER.unpack_from(raw)
         if magic != MAGIC or version != FORMAT_VERSION:
             return self._reject(path, f"not a block file of format {FORMAT_VERSION}")
         if digest != self.digest:
             return self._reject(path, "made for another model, dtype or layout (its key differs)")
-        if (fh & MASK64) != (h & MASK64) or n != self.block_size or nbytes != self.payload_bytes:
+        if (fh & MASK64) != (h & MASK64) or g != group:
+            return self._reject(path, "its header names another block or size")
+        if n != self.block_size or nbytes != self.payload_bytes:
             return self._reject(path, "its header names another block or size")
         if zlib.crc32(memoryview(raw)[HEADER.size :]) != crc:
             return self._reject(path, "checksum mismatch (damaged)")
@@ -146,45 +151,45 @@ class DiskTier(KVTier):
         return None
 
     # ---- writing ----
-    def put(self, h: int, key: BlockKey, data: np.ndarray) -> None:
+    def put(self, h: int, key: BlockKey, data: np.ndarray, group: int = 0) -> None:
         with self._lock:
-            self._pending[h] = (key, data)
-        self._queue.put(h)
+            self._pending[(group, h)] = (key, data)
+        self._queue.put((group, h))
 
     def _writer(self) -> None:
         while True:
-            h = self._queue.get()
+            item = self._queue.get()
             try:
-                if h is None:
+                if item is None:
                     return
                 with self._lock:
-                    entry = self._pending.get(h)
+                    entry = self._pending.get(item)
                 if entry is not None:
-                    self._write_logged(h, *entry)
+                    self._write_logged(item, *entry)
                     with self._lock:
-                        if self._pending.get(h) is entry:
-                            del self._pending[h]
+                        if self._pending.get(item) is entry:
+                            del self._pending[item]
             finally:
                 self._queue.task_done()
 
-    def _write_logged(self, h: int, key: BlockKey, data: np.ndarray) -> None:
+    def _write_logged(self, item: tuple[int, int], key: BlockKey, data: np.ndarray) -> None:
         """``_write``; any failure is logged (once) and the block dropped: the writer lives on,
         so ``flush`` never waits on a dead thread."""
         try:
-            self._write(h, key, data)
+            self._write(item, key, data)
         except Exception as e:  # noqa: BLE001 - a block not written is a miss later, no more
             if not self._write_failed:
                 log.warning("kv disk tier: a block was not written (%r); dropped", e)
             self._write_failed = True
 
-    def _write(self, h: int, key: BlockKey, data: np.ndarray) -> None:
-        parent, tokens = key
+    def _write(self, item: tuple[int, int], key: BlockKey, data: np.ndarray) -> None:
+        (group, h), (parent, tokens) = item, key
         ids = np.asarray(tokens, dtype=np.int32)  # (block_size,)
         payload = np.ascontiguousarray(data, dtype=self.dtype).view(np.uint8)  # (bytes,) any dtype
         crc = zlib.crc32(payload, zlib.crc32(ids.tobytes()))
         header = HEADER.pack(
             MAGIC, FORMAT_VERSION, self.digest, _signed(h), _signed(parent or 0),
-            parent is not None, len(ids), payload.nbytes, crc,
+            parent is not None, group, len(ids), payload.nbytes, crc,
         )  # fmt: skip
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
         try:
@@ -192,7 +197,7 @@ class DiskTier(KVTier):
                 f.write(header)
                 f.write(ids.tobytes())
                 f.write(payload.data)
-            os.replace(tmp, self.path(h))
+            os.replace(tmp, self.path(h, group))
         except OSError as e:
             if not self._write_failed:
                 log.warning("kv disk tier: could not write to %s (%s); blocks are dropped", tmp, e)
