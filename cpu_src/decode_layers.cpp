@@ -269,13 +269,14 @@ int experts_step(float* out, const float* h, const Experts& ex, long T, long D, 
   std::vector<float> p(E), w(T * k);
   std::vector<int32_t> ids(T * k), tokens(T * k);
   std::vector<int64_t> offsets(E + 1, 0);
+  float* __restrict__ logits = p.data();
   for (long t = 0; t < T; t++) {
     const float* x = h + t * D;
-    for (int e = 0; e < E; e++) p[e] = 0.0f;
-    for (long d = 0; d < D; d++) {  // (1, D) @ (D, E): the router's rows in order
+    for (int e = 0; e < E; e++) logits[e] = 0.0f;
+    for (long d = 0; d < D; d++) {  // (1, D) @ (D, E): the router's rows in order, E wide
       const float xd = x[d];
-      const float* r = ex.router + d * E;
-      for (int e = 0; e < E; e++) p[e] += xd * r[e];
+      const float* __restrict__ r = ex.router + d * E;
+      for (int e = 0; e < E; e++) logits[e] += xd * r[e];
     }
     float m = p[0], sum = 0.0f, picked = 0.0f;
     for (int e = 1; e < E; e++) m = p[e] > m ? p[e] : m;

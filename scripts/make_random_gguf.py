@@ -7,6 +7,8 @@ Shapes (``--shape``):
   qwen3moe   a Qwen3-MoE of about 1.5B parameters, 0.25B active per token: 24 layers, hidden
              1024, 16 query and 4 K/V heads of 64, 64 experts of width 256, top 8 (no shared
              expert, every layer sparse)
+  qwen3dense its dense twin of the same active size: the same attention, an MLP of 2048 (its 8
+             experts of 256), 0.31B parameters
   gemma3     Gemma-3-1B's layers: 26 of them, hidden 1152, 4 query heads and 1 K/V head of 256,
              MLP 6912, sliding window 512 on five layers of six, QK-norm, sandwich norms (its
              262,144-token vocabulary is SmolLM2's 49,152 here)
@@ -91,6 +93,27 @@ def qwen3moe(path: str, seed: int) -> None:
     out.finish(d)
 
 
+def qwen3dense(path: str, seed: int) -> None:
+    """The qwen3moe shape's dense twin: its attention, and one MLP of the 8 x 256 units a token
+    of the mixture runs (the same active parameters per token)."""
+    layers, d, heads, kv, hd, f = 24, 1024, 16, 4, 64, 2048
+    out = Writer(path, "qwen3", seed)
+    w = out.w
+    w.add_block_count(layers), w.add_context_length(4096), w.add_embedding_length(d)
+    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
+    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6), w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    out.normal("token_embd.weight", out.vocab, d)
+    for i in range(layers):
+        b = f"blk.{i}."
+        out.attention(b, d, heads, kv, hd)
+        out.ones(b + "ffn_norm.weight", d)
+        out.normal(b + "ffn_gate.weight", f, d)
+        out.normal(b + "ffn_up.weight", f, d)
+        out.normal(b + "ffn_down.weight", d, f)
+    out.finish(d)
+
+
 def gemma3(path: str, seed: int) -> None:
     layers, d, heads, kv, hd, f = 26, 1152, 4, 1, 256, 6912
     out = Writer(path, "gemma3", seed)
@@ -146,7 +169,7 @@ def gpt_oss(path: str, seed: int) -> None:
     out.finish(d)
 
 
-SHAPES = {"qwen3moe": qwen3moe, "gemma3": gemma3, "gpt-oss": gpt_oss}
+SHAPES = {"qwen3moe": qwen3moe, "qwen3dense": qwen3dense, "gemma3": gemma3, "gpt-oss": gpt_oss}
 
 
 def main() -> None:
