@@ -1,11 +1,11 @@
 """KV groups under the KV tiers: each group's evicted blocks are stored under (group, hash), a
 later prompt loads every block of a full-attention group and only the window's blocks of a
 sliding one, and a prefix past the pool hits may take one group's blocks from the pool and
-another's from a tier (exact block ids and bytes, in the scheduler); a grouped engine whose prefixes are
-evicted from the pool and served from the host or the disk tier gives the tokens of the same
-model with grouping off and, bit for bit, the logits of its own pool hits; the disk tier keeps a
-grouped layout's files apart from another layout's, and refuses a group's file in another's
-place."""
+another's from a tier (exact block ids and bytes, in the scheduler); a grouped engine whose
+prefixes are evicted from the pool and served from the host or the disk tier gives the tokens
+of the same model with grouping off and, bit for bit, the logits of its own pool hits; the disk
+tier keeps a grouped layout's files apart from another layout's, and refuses a group's file in
+another's place."""
 
 from __future__ import annotations
 
