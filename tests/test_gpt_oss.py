@@ -169,7 +169,8 @@ def test_grouped_engine_matches_transformers(backend):
     assert engine.block_manager.num_groups == 3  # one full group, two sliding of one layer
 
 
-def test_prefix_hits_longer_than_the_window_equal_grouping_off(monkeypatch):
+@pytest.mark.parametrize("backend", ["cpu", "cuda-cpu"])
+def test_prefix_hits_longer_than_the_window_equal_grouping_off(backend, monkeypatch):
     """Prompts sharing 40 tokens (five windows), run one after another with prefix caching:
     the later two hit 40 cached tokens, and the grouped engine gives the tokens and logits of
     the engine with one group."""
@@ -179,11 +180,11 @@ def test_prefix_hits_longer_than_the_window_equal_grouping_off(monkeypatch):
     prompts = [base + rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(5, 30, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     args = dict(CHUNKED, enable_prefix_caching=True, num_gpu_blocks=96, max_num_seqs=1)
-    grouped, engine, _ = drive("gpt_oss", "cpu", prompts, params, **args)
+    grouped, engine, _ = drive("gpt_oss", backend, prompts, params, **args)
     assert engine.block_manager.num_groups == 3  # one full group, two sliding of one layer
     assert [o.num_cached_tokens >= 32 for o in grouped] == [False, True, True]  # one at a time
     monkeypatch.setattr(kv_groups, "GROUPING", False)
-    plain, engine, _ = drive("gpt_oss", "cpu", prompts, params, poison=False, **args)
+    plain, engine, _ = drive("gpt_oss", backend, prompts, params, poison=False, **args)
     assert engine.block_manager.num_groups == 1
     for a, b in zip(grouped, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -276,13 +276,16 @@ def test_single_window_model_is_one_group_as_before():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("name, blocks", [("gemma3", 18), ("gpt_oss", 16)])
-def test_grouped_preemption_matches_transformers(name, blocks, mode):
+@pytest.mark.parametrize(
+    "name, blocks, backend",
+    [("gemma3", 18, "numpy"), ("gpt_oss", 16, "numpy"), ("gpt_oss", 16, "cuda-cpu")],
+)
+def test_grouped_preemption_matches_transformers(name, blocks, backend, mode):
     """A pool too small for three Gemma 3 (gpt-oss) sequences at once: one is preempted (its
     groups' blocks dropped, or swapped out and back), and the tokens and logits stay
-    transformers'."""
+    transformers' (gpt-oss on the GPU backend too: its sinks and expert kernels)."""
     args = dict(CHUNKED, num_gpu_blocks=blocks, max_model_len=96, preemption_mode=mode)
-    engine, _ = drive_golden(name, "numpy", **args)
+    engine, _ = drive_golden(name, backend, **args)
     assert engine.scheduler.num_preemptions > 0
 
 
