@@ -7,6 +7,9 @@
 // their adapters' updates (lora_add) as the loop does. A layer of experts (no shared expert,
 // no biases) routes here (experts_step) and runs moe_experts as the loop does; the routing's
 // float32 sums and exp are this file's, not NumPy's, so its weights may differ in the last bit.
+// Gemma 2 and 3: the sandwich norms, the attention's soft-capping, Gemma 3's local RoPE on its
+// sliding layers, and the GELU MLP (act_and_mul_rows: the tanh form's tanh is the C library's,
+// not NumPy's, so it too may differ in the last bit).
 // Threads: each kernel's own.
 #include <chrono>
 #include <cmath>
@@ -46,6 +49,7 @@ int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const fl
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
                  int hd, int threads);
+int act_and_mul_rows(float* out, const float* gate_up, long T, long F, int act_kind);
 int moe_experts(float* out, const float* h, long T, long D, long F, int E, const Matrix* gate_up,
                 const Matrix* down, const int64_t* offsets, const int32_t* tokens,
                 const float* weights, int act_kind, const float* gu_bias, const float* dn_bias,
@@ -82,6 +86,9 @@ struct Layer {
   int64_t group;   // its KV group: 0 the step's slots and block_tables, g > 0 the group's
   Matrix qkv, o, gate_up, down;  // gate_up and down unused in a layer of experts
   const Experts* experts;        // NULL: the dense MLP
+  const float* post_attn_norm;   // (D,) or NULL: the attention's output normed (Gemma 2, 3)
+  const float* post_mlp_norm;    // (D,) or NULL: the MLP's
+  int64_t local_rope;            // 1: the step's local cos/sin (Gemma 3's sliding layers)
 };
 
 // LoRA (engine/backends/cpu_backend.py, the _Lora* structures). One module's B: the adapter's
@@ -121,7 +128,7 @@ struct Step {
   float* q;         // (T, H, hd)
   float* attn;      // (T, H, hd)
   float* gate_up;   // (T, 2F)
-  float* act;       // (T, F)
+  float* act_out;   // (T, F)
   const float* cos;  // (T, hd)
   const float* sin;
   const int32_t* slots;         // (T,)
@@ -134,6 +141,11 @@ struct Step {
   int32_t* lora_rows;           // (T,) scratch: an adapter's rows
   const int32_t* const* group_slots;   // (G - 1,) each later KV group's (T,) slots, or NULL
   const int32_t* const* group_tables;  // (G - 1,) each later KV group's (T, max_blocks)
+  const float* cos_local;  // (T, hd) Gemma 3's sliding layers' RoPE, or NULL
+  const float* sin_local;
+  float* branch;  // (T, D) scratch: a branch's output before its norm (sandwich norms)
+  float softcap;  // > 0: attention scores soft-capped (Gemma 2)
+  int32_t act;    // the MLP's activation: 0 SiLU, 1 GELU (tanh), 2 GELU (erf)
 };
 
 int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads);
@@ -324,28 +336,39 @@ extern "C" int decode_layers(const Layer* layers, int n_layers, const Step* s) {
     else  // residual += x; h = rms_norm(residual)
       fused_add_rms_norm(s->h, s->x, s->residual, L.attn_norm, s->eps, T, D, nt);
     int status = product(s->qkv, s->h, L.qkv, A ? &A->qkv : nullptr, s, D, qkv_dim);
+    const bool local = L.local_rope && s->cos_local;
     status = status ? status
                     : rotary_cache(s->q, L.k_cache, L.v_cache, s->cache_dtype, s->qkv, L.b_qkv,
-                                   s->cos, s->sin, slots, L.q_norm, L.k_norm, s->eps, T, s->H,
-                                   s->hkv, s->hd, nt);
+                                   local ? s->cos_local : s->cos, local ? s->sin_local : s->sin,
+                                   slots, L.q_norm, L.k_norm, s->eps, T, s->H, s->hkv, s->hd,
+                                   nt);
     status = status ? status
                     : paged_attention_decode(s->attn, s->q, L.k_cache, L.v_cache,
                                              s->cache_dtype, tables, s->context_lens,
                                              T, s->max_blocks, s->H, s->hkv, s->hd, s->bs,
-                                             s->scale, (int)L.window, 0.0f, nullptr, nt);
-    status = status ? status : product(s->x, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);
+                                             s->scale, (int)L.window, s->softcap, nullptr, nt);
+    float* out = L.post_attn_norm ? s->branch : s->x;  // sandwich: the output, then its norm
+    status = status ? status : product(out, s->attn, L.o, A ? &A->o : nullptr, s, q_dim, D);
     if (status) return status;
+    if (L.post_attn_norm)
+      fused_add_rms_norm(s->x, s->branch, nullptr, L.post_attn_norm, s->eps, T, D, nt);
     fused_add_rms_norm(s->h, s->x, s->residual, L.mlp_norm, s->eps, T, D, nt);
+    out = L.post_mlp_norm ? s->branch : s->x;
     if (L.experts) {  // a layer of experts in place of the MLP
-      status = experts_step(s->x, s->h, *L.experts, T, D, nt);
+      status = experts_step(out, s->h, *L.experts, T, D, nt);
+    } else {
+      status = product(s->gate_up, s->h, L.gate_up, A ? &A->gate_up : nullptr, s, D, 2L * s->F);
       if (status) return status;
-      continue;
+      if (s->act == 0)
+        silu_and_mul(s->act_out, s->gate_up, T, s->F, nt);
+      else
+        status = act_and_mul_rows(s->act_out, s->gate_up, T, s->F, s->act);
+      status = status ? status
+                      : product(out, s->act_out, L.down, A ? &A->down : nullptr, s, s->F, D);
     }
-    status = product(s->gate_up, s->h, L.gate_up, A ? &A->gate_up : nullptr, s, D, 2L * s->F);
     if (status) return status;
-    silu_and_mul(s->act, s->gate_up, T, s->F, nt);
-    status = product(s->x, s->act, L.down, A ? &A->down : nullptr, s, s->F, D);
-    if (status) return status;
+    if (L.post_mlp_norm)
+      fused_add_rms_norm(s->x, s->branch, nullptr, L.post_mlp_norm, s->eps, T, D, nt);
   }
   return 0;
 }

@@ -227,6 +227,16 @@ void act_and_quantize(float* a, Quantized& q, long r, const float* gu, long F, c
 
 }  // namespace
 
+// out (T, F) = act(gate) * up of each row of gate_up (T, 2F), act 0 SiLU, 1 GELU (tanh), 2 GELU
+// (erf), as act_row computes them (decode_layers.cpp's MLP of a GELU model). Returns 1 for an
+// activation it does not know.
+extern "C" int act_and_mul_rows(float* out, const float* gate_up, long T, long F, int act_kind) {
+  if (act_kind < ACT_SILU || act_kind > ACT_GELU) return 1;
+  const Act act{act_kind, 0.0f, 0.0f};
+  for (long t = 0; t < T; t++) act_row(out + t * F, gate_up + t * 2 * F, F, act);
+  return 0;
+}
+
 // out (T, D) += the experts' outputs for h (T, D) normed: the P = T * k (token, expert) pairs
 // sorted by expert (stable), expert e's pairs offsets[e]..offsets[e + 1] (offsets (E + 1,)),
 // tokens (P,) each pair's row of h, weights (P,) its routing weight; gate_up (E,) matrices

@@ -67,11 +67,15 @@ class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
         ("group", ctypes.c_int64),
         *((name, cpu_ops.Matrix) for name in ("qkv", "o", "gate_up", "down")),
         ("experts", _ptr),  # a layer of experts' Experts (engine/backends/cpu_experts.py)
+        ("post_attn_norm", _ptr),  # Gemma 2 and 3's sandwich norms
+        ("post_mlp_norm", _ptr),
+        ("local_rope", ctypes.c_int64),  # Gemma 3's sliding layers: the step's local cos/sin
     ]
 
 
 _SIZES = ("T", "D", "H", "hkv", "hd", "F", "bs", "max_blocks", "cache_dtype", "threads")
-_ARRAYS = ("x", "residual", "h", "qkv", "q", "attn", "gate_up", "act", "cos", "sin", "slots")
+_ARRAYS = ("x", "residual", "h", "qkv", "q", "attn", "gate_up", "act_out", "cos", "sin", "slots")
+ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # decode_layers' MLP activations
 _LORA = ("lora", "lora_slots", "lora_x", "lora_t", "lora_rows")
 _MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # PackedLayer's, in LoraLayer's order
 
@@ -83,6 +87,9 @@ class _Step(ctypes.Structure):  # cpu_src/decode_layers.cpp: Step
         ("scale", ctypes.c_float),
         *((name, _ptr) for name in (*_ARRAYS, "block_tables", "context_lens", *_LORA)),
         *((name, _ptr) for name in ("group_slots", "group_tables")),
+        *((name, _ptr) for name in ("cos_local", "sin_local", "branch")),
+        ("softcap", ctypes.c_float),
+        ("act", _i32c),
     ]
 
 
@@ -305,13 +312,12 @@ class CpuBackend(NumpyBackend):
         the same kernels in the same order as the loop it replaces, one ctypes call instead of
         about ten a layer, each token's attention a decode of its own (``_token_tables``), LoRA
         rows' updates after each product, a layer of experts routed and run natively
-        (engine/backends/cpu_experts.py). Anything else (a shared expert, gpt-oss, OLMoE,
-        Gemma 2 and 3's sandwich norms and soft-capping) takes the NumPy backend's loop. KV
-        groups: each layer reads its slot through its group's slots and tables
-        (``_group_arrays``)."""
-        c = self.cfg  # decode_layers has no sandwich norms, soft-capping or OLMoE's q/k
-        plain = c.hidden_act == "silu" and not c.sandwich_norms and not self.softcap
-        plain = plain and not c.qk_norm_whole and c.clip_qkv is None
+        (engine/backends/cpu_experts.py), Gemma 2 and 3's sandwich norms, soft-capping,
+        local RoPE and GELU. Anything else (a shared expert, gpt-oss, OLMoE) takes the NumPy
+        backend's loop. KV groups: each layer reads its slot through its group's slots and
+        tables (``_group_arrays``)."""
+        c = self.cfg  # decode_layers has no OLMoE q/k norms, clip_qkv or sinks
+        plain = c.hidden_act in ACTS and not c.qk_norm_whole and c.clip_qkv is None
         fused = self.fuse_decode and residual is None and plain and self._layer_experts()
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
@@ -356,6 +362,8 @@ class CpuBackend(NumpyBackend):
                     cpu_ops.matrix(lw.w_qkv), cpu_ops.matrix(lw.w_o),
                     cpu_ops.matrix(lw.w_gate_up), cpu_ops.matrix(lw.w_down),
                     None if ex is None else ctypes.addressof(ex),
+                    p(lw.post_attn_norm), p(lw.post_mlp_norm),
+                    int(bool(self.cfg.local_rope and self.cfg.window(i))),
                 )  # fmt: skip
             self._table, self._table_for = table, cache
         return self._table
@@ -400,7 +408,7 @@ class CpuBackend(NumpyBackend):
             "q": np.empty((t, c.q_dim), F32),
             "attn": np.empty((t, c.q_dim), F32),
             "gate_up": np.empty((t, 2 * c.intermediate_size), F32),
-            "act": np.empty((t, c.intermediate_size), F32),
+            "act_out": np.empty((t, c.intermediate_size), F32),
             "cos": cos,
             "sin": sin,
             "slots": slots,
@@ -418,10 +426,16 @@ class CpuBackend(NumpyBackend):
             scratch = self._lora_scratch(b.lora_slots)
             lora = [ctypes.cast(table, _ptr), *map(cpu_ops._p, (lora_slots, *scratch))]
         keep, group_ptrs = self._group_arrays(b)  # keep: the arrays behind the pointers
+        local = (None, None)  # Gemma 3's sliding layers' own RoPE
+        if c.local_rope:
+            local = map(cpu_ops._c32, fast_ops._cos_sin(b.positions, c.head_dim, c.local_rope, F32))
+            local = tuple(local)
+        branch = np.empty_like(x) if c.sandwich_norms else None  # (T, D)
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,
             *(cpu_ops._p(arrays[name]) for name in _ARRAYS), cpu_ops._p(tables),
-            cpu_ops._p(lens), *lora, *group_ptrs,
+            cpu_ops._p(lens), *lora, *group_ptrs, *map(cpu_ops._p, (*local, branch)),
+            self.softcap, ACTS[c.hidden_act],
         )  # fmt: skip
         table = self._layer_table()
         status = library().decode_layers(table, len(table), ctypes.byref(step))
