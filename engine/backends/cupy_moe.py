@@ -126,20 +126,20 @@ def experts_forward(k, gemm, empty, ex: DeviceExperts, h, out, act: str, slots) 
     P, dt = T * K, h.dtype
     ids, weights = empty((T, K), np.int32), empty((T, K), np.float32)
     gate = empty((T,), np.float32) if ex.shared is not None else None
-    bias = ex.biases
-    k.moe_route(ids, weights, h, ex.router, K, ex.renormalize, bias and bias[0], gate)
+    b_router, b_gate_up, b_down = ex.biases or (None, None, None)
+    k.moe_route(ids, weights, h, ex.router, K, ex.renormalize, b_router, gate)
     sorted_pairs, inverse = empty((P,), np.int32), empty((P,), np.int32)
     offsets = empty((E + 1,), np.int32)
     k.moe_align(sorted_pairs, inverse, offsets, ex.totals, ids, slots)
     gate_up = empty((P, 2 * F), dt)  # (P, 2F) in sorted order
-    k.moe_matmul(gate_up, h, ex.gate_up, sorted_pairs, offsets, K, bias and bias[1], ex.fmt)
+    k.moe_matmul(gate_up, h, ex.gate_up, sorted_pairs, offsets, K, b_gate_up, ex.fmt)
     act_out = empty((P, F), dt)
     if ex.clamp:
         k.clamped_swiglu(act_out, gate_up, *ex.clamp)
     else:
         k.act_and_mul(act_out, gate_up, act)
     y = empty((P, D), np.float32)  # (P, D) float32, sorted order
-    k.moe_matmul(y, act_out, ex.down, sorted_pairs, offsets, 0, bias and bias[2], ex.fmt)
+    k.moe_matmul(y, act_out, ex.down, sorted_pairs, offsets, 0, b_down, ex.fmt)
     shared = None
     if ex.shared is not None:
         s_gate_up, s_down = ex.shared
