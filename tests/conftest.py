@@ -1,11 +1,13 @@
 """Session fixtures: the tiny random model (written once, loaded once), SmolLM2, and the device of
-the ``gpu`` tests. Builders that take them (make_engine, make_seq, make_scheduler) are in
-tests/utils.py."""
+the ``gpu`` tests; ``order``, the CPU emulator's thread orders a kernel test runs under. Builders
+that take them (make_engine, make_seq, make_scheduler) are in tests/utils.py."""
 
 import os
 
+import numpy as np
 import pytest
 
+from engine import emulation as E
 from model_loader.load import load_model
 from model_loader.synthetic import make_tiny_model
 from tests.gpu_target import EMULATE, make_device
@@ -50,3 +52,12 @@ def pytest_collection_modifyitems(config, items):
 def gpu_device():
     """The device of the ``gpu`` tests (tests/gpu_target.py), built once."""
     return make_device()
+
+
+@pytest.fixture(params=E.ORDERS)
+def order(request):
+    """Each block's threads (and the blocks) run forward, reversed and shuffled under the CPU
+    emulator: a missing barrier shows as a wrong result in some order."""
+    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
+    yield request.param
+    E.set_thread_order("forward")

@@ -123,13 +123,6 @@ extern "C" __global__ void smem_overflow(float* __restrict__ out) {
 """
 
 
-@pytest.fixture(params=E.ORDERS)
-def order(request):
-    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
-    yield request.param
-    E.set_thread_order("forward")
-
-
 def build(source: str, tag: str):
     return E.cpu_module_from_source(textwrap.dedent(source), tag)
 

@@ -58,13 +58,6 @@ def randn(rng, shape, dtype, scale=1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale + 0.1).astype(dtype)
 
 
-@pytest.fixture(params=E.ORDERS)
-def order(request):
-    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
-    yield request.param
-    E.set_thread_order("forward")
-
-
 kern = E.cpu_kernels
 
 

@@ -29,13 +29,6 @@ def rng():
     return np.random.default_rng()
 
 
-@pytest.fixture(params=E.ORDERS)
-def order(request):
-    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
-    yield request.param
-    E.set_thread_order("forward")
-
-
 def problem(rng, dtype, T=45, K=300, widths=(256, 64, 64), S=3, R=8):
     """x (T, K), a (S, M R, K), b (S, R, N), y (T, N), slots (T,): slot 0 has over a tile of
     rows, slot 2 none, every adapter's rank below R (zeros past it), some base rows."""

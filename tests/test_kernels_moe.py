@@ -34,13 +34,6 @@ def rng():
     return np.random.default_rng()
 
 
-@pytest.fixture(params=E.ORDERS)
-def order(request):
-    E.set_thread_order(request.param, seed=int(np.random.default_rng().integers(1, 2**31)))
-    yield request.param
-    E.set_thread_order("forward")
-
-
 kern = E.cpu_kernels
 
 

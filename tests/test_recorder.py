@@ -308,3 +308,49 @@ def test_a_mixture_of_experts_frames_hold_each_steps_routing(backend):
             for e, n in zip(pairs[0::2], pairs[1::2], strict=True):
                 totals[layer][e] += n
     assert [[layer, *n] for layer, n in totals.items()] == engine.backend.expert_tokens()
+
+
+def test_each_kv_groups_tables_are_replayed(monkeypatch):
+    """Gemma 3 on its KV groups (a full group and sliding ones of window 8 over 4-token blocks,
+    a pool small enough to preempt): every frame's rebuilt tables of every group are the block
+    manager's after that step's schedule (a sliding group's given-back blocks -1), the blocks
+    they hold together are the pool's held blocks, the meta names each group's window, and the
+    live view's pool state carries the same tables."""
+    from engine.entrypoints.live_events import meta, pool_state
+    from tests.test_families import loaded
+
+    engine = make_engine(
+        loaded("gemma3"), backend="numpy", block_size=4, num_gpu_blocks=40, max_model_len=96,
+        enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=3,
+    )  # fmt: skip
+    groups = engine.core.kv_groups
+    assert groups.grouped and groups.num_groups > 2
+    recorder, spy, live = Recorder(engine), ScheduleSpy(engine), []
+    snapshot = spy.snapshot
+
+    def with_groups():
+        seqs = engine.scheduler.live_seqs()
+        live.append(pool_state(engine.core))
+        return snapshot() | {"gtab": {s.seq_id: [list(t) for t in s.group_tables] for s in seqs}}
+
+    monkeypatch.setattr(spy, "snapshot", with_groups)
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (30, 45, 22, 38)]
+    run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    data = recorder.data()
+    assert data["meta"]["kv_groups"] == list(groups.windows) == meta(engine.core)["kv_groups"]
+    frames, gave_back = data["frames"], False
+    for f, want in enumerate(spy.steps):
+        tab = by_seq_id(data, replay_tables(frames, f))
+        assert tab == want["tab"], f"frame {f}"
+        held = {b for t in tab.values() for b in t}
+        for g in range(1, groups.num_groups):
+            got = by_seq_id(data, replay_tables(frames, f, "tab", group=g))
+            wanted = {sid: t[g - 1] for sid, t in want["gtab"].items() if t and t[g - 1]}
+            assert got == wanted, f"frame {f}, group {g}"
+            held |= {b for t in got.values() for b in t if b >= 0}
+            gave_back |= any(b < 0 for t in got.values() for b in t)
+        assert held == set(range(engine.block_manager.num_blocks)) - set(want["free"]), f
+        sent = {s[0]: s[5] + [b for t in s[7] for b in t] for s in live[f]["seqs"]}
+        assert {b for t in sent.values() for b in t if b >= 0} == held, f"live frame {f}"
+    assert gave_back  # the sliding groups did give blocks back

@@ -73,6 +73,7 @@ def meta(engine) -> dict:
     """What the page draws once: the pool's sizes and the scheduler's limits."""
     cfg, bm = engine.config, engine.block_manager
     sc, moe = cfg.speculative, engine.backend.cfg.moe
+    groups = getattr(engine, "kv_groups", None)  # per KV group its window (0: full attention)
     return {
         "available": True,
         "model": cfg.model,
@@ -87,18 +88,21 @@ def meta(engine) -> dict:
         if sc is None
         else {"method": sc.method, "k": sc.num_speculative_tokens},
         "experts": None if moe is None else {"num": moe.num_experts, "top_k": moe.top_k},
+        "kv_groups": list(groups.windows) if groups is not None and groups.grouped else None,
     }
 
 
 def pool_state(engine) -> dict:
     """The pool and the queues now: every live sequence [seq id, request id, state, prompt
-    tokens, output tokens, block table, CPU table], the free count and the free blocks that
+    tokens, output tokens, block table, CPU table, each later KV group's table, and CPU table
+    (-1 where a sliding group gave a block back)], the free count and the free blocks that
     still hold cached prefixes (``cfree``); a mixture of experts' router counts (``experts``:
     per sparse layer [layer, rows routed to each expert so far])."""
     sched, bm = engine.scheduler, engine.block_manager
     seqs = [
         [s.seq_id, s.request_id, STATE[s.status], s.num_prompt_tokens, s.num_output_tokens,
-         list(s.block_table), list(s.cpu_block_table)]
+         list(s.block_table), list(s.cpu_block_table), [list(t) for t in s.group_tables],
+         [list(t) for t in s.cpu_group_tables]]
         for s in sched.live_seqs()
     ]  # fmt: skip
     state = {

@@ -45,19 +45,24 @@ const PoolView = (() => {
   function cell(tr, tag, text) {
     const c = document.createElement(tag); c.textContent = text; tr.appendChild(c);
   }
-  // logical block -> physical block, with the tokens each covers
-  function pageTable(el, table, cpu, bs) {
+  // logical block -> physical block, with the tokens each covers; groups (optional, KV groups):
+  // [name, table] per group, a physical column each ("—" where a sliding group gave it back)
+  function pageTable(el, table, cpu, bs, groups) {
     el.textContent = "";
     const t = document.createElement("table"), head = document.createElement("tr");
-    ["logical", "physical", "tokens"].forEach((h) => cell(head, "th", h));
+    const cols = groups && groups.length > 1 ? groups : null;
+    ["logical", ...(cols ? cols.map(([name]) => name) : ["physical"]), "tokens"]
+      .forEach((h) => cell(head, "th", h));
     t.appendChild(head);
     const row = (lb, phys) => {
       const tr = document.createElement("tr");
-      cell(tr, "td", lb); cell(tr, "td", phys); cell(tr, "td", `${lb * bs}–${lb * bs + bs - 1}`);
+      cell(tr, "td", lb);
+      phys.forEach((p) => cell(tr, "td", p === undefined || p < 0 ? "—" : p));
+      cell(tr, "td", `${lb * bs}–${lb * bs + bs - 1}`);
       t.appendChild(tr);
     };
-    table.forEach((b, lb) => row(lb, b));
-    (cpu || []).forEach((b, lb) => row(lb, `cpu ${b}`));
+    table.forEach((b, lb) => row(lb, cols ? cols.map(([, tab]) => tab[lb]) : [b]));
+    (cpu || []).forEach((b, lb) => row(lb, [`cpu ${b}`]));
     el.appendChild(t);
     if (!table.length && !(cpu || []).length) {
       const none = document.createElement("div"); none.className = "muted"; none.textContent = "no blocks";

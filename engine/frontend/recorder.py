@@ -6,7 +6,9 @@ as one self-contained HTML file (``LLM(..., trace_html="run.html")``,
 ``on_schedule(out)`` once per step, right after ``Scheduler.schedule()``, so the block tables
 recorded are the ones the step's forward uses. Each call appends one frame that holds only what
 changed since the last one: block-table diffs ``[seq, keep, new blocks]`` (the table is now its
-first ``keep`` blocks, then ``new``), state changes, the step's scheduled sequences and token
+first ``keep`` blocks, then ``new``; a model with KV groups also ``gtab``/``gcpu`` entries
+``[seq, group, keep, new blocks]`` for each group after the first, -1 where a sliding group gave
+a block back), state changes, the step's scheduled sequences and token
 counts, preemptions, swaps, prefix-cache hits, KV-tier loads and stores, the free queue's
 length, and the step's wall time (the time to the next frame). Output tokens are seen at the
 frame after the step that made them. ``write_html`` first appends an idle frame (the pool once
@@ -104,12 +106,21 @@ def table_diff(old: list[int], new: list[int]) -> tuple[int, list[int]]:
     return keep, new[keep:]
 
 
-def replay_tables(frames: list[dict], upto: int, key: str = "tab") -> dict[int, list[int]]:
+def replay_tables(
+    frames: list[dict], upto: int, key: str = "tab", group: int = 0
+) -> dict[int, list[int]]:
     """Every sequence's block table at frame ``upto``, rebuilt from the recorded diffs (what
-    the HTML replay does); sequences with an empty table are left out."""
+    the HTML replay does): ``key`` "tab" or "cpu", or with ``group`` > 0 a later KV group's
+    ("gtab", "gcpu" entries); sequences with an empty table are left out."""
     tables: dict[int, list[int]] = {}
     for frame in frames[: upto + 1]:
-        for index, keep, tail in frame.get(key, []):
+        entries = frame.get(key, []) if group == 0 else frame.get("g" + key[-3:], [])
+        for index, *entry in entries:
+            if group:
+                g, *entry = entry
+                if g != group:
+                    continue
+            keep, tail = entry
             tables[index] = tables.get(index, [])[:keep] + tail
     return {i: t for i, t in tables.items() if t}
 
@@ -214,7 +225,7 @@ class Recorder:
         for seq in self.engine.scheduler.live_seqs():
             if seq.seq_id not in self._live:
                 self._join(seq, f)
-        changes = {"tab": [], "cpu": [], "st": []}
+        changes = {"tab": [], "cpu": [], "gtab": [], "gcpu": [], "st": []}
         for track in list(self._live.values()):
             self._changes(track, changes, f)
         frame.update({k: v for k, v in changes.items() if v})
@@ -246,6 +257,15 @@ class Recorder:
             if now != track.tables[key]:
                 changes[key].append([i, *table_diff(track.tables[key], now)])
                 track.tables[key] = list(now)
+        # KV groups: each later group's tables, [seq, group, keep, new] (NO_BLOCK: -1)
+        for key, tables in (("gtab", seq.group_tables), ("gcpu", seq.cpu_group_tables)):
+            known = sum(k.startswith(key) for k in track.tables)  # a freed table is []
+            for g in range(1, max(len(tables), known) + 1):
+                now = tables[g - 1] if g <= len(tables) else []
+                was = track.tables.setdefault(f"{key}{g}", [])
+                if now != was:
+                    changes[key].append([i, g, *table_diff(was, now)])
+                    track.tables[f"{key}{g}"] = list(now)
         state = STATE_LETTER[seq.status]
         if state != track.state:
             changes["st"].append([i, state])
@@ -293,7 +313,9 @@ class Recorder:
         routed = None if moe is None or experts is None else {
             "num": moe.num_experts, "top_k": moe.top_k, "layers": [row[0] for row in experts]
         }  # fmt: skip
+        groups = getattr(e.core, "kv_groups", None)  # per KV group its window (0: full)
         return meta | {
+            "kv_groups": list(groups.windows) if groups is not None and groups.grouped else None,
             "model": f"{cfg.model} ({Path(str(e.loaded.source)).name})",
             "backend": e.backend.name,
             "num_blocks": bm.num_blocks,

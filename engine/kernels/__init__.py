@@ -12,6 +12,8 @@ attention's head dim and block size) gets them as ``-D`` options, one build per 
 
   build.py     sources, entry points, the NVRTC and g++ builds
   launch.py    ``Kernels``: one checked launch per operation over a module loader; block sizes
+  checks.py    the launches' argument checks
+  moe_launch.py   a mixture of experts' launches (``Kernels.moe_route``, ``moe_matmul``, ...)
   gguf_launch.py  the GGUF block products' launches (``Kernels.gguf_matvec``, ``gguf_dequantize``)
   cublas.py    cuBLAS through the engine's own handle (graph capture)
   gemm.py      ``out = x @ w.T`` for the GPU backend, one cuBLAS GemmEx per product
@@ -45,11 +47,11 @@ from engine.kernels.build import (
     nvrtc_options,
     read_source,
 )
+from engine.kernels.checks import DTYPE_SUFFIX
 from engine.kernels.launch import (
     ACTIVATIONS,
     ATTN_THREADS,
     DECODE_CHUNK,
-    DTYPE_SUFFIX,
     EMULATED_SM_COUNT,
     MAX_HEAD_DIM,
     NORM_THREADS,

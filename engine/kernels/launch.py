@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
 from engine.kernels.build import normalize_defines
+from engine.kernels.checks import check as _check
+from engine.kernels.checks import finite as _finite
+from engine.kernels.checks import suffix as _suffix
 from engine.kernels.gguf_launch import GgufLaunches
 from engine.kernels.moe_launch import MoeLaunches
 from engine.utils import cdiv
 
-DTYPE_SUFFIX = {
-    np.dtype(np.float32): "f32",
-    np.dtype(np.float16): "f16",
-    np.dtype(ml_dtypes.bfloat16): "bf16",
-}
 NORM_THREADS = 128  # row kernels: the block of rows that share one, and the least per long row
 ROW_CACHE = 4  # norm.cuh kRowCache: vectors per thread a row kernel holds in registers
 ROTARY_TOKENS_PER_BLOCK = 4  # rotary_cache.cu kRotaryWarps: one warp per token
@@ -106,19 +103,6 @@ def lora_split(K: int) -> int:
     return cdiv(max(LORA_SPLIT, cdiv(K, LORA_MAX_SPLITS)), 32) * 32
 
 
-def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
-    """``a`` must be a C-contiguous array of ``shape`` (None: any size) and ``dtype``."""
-    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-    if not hasattr(a, "shape") or len(a.shape) != len(shape):
-        raise ValueError(f"{op}: {name} must be an array of shape {want}, got {_desc(a)}")
-    if any(s is not None and s != n for s, n in zip(shape, a.shape, strict=True)):
-        raise ValueError(f"{op}: {name} must have shape {want}, got {tuple(a.shape)}")
-    if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
-        raise ValueError(f"{op}: {name} must be {np.dtype(dtype).name}, got {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{op}: {name} must be C-contiguous, got strides {a.strides}")
-
-
 def _window(op: str, window) -> int:
     """A sliding window: an int >= 0 (0: none)."""
     if not isinstance(window, int | np.integer) or isinstance(window, bool) or window < 0:
@@ -138,31 +122,10 @@ def _span(max_context_len: int, window: int) -> int:
     return min(int(max_context_len), window) if window > 0 else int(max_context_len)
 
 
-def _finite(op: str, name: str, value) -> float:
-    """A float argument: a finite real number."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{op}: {name} must be finite, got {value!r}")
-    return float(value)
-
-
-def _desc(a) -> str:
-    return f"shape {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__
-
-
 def _address(a) -> int:
     """The device (CuPy) or host (NumPy) address of an array's first element."""
     iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
     return int(iface["data"][0])
-
-
-def _suffix(op: str, a) -> str:
-    dtype = np.dtype(a.dtype)
-    if dtype not in DTYPE_SUFFIX:
-        names = ", ".join(d.name for d in DTYPE_SUFFIX)
-        raise ValueError(f"{op}: dtype must be one of {names}, got {dtype.name}")
-    return DTYPE_SUFFIX[dtype]
 
 
 i32, f32 = np.int32, np.float32

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels.checks import check as _check
+from engine.kernels.checks import finite as _number
+from engine.kernels.checks import suffix as _suffix
 from engine.utils import cdiv
 
 MOE_MAX_TOP_K = 32  # moe_route.cu kMaxTopK
@@ -28,35 +31,7 @@ COMBINE_THREADS = 128
 MXFP4_BLOCK = (32, 17)  # values and bytes of a GGUF MXFP4 block
 CLAMPED_SWIGLU = 3  # act_and_mul.cu's id of gpt-oss's activation
 WEIGHT_FORMATS = {"dtype": 0, "mxfp4": 1}  # moe_matmul.cu's format argument
-_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 i32, f32 = np.int32, np.float32
-
-
-def _check(op: str, name: str, a, shape: tuple, dtype=None) -> None:
-    """``a`` a C-contiguous array of ``shape`` (None: any size) and ``dtype``."""
-    ok = hasattr(a, "shape") and len(a.shape) == len(shape)
-    ok = ok and all(s is None or s == n for s, n in zip(shape, a.shape, strict=True))
-    if not ok:
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        got = tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
-        raise ValueError(f"{op}: {name} must have shape {want}, got {got}")
-    if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
-        raise ValueError(f"{op}: {name} must be {np.dtype(dtype).name}, got {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{op}: {name} must be C-contiguous, got strides {a.strides}")
-
-
-def _suffix(op: str, a) -> str:
-    name = np.dtype(a.dtype).name
-    if name not in _SUFFIX:
-        raise ValueError(f"{op}: dtype must be one of float32, float16, bfloat16, got {name}")
-    return _SUFFIX[name]
-
-
-def _number(op: str, name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float | np.floating) or not np.isfinite(v):
-        raise ValueError(f"{op}: {name} must be a finite number, got {v!r}")
-    return float(v)
 
 
 class MoeLaunches:

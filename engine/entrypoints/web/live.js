@@ -27,7 +27,10 @@ const Live = (() => {
   // ---- drawing ----
   function drawPool() {
     const sid = bySid(), tabs = {}, cpus = {};
-    for (const s of seqs()) { tabs[s[0]] = s[5]; cpus[s[0]] = s[6]; }
+    for (const s of seqs()) {  // every KV group's blocks of a sequence
+      tabs[s[0]] = s[5].concat(...(s[7] || []));
+      cpus[s[0]] = s[6].concat(...(s[8] || []));
+    }
     const how = { colour: (i) => colourOf(sid[i][1]), label: (i) => `${sid[i][1]} (seq ${i})`,
       selected: (i) => sid[i][1] === selected, cached: new Set(frame.cfree || []) };
     PoolView.paintGrid($("live-pool"), PoolView.owners(tabs, meta.num_blocks), how);
@@ -91,7 +94,9 @@ const Live = (() => {
     }
     const state = { W: "waiting", R: "running", S: "swapped", F: "finished" }[s[2]];
     info.textContent = `seq ${s[0]}, ${state}: ${s[3]} prompt tokens, ${s[4]} output tokens, ${s[5].length} blocks`;
-    PoolView.pageTable($("live-pagetable"), s[5], s[6], meta.block_size);
+    const groups = meta.kv_groups ? meta.kv_groups.map((w, g) =>
+      [w ? `sliding ${w}` : "full", g ? (s[7] || [])[g - 1] || [] : s[5]]) : null;
+    PoolView.pageTable($("live-pagetable"), s[5], s[6], meta.block_size, groups);
   }
   let expertsLast = null;  // the router's counts at the frame before
   function drawExperts() {
