@@ -122,4 +122,32 @@ void dot_rows(float* out, long N, const uint8_t* w, const int8_t* qx, const floa
   for (int m = 0; m < MR; m++) out[m * N] = hsum8((v8)vacc[m]) - hsum8((v8)vmin[m]);
 }
 
+// out[0] and out[1]: two W rows (their super-blocks at w0 and w1) against one row of x, each
+// row's sums exactly as dot_rows<F, 1> makes them; the two rows' chains interleaved, so a
+// decode's one row of x keeps the vector units busy (each chain alone waits on its loads).
+template <int F>
+void dot_two_rows(float* out, const uint8_t* w0, const uint8_t* w1, const int8_t* qx,
+                  const float* dx, const int16_t* bs, long K) {
+  const long nb = K / QK;
+  __m256 vacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, vmin[2] = {vacc[0], vacc[1]};
+  const uint8_t* rows[2] = {w0, w1};
+  for (long b = 0; b < nb; b++) {
+    const __m256i b16 = _mm256_loadu_si256((const __m256i*)(bs + b * QK / 16));
+    const float e = dx[b];
+    for (int r = 0; r < 2; r++) {
+      const uint8_t* blk = rows[r] + b * BLOCK_BYTES[F];
+      prefetch_ahead<F>(blk);
+      __m256i s16, mn16;
+      block_scales<F>(blk, s16, mn16);
+      float d, c;
+      factors<F>(blk, d, c);
+      const __m256i is = block_dot<F>(blk, spread(s16), qx + b * QK);
+      const __m256i im = _mm256_madd_epi16(b16, mn16);
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * e), vacc[r]);
+      vmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(c * e), vmin[r]);
+    }
+  }
+  for (int r = 0; r < 2; r++) out[r] = hsum8((v8)vacc[r]) - hsum8((v8)vmin[r]);
+}
+
 }  // namespace kq

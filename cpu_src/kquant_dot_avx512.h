@@ -122,4 +122,31 @@ void dot_rows(float* out, long N, const uint8_t* w, const int8_t* qx, const floa
   }
 }
 
+// out[0] and out[1]: two W rows (at w0 and w1) against one row of x, each row's sums exactly as
+// dot_rows<F, 1> makes them; the two chains interleaved (a decode's one row of x alone leaves
+// each chain waiting on its loads).
+template <int F>
+void dot_two_rows(float* out, const uint8_t* w0, const uint8_t* w1, const int8_t* qx,
+                  const float* dx, const int16_t* bs, long K) {
+  const long nb = K / QK;
+  __m512 vacc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m256 vmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const uint8_t* rows[2] = {w0, w1};
+  for (long b = 0; b < nb; b++) {
+    const __m256i b16 = _mm256_loadu_si256((const __m256i*)(bs + b * QK / 16));
+    const float e = dx[b];
+    for (int r = 0; r < 2; r++) {
+      const uint8_t* blk = rows[r] + b * BLOCK_BYTES[F];
+      prefetch_ahead<F>(blk);
+      const Regs512 g = load512<F>(blk);
+      const __m512i is = dot512(g, qx + b * QK);
+      const __m256i im = _mm256_madd_epi16(b16, g.mn);
+      vacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(g.d * e), vacc[r]);
+      vmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(g.c * e), vmin[r]);
+    }
+  }
+  typedef float v16 __attribute__((vector_size(64)));
+  for (int r = 0; r < 2; r++) out[r] = hsum_v((v16)vacc[r]) - hsum8((v8)vmin[r]);
+}
+
 }  // namespace kq

@@ -10,7 +10,10 @@
 // Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once and
 // dotted with the rows of x ROWS at a time (dot_rows: AVX-512 in kquant_dot_avx512.h, AVX2 in
 // kquant_dot_avx2.h, elsewhere each super-block unpacked into bytes (Unpacked) and plain loops;
-// the integer sums are exact either way, only the float additions' order differs).
+// the integer sums are exact either way, only the float additions' order differs). One row of
+// x (a decode) takes W's rows two at a time on AVX2 and AVX-512 (dot_two_rows: two independent
+// chains, each row's sums as dot_rows makes them; the AVX2 LM head of a Qwen3-MoE-shaped Q4_K_M
+// file, Q6_K 49,152 x 1,024, went from 2.49 to 1.07 ms a token).
 // More rows (prefill): TILE W rows dequantized into a float32 tile, multiplied by the BLAS's
 // sgemm with x's quantized values (the same function again).
 // Threads: one task per run of W's rows. (The unpacking loops carry no `omp simd`: with it GCC
@@ -125,6 +128,15 @@ template <int F>
 void cols(float* out, long ldo, const int8_t* qx, const float* dx, const int16_t* bs,
           const uint8_t* w, long M, long K, long n0, long n1) {
   const long row = K / QK * BLOCK_BYTES[F], nb = K / QK;
+#if defined(KQ_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+  if (M == 1) {  // a decode: W's rows two at a time (dot_two_rows), the same sums
+    float pair[2];
+    for (; n0 + 1 < n1; n0 += 2) {
+      dot_two_rows<F>(pair, w + n0 * row, w + (n0 + 1) * row, qx, dx, bs, K);
+      out[n0] = pair[0], out[n0 + 1] = pair[1];
+    }
+  }
+#endif
   for (long n = n0; n < n1; n++)
     for (long m = 0; m < M; m += ROWS)
       dot_some_rows<F>(std::min<long>(ROWS, M - m), out + m * ldo + n, ldo, w + n * row,

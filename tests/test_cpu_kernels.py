@@ -421,6 +421,19 @@ def test_matmul_over_gguf_kquants(threads, kind, rows):
         assert_kquant_product(x, w, got)
 
 
+@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k.endswith("_k")])
+def test_a_kquant_decode_has_the_bits_of_a_batch_row(threads, kind):
+    """One row of x (a decode: AVX2 takes W's rows two at a time) gives each output the bits the
+    same row gets inside a batch of rows (one W row at a time): N odd, so a row goes alone."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((1, 768), dtype=np.float32)
+    w = kquant_weight(rng, kind, 768, 131)
+    one = cpu_ops.matmul(x, w)  # (1, 131)
+    batch = cpu_ops.matmul(np.concatenate([x, x * 2, x]), w)  # (3, 131)
+    np.testing.assert_array_equal(one[0], batch[0])
+    np.testing.assert_array_equal(one[0], batch[2])
+
+
 def test_panels_need_whole_panels():
     with pytest.raises(ValueError, match=r"panels: .* multiple of 16, got \(8, 20\)"):
         to_panels(np.ones((8, 20), np.float32))
