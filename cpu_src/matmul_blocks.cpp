@@ -58,6 +58,7 @@ const bool PAIRED = false;
 #if defined(__ARM_NEON)
 #include <arm_neon.h>
 #endif
+#include "int8_dots.h"  // hsum, dot2, dot16
 
 namespace {
 
@@ -152,12 +153,6 @@ template <int F> inline float bias(const f16* s) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // A block's 32 q as the unsigned operand of vpmaddubsw (Q8_0: |q|; Q4: |q - 8|, the low
 // nibbles first) and the signs x must take (Q8_0: q; Q4: q - 8).
 template <int F> inline __m256i load_q(const uint8_t* q, __m256i& sign) {
@@ -256,16 +251,9 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       for (int m = 0; m < MR; m++) {
         const int8_t* xa = qx + m * K + p * 64;
-        const __m256i xlo = _mm256_loadu_si256((const __m256i*)xa);
-        const __m256i xhi = _mm256_loadu_si256((const __m256i*)(xa + 32));
         const __m256i c = _mm256_loadu_si256((const __m256i*)(xc + (m * np + p) * 8));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(c, lo, xlo), hi, xhi);
-#else  // q <= 15: a pair of products fits int16 with room for two (2 * 2 * 15 * 127)
-        const __m256i p16 =
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)), c);
-#endif
+        // q <= 15: a pair of products fits int16 with room for two (2 * 2 * 15 * 127)
+        const __m256i dot = dot2(c, lo, xa, hi, xa + 32);
         const __m256 d2 = _mm256_permutevar_ps(
             _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(ds + m * nb + 2 * p))), halves);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d2, acc[m]);
@@ -300,18 +288,6 @@ void dot_row(float* out, long N, const uint8_t* q, const f16* s, const int8_t* q
   for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]) + tail[m];
 }
 #elif defined(__ARM_NEON)
-// Sixteen int8 products added into four int32 lanes: vdotq_s32 where the CPU has ARMv8.2's
-// dot product instructions (-march=native on Graviton 2 and later, Apple M1 and later), else
-// vmull_s8 to int16 and pairwise adds into int32 (exact for every int8, -128 included).
-inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
-#if defined(__ARM_FEATURE_DOTPROD)
-  return vdotq_s32(acc, a, b);
-#else
-  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
-  return vpadalq_s16(acc, vmull_high_s8(a, b));
-#endif
-}
-
 // A block's 32 q as the integer dot takes them (Q8_0: q; Q4: q - 8, the low nibbles first).
 template <int F> inline void load_q(const uint8_t* q, int8x16_t& lo, int8x16_t& hi) {
   if constexpr (F == Q8_0) {

@@ -33,6 +33,8 @@
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
 #endif
+// hsum, dot2 (KV + 12 <= 24: two pairs of products fit int16), dot16
+#include "int8_dots.h"
 
 namespace {
 
@@ -112,12 +114,6 @@ void pair_blocks(int8_t* qx, int32_t* xc, long M, long K) {
     }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // KV + 12 per code, in each 16-byte lane for vpshufb.
 #define MX_TABLE 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
@@ -130,18 +126,6 @@ inline void pair_u(const uint8_t* p, __m256i& lo, __m256i& hi) {
       _mm_loadu_si128((const __m128i*)(p + BLOCK)), 1);
   lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
   hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-}
-
-// c + the products of u_a with 32 x at xa and of u_b with 32 at xb, summed per 32-bit lane.
-inline __m256i dot2(__m256i c, __m256i ua, const int8_t* xa, __m256i ub, const int8_t* xb) {
-  const __m256i va = _mm256_loadu_si256((const __m256i*)xa);
-  const __m256i vb = _mm256_loadu_si256((const __m256i*)xb);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(c, ua, va), ub, vb);
-#else  // KV + 12 <= 24: two pairs of products fit int16 (4 * 24 * 127)
-  const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(ua, va), _mm256_maddubs_epi16(ub, vb));
-  return _mm256_add_epi32(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)), c);
-#endif
 }
 
 // out[m * N] for the MR rows of x (in pair_blocks' order): one W row (its blocks at w) against
@@ -186,16 +170,6 @@ void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const int32
   for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]);
 }
 #elif defined(__ARM_NEON)
-// Sixteen int8 products added into four int32 lanes (vdotq_s32 with ARMv8.2's dot products).
-inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
-#if defined(__ARM_FEATURE_DOTPROD)
-  return vdotq_s32(acc, a, b);
-#else
-  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
-  return vpadalq_s16(acc, vmull_high_s8(a, b));
-#endif
-}
-
 template <int MR>
 void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const int32_t*,
              const float* dx, long K, float* ds) {

@@ -21,6 +21,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#include "int8_dots.h"  // hsum
 
 namespace {
 
@@ -67,12 +68,6 @@ void quantize_rows(int8_t* qx, float* dx, int32_t* sx, const float* x, long M, l
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // A block's 32 q (0..31) in a register: byte i of the 16 nibble bytes gives values i (low) and
 // i + 16 (high); bit i of qh, as 0x10 in byte i: qh's byte i / 8 broadcast to each byte, kept
 // where its bit i % 8 is set.
