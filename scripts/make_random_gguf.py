@@ -49,6 +49,14 @@ class Writer:
         self.w, self.rng = gguf.GGUFWriter(path, arch), np.random.default_rng(seed)
         self.vocab = tokenizer_keys(self.w, str(smollm2_path()))
 
+    def sizes(self, layers, ctx, d, f, heads, kv, hd, theta, eps) -> None:
+        """The keys every shape writes: its sizes, RoPE base, norm epsilon, the F16 file type."""
+        w = self.w
+        w.add_block_count(layers), w.add_context_length(ctx), w.add_embedding_length(d)
+        w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
+        w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(theta)
+        w.add_layer_norm_rms_eps(eps), w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
     def normal(self, name: str, *shape, dtype=F16) -> None:
         self.w.add_tensor(name, (self.rng.standard_normal(shape, np.float32) * 0.02).astype(dtype))
 
@@ -75,12 +83,9 @@ class Writer:
 def qwen3moe(path: str, seed: int) -> None:
     layers, d, heads, kv, hd, e, f, k = 24, 1024, 16, 4, 64, 64, 256, 8
     out = Writer(path, "qwen3moe", seed)
+    out.sizes(layers, 4096, d, f, heads, kv, hd, 1e6, 1e-6)
     w = out.w
-    w.add_block_count(layers), w.add_context_length(4096), w.add_embedding_length(d)
-    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
-    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6), w.add_expert_count(e), w.add_expert_used_count(k)
-    w.add_expert_feed_forward_length(f), w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_expert_count(e), w.add_expert_used_count(k), w.add_expert_feed_forward_length(f)
     out.normal("token_embd.weight", out.vocab, d)
     for i in range(layers):
         b = f"blk.{i}."
@@ -98,11 +103,7 @@ def qwen3dense(path: str, seed: int) -> None:
     of the mixture runs (the same active parameters per token)."""
     layers, d, heads, kv, hd, f = 24, 1024, 16, 4, 64, 2048
     out = Writer(path, "qwen3", seed)
-    w = out.w
-    w.add_block_count(layers), w.add_context_length(4096), w.add_embedding_length(d)
-    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
-    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6), w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    out.sizes(layers, 4096, d, f, heads, kv, hd, 1e6, 1e-6)
     out.normal("token_embd.weight", out.vocab, d)
     for i in range(layers):
         b = f"blk.{i}."
@@ -117,13 +118,9 @@ def qwen3dense(path: str, seed: int) -> None:
 def gemma3(path: str, seed: int) -> None:
     layers, d, heads, kv, hd, f = 26, 1152, 4, 1, 256, 6912
     out = Writer(path, "gemma3", seed)
-    w = out.w
-    w.add_block_count(layers), w.add_context_length(32768), w.add_embedding_length(d)
-    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
-    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(1e6)
-    w.add_float32("gemma3.rope.freq_base_swa", 10000.0)
-    w.add_layer_norm_rms_eps(1e-6), w.add_sliding_window(512)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    out.sizes(layers, 32768, d, f, heads, kv, hd, 1e6, 1e-6)
+    out.w.add_float32("gemma3.rope.freq_base_swa", 10000.0)
+    out.w.add_sliding_window(512)
     out.normal("token_embd.weight", out.vocab, d)
     for i in range(layers):
         b = f"blk.{i}."
@@ -139,15 +136,12 @@ def gemma3(path: str, seed: int) -> None:
 def gpt_oss(path: str, seed: int) -> None:
     layers, d, heads, kv, hd, e, f, k = 8, 2880, 64, 8, 64, 8, 2880, 4
     out = Writer(path, "gpt-oss", seed)
+    out.sizes(layers, 131072, d, f, heads, kv, hd, 150000.0, 1e-5)
     w = out.w
-    w.add_block_count(layers), w.add_context_length(131072), w.add_embedding_length(d)
-    w.add_feed_forward_length(f), w.add_head_count(heads), w.add_head_count_kv(kv)
-    w.add_key_length(hd), w.add_value_length(hd), w.add_rope_freq_base(150000.0)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
-    w.add_layer_norm_rms_eps(1e-5), w.add_expert_count(e), w.add_expert_used_count(k)
-    w.add_expert_feed_forward_length(f), w.add_sliding_window(128)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_expert_count(e), w.add_expert_used_count(k), w.add_expert_feed_forward_length(f)
+    w.add_sliding_window(128)
     out.normal("token_embd.weight", out.vocab, d)
     for i in range(layers):
         b = f"blk.{i}."

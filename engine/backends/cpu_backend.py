@@ -75,7 +75,6 @@ class _Layer(ctypes.Structure):  # cpu_src/decode_layers.cpp: Layer
 
 _SIZES = ("T", "D", "H", "hkv", "hd", "F", "bs", "max_blocks", "cache_dtype", "threads")
 _ARRAYS = ("x", "residual", "h", "qkv", "q", "attn", "gate_up", "act_out", "cos", "sin", "slots")
-ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # decode_layers' MLP activations
 _LORA = ("lora", "lora_slots", "lora_x", "lora_t", "lora_rows")
 _MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # PackedLayer's, in LoraLayer's order
 
@@ -317,7 +316,7 @@ class CpuBackend(NumpyBackend):
         backend's loop. KV groups: each layer reads its slot through its group's slots and
         tables (``_group_arrays``)."""
         c = self.cfg  # decode_layers has no OLMoE q/k norms, clip_qkv or sinks
-        plain = c.hidden_act in ACTS and not c.qk_norm_whole and c.clip_qkv is None
+        plain = c.hidden_act in cpu_ops.NATIVE_ACTS and not c.qk_norm_whole and c.clip_qkv is None
         fused = self.fuse_decode and residual is None and plain and self._layer_experts()
         if fused and _short_runs(batch):
             return self._decode_layers(x, batch)
@@ -428,14 +427,14 @@ class CpuBackend(NumpyBackend):
         keep, group_ptrs = self._group_arrays(b)  # keep: the arrays behind the pointers
         local = (None, None)  # Gemma 3's sliding layers' own RoPE
         if c.local_rope:
-            local = map(cpu_ops._c32, fast_ops._cos_sin(b.positions, c.head_dim, c.local_rope, F32))
-            local = tuple(local)
+            local = fast_ops._cos_sin(b.positions, c.head_dim, c.local_rope, F32)
+            local = tuple(map(cpu_ops._c32, local))
         branch = np.empty_like(x) if c.sandwich_norms else None  # (T, D)
         step = _Step(
             *sizes, c.rms_norm_eps, self.scale,
             *(cpu_ops._p(arrays[name]) for name in _ARRAYS), cpu_ops._p(tables),
             cpu_ops._p(lens), *lora, *group_ptrs, *map(cpu_ops._p, (*local, branch)),
-            self.softcap, ACTS[c.hidden_act],
+            self.softcap, cpu_ops.NATIVE_ACTS[c.hidden_act],
         )  # fmt: skip
         table = self._layer_table()
         status = library().decode_layers(table, len(table), ctypes.byref(step))

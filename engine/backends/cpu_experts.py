@@ -32,7 +32,7 @@ def native_experts(layer: PackedExperts, act: str) -> Experts | None:
     decode cannot run it."""
     if layer.shared is not None or layer.biases is not None or layer.clamp:
         return None
-    code = cpu_ops.EXPERT_ACTS.get(act)
+    code = cpu_ops.NATIVE_ACTS.get(act)
     mats = cpu_ops._expert_matrices(layer)
     router, chosen = layer.router, layer.chosen
     ok = router.dtype == np.float32 and router.flags.c_contiguous and chosen.flags.c_contiguous

@@ -296,8 +296,9 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
     return out
 
 
-# the activations moe_experts computes (cpu_src/moe_experts.cpp); 3: gpt-oss's clamped SwiGLU
-EXPERT_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# the activations of the native gated MLPs (cpu_src/moe_experts.cpp's act ids, which
+# decode_layers.cpp takes too); 3: gpt-oss's clamped SwiGLU, moe_experts only
+NATIVE_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 SWIGLU_CLAMP = 3
 
 
@@ -308,7 +309,7 @@ def experts(h, layer, tokens, pair_w, offsets, act: str) -> np.ndarray | None:
     ``offsets[e]:offsets[e + 1]`` (E + 1,) -> (T, D) float32; None for an activation it lacks
     or experts of different kinds (the loop runs instead). gpt-oss's experts (``layer.clamp``,
     ``layer.biases``): the clamped SwiGLU and each product's bias, in the same call."""
-    code = SWIGLU_CLAMP if layer.clamp else EXPERT_ACTS.get(act)
+    code = SWIGLU_CLAMP if layer.clamp else NATIVE_ACTS.get(act)
     if code is None:
         return None
     alpha, limit = layer.clamp or (0.0, 0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.checks import check as _check
-from engine.kernels.checks import finite as _number
+from engine.kernels.checks import finite as _finite
 from engine.kernels.checks import suffix as _suffix
 from engine.utils import cdiv
 
@@ -155,12 +155,12 @@ class MoeLaunches:
             _check(op, "k_norm", k_norm, (kv_dim,), qkv.dtype)
             flags |= 1
         if clip is not None:
-            if _number(op, "clip", clip) <= 0:
+            if _finite(op, "clip", clip) <= 0:
                 raise ValueError(f"{op}: clip must be > 0, got {clip}")
             flags |= 2
         if T and flags:
             norms = (qkv, qkv) if q_norm is None else (q_norm, k_norm)
-            args = (qkv, *norms, i32(q_dim), i32(kv_dim), f32(_number(op, "eps", eps)))
+            args = (qkv, *norms, i32(q_dim), i32(kv_dim), f32(_finite(op, "eps", eps)))
             args += (f32(clip or 0.0), i32(flags))
             self._fn(op, f"{op}_{_suffix(op, qkv)}")((T,), (256,), args)
 
@@ -181,7 +181,7 @@ class MoeLaunches:
         if F2 % 2:
             raise ValueError(f"{op}: gate_up width must be even, got {F2}")
         _check(op, "out", out, (T, F2 // 2), gate_up.dtype)
-        alpha, limit = _number(op, "alpha", alpha), _number(op, "limit", limit)
+        alpha, limit = _finite(op, "alpha", alpha), _finite(op, "limit", limit)
         if limit <= 0:
             raise ValueError(f"{op}: limit must be > 0, got {limit}")
         self._rows(op, out, (out, gate_up), i32(CLAMPED_SWIGLU), f32(alpha), f32(limit))
