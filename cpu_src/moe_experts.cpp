@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "blas.h"
@@ -51,6 +52,16 @@ struct Act {
 // waiting at a barrier for its share.
 const long OWN_ACT = 1L << 15;
 
+// n values of scratch, left uninitialized (every value is written before it is read): the
+// step's buffers run to tens of MB in a prefill, where zero-filling them cost as much as a
+// product.
+template <class T> struct Buf {
+  std::unique_ptr<T[]> p;
+  explicit Buf(long n = 0) : p(new T[n]) {}
+  T& operator[](long i) const { return p[i]; }
+  T* data() const { return p.get(); }
+};
+
 // How a product's columns are cut: from x quantized once per row (KQ: the k-quants, BLK: the
 // 32-value blocks), as a column range of the stored matrix through its kind's kernel on one
 // thread (SLICE: the panels, Q5_0/Q5_1, MXFP4), or not at all (WHOLE).
@@ -70,10 +81,10 @@ struct Quantized {
   Way way = WHOLE;
   int fmt = 0;
   long K = 0, nd = 0, nb = 0, nc = 0;  // a row's dx (and sx), bs, xc
-  std::vector<int8_t> qx;
-  std::vector<float> dx, sx;
-  std::vector<int16_t> bs;
-  std::vector<int32_t> xc;
+  Buf<int8_t> qx;
+  Buf<float> dx, sx;
+  Buf<int16_t> bs;
+  Buf<int32_t> xc;
 
   Quantized(const Matrix& w, long rows, long k) : way(way_of(w.kind)), K(k) {
     if (way == KQ) {
@@ -83,8 +94,8 @@ struct Quantized {
     } else {
       return;
     }
-    qx.resize(rows * K), dx.resize(rows * nd), sx.resize(rows * nd);
-    bs.resize(rows * nb), xc.resize(rows * nc);
+    qx = Buf<int8_t>(rows * K), dx = Buf<float>(rows * nd), sx = Buf<float>(rows * nd);
+    bs = Buf<int16_t>(rows * nb), xc = Buf<int32_t>(rows * nc);
   }
   bool used() const { return way == KQ || way == BLK; }
 
@@ -191,6 +202,25 @@ void scatter(float* out, const float* y, const int32_t* tokens, long P, long D, 
   }
 }
 
+// Each pair's row of h where a product takes x as float32 (xs (P, D): the big experts', every
+// pair's for a kind without integer dots); for one with them, each row of h quantized once (qh)
+// and copied to each of its pairs (qg). On nt threads.
+void gather(const Buf<float>& xs, Quantized& qh, Quantized& qg, const float* h, long T, long D,
+            long P, const int32_t* tokens, const std::vector<char>& big, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+#pragma omp for schedule(static)
+    for (long i = 0; i < P; i++)
+      if (big[i] || !qg.used()) std::memcpy(&xs[i * D], h + (long)tokens[i] * D, 4 * D);
+    if (qh.used()) {
+#pragma omp for schedule(static)
+      for (long r = 0; r < T; r++) qh.quantize(r, h + r * D);
+#pragma omp for schedule(static)
+      for (long i = 0; i < P; i++) qg.copy_row(i, qh, tokens[i]);
+    }
+  }
+}
+
 // The GELUs of one float32 value as fast_ops computes them (reference/model.py): erf in
 // float64 of the float64 x / sqrt 2, the rest float32; the tanh form all in float32. No fused
 // multiply-adds (NumPy rounds each operation).
@@ -255,18 +285,14 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
   if (P == 0) return 0;
   int first = 0;
   while (offsets[first + 1] == offsets[first]) first++;  // an expert with rows: their kinds
-  std::vector<float> xs(P * D), gu(P * 2 * F), a(P * F), y(P * D);
+  Buf<float> xs(P * D), gu(P * 2 * F), a(P * F), y(P * D);
   Quantized qh(gate_up[first], T, D), qg(gate_up[first], P, D), qa(down[first], P, F);
   const Product up{gate_up, xs.data(), &qg, gu.data(), D, 2 * F, gu_bias};
   std::vector<char> big(P, 0);  // pairs of experts of more rows than the integer dots take
   for (int e = 0; e < E; e++)
     if (offsets[e + 1] - offsets[e] > std::min(qg.max_rows(), qa.max_rows()))
       std::memset(&big[offsets[e]], 1, offsets[e + 1] - offsets[e]);
-  for (long i = 0; i < P; i++) std::memcpy(&xs[i * D], h + (long)tokens[i] * D, 4 * D);
-  if (qh.used()) {  // each row of h quantized once, then each pair's copied
-    for (long r = 0; r < T; r++) qh.quantize(r, h + r * D);
-    for (long i = 0; i < P; i++) qg.copy_row(i, qh, tokens[i]);
-  }
+  gather(xs, qh, qg, h, T, D, P, tokens, big, threads_for(P * D, threads));
   int status = 0;
   const Product big_dn{down, a.data(), &qa, y.data(), F, D, dn_bias};  // the big experts' down
   for (int e = 0; e < E; e++) {  // the big experts first: each kernel on every thread
@@ -274,9 +300,11 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
     if (M == 0 || !big[lo]) continue;
     status |= matmul_matrix(&gu[lo * 2 * F], &xs[lo * D], &gate_up[e], M, D, 2 * F, threads);
     add_bias(up, e, lo, M, 0, 2 * F);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (long i = lo; i < lo + M; i++) act_row(&a[i * F], &gu[i * 2 * F], F, act);
     status |= matmul_matrix(&y[lo * D], &a[lo * F], &down[e], M, F, D, threads);
     add_bias(big_dn, e, lo, M, 0, D);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (long i = lo; i < lo + M; i++)
       for (long c = 0; c < D; c++) y[i * D + c] *= weights[i];
   }
@@ -287,7 +315,8 @@ extern "C" int moe_experts(float* out, const float* h, long T, long D, long F, i
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), prev = set_local_threads(1);
-    std::vector<float> tmp, mine(own_act ? P * F : 0);
+    std::vector<float> tmp;
+    Buf<float> mine(own_act ? P * F : 0);
     Quantized qmine(down[first], own_act ? P : 0, F);
     for (int e = 0; e < E; e++) {
       const long lo = offsets[e], M = offsets[e + 1] - lo;
