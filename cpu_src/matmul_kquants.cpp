@@ -55,6 +55,10 @@ const int ROWS = 4;
 const int ROWS = 16;
 #endif
 const long GEMV_WORK = 1L << 19;
+// Rows of x that meet every W row of a run before the next X_ROWS do (a multiple of ROWS): their
+// quantized values stay in L1 while W's rows come from L2, instead of all M rows coming again
+// for each W row
+const long X_ROWS = 32;
 
 // x (M, K) -> qx (M, K) int8, dx (M, K/256), bs (M, K/16) int16: Q8_K.
 void quantize_rows(int8_t* qx, float* dx, int16_t* bs, const float* x, long M, long K) {
@@ -137,10 +141,11 @@ void cols(float* out, long ldo, const int8_t* qx, const float* dx, const int16_t
     }
   }
 #endif
-  for (long n = n0; n < n1; n++)
-    for (long m = 0; m < M; m += ROWS)
-      dot_some_rows<F>(std::min<long>(ROWS, M - m), out + m * ldo + n, ldo, w + n * row,
-                       qx + m * K, dx + m * nb, bs + m * K / 16, K);
+  for (long m0 = 0; m0 < M; m0 += X_ROWS)
+    for (long n = n0; n < n1; n++)
+      for (long m = m0; m < std::min(M, m0 + X_ROWS); m += ROWS)
+        dot_some_rows<F>(std::min<long>(ROWS, M - m), out + m * ldo + n, ldo, w + n * row,
+                         qx + m * K, dx + m * nb, bs + m * K / 16, K);
 }
 
 // out (M, N) with the integer dots, W's rows split over nt threads.
