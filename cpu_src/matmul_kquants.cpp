@@ -7,8 +7,8 @@
 //   dx (d sum_j sc[j] sum_i q qx - c sum_j mn[j] bs[j])
 // the mins costing one multiply per 16 values. Every batch size computes this same function
 // (of x quantized), in float32.
-// Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once and
-// dotted with the rows of x ROWS at a time (dot_rows: AVX-512 in kquant_dot_avx512.h, AVX2 in
+// Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once for
+// every X_ROWS rows of x and dotted with them ROWS at a time (dot_rows: AVX-512 in kquant_dot_avx512.h, AVX2 in
 // kquant_dot_avx2.h, elsewhere each super-block unpacked into bytes (Unpacked) and plain loops;
 // the integer sums are exact either way, only the float additions' order differs). One row of
 // x (a decode) takes W's rows two at a time on AVX2 and AVX-512 (dot_two_rows: two independent
