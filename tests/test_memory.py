@@ -4,6 +4,7 @@ over a long run."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tracemalloc
 
@@ -78,6 +79,21 @@ def test_pools_larger_than_the_memory_are_refused_before_allocating(tiny, monkey
     with pytest.raises(ValueError, match=named) as e:
         default_engine(tiny, **kw)
     assert "\n" not in str(e.value)
+
+
+def test_a_long_context_models_default_step_names_max_model_len_and_chunked_prefill(
+    tiny, monkeypatch
+):
+    """Chunked prefill off, the step budget defaults to max_model_len: a long-context model's
+    first run would be refused with nothing to say which setting made the step that big."""
+    long = dataclasses.replace(
+        tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=1 << 16)
+    )
+    fake_ram(monkeypatch, 256 * MiB)
+    with pytest.raises(ValueError, match="max_model_len=65536 .* enable chunked prefill"):
+        default_engine(long, max_num_seqs=2)
+    for kw in (dict(max_model_len=512), dict(enable_chunked_prefill=True)):  # the hint's two
+        assert default_engine(long, max_num_seqs=2, **kw).config.max_num_batched_tokens == 2048
 
 
 def run_rounds(engine: LLMEngine, rng: np.random.Generator, rounds: int) -> None:

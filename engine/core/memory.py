@@ -43,6 +43,18 @@ HOST_RAM_FRACTION = 0.5  # of available RAM, for the default host plan: room for
 PEAK_FIX = "lower max_num_batched_tokens or max_num_seqs, or give more memory"
 
 
+def _peak_fix(cfg: EngineConfig) -> str:
+    """PEAK_FIX, and where the budget is max_model_len because chunked prefill is off (a
+    long-context model's default), the two settings that lower it."""
+    if cfg.enable_chunked_prefill or cfg.max_num_batched_tokens != cfg.max_model_len:
+        return PEAK_FIX
+    return (
+        f"without chunked prefill a step takes a whole prompt of max_model_len="
+        f"{cfg.max_model_len} tokens: lower max_model_len (--max-model-len) or enable chunked "
+        f"prefill (--enable-chunked-prefill), or {PEAK_FIX}"
+    )
+
+
 def available_ram_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
     try:
@@ -184,7 +196,7 @@ def _activation_peak(cfg: EngineConfig, backend) -> int:
     except MemoryError:
         raise ValueError(
             f"the profile step of max_num_batched_tokens={cfg.max_num_batched_tokens} tokens "
-            f"(max_num_seqs={cfg.max_num_seqs}) ran out of memory; {PEAK_FIX}"
+            f"(max_num_seqs={cfg.max_num_seqs}) ran out of memory; {_peak_fix(cfg)}"
         ) from None
 
 
@@ -195,7 +207,7 @@ def _host_pool(
     activation peak fit."""
     limit, limit_name = _host_limit(cfg, weights, ram)
     where = f"{limit_name} less the swap pool"
-    _check_below(peak, limit - swap, _peak_name(cfg), where, PEAK_FIX)
+    _check_below(peak, limit - swap, _peak_name(cfg), where, _peak_fix(cfg))
     fit = (limit - swap - peak) // per_block
     if cfg.num_gpu_blocks:
         num_blocks, why = cfg.num_gpu_blocks, "num_gpu_blocks"
@@ -257,7 +269,7 @@ def _device_pool(cfg: EngineConfig, backend, per_block: int, peak: int, weights:
         budget = int(cfg.gpu_memory_utilization * total)
         source = f"{cfg.gpu_memory_utilization:.2f} x GPU memory"
     where = "the memory budget less the weights"
-    _check_below(peak, budget - weights, _peak_name(cfg), where, PEAK_FIX)
+    _check_below(peak, budget - weights, _peak_name(cfg), where, _peak_fix(cfg))
     fit = (budget - weights - peak) // per_block
     num_blocks = cfg.num_gpu_blocks or fit
     if cfg.num_gpu_blocks:
