@@ -48,6 +48,20 @@ def test_default_host_plan_fits_the_available_ram_and_says_so(tiny, monkeypatch,
     assert "capped at 0.50 x available RAM" in line
 
 
+def test_weights_mapped_from_their_file_are_not_planned_on(tiny, monkeypatch, caplog):
+    """MemAvailable counts a mapped file's pages as free: with the machine's RAM only 80 MiB
+    past the weights, the plan takes its share of those 80 MiB, not of the 512 MiB that
+    MemAvailable says (which would push the weights back out to the disk)."""
+    fake_ram(monkeypatch, 512 * MiB)
+    weights = default_engine(tiny, num_gpu_blocks=64).backend.weights_bytes
+    monkeypatch.setattr(memory, "total_ram_bytes", lambda: weights + 80 * MiB)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = default_engine(tiny)
+    kv, swap, peak = host_plan(engine)
+    assert 0 < kv + swap + peak <= memory.HOST_RAM_FRACTION * 80 * MiB
+    assert f"the RAM beside them, {mib(80 * MiB)} of the available {mib(512 * MiB)}" in caplog.text
+
+
 def test_swap_mode_counts_its_swap_pool_in_the_host_plan(tiny, monkeypatch):
     fake_ram(monkeypatch, 128 * MiB)
     engine = default_engine(tiny, preemption_mode="swap", swap_space=0.01)

@@ -64,7 +64,29 @@ def available_ram_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return total_ram_bytes()
+
+
+def total_ram_bytes() -> int:
+    """The machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _ram_beside_weights(available: int, weights: int) -> int:
+    """The available RAM the host pools may plan on: MemAvailable counts the pages of weights
+    mapped from their file (a GGUF's kept blocks, a safetensors file's tensors) as free to
+    reclaim, so it is capped at the machine's RAM less the weights; a pool planned on them
+    would push the weights out to be read again from the disk at every step."""
+    beside = max(0, total_ram_bytes() - weights)
+    if beside < available:
+        log.info(
+            "the weights (%s) are mapped from their file and count as available RAM: the "
+            "pools plan on the RAM beside them, %s of the available %s",
+            mib(weights),
+            mib(beside),
+            mib(available),
+        )
+    return min(available, beside)
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,8 @@ def plan_kv_cache(cfg: EngineConfig, backend, draft=None, groups=None) -> KVPlan
     num_cpu_blocks = 0 if cfg.enable_prefix_caching else cfg.swap_space_bytes // per_block
     swap = num_cpu_blocks * per_block
     ram = available_ram_bytes()
+    if backend.name in HOST_BACKENDS:
+        ram = _ram_beside_weights(ram, backend.weights_bytes + d.weights)
     _check_below(swap, ram, f"swap_space={cfg.swap_gib:g} GiB", "the available RAM")
     host = swap + cfg.kv_offload_bytes  # the host KV tier is host memory, as the swap pool is
     if cfg.kv_offload_bytes:
