@@ -42,7 +42,10 @@ namespace {
 
 enum { IQ4_NL = 0, IQ4_XS = 1 };
 constexpr long VALUES[2] = {32, 256}, BYTES[2] = {18, 136};  // a block's values, bytes
-const long NB = 64;                                      // W rows per thread at least, in tiles
+const long NB = 64;  // W rows per thread at least, in the tiles' product
+// W rows per float32 tile (each sgemm call packs all of x anew: fewer, larger calls, as the
+// k-quants')
+const long TILE = 256;
 const long INT_MAX_ROWS = 64;  // rows of x up to which the integer dots run
 const int GROUP = 4;           // rows of x a W row meets at once (their sums in registers)
 const long GEMV_WORK = 1L << 19;
@@ -100,6 +103,20 @@ inline __m256i dot32(__m256i acc, __m256i kv, __m256i ukv, const int8_t* x, int 
 #endif
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define IQ_AVX512 1
+#include "iq4_dot_avx512.h"
+
+// out[m * N] for the MR rows of x: one W row (its blocks at w) against each; a row's sums in
+// one chain of float32 vectors, whatever MR (its bits do not depend on the rows beside it).
+template <int F, int MR>
+void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx, long K) {
+  if constexpr (F == IQ4_XS)
+    iq4::dot_row_xs<MR>(out, N, w, qx, dx, K);
+  else
+    iq4::dot_row_nl<MR>(out, N, w, qx, dx, K);
+}
+#else
 // out[m * N] for the MR rows of x: one W row (its blocks at w) against each; a row's sums in
 // one chain of float32 vectors, whatever MR (its bits do not depend on the rows beside it).
 template <int F, int MR>
@@ -125,6 +142,7 @@ void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float
   }
   for (int m = 0; m < MR; m++) out[m * N] = hsum(acc[m]);
 }
+#endif
 #elif defined(__ARM_NEON)
 template <int F, int MR>
 void dot_row(float* out, long N, const uint8_t* w, const int8_t* qx, const float* dx, long K) {
@@ -235,9 +253,12 @@ void matmul_f(float* out, const float* x, const uint8_t* w, long M, long K, long
     const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
     const long row = K / Q * BYTES[F];
     gemm_dequant_tiles<Q>(out, qx.get(), dx.get(), M, K, N, (int)nt,
-                          [&](float* r, long n) { dequant_row<F>(r, w + n * row, K); });
+                          [&](float* r, long n) { dequant_row<F>(r, w + n * row, K); }, TILE);
     return;
   }
+#if defined(IQ_AVX512)
+  if constexpr (F == IQ4_XS) iq4::xs_order(qx.get(), M, K);
+#endif
   const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, N);
   gemv<F>(out, qx.get(), dx.get(), w, M, K, N, nt);
 }
