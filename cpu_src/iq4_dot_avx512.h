@@ -1,11 +1,14 @@
-// The IQ4 dots with AVX-512 (BW, VL; VNNI's vpdpbusd and vpdpwssd where the build has them):
-// 64 values a register, two runs of 32 (IQ4_XS: runs 2p and 2p + 1 of a super-block; IQ4_NL:
-// blocks b and b + 1), each run's 16 index bytes spread to two 128-bit lanes (vpermq), the high
-// lane's nibbles shifted down, then vpshufb into |KV| and a mask of the negative levels (index
-// < 8). Per row of x and 64 values: qx negated under the mask (masked vpsubb: AVX-512 has no
-// vpsignb), then |KV| times it (vpdpbusd for IQ4_NL; vpmaddubsw, then vpdpwssd against each
-// run's ls - 32 for IQ4_XS). Included by matmul_iq4.cpp only, inside its namespace, after KV,
-// half, the formats and its AVX2 levels and dot32 (an odd IQ4_NL count's last block).
+// The IQ4 dots with AVX-512 (BW, VL; VNNI's vpdpbusd and vpdpwssd where the build has them),
+// 64 values a register. IQ4_XS: a super-block's 128 index bytes in two loads of 64, each one
+// register of low nibbles and one of high (no shuffling of W), x reordered to match once per
+// product (xs_order); each 16-bit word's run scale ls - 32 spread by one vpermw per 128 values.
+// IQ4_NL: blocks two at a time, their 16 index bytes spread to [low, high] 128-bit lanes by
+// vpermq and a shift, x in its own order. Indices go through vpshufb into |KV| and a mask of the
+// negative levels (index < 8); per row of x and 64 values qx is negated under the mask (a masked
+// vpsubb: AVX-512 has no vpsignb), then |KV| times it: vpdpbusd (IQ4_NL), or vpmaddubsw (a
+// pair's sum fits int16) and vpdpwssd against the run scales (IQ4_XS; vpmaddwd + vpaddd
+// without VNNI). Included by matmul_iq4.cpp only, inside its namespace, after KV, half, the
+// formats and its AVX2 levels and dot32 (an odd IQ4_NL count's last block).
 #pragma once
 // GCC 12 takes the AVX-512 intrinsics' deliberately undefined operand for an uninitialized one
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -14,7 +17,7 @@
 
 namespace iq4 {
 
-// 32 index bytes (two runs of 16, at p and q) -> the 64 indices in value order, run p's first.
+// 32 index bytes (two runs of 16, at p and q) -> the 64 indices in value order, p's run first.
 inline __m512i indices2(const uint8_t* p, const uint8_t* q) {
   const __m256i v = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
@@ -55,8 +58,9 @@ inline __m256i xs_scales(const uint8_t* b) {
                                       _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
   const __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32(high),
                                       _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+  const __m256i h2 = _mm256_and_si256(h, _mm256_set1_epi32(3));
   const __m256i ls = _mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi32(15)),
-                                     _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4));
+                                     _mm256_slli_epi32(h2, 4));
   return _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
 }
 

@@ -9,10 +9,10 @@
 // dx) (ties to even), per 32 values for IQ4_NL (llama.cpp's Q8_0) and per 256 for IQ4_XS (its
 // Q8_K); a block's product is integers and one float factor:
 //   IQ4_NL: dx d sum(KV[q] qx)      IQ4_XS: dx d sum_j (ls_j - 32) sum(KV[q] qx)
-// (|sum| < 2^31). AVX2 (AVX-512 builds too): a run of 16 index bytes as 32 indices in value
-// order (the high nibbles shifted into the upper 128 bits), vpshufb into KV, then the signed
-// product by the sign trick, |KV| times qx with KV's sign (vpmaddubsw: a pair's sum fits int16),
-// and vpmaddwd against ls - 32 (IQ4_NL: 1); AVX512-VNNI: vpdpbusd (IQ4_NL) and vpdpwssd (IQ4_XS).
+// (|sum| < 2^31). AVX-512: 64 values a register (iq4_dot_avx512.h). AVX2: a run of 16 index
+// bytes as 32 indices in value order (the high nibbles shifted into the upper 128 bits),
+// vpshufb into KV, then the signed product by the sign trick, |KV| times qx with KV's sign
+// (vpmaddubsw: a pair's sum fits int16), and vpmaddwd against ls - 32 (IQ4_NL: 1).
 // aarch64: vqtbl1q_s8 into KV, then vdotq_s32 (or widening multiplies). Other CPUs: a plain
 // loop. The integer sums are exact on every path; only the float additions' order differs.
 // Every batch size computes this same function: up to INT_MAX_ROWS rows of x each W row is read
