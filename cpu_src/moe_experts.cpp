@@ -110,8 +110,8 @@ struct Quantized {
   long max_rows() const { return way == KQ ? 128 : way == BLK ? 64 : 1L << 40; }
 };
 
-// Columns n0..n1 of a panels, Q5, MXFP4 or IQ4 matrix (K, N) as a matrix of its own (n0 a multiple
-// of 16).
+// Columns n0..n1 of a panels, Q5, MXFP4 or IQ4 matrix (K, N) as a matrix of its own (n0 a
+// multiple of 16).
 Matrix columns(const Matrix& w, long K, long n0) {
   Matrix s = w;
   if (w.kind == W_PANELS) s.data = (const float*)w.data + n0 * K;
