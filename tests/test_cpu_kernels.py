@@ -442,10 +442,11 @@ def test_iq4_products_are_exact_integer_sums(threads, kind, rows):
         assert (err <= 1e-5 * (np.abs(xq) @ np.abs(vals))).all(), kind
 
 
-@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k.endswith("_k")])
+@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k.endswith("_k")] + list(IQ4_FORMATS))
 def test_a_kquant_decode_has_the_bits_of_a_batch_row(threads, kind):
-    """One row of x (a decode: AVX2 takes W's rows two at a time) gives each output the bits the
-    same row gets inside a batch of rows (one W row at a time): N odd, so a row goes alone."""
+    """One row of x (a decode: AVX2 takes a k-quant's W rows two at a time) gives each output the
+    bits the same row gets inside a batch of rows (one W row at a time): N odd, so a row goes
+    alone."""
     rng = np.random.default_rng()
     x = rng.standard_normal((1, 768), dtype=np.float32)
     w = kquant_weight(rng, kind, 768, 131)
