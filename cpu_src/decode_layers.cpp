@@ -45,6 +45,8 @@ int matmul_fp8(float* out, const float* x, const uint8_t* w, const float* scales
                long M, long K, long N, int threads);
 int matmul_mxfp4(float* out, const float* x, const uint8_t* w, long M, long K, long N,
                  int threads);
+int matmul_iq4(float* out, const float* x, const uint8_t* w, int format, long M, long K, long N,
+               int threads);
 int rotary_cache(float* q_out, void* k_cache, void* v_cache, int dtype, const float* qkv,
                  const float* bias, const float* cos, const float* sin, const int32_t* slots,
                  const float* q_norm, const float* k_norm, float eps, int n_tok, int H, int hkv,
@@ -181,6 +183,8 @@ int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, 
   if (w.kind == W_FP8)
     return matmul_fp8(out, x, raw, (const float*)w.scales, w.pad, M, K, N, threads);
   if (w.kind == W_MXFP4) return matmul_mxfp4(out, x, raw, M, K, N, threads);
+  if (w.kind == W_IQ4_NL || w.kind == W_IQ4_XS)
+    return matmul_iq4(out, x, raw, w.kind - W_IQ4_NL, M, K, N, threads);
   switch (w.kind) {
     case W_BF16: matmul_bf16(out, x, (const uint16_t*)w.data, M, K, N, threads); break;
     case W_INT8: matmul_int8(out, x, q, (const float*)w.scales, M, K, N, threads); break;

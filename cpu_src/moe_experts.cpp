@@ -64,14 +64,14 @@ template <class T> struct Buf {
 
 // How a product's columns are cut: from x quantized once per row (KQ: the k-quants, BLK: the
 // 32-value blocks), as a column range of the stored matrix through its kind's kernel on one
-// thread (SLICE: the panels, Q5_0/Q5_1, MXFP4), or not at all (WHOLE).
+// thread (SLICE: the panels, Q5_0/Q5_1, MXFP4, IQ4_NL/IQ4_XS), or not at all (WHOLE).
 enum Way { KQ, BLK, SLICE, WHOLE };
 
 Way way_of(int kind) {
   if (kind >= W_RAW && kind < W_RAW + 3) return KQ;
   if ((kind >= W_BLOCKS && kind < W_BLOCKS + 3) || kind == W_Q4Z) return BLK;
   if (kind == W_PANELS || kind == W_BF16_PANELS || kind == W_INT8_PANELS) return SLICE;
-  if (kind == W_MXFP4) return SLICE;
+  if (kind == W_MXFP4 || kind == W_IQ4_NL || kind == W_IQ4_XS) return SLICE;
   return kind >= W_RAW + 3 && kind < W_PARTS ? SLICE : WHOLE;
 }
 
@@ -121,8 +121,8 @@ struct Quantized {
   long max_rows() const { return way == KQ ? 128 : way == BLK ? 64 : 1L << 40; }
 };
 
-// Columns n0..n1 of a panels, Q5 or MXFP4 matrix (K, N) as a matrix of its own (n0 a multiple
-// of 16).
+// Columns n0..n1 of a panels, Q5, MXFP4 or IQ4 matrix (K, N) as a matrix of its own (n0 a
+// multiple of 16).
 Matrix columns(const Matrix& w, long K, long n0) {
   Matrix s = w;
   if (w.kind == W_PANELS) s.data = (const float*)w.data + n0 * K;
@@ -135,6 +135,10 @@ Matrix columns(const Matrix& w, long K, long n0) {
     s.data = (const uint8_t*)w.data + n0 * (K / 32) * (w.kind == W_RAW + 3 ? 22 : 24);
   if (w.kind == W_MXFP4)  // 17 bytes a block of 32
     s.data = (const uint8_t*)w.data + n0 * (K / 32) * 17;
+  if (w.kind == W_IQ4_NL)  // 18 bytes a block of 32
+    s.data = (const uint8_t*)w.data + n0 * (K / 32) * 18;
+  if (w.kind == W_IQ4_XS)  // 136 bytes a block of 256
+    s.data = (const uint8_t*)w.data + n0 * (K / 256) * 136;
   return s;
 }
 

@@ -4,8 +4,8 @@ rows of several stacked (Q, K and V; gate and up) without widening any, and ``Ex
 a mixture's (E, N, K) experts, each a BlockMatrix.
 
 Kept so: an embedding table or LM head in Q8_0, Q4_0 or Q4_1 (BLOCK_KINDS: the cpu backend
-splits their blocks into q and scales), and every matrix in a k-quant, 5-bit or MXFP4 type
-(model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes), a mixture's
+splits their blocks into q and scales), and every matrix in a k-quant, 5-bit, MXFP4 or IQ4
+type (model_loader.kquants.LAYOUTS: the cpu backend multiplies the file's bytes), a mixture's
 experts in those types likewise; in a file that has such matrices, its Q8_0/Q4_0/Q4_1 layer
 matrices and experts too (a Q4_K_M file's fallbacks). Each widens
 to float32 by rows, or whole through ``np.asarray``, for whoever wants values. A 4-bit Hugging

@@ -3,15 +3,14 @@
 Three things differ from a Hugging Face checkpoint:
   * the config is read from ``llama.*`` metadata keys instead of ``config.json`` (a mixture
     of experts' keys and tensor names: ``model_loader.gguf_moe``);
-  * tensors may be quantized (Q4_0, Q4_1, Q8_0, Q4_K, ...). Matrices in a k-quant, 5-bit or
-    MXFP4 type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4), with, in a file that has them, its
-    Q8_0/Q4_0/Q4_1 ones, and an embedding table or LM head in Q8_0, Q4_0 or Q4_1, stay in
-    their blocks (``model_loader.gguf_blocks.BlockMatrix``: float32 by row or whole when
-    asked); every
-    other tensor is dequantized to float32 when it is asked for, from the mapped file
-    (``LazyTensors``; a model's layers one at a time: ``LazyLayers``), each type so widened
-    logged once with its tensors and cost; and GGUF lists a tensor's dims fastest-first, the
-    reverse of a NumPy shape;
+  * tensors may be quantized (Q4_0, Q4_1, Q8_0, Q4_K, ...). Matrices in a k-quant, 5-bit,
+    MXFP4 or IQ4 type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS), with, in a file
+    that has them, its Q8_0/Q4_0/Q4_1 ones, and an embedding table or LM head in Q8_0, Q4_0
+    or Q4_1, stay in their blocks (``model_loader.gguf_blocks.BlockMatrix``: float32 by row or
+    whole when asked); every other tensor is dequantized to float32 when it is asked for,
+    from the mapped file (``LazyTensors``; a model's layers one at a time: ``LazyLayers``),
+    each type so widened logged once with its tensors and cost; and GGUF lists a tensor's
+    dims fastest-first, the reverse of a NumPy shape;
   * llama.cpp's converter reorders the rows of the Q and K projections for its own rotary layout
     (pairs (2j, 2j+1) rotate together); ``unpermute_qk`` puts them back in Hugging Face's
     rotate-half layout (pairs (j, j + hd/2)), which ``reference.model.apply_rope`` expects.
@@ -178,7 +177,7 @@ class LazyTensors(Mapping):
 
 def _kept(t: gguf.ReaderTensor, has_k: bool) -> bool:
     """Whether a tensor stays in its blocks: a matrix (or a mixture's 3-D experts) in a
-    k-quant, 5-bit or MXFP4 type, or in Q8_0, Q4_0 or Q4_1 in a file that has those
+    k-quant, 5-bit, MXFP4 or IQ4 type, or in Q8_0, Q4_0 or Q4_1 in a file that has those
     (``has_k``)."""
     if len(t.shape) not in (2, 3):
         return False

@@ -1,8 +1,8 @@
-"""GGUF's k-quants (Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1) and MXFP4: their block layouts
-and a NumPy dequantizer per type, written from the formats' definitions (ggml's block structs).
-The values they give are the semantics the cpu backend's kernels (cpu_src/matmul_kquants.cpp,
-cpu_src/matmul_q5.cpp, cpu_src/matmul_mxfp4.cpp) are checked against; every product is
-float32, in ggml's order.
+"""GGUF's k-quants (Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1), MXFP4 and IQ4_NL/IQ4_XS: their
+block layouts and a NumPy dequantizer per type, written from the formats' definitions (ggml's
+block structs). The values they give are the semantics the cpu backend's kernels
+(cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp, matmul_iq4.cpp) are checked
+against; every product is float32, in ggml's order.
 
 A matrix row is a run of blocks; a block's bytes, in file order:
   Q4_K (256 values, 144 bytes): d, dmin (float16); 12 bytes of eight 6-bit scales and eight
@@ -19,6 +19,8 @@ A matrix row is a run of blocks; a block's bytes, in file order:
   Q5_1 (32 values, 24 bytes): d, m (float16), qh, nibbles: w = d q + m.
   MXFP4 (32 values, 17 bytes): an e8m0 exponent, 16 bytes of e2m1 codes in Q5_0's nibble
        order (model_loader/mxfp4.py).
+  IQ4_NL (32 values, 18 bytes), IQ4_XS (256 values, 136 bytes): 4-bit indices into sixteen
+       int8 levels times a block's scale (model_loader/iq4.py).
 The 6-bit scales of Q4_K/Q5_K: for j < 4, sc_j = b[j] & 63, m_j = b[j + 4] & 63; for j >= 4,
 sc_j = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4, m_j = (b[j + 4] >> 4) | (b[j] >> 6) << 4.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_loader import mxfp4
+from model_loader import iq4, mxfp4
 
 F32 = np.dtype(np.float32)
 QK_K = 256
@@ -40,6 +42,7 @@ LAYOUTS = {
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
     "MXFP4": (mxfp4.QK, mxfp4.BLOCK_BYTES),
+    **iq4.LAYOUTS,
 }
 
 
@@ -127,6 +130,8 @@ DEQUANTIZE = {
     "Q5_0": dequantize_q5_0,
     "Q5_1": dequantize_q5_1,
     "MXFP4": mxfp4.dequantize_blocks,
+    "IQ4_NL": iq4.dequantize_iq4_nl,
+    "IQ4_XS": iq4.dequantize_iq4_xs,
 }
 
 

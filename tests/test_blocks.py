@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_native, cpu_ops, fast_ops, get_backend
-from engine.backends.quant import BLOCK_FORMATS, QuantWeight, quantize
+from engine.backends.quant import BLOCK_FORMATS, IQ4_FORMATS, QuantWeight, quantize
 from engine.config import EngineConfig
 from engine.frontend.llm import run_to_completion
 from engine.sampling_params import SamplingParams
@@ -23,6 +23,7 @@ from model_loader.gguf_file import GGUF_LAYER_NAMES
 from model_loader.load import load_model, resolve_model
 from reference.kernel_ops import matmul_q8_0, quantize_rows_q8_0
 from tests.native import remote
+from tests.test_kquants import kquant_weight, quantized_x, x_block
 from tests.test_loaders import hf, write_gguf  # noqa: F401 (hf: a fixture)
 from tests.test_quant import KL_TOKENS, matrices, smollm2_float32, threads  # noqa: F401
 from tests.utils import SEED_PROMPTS, make_engine
@@ -117,7 +118,8 @@ def test_products_against_the_numpy_twin(threads, kind, rows):  # noqa: F811
 @pytest.mark.parametrize("rows", [1, 9, 65])
 def test_products_with_arm_dot_products(rows, monkeypatch):
     """The aarch64 build for ARMv8.2's dot products (vdotq_s32; tests/test_cpu_kernels.py runs
-    the baseline build) under qemu-user, against the twin; in CI, where the tools are there."""
+    the baseline build) under qemu-user, against the twin (IQ4_NL/IQ4_XS: against x quantized
+    as the kernels do, to float32 rounding); in CI, where the tools are there."""
     try:
         lib = remote.load("aarch64-dotprod")
     except LookupError as e:
@@ -133,6 +135,12 @@ def test_products_with_arm_dot_products(rows, monkeypatch):
                 x = rng.standard_normal((rows, k), dtype=np.float32)
                 x[:, 3] *= 40
                 assert_product(x, quantize(random_weight(rng, k, n), kind))
+        for kind in IQ4_FORMATS:
+            x = rng.standard_normal((rows, 512), dtype=np.float32)
+            w = kquant_weight(rng, kind, 512, 33)
+            xq, vals = quantized_x(x, x_block(kind)), w.dequantize().astype(np.float64)
+            err = np.abs(cpu_ops.matmul(x, w) - xq @ vals)
+            assert (err <= 1e-5 * (np.abs(xq) @ np.abs(vals))).all(), kind
     finally:
         lib.close()
 

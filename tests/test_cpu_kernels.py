@@ -16,6 +16,7 @@ from engine.backends import cpu_native, cpu_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.quant import (
     BLOCK_FORMATS,
+    IQ4_FORMATS,
     RAW_FORMATS,
     quantize,
     to_bf16_panels,
@@ -28,7 +29,7 @@ from reference import kernel_ops as numpy_ops
 from tests.native import remote
 from tests.test_blocks import assert_product, random_weight
 from tests.test_checkpoint_quant import assert_fp8_products, assert_q4_z_products
-from tests.test_kquants import assert_kquant_product, kquant_weight
+from tests.test_kquants import assert_kquant_product, kquant_weight, quantized_x, x_block
 
 CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 DT = {name: numpy_dtype(name) for name in CACHES}
@@ -411,7 +412,7 @@ def test_matmul_over_gguf_kquants(threads, kind, rows):
     within x's 8-bit quantization; K of 1, 3 and 6 super-blocks (Q5_0/Q5_1 also 9 blocks:
     SmolLM2's 288), N of 5, 33 and 130 (two threads)."""
     rng = np.random.default_rng()
-    shapes = [(256, 5), (768, 130), (1536, 33)] + ([] if kind.endswith("_k") else [(288, 7)])
+    shapes = [(256, 5), (768, 130), (1536, 33)] + ([] if x_block(kind) == 256 else [(288, 7)])
     for k, n in shapes:
         x = rng.standard_normal((rows, k), dtype=np.float32)
         x[:, 3] *= 40  # an outlier widens its block's step
@@ -421,10 +422,31 @@ def test_matmul_over_gguf_kquants(threads, kind, rows):
         assert_kquant_product(x, w, got)
 
 
-@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k.endswith("_k")])
+@pytest.mark.parametrize("kind", IQ4_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 65])
+def test_iq4_products_are_exact_integer_sums(threads, kind, rows):
+    """matmul_iq4.cpp on each build (vpshufb and the sign trick, VNNI, NEON's tbl, the plain
+    loop; 1, 3 and 8 rows: one, a partial and a whole run of 4; 65: the float32 tiles) against
+    the float64 product of x quantized as the kernels do (per 32 values for IQ4_NL, 256 for
+    IQ4_XS) and the NumPy dequantizer's values: the integer sums are exact, so only float32
+    rounding of the block factors and sums is left (a wrong index, scale or nibble is ~1e-3)."""
+    rng = np.random.default_rng()
+    shapes = [(256, 5), (1536, 33)] + ([(288, 19)] if kind == "iq4_nl" else [(768, 130)])
+    for k, n in shapes:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        x[:, 3] *= 40
+        w = kquant_weight(rng, kind, k, n)
+        xq, vals = quantized_x(x, x_block(kind)), w.dequantize().astype(np.float64)
+        got = cpu_ops.matmul(x, w)
+        err = np.abs(got - xq @ vals)
+        assert (err <= 1e-5 * (np.abs(xq) @ np.abs(vals))).all(), kind
+
+
+@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k.endswith("_k")] + list(IQ4_FORMATS))
 def test_a_kquant_decode_has_the_bits_of_a_batch_row(threads, kind):
-    """One row of x (a decode: AVX2 takes W's rows two at a time) gives each output the bits the
-    same row gets inside a batch of rows (one W row at a time): N odd, so a row goes alone."""
+    """One row of x (a decode: AVX2 takes a k-quant's W rows two at a time) gives each output the
+    bits the same row gets inside a batch of rows (one W row at a time): N odd, so a row goes
+    alone."""
     rng = np.random.default_rng()
     x = rng.standard_normal((1, 768), dtype=np.float32)
     w = kquant_weight(rng, kind, 768, 131)

@@ -1,8 +1,8 @@
-"""GGUF's k-quants, 5-bit formats and MXFP4 (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) kept as
-stored: the engine's dequantizers (model_loader/kquants.py) against gguf-py's (an independent
-implementation) bit for bit on random blocks; a GGUF file of every type loaded with its
-matrices kept in their blocks, its logits against a float32 file of the same values on the
-numpy and cpu backends. The kernels' products are checked on every build in
+"""GGUF's k-quants, 5-bit formats, MXFP4 and IQ4 (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4, IQ4_NL,
+IQ4_XS) kept as stored: the engine's dequantizers (model_loader/kquants.py) against gguf-py's
+(an independent implementation) bit for bit on random blocks; a GGUF file of every type loaded
+with its matrices kept in their blocks, its logits against a float32 file of the same values on
+the numpy and cpu backends. The kernels' products are checked on every build in
 tests/test_cpu_kernels.py (``assert_kquant_product``)."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ Q = gguf.GGMLQuantizationType
 # type -> byte offsets of its float16 factors in a block
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
 HALVES["MXFP4"] = ()  # its factor: an e8m0 exponent, byte 0
+HALVES |= {"IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_raw(rng, type_name: str, rows: int, k: int, scale: float | None = None) -> np.ndarray:
@@ -87,21 +88,24 @@ def q8_0_raw(rng, rows: int, k: int) -> np.ndarray:
     return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, Q.Q8_0)
 
 
-def write_files(tmp_path, model_dir, rng):
-    """The same weights twice: a GGUF of random blocks of each type (LAYER_TYPES, the table
-    Q4_K, the LM head Q6_K) and a float32 GGUF of their values."""
+def write_files(
+    tmp_path, model_dir, rng, layers=LAYER_TYPES, table="Q4_K", head="Q6_K", scale=0.004
+):
+    """The same weights twice: a GGUF of random blocks of each type (``layers``: LAYER_TYPES'
+    shape, the table ``table``, the LM head ``head``; float16 factors within +-``scale``) and a
+    float32 GGUF of their values."""
     c = DIMS
     hd, dim, ffn = c["head_dim"], c["hidden_size"], c["intermediate_size"]
     rows = {"attn_q": 4 * hd, "attn_k": 2 * hd, "attn_v": 2 * hd, "attn_output": dim}
     rows |= {"ffn_gate": ffn, "ffn_up": ffn, "ffn_down": dim}
     cols = {name: (ffn if name == "ffn_down" else dim) for name in rows}
-    tensors = {"token_embd.weight": ("Q4_K", 320, dim), "output.weight": ("Q6_K", 320, dim)}
-    for i, layer in enumerate(LAYER_TYPES):
+    tensors = {"token_embd.weight": (table, 320, dim), "output.weight": (head, 320, dim)}
+    for i, layer in enumerate(layers):
         for name, t in layer.items():
             tensors[f"blk.{i}.{name}.weight"] = (t, rows[name], cols[name])
     raws = {}
     for name, (t, n, k) in tensors.items():
-        raws[name] = q8_0_raw(rng, n, k) if t == "Q8_0" else random_raw(rng, t, n, k, 0.004)
+        raws[name] = q8_0_raw(rng, n, k) if t == "Q8_0" else random_raw(rng, t, n, k, scale)
     norms = [f"blk.{i}.{n}_norm.weight" for i in range(2) for n in ("attn", "ffn")]
     norms = {n: (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32) for n in norms}
     norms["output_norm.weight"] = np.ones(dim, np.float32)
@@ -181,6 +185,12 @@ def test_tensor_parallel_cuts_of_kept_blocks_are_their_values(kquant_files):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
+def x_block(kind: str) -> int:
+    """The values per scale of x as the kernels quantize it for a kept kind: 256 (Q8_K) for the
+    k-quants and IQ4_XS, 32 for the 32-value block formats."""
+    return 256 if kind.endswith("_k") or kind == "iq4_xs" else 32
+
+
 def quantized_x(x: np.ndarray, per: int) -> np.ndarray:
     """x (M, K) -> (M, K) float64, x as the kernels quantize it: per row and ``per`` values,
     d = absmax / 127 (float32), q = x * (1 / d) rounded half to even."""
@@ -194,13 +204,13 @@ def quantized_x(x: np.ndarray, per: int) -> np.ndarray:
 
 def twin_matmul(x: np.ndarray, w) -> np.ndarray:
     """The product the cpu backend computes for a kept weight, in float64: x quantized per 256
-    (k-quants) or 32 (Q5_0, Q5_1, Q8_0), times the weight's dequantized values; each part of a
-    fused matrix so."""
+    (k-quants, IQ4_XS) or 32 (Q5_0, Q5_1, Q8_0, IQ4_NL), times the weight's dequantized values;
+    each part of a fused matrix so."""
     if not isinstance(w, QuantWeight):
         return fast_ops.matmul(x, w)
     if w.kind == "parts":
         return np.concatenate([twin_matmul(x, p) for p in w.parts], axis=1)
-    per = 256 if w.kind.endswith("_k") else 32
+    per = x_block(w.kind)
     return (quantized_x(x, per) @ w.dequantize().astype(np.float64)).astype(np.float32)
 
 
@@ -257,9 +267,10 @@ def kquant_weight(rng, kind: str, k: int, n: int) -> QuantWeight:
 
 def assert_kquant_product(x: np.ndarray, w: QuantWeight, got: np.ndarray) -> None:
     """got ~ x @ w's values in float64, within x's quantization to 8 bits (per 256 values for
-    the k-quants, 32 for Q5_0/Q5_1: |x - x~| <= step / 2 per value) and float32 sums."""
+    the k-quants and IQ4_XS, 32 for the others: |x - x~| <= step / 2 per value) and float32
+    sums."""
     vals = w.dequantize().astype(np.float64)  # (K, N)
-    per = 256 if w.kind.endswith("_k") else 32
+    per = x_block(w.kind)
     m, k = x.shape
     step = np.abs(x).reshape(m, k // per, per).max(axis=2) / 127  # (M, K/per)
     absw = np.abs(vals).reshape(k // per, per, -1).sum(axis=1)  # (K/per, N)

@@ -230,6 +230,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.matmul_q5.restype = I
     lib.matmul_mxfp4.argtypes = [P, P, P, L, L, L, I]
     lib.matmul_mxfp4.restype = I
+    lib.matmul_iq4.argtypes = [P, P, P, I, L, L, L, I]
+    lib.matmul_iq4.restype = I
     lib.matmul_fp8.argtypes = [P, P, P, P, L, L, L, L, I]
     lib.matmul_fp8.restype = I
     lib.matmul_matrix.argtypes = [P, P, P, L, L, L, I]

@@ -19,7 +19,13 @@ from engine.backends import fast_ops
 from engine.backends.base import numpy_dtype
 from engine.backends.cpu_native import library, threads
 from engine.backends.fast_ops import copy_blocks, embedding  # noqa: F401  (the ops module's whole interface)
-from engine.backends.quant import BLOCK_FORMATS, KEPT_BLOCKS, RAW_FORMATS, QuantWeight
+from engine.backends.quant import (
+    BLOCK_FORMATS,
+    IQ4_FORMATS,
+    KEPT_BLOCKS,
+    RAW_FORMATS,
+    QuantWeight,
+)
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -51,6 +57,7 @@ KINDS = {"bf16": 1, "int8": 2} | {f: 3 + i for i, f in enumerate(BLOCK_FORMATS)}
 KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
 KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS[:5])} | {"parts": 14}  # W_RAW.., W_PARTS
 KINDS |= {"q4_z": 15, "fp8": 16, "mxfp4": 17}  # W_Q4Z, W_FP8, W_MXFP4
+KINDS |= {"iq4_nl": 18, "iq4_xs": 19}  # W_IQ4_NL, W_IQ4_XS
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
@@ -278,6 +285,10 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         data = _contiguous(w.data, np.dtype(np.uint8))
         _check(lib.matmul_mxfp4(_p(out), _p(x), _p(data), m, k, n, threads()),
                "matmul (mxfp4)", (m, k, n))  # fmt: skip
+    elif w.kind in IQ4_FORMATS:
+        data, fmt = _contiguous(w.data, np.dtype(np.uint8)), IQ4_FORMATS.index(w.kind)
+        _check(lib.matmul_iq4(_p(out), _p(x), _p(data), fmt, m, k, n, threads()),
+               f"matmul ({w.kind})", (m, k, n))  # fmt: skip
     elif w.kind in RAW_FORMATS:
         data, fmt = _contiguous(w.data, np.dtype(np.uint8)), RAW_FORMATS.index(w.kind)
         kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5

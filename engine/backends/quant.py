@@ -27,13 +27,14 @@ An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e
 ``scales`` (N, nbk) float32, one per row and run of K / nbk inputs; w = float32(q) * s
 (model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
 
-A GGUF file's k-quant, 5-bit and MXFP4 matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4:
-RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of a row) uint8, no scales
-(model_loader.kquants lays the blocks out and dequantizes them; cpu_src/matmul_kquants.cpp,
-matmul_q5.cpp and matmul_mxfp4.cpp multiply them); a gpt-oss checkpoint's MXFP4 matrices come
-repacked into the same blocks (model_loader.mxfp4). A fused matrix
-whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside its Q6_K v) is
-kind "parts": ``parts`` the QuantWeights (or float32 arrays) of its runs of columns, in order.
+A GGUF file's k-quant, 5-bit, MXFP4 and IQ4 matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4,
+IQ4_NL, IQ4_XS: RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of a row) uint8,
+no scales (model_loader.kquants lays the blocks out and dequantizes them;
+cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp and matmul_iq4.cpp multiply them);
+a gpt-oss checkpoint's MXFP4 matrices come repacked into the same blocks (model_loader.mxfp4).
+A fused matrix whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside
+its Q6_K v) is kind "parts": ``parts`` the QuantWeights (or float32 arrays) of its runs of
+columns, in order.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 QK = 32  # weights per block of the GGUF formats
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
 KEPT_BLOCKS = (*BLOCK_FORMATS, "q4_z")  # and the kind only a checkpoint brings (format 3)
-# the kinds kept as the file's bytes: matmul_kquants' formats, matmul_q5's, then MXFP4
-RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4")
+# the kinds kept as the file's bytes: matmul_kquants' formats, matmul_q5's, MXFP4, then
+# matmul_iq4's
+RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4", "iq4_nl", "iq4_xs")
+IQ4_FORMATS = ("iq4_nl", "iq4_xs")  # matmul_iq4's formats, in order
 
 
 def _blocks(w: np.ndarray, fmt: str) -> np.ndarray:

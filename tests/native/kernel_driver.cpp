@@ -28,6 +28,7 @@ int matmul_kquants(float*, const float*, const uint8_t*, int, long, long, long, 
 int matmul_fp8(float*, const float*, const uint8_t*, const float*, long, long, long, long, int);
 int matmul_q5(float*, const float*, const uint8_t*, int, long, long, long, int);
 int matmul_mxfp4(float*, const float*, const uint8_t*, long, long, long, int);
+int matmul_iq4(float*, const float*, const uint8_t*, int, long, long, long, int);
 int paged_attention_decode(float*, const float*, const void*, const void*, int, const int32_t*,
                            const int32_t*, int, int, int, int, int, int, float, int, float,
                            const float*, int);
@@ -134,6 +135,8 @@ int64_t run(Call& c) {
     return matmul_q5(c.f(0), c.f(1), (uint8_t*)c.p(2), c.n(0), c.l(1), c.l(2), c.l(3), c.n(4));
   else if (k == "matmul_mxfp4")
     return matmul_mxfp4(c.f(0), c.f(1), (uint8_t*)c.p(2), c.l(0), c.l(1), c.l(2), c.n(3));
+  else if (k == "matmul_iq4")
+    return matmul_iq4(c.f(0), c.f(1), (uint8_t*)c.p(2), c.n(0), c.l(1), c.l(2), c.l(3), c.n(4));
   else if (k == "paged_attention_decode")
     return paged_attention_decode(c.f(0), c.f(1), c.p(2), c.p(3), c.n(0), c.i32(4), c.i32(5),
                                   c.n(1), c.n(2), c.n(3), c.n(4), c.n(5), c.n(6), c.floats[0],
