@@ -1,8 +1,8 @@
-"""GGUF's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1), MXFP4 and IQ4_NL/IQ4_XS: their
-block layouts and a NumPy dequantizer per type, written from the formats' definitions (ggml's
-block structs). The values they give are the semantics the cpu backend's kernels
-(cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp, matmul_iq4.cpp) are checked
-against; every product is float32, in ggml's order.
+"""GGUF's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1), MXFP4 and
+IQ4_NL/IQ4_XS: their block layouts and a NumPy dequantizer per type, written from the formats'
+definitions (ggml's block structs). The values they give are the semantics the cpu backend's
+kernels (cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp, matmul_iq4.cpp) are
+checked against; every product is float32, in ggml's order.
 
 A matrix row is a run of blocks; a block's bytes, in file order:
   Q4_K (256 values, 144 bytes): d, dmin (float16); 12 bytes of eight 6-bit scales and eight

@@ -28,8 +28,8 @@ An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e
 (model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
 
 A GGUF file's k-quant, 5-bit, MXFP4 and IQ4 matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0,
-Q5_1, MXFP4, IQ4_NL, IQ4_XS: RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of a row) uint8,
-no scales (model_loader.kquants lays the blocks out and dequantizes them;
+Q5_1, MXFP4, IQ4_NL, IQ4_XS: RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of
+a row) uint8, no scales (model_loader.kquants lays the blocks out and dequantizes them;
 cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp and matmul_iq4.cpp multiply them);
 a gpt-oss checkpoint's MXFP4 matrices come repacked into the same blocks (model_loader.mxfp4).
 A fused matrix whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside
