@@ -107,9 +107,7 @@ template <int F> inline void block_scales(const uint8_t* b, __m256i& s16, __m256
     s16 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
     mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
   } else if constexpr (F == Q3_K) {
-    alignas(16) int8_t sc[16];
-    q3_scales(b + 96, sc);
-    s16 = mn16 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)sc));
+    s16 = mn16 = _mm256_cvtepi8_epi16(q3_scales_vec(b + 96));
   } else {
     uint64_t sc, mn;
     scales_mins_words(b + 4, sc, mn);

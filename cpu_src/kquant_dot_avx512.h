@@ -76,9 +76,7 @@ template <int F> inline Regs512 load512(const uint8_t* b) {
       const __m512i at2[4] = {_mm512_slli_epi64(h, 2), h, _mm512_srli_epi64(h, 2),
                               _mm512_srli_epi64(h, 4)};
       for (int k = 0; k < 4; k++) r.q[k] = _mm512_ternarylogic_epi64(r.q[k], at2[k], bit, 0xF8);
-      alignas(16) int8_t sc[16];
-      q3_scales(b + 96, sc);
-      s16 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)sc));
+      s16 = _mm256_cvtepi8_epi16(q3_scales_vec(b + 96));
       r.mn = s16;
     }
   } else {

@@ -22,6 +22,10 @@
 
 #include "common.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace kq {
 
 const long QK = 256;  // values per super-block
@@ -82,6 +86,21 @@ inline void q3_scales(const uint8_t* s, int8_t* sc) {
   std::memcpy(b, out, 16);
   for (int i = 0; i < 16; i++) sc[i] = (int8_t)(b[i] - 32);
 }
+
+#if defined(__AVX2__)
+// q3_scales in a register, for the vector paths: the 16 scales less 32 as int8 (the 12 bytes
+// read as 8 + 4, never past the block).
+inline __m128i q3_scales_vec(const uint8_t* s) {
+  uint32_t top;
+  std::memcpy(&top, s + 8, 4);
+  const __m128i v = _mm_loadl_epi64((const __m128i*)s), nib = _mm_set1_epi8(15);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, nib),
+                                         _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+  const __m128i hi = _mm_and_si128(
+      _mm_srlv_epi32(_mm_set1_epi32((int)top), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+}
+#endif
 
 template <int F> void unpack(const uint8_t* b, Unpacked& u) {
   if constexpr (F == Q6_K) {
