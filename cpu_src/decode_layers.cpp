@@ -173,8 +173,8 @@ int matmul_parts(float* out, const float* x, const Matrix& w, long M, long K, lo
 int matmul(float* out, const float* x, const Matrix& w, long M, long K, long N, int threads) {
   const int8_t* q = (const int8_t*)w.data;
   const uint8_t* raw = (const uint8_t*)w.data;
-  if (w.kind >= W_RAW && w.kind < W_RAW + 3)
-    return matmul_kquants(out, x, raw, w.kind - W_RAW, M, K, N, threads);
+  if (kquant_format(w.kind) >= 0)
+    return matmul_kquants(out, x, raw, kquant_format(w.kind), M, K, N, threads);
   if (w.kind >= W_RAW + 3 && w.kind < W_PARTS)
     return matmul_q5(out, x, raw, w.kind - W_RAW - 3, M, K, N, threads);
   if (w.kind == W_PARTS) return matmul_parts(out, x, w, M, K, N, threads);

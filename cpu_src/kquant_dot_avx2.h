@@ -61,6 +61,23 @@ template <int F> inline __m256i block_dot(const uint8_t* b, const Scales& s, con
         acc = scaled_dot(acc, q, x + 128 * h + 32 * j, s, 4 * h + j);
       }
     }
+  } else if constexpr (F == Q2_K || F == Q3_K) {
+    // chunk k = 4 h + j: bits 2 j, 2 j + 1 of qs[32 h + l]; Q3_K's third bit: bit k of hmask[l]
+    const __m256i pair = _mm256_set1_epi8(3), bit = _mm256_set1_epi8(4);
+    const uint8_t* qs = b + (F == Q2_K ? 16 : 32);
+    const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
+    for (int h = 0; h < 2; h++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * h));
+      for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), pair);
+        if constexpr (F == Q3_K) {
+          const int k = 4 * h + j;
+          const __m256i at2 = k < 2 ? _mm256_slli_epi16(hm, 2 - k) : _mm256_srli_epi16(hm, k - 2);
+          q = _mm256_or_si256(q, _mm256_and_si256(at2, bit));
+        }
+        acc = scaled_dot(acc, q, x + 128 * h + 32 * j, s, 4 * h + j);
+      }
+    }
   } else {
     const uint8_t* qs = b + (F == Q4_K ? 16 : 48);
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));  // Q5_K's fifth bits
@@ -81,10 +98,16 @@ template <int F> inline __m256i block_dot(const uint8_t* b, const Scales& s, con
 
 // A super-block's 16 scales (one per 16 values) and 16 min factors as int16: Q4_K/Q5_K's 8
 // group scales and mins each twice, Q6_K's 16 int8 scales for both (mn = 32 sc: the 32 goes in
-// the float factor).
+// the float factor), Q2_K's 4-bit scales and mins, Q3_K's 16 scales less 32 for both (mn = 4 sc).
 template <int F> inline void block_scales(const uint8_t* b, __m256i& s16, __m256i& mn16) {
   if constexpr (F == Q6_K) {
     s16 = mn16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+  } else if constexpr (F == Q2_K) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)b), nib = _mm_set1_epi8(15);
+    s16 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
+    mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+  } else if constexpr (F == Q3_K) {
+    s16 = mn16 = _mm256_cvtepi8_epi16(q3_scales_vec(b + 96));
   } else {
     uint64_t sc, mn;
     scales_mins_words(b + 4, sc, mn);

@@ -55,6 +55,30 @@ template <int F> inline Regs512 load512(const uint8_t* b) {
     }
     s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
     r.mn = s16;
+  } else if constexpr (F == Q2_K || F == Q3_K) {
+    // q[2 h + g]: bits 4 g, + 1 of qs[32 h + l] in the low 256 bits (value 128 h + 64 g + l),
+    // bits 4 g + 2, + 3 in the high 256 (+ 32). Q3_K: value 32 k + l's third bit is bit k of
+    // hmask[l], moved to bit 2 (k = 2 (2 h + g) + half).
+    const __m512i pair = _mm512_set1_epi8(3), two = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    const uint8_t* qs = b + (F == Q2_K ? 16 : 32);
+    for (int h = 0; h < 2; h++) {
+      const __m512i v = _mm512_srlv_epi64(both_halves(qs + 32 * h), two);
+      r.q[2 * h] = _mm512_and_si512(v, pair);
+      r.q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi64(v, 4), pair);
+    }
+    if constexpr (F == Q2_K) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)b), nib = _mm_set1_epi8(15);
+      s16 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
+      r.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    } else {
+      const __m512i bit = _mm512_set1_epi8(4), one = _mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0);
+      const __m512i h = _mm512_srlv_epi64(both_halves(b), one);  // bit 2 k: chunk k's half
+      const __m512i at2[4] = {_mm512_slli_epi64(h, 2), h, _mm512_srli_epi64(h, 2),
+                              _mm512_srli_epi64(h, 4)};
+      for (int k = 0; k < 4; k++) r.q[k] = _mm512_ternarylogic_epi64(r.q[k], at2[k], bit, 0xF8);
+      s16 = _mm256_cvtepi8_epi16(q3_scales_vec(b + 96));
+      r.mn = s16;
+    }
   } else {
     // q[c]: nibble byte 32 c + l's low half in the low 256 bits (value 64 c + l), its high half
     // in the high 256 (64 c + 32 + l). Q5_K: value 32 g + l's fifth bit is bit g of qh[l].

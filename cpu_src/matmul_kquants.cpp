@@ -3,7 +3,8 @@
 // once per product as llama.cpp's Q8_K: per row and 256 values, dx = absmax / 127, qx =
 // round(x / dx) (ties to even), and bs[j] = the sum of each 16 qx. With a super-block's values
 // w[16 j + i] = d sc[j] q - c mn[j] (Q4_K/Q5_K: the group's 6-bit scale and min, c = dmin;
-// Q6_K: mn = 32 sc, c = d) its product is integers and two float terms:
+// Q6_K: mn = 32 sc, c = d; Q2_K: the 4-bit scale and min, c = dmin; Q3_K: sc = s - 32 signed,
+// q = its 3 bits + 4 unsigned, mn = 4 sc, c = d) its product is integers and two float terms:
 //   dx (d sum_j sc[j] sum_i q qx - c sum_j mn[j] bs[j])
 // the mins costing one multiply per 16 values. Every batch size computes this same function
 // (of x quantized), in float32.
@@ -197,15 +198,17 @@ void matmul_k(float* out, const float* x, const uint8_t* w, long M, long K, long
 }  // namespace
 
 // out: (M, N) float32; x: (M, K) float32; w: (N, K / 256 super-blocks of the format) bytes;
-// format: 0 Q4_K, 1 Q5_K, 2 Q6_K; all row-major contiguous. Returns 1 (nothing done) for a K
-// that is not a multiple of 256, or an unknown format.
+// format: 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 Q2_K, 4 Q3_K; all row-major contiguous. Returns 1 (nothing
+// done) for a K that is not a multiple of 256, or an unknown format.
 extern "C" int matmul_kquants(float* out, const float* x, const uint8_t* w, int format, long M,
                               long K, long N, int threads) {
-  if (K % QK || format < Q4_K || format > Q6_K) return 1;
+  if (K % QK || format < Q4_K || format > Q3_K) return 1;
   if (M == 0) return 0;
   switch (format) {
     case Q4_K: matmul_k<Q4_K>(out, x, w, M, K, N, threads); break;
     case Q5_K: matmul_k<Q5_K>(out, x, w, M, K, N, threads); break;
+    case Q2_K: matmul_k<Q2_K>(out, x, w, M, K, N, threads); break;
+    case Q3_K: matmul_k<Q3_K>(out, x, w, M, K, N, threads); break;
     default: matmul_k<Q6_K>(out, x, w, M, K, N, threads); break;
   }
   return 0;
@@ -223,10 +226,12 @@ extern "C" void kquants_quantize(int8_t* qx, float* dx, int16_t* bs, const float
 extern "C" int kquants_cols(float* out, long ldo, const int8_t* qx, const float* dx,
                             const int16_t* bs, const uint8_t* w, int format, long M, long K,
                             long n0, long n1) {
-  if (K % QK || format < Q4_K || format > Q6_K || M > INT_MAX_ROWS) return 1;
+  if (K % QK || format < Q4_K || format > Q3_K || M > INT_MAX_ROWS) return 1;
   switch (format) {
     case Q4_K: cols<Q4_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
     case Q5_K: cols<Q5_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
+    case Q2_K: cols<Q2_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
+    case Q3_K: cols<Q3_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
     default: cols<Q6_K>(out, ldo, qx, dx, bs, w, M, K, n0, n1); break;
   }
   return 0;

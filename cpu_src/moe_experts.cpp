@@ -62,13 +62,14 @@ template <class T> struct Buf {
   T* data() const { return p.get(); }
 };
 
-// How a product's columns are cut: from x quantized once per row (KQ: the k-quants, BLK: the
-// 32-value blocks), as a column range of the stored matrix through its kind's kernel on one
-// thread (SLICE: the panels, Q5_0/Q5_1, MXFP4, IQ4_NL/IQ4_XS), or not at all (WHOLE).
+// How a product's columns are cut: from x quantized once per row (KQ: the k-quants Q2_K to
+// Q6_K, BLK: the 32-value blocks), as a column range of the stored matrix through its kind's
+// kernel on one thread (SLICE: the panels, Q5_0/Q5_1, MXFP4, IQ4_NL/IQ4_XS), or not at all
+// (WHOLE).
 enum Way { KQ, BLK, SLICE, WHOLE };
 
 Way way_of(int kind) {
-  if (kind >= W_RAW && kind < W_RAW + 3) return KQ;
+  if (kquant_format(kind) >= 0) return KQ;
   if ((kind >= W_BLOCKS && kind < W_BLOCKS + 3) || kind == W_Q4Z) return BLK;
   if (kind == W_PANELS || kind == W_BF16_PANELS || kind == W_INT8_PANELS) return SLICE;
   if (kind == W_MXFP4 || kind == W_IQ4_NL || kind == W_IQ4_XS) return SLICE;
@@ -88,7 +89,7 @@ struct Quantized {
 
   Quantized(const Matrix& w, long rows, long k) : way(way_of(w.kind)), K(k) {
     if (way == KQ) {
-      fmt = w.kind - W_RAW, nd = K / 256, nb = K / 16;
+      fmt = kquant_format(w.kind), nd = K / 256, nb = K / 16;
     } else if (way == BLK) {
       fmt = w.kind == W_Q4Z ? 3 : w.kind - W_BLOCKS, nd = K / 32, nc = K / 64 * 8;
     } else {

@@ -4,7 +4,7 @@ Three things differ from a Hugging Face checkpoint:
   * the config is read from ``llama.*`` metadata keys instead of ``config.json`` (a mixture
     of experts' keys and tensor names: ``model_loader.gguf_moe``);
   * tensors may be quantized (Q4_0, Q4_1, Q8_0, Q4_K, ...). Matrices in a k-quant, 5-bit,
-    MXFP4 or IQ4 type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS), with, in a file
+    MXFP4 or IQ4 type (Q2_K to Q6_K, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS), with, in a file
     that has them, its Q8_0/Q4_0/Q4_1 ones, and an embedding table or LM head in Q8_0, Q4_0
     or Q4_1, stay in their blocks (``model_loader.gguf_blocks.BlockMatrix``: float32 by row or
     whole when asked); every other tensor is dequantized to float32 when it is asked for,

@@ -1,8 +1,8 @@
-"""GGUF's k-quants (Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1), MXFP4 and IQ4_NL/IQ4_XS: their
-block layouts and a NumPy dequantizer per type, written from the formats' definitions (ggml's
-block structs). The values they give are the semantics the cpu backend's kernels
-(cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp, matmul_iq4.cpp) are checked
-against; every product is float32, in ggml's order.
+"""GGUF's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), 5-bit formats (Q5_0, Q5_1), MXFP4 and
+IQ4_NL/IQ4_XS: their block layouts and a NumPy dequantizer per type, written from the formats'
+definitions (ggml's block structs). The values they give are the semantics the cpu backend's
+kernels (cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp, matmul_iq4.cpp) are
+checked against; every product is float32, in ggml's order.
 
 A matrix row is a run of blocks; a block's bytes, in file order:
   Q4_K (256 values, 144 bytes): d, dmin (float16); 12 bytes of eight 6-bit scales and eight
@@ -14,6 +14,14 @@ A matrix row is a run of blocks; a block's bytes, in file order:
        16 int8 scales, d (float16). Two halves of 128: value 32 j + l of a half (j = 0..3)
        takes ql[64 h + l + 32 (j % 2)]'s low (j < 2) or high nibble and bits 2j, 2j+1 of
        qh[32 h + l]: w = (d sc_(8h + 2j + l // 16)) (q - 32).
+  Q2_K (256 values, 84 bytes): 16 bytes of scales (byte j: low nibble sc_j, high nibble m_j,
+       for values 16 j .. 16 j + 15), qs (64 bytes of 2-bit q), d, dmin (float16). Value
+       128 h + 32 j + l (j = 0..3) is bits 2j, 2j+1 of qs[32 h + l]: w = (d sc) q - dmin m.
+  Q3_K (256 values, 110 bytes): hmask (32 bytes), qs (64 bytes, as Q2_K's), 12 bytes of
+       sixteen 6-bit scales s, d (float16). Value 128 h + 32 j + l: its low bits from qs as
+       Q2_K's, its high bit bit 4h + j of hmask[l]: w = d (s - 32) (low + 4 high - 4). Scale i
+       is byte i % 8's low (i < 8) or high nibble, with bits 2 (i // 4), + 1 of byte 8 + i % 4
+       on top.
   Q5_0 (32 values, 22 bytes): d (float16), qh (uint32, bit i the fifth bit of value i),
        16 bytes of nibbles (byte j: value j low, value j + 16 high): w = d (q - 16).
   Q5_1 (32 values, 24 bytes): d, m (float16), qh, nibbles: w = d q + m.
@@ -36,6 +44,8 @@ QK_K = 256
 
 # type name -> (values per block, bytes per block)
 LAYOUTS = {
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
@@ -103,6 +113,40 @@ def dequantize_q6_k(b: np.ndarray) -> np.ndarray:
     return (ds * v.reshape(n, 16, 16).astype(F32)).reshape(n, QK_K)
 
 
+def _pairs(qs: np.ndarray) -> np.ndarray:
+    """(n, 64) bytes of 2-bit values -> (n, 256) uint8: value 128 h + 32 j + l from bits 2j, 2j+1
+    of byte 32 h + l."""
+    b = qs.reshape(len(qs), 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    return (b & 3).reshape(len(qs), QK_K)
+
+
+def dequantize_q2_k(b: np.ndarray) -> np.ndarray:
+    """(n, 84) uint8 blocks -> (n, 256) float32."""
+    n = len(b)
+    sc, m = (b[:, 0:16] & 15).astype(F32), (b[:, 0:16] >> 4).astype(F32)  # (n, 16)
+    ds = (_halves(b, 80, 82)[:, None] * sc)[:, :, None]  # (n, 16, 1): per 16 values
+    dm = (_halves(b, 82, 84)[:, None] * m)[:, :, None]
+    q = _pairs(b[:, 16:80]).reshape(n, 16, 16).astype(F32)
+    return (ds * q - dm).reshape(n, QK_K)
+
+
+def q3_scales(s: np.ndarray) -> np.ndarray:
+    """(n, 12) packed bytes -> (n, 16) int8, Q3_K's sixteen 6-bit scales less 32."""
+    low = np.concatenate([s[:, 0:8] & 15, s[:, 0:8] >> 4], axis=1)  # (n, 16)
+    top = s[:, 8:12, None] >> (2 * np.arange(4, dtype=np.uint8))[None, None, :]  # (n, 4, 4)
+    top = np.ascontiguousarray((top & 3).transpose(0, 2, 1)).reshape(len(s), 16)  # i // 4, i % 4
+    return (low | (top << 4)).astype(np.int8) - np.int8(32)
+
+
+def dequantize_q3_k(b: np.ndarray) -> np.ndarray:
+    """(n, 110) uint8 blocks -> (n, 256) float32."""
+    n = len(b)
+    high = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
+    q = _pairs(b[:, 32:96]).astype(np.int8) + (high.reshape(n, QK_K) << 2).astype(np.int8) - 4
+    ds = (_halves(b, 108, 110)[:, None] * q3_scales(b[:, 96:108]).astype(F32))[:, :, None]
+    return (ds * q.reshape(n, 16, 16).astype(F32)).reshape(n, QK_K)
+
+
 def _q5_values(b: np.ndarray, at: int) -> np.ndarray:
     """Q5_0/Q5_1: (n, bytes) blocks with qh at bytes at..at+4 -> (n, 32) uint8 q in [0, 31]."""
     qh = np.ascontiguousarray(b[:, at : at + 4]).view("<u4")  # (n, 1)
@@ -124,6 +168,8 @@ def dequantize_q5_1(b: np.ndarray) -> np.ndarray:
 
 
 DEQUANTIZE = {
+    "Q2_K": dequantize_q2_k,
+    "Q3_K": dequantize_q3_k,
     "Q4_K": dequantize_q4_k,
     "Q5_K": dequantize_q5_k,
     "Q6_K": dequantize_q6_k,

@@ -2,8 +2,8 @@
 
 TinyLlama's four layer matrices (2048x2560 QKV, 2048x2048 O, 2048x11264 gate and up, 5632x2048
 down) for a number of layers, random weights, each format as the engine packs it (float32
-panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels; GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and
-MXFP4 as random blocks of the shape, the engine having no quantizer for them), or the matrices
+panels, bf16 panels, Q8_0, Q4_0, Q4_1, int8 panels; GGUF's Q2_K to Q6_K, Q5_0, Q5_1, MXFP4
+and IQ4 as random blocks of the shape, the engine having no quantizer for them), or the matrices
 ``--shapes`` names; x of a given number of rows. Every
 (format, build) pair is timed in the same process, in alternating rounds, so a noisy machine
 moves them all alike. Prints, per pair, the fastest and the median sweep over all the layers,
@@ -38,6 +38,11 @@ PACK = {
 }
 
 
+# kind -> byte offsets of a block's float16 factors, where not (0, 2)
+HALVES = {"mxfp4": (), "q6_k": (208,), "q2_k": (80, 82), "q3_k": (108,)}
+HALVES |= {"q5_0": (0,), "iq4_nl": (0,), "iq4_xs": (0,)}
+
+
 def random_blocks(shape: tuple[int, int], kind: str) -> quant.QuantWeight:
     """A (K, N) weight of random GGUF blocks: random bytes, float16 factors 1e-3 (MXFP4's
     exponents 2^-9)."""
@@ -46,7 +51,7 @@ def random_blocks(shape: tuple[int, int], kind: str) -> quant.QuantWeight:
     raw = np.random.default_rng(0).integers(0, 256, (n * k // per, size), dtype=np.uint8)
     if kind == "mxfp4":
         raw[:, 0] = 127 - 9
-    for at in () if kind == "mxfp4" else (208,) if kind == "q6_k" else (0, 2):
+    for at in HALVES.get(kind, (0, 2)):
         raw[:, at : at + 2] = np.full((len(raw), 1), 1e-3, np.float16).view(np.uint8)
     return quant.QuantWeight(kind, raw.reshape(n, -1))
 

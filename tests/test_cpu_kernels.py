@@ -17,6 +17,7 @@ from engine.backends.base import numpy_dtype
 from engine.backends.quant import (
     BLOCK_FORMATS,
     IQ4_FORMATS,
+    KQUANT_FORMATS,
     RAW_FORMATS,
     quantize,
     to_bf16_panels,
@@ -439,6 +440,24 @@ def test_iq4_products_are_exact_integer_sums(threads, kind, rows):
         xq, vals = quantized_x(x, x_block(kind)), w.dequantize().astype(np.float64)
         got = cpu_ops.matmul(x, w)
         err = np.abs(got - xq @ vals)
+        assert (err <= 1e-5 * (np.abs(xq) @ np.abs(vals))).all(), kind
+
+
+@pytest.mark.parametrize("kind", KQUANT_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 129])
+def test_kquant_products_are_exact_integer_sums(threads, kind, rows):
+    """matmul_kquants.cpp on each build (Q2_K and Q3_K's 2-bit pairs and third bits, their
+    4-bit and packed 6-bit scales among the others; 1, 3 and 8 rows: the two-row decode, a
+    partial and a whole run of 4; 129: the float32 tiles) against the float64 product of x
+    quantized as Q8_K and the NumPy dequantizer's values: the integer sums are exact, so only
+    float32 rounding is left (a wrong bit, scale or min is ~1e-3 of the sums)."""
+    rng = np.random.default_rng()
+    for k, n in [(256, 5), (768, 130), (1536, 33)]:
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        x[:, 3] *= 40
+        w = kquant_weight(rng, kind, k, n)
+        xq, vals = quantized_x(x, 256), w.dequantize().astype(np.float64)
+        err = np.abs(cpu_ops.matmul(x, w) - xq @ vals)
         assert (err <= 1e-5 * (np.abs(xq) @ np.abs(vals))).all(), kind
 
 

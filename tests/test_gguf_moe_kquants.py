@@ -1,8 +1,8 @@
 """A mixture of experts from a GGUF file whose experts are k-quants (as a Q4_K_M Qwen3-MoE or
-Mixtral is), MXFP4 (as gpt-oss's) or IQ4_XS/IQ4_NL: each expert's (N, K) matrix stays in the
-file's blocks (model_loader.gguf_blocks ExpertBlocks), the cpu backend multiplies those bytes,
-and the logits are the float32 file's (numpy: the same dequantized values, exactly; cpu: against
-a twin that quantizes x the same)."""
+Mixtral is; Q2_K/Q3_K as a Q3_K_M one), MXFP4 (as gpt-oss's) or IQ4_XS/IQ4_NL: each expert's
+(N, K) matrix stays in the file's blocks (model_loader.gguf_blocks ExpertBlocks), the cpu
+backend multiplies those bytes, and the logits are the float32 file's (numpy: the same
+dequantized values, exactly; cpu: against a twin that quantizes x the same)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ Q = gguf.GGMLQuantizationType
 D, F, E, TOP_K, HD, VOCAB = 256, 256, 4, 2, 64, 320
 # per layer: the experts' types (gate, up, down); the attention's matrices are Q8_0
 EXPERT_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q4_K", "Q5_0"), ("MXFP4", "MXFP4", "MXFP4")]
-EXPERT_TYPES += [("IQ4_XS", "IQ4_NL", "IQ4_XS")]
+EXPERT_TYPES += [("IQ4_XS", "IQ4_NL", "IQ4_XS"), ("Q2_K", "Q3_K", "Q3_K")]
 
 
 def matrices() -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -103,6 +103,8 @@ def test_the_experts_stay_in_the_files_blocks(files):
     assert {w.kind for w in ex2.gate_up} == {w.kind for w in ex2.down} == {"mxfp4"}
     ex3 = cpu.layers[3].experts  # IQ4_XS gate beside an IQ4_NL up: two parts
     assert kinds(ex3.gate_up[0]) == ["iq4_xs", "iq4_nl"] and ex3.down[1].kind == "iq4_xs"
+    ex4 = cpu.layers[4].experts  # a Q2_K gate beside a Q3_K up (the k-quants' integer dots)
+    assert kinds(ex4.gate_up[2]) == ["q2_k", "q3_k"] and ex4.down[0].kind == "q3_k"
 
 
 def test_the_logits_are_the_float32_files(files, monkeypatch):

@@ -28,7 +28,7 @@ Q = gguf.GGMLQuantizationType
 # type -> byte offsets of its float16 factors in a block
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
 HALVES["MXFP4"] = ()  # its factor: an e8m0 exponent, byte 0
-HALVES |= {"IQ4_NL": (0,), "IQ4_XS": (0,)}
+HALVES |= {"IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
 
 
 def random_raw(rng, type_name: str, rows: int, k: int, scale: float | None = None) -> np.ndarray:

@@ -29,13 +29,13 @@ F32 = np.float32
 D, F = 256, 256  # k-quant rows are whole super-blocks of 256
 LOOP = types.SimpleNamespace(matmul=cpu_ops.matmul, act_and_mul=cpu_ops.act_and_mul)
 KINDS = ["float32", "panels", "bf16_panels", "int8_panels", "bf16", "q8_0", "q4_0", "q4_1"]
-KINDS += ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4", "parts", "q4_k/q8_0"]
+KINDS += ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4", "parts", "q4_k/q8_0", "q2_k", "q3_k"]
 WHOLE = ("float32", "bf16")  # run whole on one thread: float32 rounding, not the same bits
 
 
 def kept(rng, kind: str, k: int, n: int):
     """A random (K, N) matrix kept as the cpu backend keeps that kind."""
-    if kind in ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4"):
+    if kind in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4"):
         scale = 0.5 if kind == "mxfp4" else 0.01  # MXFP4: its largest value's bound
         return QuantWeight(kind, random_raw(rng, kind.upper(), n, k, scale=scale))
     if kind == "parts":  # a GGUF's gate and up of two types side by side

@@ -12,7 +12,7 @@ rows in pairs (half the bytes; x rounded to bf16 in each product, AVX512-BF16's 
 where the CPU has them); with ``--quantization int8`` as int8 and a scale per column (a
 quarter), with ``--quantization q8_0|q4_0|q4_1`` in llama.cpp's block formats (float16 scales
 per 32 inputs; the LM head Q8_0 under the 4-bit ones); a GGUF's k-quant, 5-bit and MXFP4
-matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4, and beside them its Q8_0/Q4_0/Q4_1 ones) as the
+matrices (Q2_K to Q6_K, Q5_0, Q5_1, MXFP4, and beside them its Q8_0/Q4_0/Q4_1 ones) as the
 file's blocks, a fused one of mixed types in parts (``quant.keep_stored``); ``cpu_ops.matmul``
 multiplies them by x, accumulating in float32 (the block formats: x quantized to 8 bits per 32,
 or per 256 for the k-quants, integer dot products). The startup log states the bytes held by format.

@@ -23,6 +23,7 @@ from engine.backends.quant import (
     BLOCK_FORMATS,
     IQ4_FORMATS,
     KEPT_BLOCKS,
+    KQUANT_FORMATS,
     RAW_FORMATS,
     QuantWeight,
 )
@@ -58,6 +59,7 @@ KINDS |= {"panels": 6, "bf16_panels": 7, "int8_panels": 8}
 KINDS |= {f: 9 + i for i, f in enumerate(RAW_FORMATS[:5])} | {"parts": 14}  # W_RAW.., W_PARTS
 KINDS |= {"q4_z": 15, "fp8": 16, "mxfp4": 17}  # W_Q4Z, W_FP8, W_MXFP4
 KINDS |= {"iq4_nl": 18, "iq4_xs": 19}  # W_IQ4_NL, W_IQ4_XS
+KINDS |= {"q2_k": 20, "q3_k": 21}  # W_Q2_K, W_Q3_K
 
 
 def matrix(w: np.ndarray | QuantWeight) -> Matrix:
@@ -289,10 +291,13 @@ def matmul(x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         data, fmt = _contiguous(w.data, np.dtype(np.uint8)), IQ4_FORMATS.index(w.kind)
         _check(lib.matmul_iq4(_p(out), _p(x), _p(data), fmt, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
-    elif w.kind in RAW_FORMATS:
-        data, fmt = _contiguous(w.data, np.dtype(np.uint8)), RAW_FORMATS.index(w.kind)
-        kernel = lib.matmul_kquants if fmt < 3 else lib.matmul_q5
-        _check(kernel(_p(out), _p(x), _p(data), fmt % 3, m, k, n, threads()),
+    elif w.kind in KQUANT_FORMATS:
+        data, fmt = _contiguous(w.data, np.dtype(np.uint8)), KQUANT_FORMATS.index(w.kind)
+        _check(lib.matmul_kquants(_p(out), _p(x), _p(data), fmt, m, k, n, threads()),
+               f"matmul ({w.kind})", (m, k, n))  # fmt: skip
+    elif w.kind in RAW_FORMATS:  # Q5_0, Q5_1
+        data, fmt = _contiguous(w.data, np.dtype(np.uint8)), RAW_FORMATS.index(w.kind) - 3
+        _check(lib.matmul_q5(_p(out), _p(x), _p(data), fmt, m, k, n, threads()),
                f"matmul ({w.kind})", (m, k, n))  # fmt: skip
     elif w.kind == "fp8":
         data, scales = _contiguous(w.data, np.dtype(np.uint8)), _contiguous(w.scales, F32)

@@ -27,9 +27,9 @@ An FP8 checkpoint's matrices are kind "fp8": ``data`` (N, K) uint8, the float8_e
 ``scales`` (N, nbk) float32, one per row and run of K / nbk inputs; w = float32(q) * s
 (model_loader/fp8_checkpoint.py; cpu_src/matmul_fp8.cpp multiplies them, x in float32).
 
-A GGUF file's k-quant, 5-bit, MXFP4 and IQ4 matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4,
-IQ4_NL, IQ4_XS: RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of a row) uint8,
-no scales (model_loader.kquants lays the blocks out and dequantizes them;
+A GGUF file's k-quant, 5-bit, MXFP4 and IQ4 matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0,
+Q5_1, MXFP4, IQ4_NL, IQ4_XS: RAW_FORMATS) are kept as the file's bytes, ``data`` (N, bytes of
+a row) uint8, no scales (model_loader.kquants lays the blocks out and dequantizes them;
 cpu_src/matmul_kquants.cpp, matmul_q5.cpp, matmul_mxfp4.cpp and matmul_iq4.cpp multiply them);
 a gpt-oss checkpoint's MXFP4 matrices come repacked into the same blocks (model_loader.mxfp4).
 A fused matrix whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside
@@ -64,10 +64,12 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 QK = 32  # weights per block of the GGUF formats
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # QuantWeight kinds, in matmul_blocks' format order
 KEPT_BLOCKS = (*BLOCK_FORMATS, "q4_z")  # and the kind only a checkpoint brings (format 3)
-# the kinds kept as the file's bytes: matmul_kquants' formats, matmul_q5's, MXFP4, then
-# matmul_iq4's
+# the kinds kept as the file's bytes: matmul_kquants' first formats, matmul_q5's, MXFP4,
+# matmul_iq4's, then matmul_kquants' 2- and 3-bit ones
 RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4", "iq4_nl", "iq4_xs")
+RAW_FORMATS += ("q2_k", "q3_k")
 IQ4_FORMATS = ("iq4_nl", "iq4_xs")  # matmul_iq4's formats, in order
+KQUANT_FORMATS = ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k")  # matmul_kquants' formats, in order
 
 
 def _blocks(w: np.ndarray, fmt: str) -> np.ndarray:
