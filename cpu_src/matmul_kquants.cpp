@@ -9,14 +9,17 @@
 // the mins costing one multiply per 16 values. Every batch size computes this same function
 // (of x quantized), in float32.
 // Up to INT_MAX_ROWS rows of x (decodes, batches, short prompts): each W row read once for
-// every X_ROWS rows of x and dotted with them ROWS at a time (dot_rows: AVX-512 in kquant_dot_avx512.h, AVX2 in
-// kquant_dot_avx2.h, elsewhere each super-block unpacked into bytes (Unpacked) and plain loops;
-// the integer sums are exact either way, only the float additions' order differs). One row of
+// every X_ROWS rows of x and dotted with them ROWS at a time (dot_rows: AVX-512 in
+// kquant_dot_avx512.h, AVX2 in kquant_dot_avx2.h, elsewhere each super-block unpacked into
+// bytes (Unpacked) and plain loops; the integer sums are exact either way, only the float
+// additions' order differs). One row of
 // x (a decode) takes W's rows two at a time on AVX2 and AVX-512 (dot_two_rows: two independent
 // chains, each row's sums as dot_rows makes them; the AVX2 LM head of a Qwen3-MoE-shaped Q4_K_M
 // file, Q6_K 49,152 x 1,024, went from 2.49 to 1.07 ms a token).
-// More rows (prefill): TILE W rows dequantized into a float32 tile, multiplied by the BLAS's
-// sgemm with x's quantized values (the same function again).
+// More rows (prefill): with AVX512-VNNI from GEMM_MIN_ROWS rows an integer GEMM whose lanes are
+// 16 rows of x (kquant_gemm_vnni.h); otherwise past INT_MAX_ROWS, TILE W rows dequantized into a
+// float32 tile, multiplied by the BLAS's sgemm with x's quantized values (the same function
+// again, each in its own float32 order).
 // Threads: one task per run of W's rows. (The unpacking loops carry no `omp simd`: with it GCC
 // 12 at -O3 -fopenmp left the float32 tiles unwritten; GCC vectorizes them as they are.)
 #include <memory>
@@ -30,6 +33,10 @@
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KQ_AVX512 1
 #include "kquant_dot_avx512.h"
+#if defined(__AVX512VNNI__)
+#define KQ_GEMM 1
+#include "kquant_gemm_vnni.h"
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "kquant_dot_avx2.h"
 #endif
@@ -56,6 +63,12 @@ const int ROWS = 4;
 const int ROWS = 16;
 #endif
 const long GEMV_WORK = 1L << 19;
+#if defined(KQ_GEMM)
+// Rows of x from which the VNNI GEMM (kquant_gemm_vnni.h) takes over from the integer dots (one
+// thread, TinyLlama's Q4_K gate|up 2048 x 11264: 32 rows 13.1 against 13.1 ms, 64 rows 21.3
+// against 26.7, 128 rows 37.1 against 54.1; 512 rows 143 against the float32 tiles' 190)
+const long GEMM_MIN_ROWS = 64;
+#endif
 // Rows of x that meet every W row of a run before the next X_ROWS do (a multiple of ROWS): their
 // quantized values stay in L1 while W's rows come from L2, instead of all M rows coming again
 // for each W row
@@ -186,6 +199,13 @@ void matmul_k(float* out, const float* x, const uint8_t* w, long M, long K, long
   std::unique_ptr<int16_t[]> bs(new int16_t[M * K / 16]);
   quantize_rows(qx.get(), dx.get(), bs.get(), x, M, K);
   const long work = 2 * M * K * N;
+#if defined(KQ_GEMM)
+  if (M >= GEMM_MIN_ROWS) {
+    const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
+    gemm_vnni<F>(out, qx.get(), dx.get(), bs.get(), w, M, K, N, (int)nt);
+    return;
+  }
+#endif
   if (M > INT_MAX_ROWS) {
     const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
     gemm_tiles<F>(out, qx.get(), dx.get(), w, M, K, N, (int)nt);
@@ -218,6 +238,17 @@ extern "C" int matmul_kquants(float* out, const float* x, const uint8_t* w, int 
 // quantized as matmul_kquants quantizes it (qx (M, K), dx (M, K/256), bs (M, K/16)), and
 // out[m * ldo + n] for W's rows n0..n1 from x quantized, the dots matmul_kquants runs for M up
 // to 128 rows (the same bits). Returns 1 (nothing done) for a K, format or M beyond them.
+// Rows of x up to which matmul_kquants runs the integer dots that kquants_cols runs (more go
+// through the VNNI GEMM or the float32 tiles, in another float32 order): the fused expert step
+// takes an expert of more rows whole, so that its sums keep the loop's bits.
+extern "C" long kquants_dot_rows() {
+#if defined(KQ_GEMM)
+  return std::min(INT_MAX_ROWS, GEMM_MIN_ROWS - 1);
+#else
+  return INT_MAX_ROWS;
+#endif
+}
+
 extern "C" void kquants_quantize(int8_t* qx, float* dx, int16_t* bs, const float* x, long M,
                                  long K) {
   quantize_rows(qx, dx, bs, x, M, K);

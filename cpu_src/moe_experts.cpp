@@ -6,8 +6,8 @@
 // The products are the kernels' own (matmul_kquants.cpp, matmul_blocks.cpp's integer dots, the
 // panels, the rest through matmul_matrix). For the k-quants and the 32-value blocks each row of
 // h is quantized once for every expert it goes to, each activation row once; an expert of more
-// rows than their integer dots take (128 k-quants, 64 blocks) runs the whole kernel on all
-// threads, as the loop does.
+// rows than their integer dots take (the k-quants' kquants_dot_rows: 63 with VNNI, else 128;
+// 64 for the blocks) runs the whole kernel on all threads, as the loop does.
 // Threads: one parallel region for the layer. Each product's columns (its stored rows) are cut
 // into one run per thread, and every thread does its run of every expert, so the threads share
 // each expert whatever its rows; a kind whose columns are not contiguous (plain float32, bf16,
@@ -29,6 +29,7 @@ int matmul_matrix(float* out, const float* x, const Matrix* w, long M, long K, l
                   int threads);
 void silu_and_mul(float* out, const float* gate_up, int n_rows, int F, int threads);
 void kquants_quantize(int8_t* qx, float* dx, int16_t* bs, const float* x, long M, long K);
+long kquants_dot_rows();
 int kquants_cols(float* out, long ldo, const int8_t* qx, const float* dx, const int16_t* bs,
                  const uint8_t* w, int format, long M, long K, long n0, long n1);
 void blocks_quantize(int8_t* qx, int32_t* xc, float* dx, float* sx, const float* x, int format,
@@ -119,7 +120,7 @@ struct Quantized {
     return blocks_cols(out, N, &qx[lo * K], &xc[lo * nc], &dx[lo * nd], &sx[lo * nd], q,
                        (const f16*)w.scales, fmt, M, K, n0, n1);
   }
-  long max_rows() const { return way == KQ ? 128 : way == BLK ? 64 : 1L << 40; }
+  long max_rows() const { return way == KQ ? kquants_dot_rows() : way == BLK ? 64 : 1L << 40; }
 };
 
 // Columns n0..n1 of a panels, Q5, MXFP4 or IQ4 matrix (K, N) as a matrix of its own (n0 a
