@@ -65,8 +65,9 @@ const int ROWS = 16;
 const long GEMV_WORK = 1L << 19;
 #if defined(KQ_GEMM)
 // Rows of x from which the VNNI GEMM (kquant_gemm_vnni.h) takes over from the integer dots (one
-// thread, TinyLlama's Q4_K gate|up 2048 x 11264: 32 rows 13.1 against 13.1 ms, 64 rows 21.3
-// against 26.7, 128 rows 37.1 against 54.1; 512 rows 143 against the float32 tiles' 190)
+// thread, TinyLlama's Q4_K gate|up 2048 x 11264: 32 rows 11.1 against 13.1 ms, 64 rows 13.6
+// against 26.7, 128 rows 26.1 against 54.1; at 512 rows 93.5 against the float32 tiles' 190).
+// Not lower: an expert of the fused step that many rows goes whole, on its own.
 const long GEMM_MIN_ROWS = 64;
 #endif
 // Rows of x that meet every W row of a run before the next X_ROWS do (a multiple of ROWS): their
