@@ -402,16 +402,14 @@ def test_matmul_over_fp8(threads, rows):
     assert_fp8_products(rows)
 
 
-@pytest.mark.parametrize("kind", RAW_FORMATS)
+@pytest.mark.parametrize("kind", [k for k in RAW_FORMATS if k not in KQUANT_FORMATS + IQ4_FORMATS])
 @pytest.mark.parametrize("rows", [1, 6, 19, 64, 129])
 def test_matmul_over_gguf_kquants(threads, kind, rows):
-    """matmul_kquants.cpp and matmul_q5.cpp on each build (AVX2's vpmaddubsw, AVX-512's
-    vpmaddubsw + vpdpwssd, VNNI's vpdpbusd, the plain loops, ARM): the integer dots (up to 64
-    rows for Q5_0/Q5_1; 128 for the k-quants, 4 at a time (AVX2: 16): 6 and 19 take runs of
-    4, 2 and 3, or 6, 16 and 3)
-    and the float32 tiles (more), against the float64 product of the NumPy dequantizer's values,
-    within x's 8-bit quantization; K of 1, 3 and 6 super-blocks (Q5_0/Q5_1 also 9 blocks:
-    SmolLM2's 288), N of 5, 33 and 130 (two threads)."""
+    """matmul_q5.cpp and matmul_mxfp4.cpp on each build (AVX2's vpmaddubsw, VNNI's vpdpbusd,
+    the plain loops, ARM): the integer dots (up to 64 rows) and the float32 tiles (more), against
+    the float64 product of the NumPy dequantizer's values, within x's 8-bit quantization; K of
+    1, 3 and 6 blocks of 256 and 9 blocks of 32 (SmolLM2's 288), N of 5, 33 and 130 (two
+    threads). The k-quants and IQ4 have the tighter tests below."""
     rng = np.random.default_rng()
     shapes = [(256, 5), (768, 130), (1536, 33)] + ([] if x_block(kind) == 256 else [(288, 7)])
     for k, n in shapes:
@@ -444,13 +442,15 @@ def test_iq4_products_are_exact_integer_sums(threads, kind, rows):
 
 
 @pytest.mark.parametrize("kind", KQUANT_FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 129])
+@pytest.mark.parametrize("rows", [1, 3, 19, 64, 129])
 def test_kquant_products_are_exact_integer_sums(threads, kind, rows):
     """matmul_kquants.cpp on each build (Q2_K and Q3_K's 2-bit pairs and third bits, their
-    4-bit and packed 6-bit scales among the others; 1, 3 and 8 rows: the two-row decode, a
-    partial and a whole run of 4; 129: the float32 tiles) against the float64 product of x
-    quantized as Q8_K and the NumPy dequantizer's values: the integer sums are exact, so only
-    float32 rounding is left (a wrong bit, scale or min is ~1e-3 of the sums)."""
+    4-bit and packed 6-bit scales among the others; 1 row: the two-row decode; 3 and 19: runs of
+    4 (AVX2: 16) whole and partial; 64 and 129: the VNNI GEMM from 64 rows, with a group of x
+    partly empty, the integer dots below 128 without it and the float32 tiles past) against
+    the float64 product of x quantized as Q8_K and the NumPy dequantizer's values: the integer
+    sums are exact, so only float32 rounding is left (a wrong bit, scale or min is ~1e-3 of the
+    sums)."""
     rng = np.random.default_rng()
     for k, n in [(256, 5), (768, 130), (1536, 33)]:
         x = rng.standard_normal((rows, k), dtype=np.float32)
