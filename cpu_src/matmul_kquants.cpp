@@ -70,6 +70,13 @@ const long GEMV_WORK = 1L << 19;
 // Not lower: an expert of the fused step that many rows goes whole, on its own.
 const long GEMM_MIN_ROWS = 64;
 #endif
+// Rows of x up to which the integer dots run; more go through the VNNI GEMM where the build has
+// it, else the float32 tiles (matmul_k, and kquants_dot_rows for the fused expert step)
+#if defined(KQ_GEMM)
+const long DOT_ROWS = std::min(INT_MAX_ROWS, GEMM_MIN_ROWS - 1);
+#else
+const long DOT_ROWS = INT_MAX_ROWS;
+#endif
 // Rows of x that meet every W row of a run before the next X_ROWS do (a multiple of ROWS): their
 // quantized values stay in L1 while W's rows come from L2, instead of all M rows coming again
 // for each W row
@@ -200,16 +207,13 @@ void matmul_k(float* out, const float* x, const uint8_t* w, long M, long K, long
   std::unique_ptr<int16_t[]> bs(new int16_t[M * K / 16]);
   quantize_rows(qx.get(), dx.get(), bs.get(), x, M, K);
   const long work = 2 * M * K * N;
+  if (M > DOT_ROWS) {
+    const int nt = (int)std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
 #if defined(KQ_GEMM)
-  if (M >= GEMM_MIN_ROWS) {
-    const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
-    gemm_vnni<F>(out, qx.get(), dx.get(), bs.get(), w, M, K, N, (int)nt);
-    return;
-  }
+    gemm_vnni<F>(out, qx.get(), dx.get(), bs.get(), w, M, K, N, nt);
+#else
+    gemm_tiles<F>(out, qx.get(), dx.get(), w, M, K, N, nt);
 #endif
-  if (M > INT_MAX_ROWS) {
-    const long nt = std::min<long>(threads_for(work, threads), std::max(1L, N / NB));
-    gemm_tiles<F>(out, qx.get(), dx.get(), w, M, K, N, (int)nt);
     return;
   }
   const int nt = (int)std::min<long>(work < GEMV_WORK ? 1 : threads, N);
@@ -242,13 +246,7 @@ extern "C" int matmul_kquants(float* out, const float* x, const uint8_t* w, int 
 // Rows of x up to which matmul_kquants runs the integer dots that kquants_cols runs (more go
 // through the VNNI GEMM or the float32 tiles, in another float32 order): the fused expert step
 // takes an expert of more rows whole, so that its sums keep the loop's bits.
-extern "C" long kquants_dot_rows() {
-#if defined(KQ_GEMM)
-  return std::min(INT_MAX_ROWS, GEMM_MIN_ROWS - 1);
-#else
-  return INT_MAX_ROWS;
-#endif
-}
+extern "C" long kquants_dot_rows() { return DOT_ROWS; }
 
 extern "C" void kquants_quantize(int8_t* qx, float* dx, int16_t* bs, const float* x, long M,
                                  long K) {
